@@ -1,0 +1,58 @@
+"""The one small protocol every drafter implements; the verifier never sees which drafter ran."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from specsample.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for a batch, and the distributions they were drawn from."""
+
+    tokens: Tensor  # [batch, gamma] long; entries past num_drafted are padding
+    probs: Tensor | None  # [batch, gamma, vocab] warped draft distributions; None = deterministic
+    num_drafted: Tensor  # [batch] long, drafts actually proposed per row (0..gamma)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes tokens for rows of a batch and follows what the verifier committed.
+
+    Rows are identified by slot numbers the engine assigns; the drafter keeps its own state per slot.
+    """
+
+    vocab_size: int | None  # vocabulary the drafter's probabilities range over; None = any
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        """Prepare state for `num_slots` rows of up to `max_len` tokens (called by the engine)."""
+        ...
+
+    def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Start tracking new rows with their prompt token ids."""
+        ...
+
+    def release_rows(self, slots: Sequence[int]) -> None:
+        """Forget rows that finished or were cancelled."""
+        ...
+
+    def propose(
+        self,
+        slots: Sequence[int],
+        gamma: int,
+        max_drafts: Sequence[int],  # per row: never draft more than this (<= gamma)
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> Proposal:
+        """Draft up to `gamma` tokens per row, each drawn from its (warped) draft distribution."""
+        ...
+
+    def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
+        """Append the tokens the engine committed this round to each row (accepted + next token)."""
+        ...

@@ -1,0 +1,95 @@
+"""A draft language model as drafter: samples gamma tokens autoregressively from its own cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specsample.config import SamplingParams
+from specsample.drafters.base import Proposal
+from specsample.models.base import CausalLM, ModelCache, pad_right, prefill_ragged
+from specsample.sampling import sample, warp_rows
+
+
+class ModelDrafter:
+    """Drafts with a small causal LM sharing the target's vocabulary.
+
+    Per slot it keeps the full token history and how much of it sits in its KV cache; each round
+    first feeds what the cache lacks (the last committed token, and the last draft when every draft
+    was accepted), then samples one token per step.
+    """
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.cache: ModelCache | None = None
+        self.history: dict[int, list[int]] = {}
+        self._drafted: dict[int, list[int]] = {}  # last round's drafts per slot, to find what stays valid
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        """(Re)allocate the draft cache; called by the engine that owns the slots."""
+        self.cache = self.model.new_cache(num_slots, max_len)
+        self.history.clear()
+        self._drafted.clear()
+
+    def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Prefill each new row's prompt except its last token."""
+        for slot, prompt in zip(slots, prompts):
+            self.history[slot] = list(prompt)
+            self._drafted[slot] = []
+        slot_tensor = torch.tensor(list(slots), dtype=torch.long)
+        self.cache.reset(slot_tensor)
+        prefill_ragged(self.model, self.cache, slot_tensor, [list(p[:-1]) for p in prompts])
+
+    def release_rows(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.history.pop(slot, None)
+            self._drafted.pop(slot, None)
+        self.cache.reset(torch.tensor(list(slots), dtype=torch.long))
+
+    def propose(
+        self,
+        slots: Sequence[int],
+        gamma: int,
+        max_drafts: Sequence[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> Proposal:
+        slot_tensor = torch.tensor(list(slots), dtype=torch.long)
+        pending = [self.history[s][int(self.cache.lengths[s]):] for s in slots]
+        inputs, last = pad_right(pending, self.model.device)
+        logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, k, vocab]
+        self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
+        logits = logits[torch.arange(len(slots), device=logits.device), last]  # [b, vocab]
+        tokens, probs = [], []
+        for step in range(gamma):
+            step_probs = warp_rows(logits, params)  # [b, vocab]
+            token = sample(step_probs, generators, [step < m for m in max_drafts])  # [b]
+            tokens.append(token)
+            probs.append(step_probs)
+            if step + 1 < gamma:
+                logits = self.model.forward_cached(token.unsqueeze(1), self.cache, slot_tensor)[:, 0]
+        draft_tokens = torch.stack(tokens, dim=1)  # [b, gamma]
+        for row, slot in enumerate(slots):
+            self._drafted[slot] = draft_tokens[row].tolist()
+        num_drafted = torch.tensor([min(gamma, m) for m in max_drafts], dtype=torch.long)
+        return Proposal(tokens=draft_tokens, probs=torch.stack(probs, dim=1), num_drafted=num_drafted)
+
+    def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
+        """Keep cached drafts that were committed; drop the rest by lowering the cache length."""
+        keep = []
+        for slot, new in zip(slots, committed):
+            base = len(self.history[slot])
+            drafted = self._drafted.get(slot, [])
+            # the cache holds history + drafts[:-1]; entries stay valid while drafts match what was kept
+            matched = 0
+            while matched < min(len(drafted) - 1, len(new)) and drafted[matched] == new[matched]:
+                matched += 1
+            cached = int(self.cache.lengths[slot])
+            keep.append(min(cached, base + matched))
+            self.history[slot].extend(new)
+            self._drafted[slot] = []
+        self.cache.truncate(torch.tensor(list(slots), dtype=torch.long), torch.tensor(keep, dtype=torch.long))
+

@@ -1,0 +1,333 @@
+"""The engine loop: prefill -> draft gamma tokens -> one target forward over gamma + 1 positions ->
+verify -> commit / roll back -> repeat, as one `step()` that the CLI, the server and the benchmarks
+all drive. Plain autoregressive decoding is the same loop with gamma = 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specsample.config import SamplingParams, SpecConfig
+from specsample.drafters.base import Drafter
+from specsample.models.base import CausalLM, prefill_ragged
+from specsample.sampling import warp_rows
+from specsample.verify import Verdict, verify, verify_greedy
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """What one request got from one round."""
+
+    request_id: str
+    new_tokens: tuple[int, ...]  # committed this round (after EOS / length truncation)
+    num_drafted: int
+    num_accepted: int
+    finish_reason: str | None  # "stop" (EOS), "length", "cancelled"; None while running
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """Counters and timings of one round over the whole batch."""
+
+    batch_size: int
+    gamma: int  # drafts per row this round (0 = plain decoding)
+    drafted: int
+    accepted: int
+    emitted: int
+    drafted_per_position: tuple[int, ...]  # rows that drafted at position i
+    accepted_per_position: tuple[int, ...]  # rows whose draft at position i was accepted
+    prefill_seconds: float
+    draft_seconds: float
+    target_seconds: float
+    verify_seconds: float
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One engine step: per-request updates and batch statistics."""
+
+    rows: tuple[RowUpdate, ...]
+    stats: RoundStats
+    finished_at: float  # time.perf_counter() when the round committed
+
+
+@dataclass
+class _Row:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    generator: torch.Generator
+    speculative: bool
+    gamma: int | None
+    slot: int = -1
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+
+class Engine:
+    """Runs a batch of requests through speculative (or plain) decoding, one round per `step()`.
+
+    Requests may be added and cancelled between rounds from other threads; each keeps its own
+    slot in the target's and the drafter's caches and its own seeded generator, so no request sees
+    another's tokens and a seeded request gives the same output in any batch.
+    """
+
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: Drafter | None = None,
+        config: SpecConfig = SpecConfig(),
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({drafter.vocab_size}) differs from target vocabulary "
+                f"({target.vocab_size}); pick a draft trained with the target's tokenizer, or use an "
+                "n-gram drafter"
+            )
+        self.target = target
+        self.drafter = drafter
+        self.config = config
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
+        # slack past max_len: padded positions of a round may be written (never read) beyond it
+        self.cache = target.new_cache(config.max_batch_size, self.max_len + config.gamma + 2)
+        if drafter is not None:
+            drafter.allocate(config.max_batch_size, self.max_len + config.gamma + 2)
+        self._free_slots = list(range(config.max_batch_size))
+        self._waiting: deque[_Row] = deque()
+        self._running: dict[int, _Row] = {}  # slot -> row
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # ----- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        request_id: str | None = None,
+        speculative: bool = True,
+        gamma: int | None = None,
+    ) -> str:
+        """Queue a request; it joins the running batch at the next round with a free slot."""
+        prompt = [int(t) for t in prompt]
+        self.check_request(prompt, params, gamma)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        row = _Row(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt=prompt, params=params, seed=seed,
+            generator=torch.Generator().manual_seed(seed),
+            speculative=speculative and self.drafter is not None and self.config.speculative,
+            gamma=gamma,
+        )
+        with self._lock:
+            self._waiting.append(row)
+        return row.request_id
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams, gamma: int | None = None) -> None:
+        """Raise `ValueError` naming the problem if this request cannot run."""
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
+        if len(prompt) + params.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context window ({self.max_len} tokens)"
+            )
+        if gamma is not None and not 1 <= gamma <= self.config.gamma:
+            raise ValueError(f"gamma must be in 1..{self.config.gamma} (the engine's maximum), got {gamma}")
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its slot is freed at the next round."""
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        """True while any request is running or waiting."""
+        return bool(self._running or self._waiting)
+
+    # ----- the loop -------------------------------------------------------------------------
+
+    def stream(self) -> Iterator[RoundResult]:
+        """Step until every request has finished, yielding each round's result."""
+        while self.has_work():
+            yield self.step()
+
+    @torch.inference_mode()
+    def step(self) -> RoundResult:
+        """Run one round for every running request (admitting waiting ones first)."""
+        cancelled_updates = self._apply_cancellations()
+        start = time.perf_counter()
+        self._admit()
+        prefill_done = self._now()
+        rows = [self._running[s] for s in sorted(self._running)]
+        if not rows:
+            stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0)
+            return RoundResult(tuple(cancelled_updates), stats, time.perf_counter())
+        gamma, max_drafts = self._plan(rows)
+        slots = [r.slot for r in rows]
+        draft_tokens, draft_probs, num_drafted = self._draft(rows, slots, gamma, max_drafts)
+        draft_done = self._now()
+        device = self.target.device
+        slot_tensor = torch.tensor(slots, dtype=torch.long)
+        pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=device)
+        target_input = torch.cat([pending, draft_tokens.to(device)], dim=1)  # [b, gamma + 1]
+        target_logits = self.target.forward_cached(target_input, self.cache, slot_tensor)  # [b, gamma + 1, vocab]
+        target_done = self._now()
+        verdict = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits, num_drafted.to(device))
+        updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted)
+        verify_done = self._now()
+        stats = _round_stats(len(rows), gamma, num_drafted, verdict.num_accepted.cpu(), updates,
+                             prefill_done - start, draft_done - prefill_done, target_done - draft_done,
+                             verify_done - target_done)
+        return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
+
+    def _plan(self, rows: list[_Row]) -> tuple[int, list[int]]:
+        """Drafts per row: never more than a row can use (remaining - 1) or asked for."""
+        max_drafts = []
+        for row in rows:
+            wanted = (row.gamma or self.config.gamma) if row.speculative else 0
+            max_drafts.append(max(0, min(wanted, row.remaining - 1)))
+        return max(max_drafts), max_drafts
+
+    def _draft(self, rows: list[_Row], slots: list[int], gamma: int,
+               max_drafts: list[int]) -> tuple[Tensor, Tensor | None, Tensor]:
+        if gamma == 0 or self.drafter is None:
+            empty = torch.zeros(len(rows), 0, dtype=torch.long)
+            return empty, None, torch.zeros(len(rows), dtype=torch.long)
+        proposal = self.drafter.propose(
+            slots, gamma, max_drafts, [r.params for r in rows], [r.generator for r in rows]
+        )
+        num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(max_drafts))
+        return proposal.tokens, proposal.probs, num_drafted
+
+    def _verify(self, rows: list[_Row], draft_tokens: Tensor, draft_probs: Tensor | None,
+                target_logits: Tensor, num_drafted: Tensor) -> Verdict:
+        params = [r.params for r in rows]
+        if all(p.greedy for p in params):
+            return verify_greedy(draft_tokens, target_logits, num_drafted)
+        target_probs = warp_rows(target_logits, params)  # [b, gamma + 1, vocab]
+        return verify(draft_tokens, draft_probs, target_probs, [r.generator for r in rows], num_drafted)
+
+    def _commit(self, rows: list[_Row], slot_tensor: Tensor, draft_tokens: Tensor, verdict: Verdict,
+                num_drafted: Tensor) -> list[RowUpdate]:
+        num_accepted = verdict.num_accepted.cpu().tolist()
+        next_tokens = verdict.next_token.cpu().tolist()
+        drafts = draft_tokens.cpu().tolist()
+        updates, committed, finished = [], [], []
+        target_lengths = []
+        for row, accepted, nxt, drafted_row, n_drafted in zip(
+            rows, num_accepted, next_tokens, drafts, num_drafted.tolist()
+        ):
+            new = drafted_row[:accepted] + [nxt]
+            # the target cache keeps the prompt, earlier output and the accepted drafts
+            target_lengths.append(len(row.prompt) + len(row.output) + accepted)
+            new, reason = self._apply_stops(row, new)
+            row.output.extend(new)
+            committed.append(new)
+            updates.append(RowUpdate(row.request_id, tuple(new), n_drafted, accepted, reason))
+            if reason is not None:
+                finished.append(row)
+        self.cache.truncate(slot_tensor, torch.tensor(target_lengths, dtype=torch.long))
+        if self.drafter is not None:
+            self.drafter.commit([r.slot for r in rows], committed)
+        self._release(finished)
+        return updates
+
+    def _apply_stops(self, row: _Row, new: list[int]) -> tuple[list[int], str | None]:
+        for i, token in enumerate(new):
+            if token in self.eos_token_ids:
+                return new[: i + 1], "stop"
+        if len(new) >= row.remaining:
+            return new[: row.remaining], "length"
+        return new, None
+
+    # ----- slots ----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        with self._lock:
+            admitted = []
+            while self._waiting and self._free_slots:
+                row = self._waiting.popleft()
+                row.slot = self._free_slots.pop(0)
+                admitted.append(row)
+        if not admitted:
+            return
+        slots = torch.tensor([r.slot for r in admitted], dtype=torch.long)
+        self.cache.reset(slots)
+        prefill_ragged(self.target, self.cache, slots, [r.prompt[:-1] for r in admitted])
+        if self.drafter is not None:
+            self.drafter.add_rows([r.slot for r in admitted], [r.prompt for r in admitted])
+        for row in admitted:
+            self._running[row.slot] = row
+
+    def _apply_cancellations(self) -> list[RowUpdate]:
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            waiting = [r for r in self._waiting if r.request_id in cancelled]
+            for row in waiting:
+                self._waiting.remove(row)
+        running = [r for r in self._running.values() if r.request_id in cancelled]
+        self._release(running)
+        return [RowUpdate(r.request_id, (), 0, 0, "cancelled") for r in waiting + running]
+
+    def _release(self, rows: list[_Row]) -> None:
+        if not rows:
+            return
+        slots = [r.slot for r in rows]
+        self.cache.reset(torch.tensor(slots, dtype=torch.long))
+        if self.drafter is not None:
+            self.drafter.release_rows(slots)
+        with self._lock:
+            for row in rows:
+                del self._running[row.slot]
+                self._free_slots.append(row.slot)
+            self._free_slots.sort()
+
+    def _now(self) -> float:
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)  # timings must include queued GPU work
+        return time.perf_counter()
+
+
+def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tensor, updates: list[RowUpdate],
+                 prefill_s: float, draft_s: float, target_s: float, verify_s: float) -> RoundStats:
+    positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]
+    drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
+    accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
+    return RoundStats(
+        batch_size=batch, gamma=gamma,
+        drafted=int(num_drafted.sum()), accepted=int(num_accepted.sum()),
+        emitted=sum(len(u.new_tokens) for u in updates),
+        drafted_per_position=tuple(drafted_at.tolist()), accepted_per_position=tuple(accepted_at.tolist()),
+        prefill_seconds=prefill_s, draft_seconds=draft_s, target_seconds=target_s, verify_seconds=verify_s,
+    )

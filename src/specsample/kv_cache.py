@@ -1,0 +1,60 @@
+"""Preallocated KV caches with a length per row; rollback lowers the length (O(1)).
+
+Entries past a row's length are stale and never read: attention masks keys at positions beyond each
+query's own position, so a rejected suffix is simply overwritten by the next round.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values for `num_slots` rows of up to `max_len` tokens, per layer.
+
+    Layout per layer: `[num_slots, max_len, kv_heads, head_dim]`. `lengths[slot]` counts the tokens
+    whose keys and values are valid in that slot.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_slots, max_len, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(num_slots, dtype=torch.long)  # on CPU: bookkeeping, not math
+        self.max_len = max_len
+
+    @property
+    def num_slots(self) -> int:
+        """Number of rows the cache can hold."""
+        return self.lengths.shape[0]
+
+    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
+        """Roll `slots` back to `lengths` tokens: the O(1) rollback of rejected drafts."""
+        lengths = lengths.to(torch.long).cpu()
+        if bool((lengths > self.lengths[slots.cpu()]).any()) or bool((lengths < 0).any()):
+            raise ValueError("truncate can only shorten a row")
+        self.lengths[slots.cpu()] = lengths
+
+    def reset(self, slots: Tensor) -> None:
+        """Empty the given rows so a new request can use them."""
+        self.lengths[slots.cpu()] = 0
+
+    def reserve(self, slots: Tensor, num_new: int) -> Tensor:
+        """Check room for `num_new` tokens in each slot; return their start positions `[b]`."""
+        starts = self.lengths[slots.cpu()]
+        if bool((starts + num_new > self.max_len).any()):
+            raise ValueError(
+                f"KV cache full: a row would need {int(starts.max()) + num_new} positions, "
+                f"the cache holds {self.max_len}"
+            )
+        return starts

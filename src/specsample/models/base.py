@@ -1,0 +1,72 @@
+"""The one small protocol every model runtime implements, so the engine never sees which it is."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@runtime_checkable
+class ModelCache(Protocol):
+    """Per-row decoding state of one model; `lengths[slot]` tokens are valid in each row."""
+
+    lengths: Tensor  # [num_slots] long, on CPU
+
+    @property
+    def num_slots(self) -> int: ...
+
+    def truncate(self, slots: Tensor, lengths: Tensor) -> None: ...
+
+    def reset(self, slots: Tensor) -> None: ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model that decodes into a cache with per-row lengths."""
+
+    vocab_size: int  # size of the output distribution
+    max_seq_len: int  # context window
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self, num_slots: int, max_len: int) -> ModelCache:
+        """Allocate decoding state for `num_slots` rows of up to `max_len` tokens."""
+        ...
+
+    def forward_cached(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> Tensor:
+        """Append `tokens [b, n]` to rows `slots [b]` of `cache`; return logits `[b, n, vocab]`.
+
+        Row i's tokens sit at positions `cache.lengths[slots[i]] + 0..n-1`; afterwards each row's
+        length has grown by n. Callers roll rows back with `cache.truncate`.
+        """
+        ...
+
+    def prefill(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> None:
+        """Like `forward_cached` but computes no logits (the prompt before the last token)."""
+        ...
+
+
+def pad_right(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Right-pad token lists into `[b, max_len]`; also return each row's last real index `[b]`."""
+    width = max(len(s) for s in sequences)
+    out = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    last = torch.tensor([len(s) - 1 for s in sequences], dtype=torch.long)
+    return out.to(device), last.to(device)
+
+
+def prefill_ragged(model: CausalLM, cache: ModelCache, slots: Tensor, sequences: list[list[int]]) -> None:
+    """Prefill rows with sequences of different lengths (right-padded, then rolled back)."""
+    if not any(sequences):
+        return
+    has_tokens = [i for i, s in enumerate(sequences) if s]
+    rows = slots[torch.tensor(has_tokens)]
+    inputs, last = pad_right([sequences[i] for i in has_tokens], model.device)
+    start = cache.lengths[rows].clone()
+    model.prefill(inputs, cache, rows)
+    cache.truncate(rows, start + last.cpu() + 1)

@@ -1,0 +1,405 @@
+"""Our Llama-family runtime (Llama, SmolLM2, Qwen2, Mistral) in plain PyTorch.
+
+Decoding writes into a preallocated `KVCache` with a length per row, so batches with ragged
+acceptance and O(1) rollback need no copies. Q/K/V and gate/up projections are fused at load time:
+fewer, larger matmuls matter on CPU, where decode is bound by reading the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specsample.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture fields our runtime reads from a Hugging Face config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict of HF rope parameters
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama when attention_bias
+    o_bias: bool = False  # Llama attention_bias
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral; None = full attention
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
+        """Build from a Hugging Face config dict; unsupported fields are errors, not silently dropped."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not a Llama-family architecture our runtime supports "
+                f"({', '.join(SUPPORTED_MODEL_TYPES)}); load it with runtime='hf'"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        heads = hf["num_attention_heads"]
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        attention_bias = bool(hf.get("attention_bias", False))
+        use_window = hf.get("use_sliding_window", model_type == "mistral")
+        window = hf.get("sliding_window") if use_window else None
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=theta,
+            rope_scaling=None if rope_type == "default" else tuple(sorted(rope.items())),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=window,
+            model_type=model_type,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face config.json dict for these weights (model_type llama/mistral/qwen2)."""
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        out: dict[str, Any] = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        if self.model_type == "llama":
+            out["attention_bias"] = self.qkv_bias
+            out["mlp_bias"] = self.mlp_bias
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+            out["use_sliding_window"] = True
+        return out
+
+
+def rope_inv_freq(config: LlamaConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies `[head_dim / 2]` and the attention scaling of the RoPE variant."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if config.rope_scaling is None:
+        return inv_freq, 1.0
+    scaling = dict(config.rope_scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling, factor), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(config, scaling, factor)
+    raise ValueError(f"RoPE scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any], factor: float) -> Tensor:
+    low_factor = float(scaling["low_freq_factor"])
+    high_factor = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low_factor, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high_factor) & (wavelen <= old_len / low_factor)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(config: LlamaConfig, scaling: dict[str, Any], factor: float) -> tuple[Tensor, float]:
+    dim, base = config.head_dim, config.rope_theta
+    old_len = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+    attention_factor = scaling.get("attention_factor") or 0.1 * math.log(factor) + 1.0
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = math.floor(correction_dim(beta_fast))
+    high = math.ceil(correction_dim(beta_slow))
+    if scaling.get("truncate", True) is False:
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Block(nn.Module):
+    """One decoder layer: attention with GQA and RoPE, then a SwiGLU MLP."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attend: "Attention") -> Tensor:
+        batch, n, _ = x.shape
+        qkv = self.qkv(self.input_norm(x))  # [b, n, (H + 2 KVH) * hd]
+        q, k, v = qkv.split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        q = _apply_rope(q.view(batch, n, self.num_heads, self.head_dim), *rope)
+        k = _apply_rope(k.view(batch, n, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(batch, n, self.num_kv_heads, self.head_dim)
+        attn = attend(q, k, v)  # [b, n, H * hd]
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate `x [b, n, heads, hd]` by position; cos/sin are `[b, n, 1, hd]` (halves duplicated)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention:
+    """Attention for one forward call: where new keys go, and which cached keys each query sees."""
+
+    def __init__(self, cache: KVCache | None, slots: Tensor | None, starts: Tensor, n: int,
+                 window: int | None, device: torch.device) -> None:
+        self.cache, self.layer = cache, 0
+        batch = starts.shape[0]
+        self.kv_len = int(starts.max()) + n
+        uniform = bool((starts == starts[0]).all())
+        contiguous = slots is not None and bool((slots.cpu() == torch.arange(batch)).all())
+        # fast path: same start in every row and slots 0..b-1 -> plain slicing, no gathers
+        self.start = int(starts[0]) if uniform and contiguous else None
+        positions = starts.unsqueeze(1) + torch.arange(n).unsqueeze(0)  # [b, n]
+        self.rows = None if slots is None else slots.to(device).unsqueeze(1).expand(batch, n)
+        self.slots = None if slots is None else slots.to(device)
+        self.positions = positions.to(device)
+        key_pos = torch.arange(self.kv_len, device=device)
+        visible = key_pos.view(1, 1, -1) <= self.positions.unsqueeze(-1)  # [b, n, kv_len] causal
+        if window is not None:
+            visible &= key_pos.view(1, 1, -1) > self.positions.unsqueeze(-1) - window
+        needs_mask = not (self.start is not None and n == 1 and (window is None or self.kv_len <= window))
+        self.mask = visible.unsqueeze(1) if needs_mask else None  # [b, 1, n, kv_len]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        batch, n, heads, head_dim = q.shape
+        if self.cache is None:
+            keys, values = k, v
+        else:
+            keys, values = self._write_and_read(k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self.mask, enable_gqa=heads != k.shape[2],
+        )  # [b, H, n, hd]
+        self.layer += 1
+        return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
+
+    def _write_and_read(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        assert self.cache is not None and self.slots is not None
+        key_cache, value_cache = self.cache.keys[self.layer], self.cache.values[self.layer]
+        batch, n = k.shape[:2]
+        if self.start is not None:
+            key_cache[:batch, self.start:self.start + n] = k
+            value_cache[:batch, self.start:self.start + n] = v
+            return key_cache[:batch, :self.kv_len], value_cache[:batch, :self.kv_len]
+        key_cache[self.rows, self.positions] = k
+        value_cache[self.rows, self.positions] = v
+        return key_cache[self.slots, :self.kv_len], value_cache[self.slots, :self.kv_len]
+
+
+class LlamaModel(nn.Module):
+    """A Llama-family decoder implementing the `CausalLM` protocol."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_seq_len = config.max_position_embeddings
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        inv_freq, scale = rope_inv_freq(config)
+        self._inv_freq = inv_freq.float()  # not a buffer: must stay float32 when weights go bf16
+        self.rope_scale = scale
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """Preallocate a KV cache for `num_slots` rows of `max_len` tokens in the model's dtype."""
+        c = self.config
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        angles = positions.unsqueeze(-1).float() * self._inv_freq  # [b, n, hd/2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [b, n, 1, hd]
+        return (angles.cos() * self.rope_scale).to(self.dtype), (angles.sin() * self.rope_scale).to(self.dtype)
+
+    def hidden_states(self, tokens: Tensor, attend: Attention) -> Tensor:
+        """Final normed hidden states `[b, n, hidden]` for `tokens [b, n]`."""
+        x = self.embed(tokens)
+        rope = self._rope(attend.positions)
+        for layer in self.layers:
+            x = layer(x, rope, attend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def forward_cached(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
+        """Append `tokens [b, n]` to rows `slots` of `cache` and return logits `[b, n, vocab]`."""
+        return self.lm_head(self._append(tokens, cache, slots))
+
+    @torch.inference_mode()
+    def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
+        """Append `tokens [b, n]` to the cache without computing logits, `chunk` positions at a time."""
+        for begin in range(0, tokens.shape[1], chunk):
+            self._append(tokens[:, begin:begin + chunk], cache, slots)
+
+    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
+        n = tokens.shape[1]
+        starts = cache.reserve(slots, n)
+        attend = Attention(cache, slots, starts, n, self.config.sliding_window, self.device)
+        hidden = self.hidden_states(tokens.to(self.device), attend)
+        cache.lengths[slots.cpu()] = starts + n
+        return hidden
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Uncached causal forward over `tokens [b, n]` (training, parity checks): logits `[b, n, vocab]`."""
+        batch, n = tokens.shape
+        attend = Attention(None, None, torch.zeros(batch, dtype=torch.long), n,
+                           self.config.sliding_window, self.device)
+        return self.lm_head(self.hidden_states(tokens.to(self.device), attend))
+
+
+# Hugging Face parameter names -> ours (per layer); q/k/v and gate/up are fused on load.
+_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm.weight",
+    "post_attention_layernorm.weight": "post_norm.weight",
+    "self_attn.o_proj.weight": "o_proj.weight",
+    "self_attn.o_proj.bias": "o_proj.bias",
+    "mlp.down_proj.weight": "down.weight",
+    "mlp.down_proj.bias": "down.bias",
+}
+_FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "gate_up": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def load_hf_state_dict(model: LlamaModel, tensors: dict[str, Tensor]) -> None:
+    """Load Hugging Face-named tensors into `model`, fusing projections; missing weights are errors."""
+    ours: dict[str, Tensor] = {
+        "embed.weight": tensors["model.embed_tokens.weight"],
+        "norm.weight": tensors["model.norm.weight"],
+    }
+    if not model.config.tie_word_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        ours["lm_head.weight"] = tensors["lm_head.weight"]
+    for i in range(model.config.num_layers):
+        prefix = f"model.layers.{i}."
+        for hf_name, name in _LAYER_NAMES.items():
+            if prefix + hf_name in tensors:
+                ours[f"layers.{i}.{name}"] = tensors[prefix + hf_name]
+        for fused, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{p}.{kind}" for p in parts]
+                if all(n in tensors for n in names):
+                    ours[f"layers.{i}.{fused}.{kind}"] = torch.cat([tensors[n] for n in names], dim=0)
+    expected = {k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    missing = sorted(expected - ours.keys())
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    with torch.no_grad():
+        params = model.state_dict()
+        for name, value in ours.items():
+            if params[name].shape != value.shape:
+                raise ValueError(f"weight {name} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)}")
+            params[name].copy_(value)
+
+
+def export_hf_state_dict(model: LlamaModel) -> dict[str, Tensor]:
+    """Our weights under Hugging Face names (projections split again), for saving as safetensors."""
+    c = model.config
+    sd = model.state_dict()
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    sizes = {"qkv": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+             "gate_up": [c.intermediate_size, c.intermediate_size]}
+    for i in range(c.num_layers):
+        prefix = f"model.layers.{i}."
+        for hf_name, name in _LAYER_NAMES.items():
+            if f"layers.{i}.{name}" in sd:
+                out[prefix + hf_name] = sd[f"layers.{i}.{name}"]
+        for fused, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                key = f"layers.{i}.{fused}.{kind}"
+                if key in sd:
+                    for part, chunk in zip(parts, sd[key].split(sizes[fused], dim=0)):
+                        out[f"{prefix}{part}.{kind}"] = chunk
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,0 +1,119 @@
+"""Pure sampling math: logits -> warped probabilities, and categorical draws from given uniforms.
+
+No model and no cache here. All arithmetic is float32 or wider whatever the model dtype, so the
+draft probability used in the acceptance test is exactly the one the draft token was drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specsample.config import SamplingParams
+
+Generators = torch.Generator | Sequence[torch.Generator]
+
+
+def warp_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Turn logits `[..., vocab]` into the probabilities sampling draws from under `params`.
+
+    Greedy (temperature 0) gives a one-hot at the argmax (lowest index on ties).
+    """
+    logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    if params.greedy:
+        return one_hot_like(logits.argmax(dim=-1), logits)
+    scaled = logits / params.temperature
+    if params.top_k is not None and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        probs = _top_p_filter(probs, params.top_p)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Keep the smallest most-likely set whose mass reaches `top_p` (always at least one token)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p  # a token is kept while the mass before it is short of top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def one_hot_like(tokens: Tensor, like: Tensor) -> Tensor:
+    """One-hot float tensor `[*tokens.shape, vocab]` with the dtype and device of `like`."""
+    out = torch.zeros(*tokens.shape, like.shape[-1], dtype=like.dtype, device=like.device)
+    return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+
+
+def draw_uniforms(generators: Generators, rows: int, count: int, device: torch.device,
+                  counts: Sequence[int] | None = None) -> Tensor:
+    """Uniforms `[rows, count]` in [0, 1) as float64: one shared generator or one per row.
+
+    With per-row generators, row i draws only `counts[i]` values (default `count`) and the rest of
+    its row is 0: a row's randomness then depends on its own history alone, never on how many
+    drafts the other rows of its batch asked for.
+    """
+    if isinstance(generators, torch.Generator):
+        return torch.rand(rows, count, generator=generators, dtype=torch.float64).to(device)
+    if len(generators) != rows:
+        raise ValueError(f"got {len(generators)} generators for {rows} rows")
+    out = torch.zeros(rows, count, dtype=torch.float64)
+    for row, g in enumerate(generators):
+        n = count if counts is None else counts[row]
+        if n:
+            out[row, :n] = torch.rand(n, generator=g, dtype=torch.float64)
+    return out.to(device)
+
+
+def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Inverse-CDF draw per row: `probs [rows, vocab]` (unnormalised ok), `uniforms [rows]` -> `[rows]`.
+
+    Cumulative sums in float64 keep the bias from rounding below 1e-15; a zero-probability token is
+    never returned.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
+    total = cdf[:, -1:]
+    if bool((total <= 0).any()):
+        raise ValueError("cannot sample from a distribution with zero total mass")
+    threshold = uniforms.double().unsqueeze(-1) * total  # [rows, 1]
+    index = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    # u * total can round up to total: fall back to the last token with positive mass
+    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).double().argmax(dim=-1)
+    return torch.minimum(index, last_positive)
+
+
+def sample(probs: Tensor, generators: Generators, active: Sequence[bool] | None = None) -> Tensor:
+    """Draw one token per row from `probs [rows, vocab]` using the given generator(s).
+
+    Rows marked inactive consume no randomness (per-row generators) and get the first token with
+    positive probability.
+    """
+    counts = None if active is None else [int(a) for a in active]
+    uniforms = draw_uniforms(generators, probs.shape[0], 1, probs.device, counts)[:, 0]
+    return sample_from(probs, uniforms)
+
+
+def warp_rows(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Warp `logits [batch, ..., vocab]` with one `SamplingParams` per row (rows sharing params batch)."""
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"got {len(params)} SamplingParams for {logits.shape[0]} rows")
+    if all(p == params[0] for p in params):
+        return warp_probs(logits, params[0])
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = torch.empty(logits.shape, dtype=dtype, device=logits.device)
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault(p, []).append(row)
+    for p, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        probs[index] = warp_probs(logits[index], p)
+    return probs

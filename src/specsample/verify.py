@@ -1,0 +1,128 @@
+"""The verifier: modified rejection sampling (Chen et al. 2023, Leviathan et al. 2022).
+
+Pure tensor functions. Given draft tokens, the distributions they were drawn from and the target's
+distributions at the same positions, decide per row how many drafts to accept and which token
+follows them: the *recovered* token, drawn from norm(max(0, target - draft)) at the first rejection,
+or the *bonus* token, drawn from the target right after the last draft when every draft passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specsample.sampling import Generators, draw_uniforms, one_hot_like, sample_from
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Per row: how many drafts were accepted and the token that follows them."""
+
+    num_accepted: Tensor  # [batch] long, in 0..num_drafted
+    next_token: Tensor  # [batch] long: recovered token, or bonus token when all drafts passed
+    accepted: Tensor  # [batch, gamma] bool: draft position i was accepted (a prefix per row)
+
+
+def _num_drafted_or_full(num_drafted: Tensor | None, draft_tokens: Tensor) -> Tensor:
+    batch, gamma = draft_tokens.shape
+    if num_drafted is None:
+        return torch.full((batch,), gamma, dtype=torch.long, device=draft_tokens.device)
+    return num_drafted.to(device=draft_tokens.device, dtype=torch.long)
+
+
+def _first_false(mask: Tensor) -> Tensor:
+    """Length of the all-true prefix of each row of `mask [batch, gamma]`."""
+    return mask.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def verify(
+    draft_tokens: Tensor,  # [batch, gamma] token ids proposed by the drafter
+    draft_probs: Tensor | None,  # [batch, gamma, vocab]; None = deterministic drafter (one-hot)
+    target_probs: Tensor,  # [batch, gamma + 1, vocab] target distribution at each position
+    generators: Generators,  # one generator, or one per row
+    num_drafted: Tensor | None = None,  # [batch] drafts actually proposed per row (<= gamma)
+) -> Verdict:
+    """Accept each draft with probability min(1, target/draft); resample at the first rejection.
+
+    The returned tokens are distributed exactly as sampling from `target_probs` one token at a time.
+    Rows may carry fewer than gamma drafts (`num_drafted`): their bonus comes from the target at the
+    position after their last draft.
+    """
+    batch, gamma = draft_tokens.shape
+    _check_shapes(draft_tokens, draft_probs, target_probs)
+    drafted = _num_drafted_or_full(num_drafted, draft_tokens)
+    # float32 or wider whatever the model dtype
+    target = target_probs if target_probs.dtype == torch.float64 else target_probs.float()
+    # per row: one uniform per offered draft, then one for the next token
+    uniforms = draw_uniforms(generators, batch, gamma + 1, target.device, (drafted + 1).tolist())
+    next_uniform = uniforms.gather(1, drafted.unsqueeze(1)).squeeze(1)  # [batch]
+
+    target_at_draft = target[:, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = draft_probs.to(target.dtype).gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    # accept iff u < target/draft, written without division so a draft probability of 0 is safe
+    passes = uniforms[:, :gamma] * draft_at_draft.double() < target_at_draft.double()  # [batch, gamma]
+    in_range = torch.arange(gamma, device=target.device).unsqueeze(0) < drafted.unsqueeze(1)
+    accepted_prefix = _first_false(passes & in_range)  # [batch]
+
+    rows = torch.arange(batch, device=target.device)
+    target_next = target[rows, accepted_prefix]  # [batch, vocab] target at the first unaccepted slot
+    rejected = accepted_prefix < drafted
+    if bool(rejected.any()):
+        clamped = accepted_prefix.clamp(max=max(gamma - 1, 0))
+        if draft_probs is None:
+            draft_next = one_hot_like(draft_tokens[rows, clamped], target)
+        else:
+            draft_next = draft_probs[rows, clamped].to(target.dtype)
+        # sample from max(0, target - draft): this is what keeps the output exactly target-distributed
+        residual = (target_next - draft_next).clamp(min=0.0)
+        # a residual that sums to 0 means target == draft up to rounding: fall back to the target
+        empty = residual.sum(dim=-1, keepdim=True) <= 0
+        residual = torch.where(empty, target_next, residual)
+        next_dist = torch.where(rejected.unsqueeze(-1), residual, target_next)
+    else:
+        next_dist = target_next
+    next_token = sample_from(next_dist, next_uniform)
+    accepted = torch.arange(gamma, device=target.device).unsqueeze(0) < accepted_prefix.unsqueeze(1)
+    return Verdict(num_accepted=accepted_prefix, next_token=next_token, accepted=accepted)
+
+
+def verify_greedy(
+    draft_tokens: Tensor,  # [batch, gamma]
+    target_logits: Tensor,  # [batch, gamma + 1, vocab] (logits or probabilities: only argmax is used)
+    num_drafted: Tensor | None = None,  # [batch]
+) -> Verdict:
+    """Greedy verification: accept while the draft token equals the target's argmax."""
+    batch, gamma = draft_tokens.shape
+    if target_logits.shape[:2] != (batch, gamma + 1):
+        raise ValueError(
+            f"target_logits has shape {tuple(target_logits.shape)}, expected [batch={batch}, "
+            f"gamma + 1={gamma + 1}, vocab]"
+        )
+    drafted = _num_drafted_or_full(num_drafted, draft_tokens)
+    target_choice = target_logits.argmax(dim=-1)  # [batch, gamma + 1]
+    in_range = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < drafted.unsqueeze(1)
+    num_accepted = _first_false((draft_tokens == target_choice[:, :gamma]) & in_range)
+    next_token = target_choice.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
+    accepted = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < num_accepted.unsqueeze(1)
+    return Verdict(num_accepted=num_accepted, next_token=next_token, accepted=accepted)
+
+
+def _check_shapes(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor) -> None:
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [batch, gamma], got shape {tuple(draft_tokens.shape)}")
+    batch, gamma = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, gamma + 1):
+        raise ValueError(
+            f"target_probs has shape {tuple(target_probs.shape)}, expected [batch={batch}, "
+            f"gamma + 1={gamma + 1}, vocab]"
+        )
+    if draft_probs is not None and draft_probs.shape != (batch, gamma, target_probs.shape[-1]):
+        raise ValueError(
+            f"draft_probs has shape {tuple(draft_probs.shape)}, expected "
+            f"[{batch}, {gamma}, {target_probs.shape[-1]}] (vocabularies must match)"
+        )

@@ -1,0 +1,18 @@
+"""Shared fixtures: tiny float64 models so a failure means a bug, not rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsample.models.tiny import tiny_lm
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_lm(32, seed=1, init_scale=0.2, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft():
+    return tiny_lm(32, seed=2, init_scale=0.2, num_layers=1, dtype=torch.float64)

@@ -1,0 +1,152 @@
+"""The engine loop: greedy equality, caches after rollback, ragged batches, seeds, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
+from specsample.models.base import prefill_ragged
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
+
+
+def _tokens(result) -> list[list[int]]:
+    return [c.token_ids for c in result.completions]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_target):
+    return _tokens(generate(tiny_target, PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_greedy_speculative_equals_target_only(tiny_target, tiny_draft, plain_greedy, gamma) -> None:
+    batched = _tokens(generate(tiny_target, PROMPTS, GREEDY, draft=tiny_draft, config=SpecConfig(gamma=gamma)))
+    assert batched == plain_greedy
+    alone = [_tokens(generate(tiny_target, [p], GREEDY, draft=tiny_draft, config=SpecConfig(gamma=gamma)))[0]
+             for p in PROMPTS]
+    assert alone == plain_greedy
+
+
+def test_ragged_rows_equal_rows_run_alone(tiny_target, tiny_draft) -> None:
+    # different prompt lengths and budgets: rows finish at different rounds
+    params = [SamplingParams(temperature=0, max_new_tokens=n) for n in (5, 17, 9, 30)]
+    batched = _tokens(generate(tiny_target, PROMPTS, params, draft=tiny_draft, config=SpecConfig(gamma=4)))
+    for prompt, p, out in zip(PROMPTS, params, batched):
+        assert out == _tokens(generate(tiny_target, [prompt], p))[0]
+        assert len(out) == p.max_new_tokens
+
+
+def test_identical_draft_accepts_every_token(tiny_target) -> None:
+    params = SamplingParams(temperature=0.9, max_new_tokens=40, seed=3)
+    result = generate(tiny_target, PROMPTS, params, draft=tiny_target, config=SpecConfig(gamma=5))
+    assert result.stats["drafted"] > 0
+    assert result.stats["accepted"] == result.stats["drafted"]
+
+
+def test_same_seed_same_output(tiny_target, tiny_draft) -> None:
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=11)
+    first = generate(tiny_target, PROMPTS, params, draft=tiny_draft)
+    second = generate(tiny_target, PROMPTS, params, draft=tiny_draft)
+    assert _tokens(first) == _tokens(second)
+    other = generate(tiny_target, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=30, seed=12),
+                     draft=tiny_draft)
+    assert _tokens(first) != _tokens(other)
+    # a seeded request gives the same tokens whatever else shares its batch (row 1 got seed 12 + 1)
+    alone = generate(tiny_target, [PROMPTS[1]], [SamplingParams(temperature=1.0, max_new_tokens=30, seed=13)],
+                     draft=tiny_draft)
+    assert _tokens(alone)[0] == _tokens(other)[1]
+
+
+def test_eos_stops_a_row(tiny_target, tiny_draft, plain_greedy) -> None:
+    eos = plain_greedy[0][5]
+    result = generate(tiny_target, PROMPTS[:1], GREEDY, draft=tiny_draft, eos_token_ids=[eos])
+    completion = result.completions[0]
+    assert completion.token_ids == plain_greedy[0][: plain_greedy[0].index(eos) + 1]
+    assert completion.finish_reason == "stop"
+
+
+def _fresh_cache_matches(model, cache, slot: int, tokens: list[int]) -> None:
+    """Cache rows [0, len) equal a fresh prefill of `tokens[:len]`."""
+    length = int(cache.lengths[slot])
+    fresh = model.new_cache(1, length + 1)
+    prefill_ragged(model, fresh, torch.tensor([0]), [tokens[:length]])
+    for layer in range(len(cache.keys)):
+        assert torch.allclose(cache.keys[layer][slot, :length], fresh.keys[layer][0, :length], atol=1e-12)
+        assert torch.allclose(cache.values[layer][slot, :length], fresh.values[layer][0, :length], atol=1e-12)
+
+
+def test_caches_equal_fresh_prefill_after_rejections(tiny_target, tiny_draft) -> None:
+    drafter = ModelDrafter(tiny_draft)
+    engine = Engine(tiny_target, drafter, SpecConfig(gamma=4, max_batch_size=4, max_seq_len=128))
+    ids = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=60, seed=i))
+           for i, p in enumerate(PROMPTS)]
+    outputs = {i: list(p) for i, p in zip(ids, PROMPTS)}
+    rejections = 0
+    for _ in range(6):
+        result = engine.step()
+        for update in result.rows:
+            outputs[update.request_id].extend(update.new_tokens)
+            rejections += update.num_accepted < update.num_drafted
+        for slot, row in engine._running.items():
+            tokens = outputs[row.request_id]
+            # the target cache holds every committed token but the last (the next round's input)
+            assert int(engine.cache.lengths[slot]) == len(tokens) - 1
+            _fresh_cache_matches(tiny_target, engine.cache, slot, tokens)
+            # the draft holds a prefix of the same tokens and lacks at most the last draft and the
+            # recovered/bonus token, which it is fed at the start of the next round
+            assert drafter.history[slot] == tokens
+            assert int(drafter.cache.lengths[slot]) >= len(tokens) - 2
+            _fresh_cache_matches(tiny_draft, drafter.cache, slot, tokens)
+    assert rejections > 0, "the test needs rounds with rejections"
+
+
+def test_plain_mode_uses_the_same_loop(tiny_target, tiny_draft, plain_greedy) -> None:
+    off = generate(tiny_target, PROMPTS, GREEDY, draft=tiny_draft, config=SpecConfig(speculative=False))
+    assert _tokens(off) == plain_greedy
+    assert off.stats["drafted"] == 0 and off.stats["tokens_per_round"] == 1.0
+
+
+def test_round_stats(tiny_target, tiny_draft) -> None:
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=3, max_batch_size=2))
+    engine.add_request([1, 2], SamplingParams(temperature=1.0, max_new_tokens=20, seed=0))
+    engine.add_request([3, 4, 5], SamplingParams(temperature=1.0, max_new_tokens=20, seed=1))
+    stats = engine.step().stats
+    assert stats.batch_size == 2 and stats.gamma == 3 and stats.drafted == 6
+    assert stats.drafted_per_position == (2, 2, 2)
+    assert sum(stats.accepted_per_position) == stats.accepted
+    assert stats.emitted == stats.accepted + 2
+    assert stats.draft_seconds > 0 and stats.target_seconds > 0
+
+
+def test_cancel_frees_the_slot(tiny_target, tiny_draft) -> None:
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=3, max_batch_size=1))
+    first = engine.add_request([1, 2], SamplingParams(max_new_tokens=50, seed=0))
+    second = engine.add_request([3, 4], SamplingParams(max_new_tokens=5, seed=0))
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    engine.cancel(first)
+    result = engine.step()
+    assert any(u.request_id == first and u.finish_reason == "cancelled" for u in result.rows)
+    assert any(u.request_id == second for u in result.rows)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda t, d: generate(t, [[]], SamplingParams()), "prompt is empty"),
+        (lambda t, d: generate(t, [[1]], SamplingParams(), draft=d, config=SpecConfig(gamma=0)), "gamma"),
+        (lambda t, d: generate(t, [[1]], SamplingParams(temperature=-1)), "temperature"),
+        (lambda t, d: generate(t, [[1]], SamplingParams(top_p=0)), "top_p"),
+        (lambda t, d: generate(t, [[1]], SamplingParams(top_k=0)), "top_k"),
+        (lambda t, d: generate(t, [[1]], SamplingParams(), draft=tiny_lm(33)), "vocabulary"),
+        (lambda t, d: generate(t, [[99]], SamplingParams()), "outside the vocabulary"),
+        (lambda t, d: generate(t, [[1] * 500], SamplingParams(max_new_tokens=100)), "context window"),
+        (lambda t, d: generate(t, [], SamplingParams()), "no prompts"),
+    ],
+)
+def test_bad_input_raises_value_error(tiny_target, tiny_draft, make, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(tiny_target, tiny_draft)
