@@ -74,8 +74,8 @@ def _fresh_cache_matches(model, cache, slot: int, tokens: list[int]) -> None:
     fresh = model.new_cache(1, length + 1)
     prefill_ragged(model, fresh, torch.tensor([0]), [tokens[:length]])
     for layer in range(len(cache.keys)):
-        assert torch.allclose(cache.keys[layer][slot, :length], fresh.keys[layer][0, :length], atol=1e-12)
-        assert torch.allclose(cache.values[layer][slot, :length], fresh.values[layer][0, :length], atol=1e-12)
+        assert torch.allclose(cache.keys[layer][slot, :, :length], fresh.keys[layer][0, :, :length], atol=1e-12)
+        assert torch.allclose(cache.values[layer][slot, :, :length], fresh.values[layer][0, :, :length], atol=1e-12)
 
 
 def test_caches_equal_fresh_prefill_after_rejections(tiny_target, tiny_draft) -> None:

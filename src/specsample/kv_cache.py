@@ -13,8 +13,8 @@ from torch import Tensor
 class KVCache:
     """Keys and values for `num_slots` rows of up to `max_len` tokens, per layer.
 
-    Layout per layer: `[num_slots, max_len, kv_heads, head_dim]`. `lengths[slot]` counts the tokens
-    whose keys and values are valid in that slot.
+    Layout per layer: `[num_slots, kv_heads, max_len, head_dim]` (a row's keys per head are
+    contiguous, as attention reads them). `lengths[slot]` counts the valid tokens in that slot.
     """
 
     def __init__(
@@ -27,7 +27,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_slots, max_len, kv_heads, head_dim)
+        shape = (num_slots, kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # on CPU: bookkeeping, not math

@@ -118,6 +118,7 @@ class StatsCollector:
             "acceptance_rate": acceptance_rate(self.accepted, self.drafted),
             "alpha_mle": estimate_alpha(self.accepted_per_draft, self.drafted_per_draft),
             "mean_accepted_length": mean_accepted_length(self.accepted, self.drafts),
+            "accepted_per_round": self.accepted / self.drafts if self.drafts else 0.0,
             "tokens_per_round": self.emitted / self.row_rounds if self.row_rounds else 0.0,
             "acceptance_per_position": [a / d if d else 0.0 for a, d in
                                         zip(self.accepted_per_position, self.drafted_per_position)],

@@ -1,0 +1,138 @@
+"""Plain decoding speed of our runtime vs transformers `generate()` on the same weights.
+
+Batch 1, a fixed chat prompt, 128 new tokens (EOS ignored so every run decodes the same length),
+greedy. Systems run interleaved, repetition by repetition, so machine drift hits all alike; we
+report medians. The memory floor is (bytes of weights read per token) / (measured copy bandwidth:
+bytes copied per second by `torch.Tensor.copy_` on 256 MiB, median of 10).
+
+    python benchmarks/runtime_speed.py --repeats 5 --out docs/runtime_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specsample import SamplingParams, generate
+from specsample.models.loader import load_model
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes copied per second (each byte read once and written once)."""
+    src = torch.randn(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return src.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every matrix once, one embedding row (tied head counted once)."""
+    seen, total = set(), 0
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        if name.endswith("embed.weight") or name.endswith("embed_tokens.weight"):
+            total += param.shape[1] * param.element_size()  # one row looked up...
+            total += param.numel() * param.element_size()  # ...and the whole table read by the tied head
+            continue
+        total += param.numel() * param.element_size()
+    return total
+
+
+def ours_ms_per_token(model, prompt_ids: list[int], new_tokens: int) -> float:
+    start = time.perf_counter()
+    result = generate(model, [prompt_ids], SamplingParams(temperature=0, max_new_tokens=new_tokens))
+    elapsed = time.perf_counter() - start
+    assert result.stats["new_tokens"] == new_tokens
+    return 1000 * elapsed / new_tokens
+
+
+def hf_ms_per_token(model, prompt_ids: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt_ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return 1000 * elapsed / new_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("docs/runtime_speed.json"))
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    systems = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        loaded = load_model(args.model, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=dtype).eval()
+        prompt_ids = loaded.tokenizer.encode(PROMPT, chat=True)
+        systems[f"ours {name}"] = (ours_ms_per_token, loaded.model, weight_bytes_per_token(loaded.model))
+        systems[f"transformers {name}"] = (hf_ms_per_token, hf, weight_bytes_per_token(hf))
+    for fn, model, _ in systems.values():  # warm-up
+        fn(model, prompt_ids, 8)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    bandwidths = []
+    for rep in range(args.repeats):
+        bandwidths.append(copy_bandwidth())
+        for name, (fn, model, _) in systems.items():
+            times[name].append(fn(model, prompt_ids, args.new_tokens))
+            print(f"repeat {rep + 1}/{args.repeats} {name}: {times[name][-1]:.1f} ms/token", flush=True)
+    bandwidth = statistics.median(bandwidths)
+    rows = []
+    for name, (_, _, nbytes) in systems.items():
+        ms = statistics.median(times[name])
+        floor_ms = 1000 * nbytes / bandwidth
+        rows.append({"system": name, "ms_per_token": ms, "tokens_per_s": 1000 / ms, "weight_mb": nbytes / 1e6,
+                     "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "all_ms": times[name]})
+    for dtype in ("float32", "bfloat16"):
+        ours = statistics.median(times[f"ours {dtype}"])
+        theirs = statistics.median(times[f"transformers {dtype}"])
+        print(f"{dtype}: ours is {theirs / ours:.2f}x transformers generate()")
+    report = {
+        "command": "python benchmarks/runtime_speed.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "copy_bandwidth_gb_s": bandwidth / 1e9},
+        "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens, "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    lines = [f"Command: `{report['command']}`", "",
+             f"Machine: {report['machine']['cpu']}, {report['machine']['threads']} threads, torch "
+             f"{report['machine']['torch']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (median of "
+             f"{args.repeats}); prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.", "",
+             "| system | ms/token (median) | tokens/s | weights read/token MB | floor ms | ratio to floor |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {r['weight_mb']:.0f} | "
+                     f"{r['floor_ms']:.1f} | {r['ratio_to_floor']:.2f} |")
+    for dtype in ("float32", "bfloat16"):
+        ratio = statistics.median(times[f"transformers {dtype}"]) / statistics.median(times[f"ours {dtype}"])
+        lines.append(f"\n{dtype}: ours is **{ratio:.2f}x** transformers `generate()` on the same weights.")
+    table = "\n".join(lines) + "\n"
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

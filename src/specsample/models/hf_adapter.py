@@ -1,0 +1,105 @@
+"""Any transformers causal LM behind the `CausalLM` protocol (e.g. Gemma 3).
+
+Each slot keeps its own `DynamicCache` (full-length layers, so every layer can be cropped; sliding
+window attention is still applied by the model's masks). Rollback crops a slot's cache before the
+next forward. Rows run one at a time: correct for ragged batches, but without batched speed; the
+Llama-family runtime is the fast path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class HFCache:
+    """Per-slot transformers caches and lengths; truncation is applied lazily by cropping."""
+
+    def __init__(self, num_slots: int, max_len: int) -> None:
+        self.caches: list[Any | None] = [None] * num_slots
+        self.lengths = torch.zeros(num_slots, dtype=torch.long)
+        self.max_len = max_len
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
+        lengths = lengths.to(torch.long).cpu()
+        if bool((lengths > self.lengths[slots.cpu()]).any()) or bool((lengths < 0).any()):
+            raise ValueError("truncate can only shorten a row")
+        self.lengths[slots.cpu()] = lengths
+
+    def reset(self, slots: Tensor) -> None:
+        for slot in slots.tolist():
+            self.caches[slot] = None
+        self.lengths[slots.cpu()] = 0
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Crop a transformers cache to `length` tokens (the crop API differs across versions)."""
+    current = cache.get_seq_length()
+    if current <= length:
+        return
+    if "max_length" in inspect.signature(cache.crop).parameters:
+        cache.crop(length)  # transformers 4.x: absolute length
+    else:
+        cache.crop(length - current)  # transformers 5.x: negative count of tokens to remove
+
+
+class HFCausalLM:
+    """Wrap a `transformers` `PreTrainedModel` with a causal LM head."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model.eval()
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.max_seq_len = int(getattr(config, "max_position_embeddings", 2048))
+        # transformers renamed past_key_values to cache (5.x); pass whichever this version takes
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def new_cache(self, num_slots: int, max_len: int) -> HFCache:
+        return HFCache(num_slots, max_len)
+
+    @torch.inference_mode()
+    def forward_cached(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
+        """Run each row on its own cache; returns logits `[b, n, vocab]` in float32."""
+        from transformers import DynamicCache
+
+        n = tokens.shape[1]
+        outputs = []
+        for row, slot in enumerate(slots.tolist()):
+            length = int(cache.lengths[slot])
+            if length + n > cache.max_len:
+                raise ValueError(f"KV cache full: a row would need {length + n} positions, the cache holds {cache.max_len}")
+            past = cache.caches[slot] if cache.caches[slot] is not None else DynamicCache()
+            _crop(past, length)
+            positions = torch.arange(length, length + n, device=self.device)
+            out = self.model(
+                input_ids=tokens[row:row + 1].to(self.device), use_cache=True,
+                position_ids=positions.unsqueeze(0), cache_position=positions, **{self._cache_arg: past},
+            )
+            cache.caches[slot] = past  # updated in place by the model
+            cache.lengths[slot] = length + n
+            outputs.append(out.logits.float())
+        return torch.cat(outputs, dim=0)
+
+    def prefill(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> None:
+        """Fill the caches; the logits are discarded (transformers computes them anyway)."""
+        self.forward_cached(tokens, cache, slots)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Uncached forward over `tokens [b, n]`: logits `[b, n, vocab]`."""
+        with torch.inference_mode():
+            return self.model(input_ids=tokens.to(self.device)).logits.float()

@@ -1,0 +1,177 @@
+"""Resolve a model spec (alias, folder, .gguf file, hub id) to a loaded model and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specsample.models.base import CausalLM
+from specsample.models.hub import ALIASES, alias_folder
+from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel, load_hf_state_dict
+from specsample.tokenizer import Tokenizer
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+RUNTIMES = ("auto", "ours", "hf")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine, its tokenizer, and where it came from."""
+
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    spec: str
+    runtime: str  # "ours" (Llama-family runtime) or "hf" (transformers adapter)
+    default_draft: str | None = None
+    folder: Path | None = None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (measured faster there), else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+    if dtype in names:
+        return names[dtype]
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU advertises AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               runtime: str = "auto", progress: bool = True) -> LoadedModel:
+    """Load `spec`: a built-in alias, a Hugging Face folder, a .gguf file or a Hugging Face Hub id."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    device = torch.device(device)
+    compute_dtype = resolve_dtype(dtype, device)
+    default_draft = None
+    if spec in ALIASES:
+        folder = alias_folder(spec, progress=progress)
+        default_draft = ALIASES[spec].default_draft
+    elif Path(spec).expanduser().is_dir():
+        folder = Path(spec).expanduser()
+    elif Path(spec).expanduser().is_file():
+        path = Path(spec).expanduser()
+        if path.suffix != ".gguf":
+            raise ValueError(f"{spec} is a file but not a .gguf model; pass a .gguf file or a model folder")
+        return _load_gguf(path, spec, compute_dtype, device, runtime)
+    elif _HUB_ID.match(spec):
+        folder = _hub_folder(spec)
+    else:
+        raise ValueError(
+            f"unknown model spec {spec!r}: not a built-in alias ({', '.join(ALIASES)}), an existing folder or "
+            ".gguf file, or a Hugging Face Hub id (org/name)"
+        )
+    loaded = load_folder(folder, compute_dtype, device, runtime, spec)
+    loaded.default_draft = default_draft
+    return loaded
+
+
+def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, runtime: str, spec: str) -> LoadedModel:
+    """Load a Hugging Face folder with our runtime where it applies, else through transformers."""
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"{folder} has no config.json: not a Hugging Face model folder")
+    hf_config = json.loads(config_path.read_text())
+    tokenizer = _folder_tokenizer(folder)
+    if _use_ours(hf_config.get("model_type"), runtime):
+        model = llama_from_folder(folder, hf_config, dtype, device)
+        return LoadedModel(model, tokenizer, spec, "ours", folder=folder)
+    from transformers import AutoModelForCausalLM
+
+    from specsample.models.hf_adapter import HFCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device)
+    return LoadedModel(HFCausalLM(hf_model), tokenizer, spec, "hf", folder=folder)
+
+
+def _use_ours(model_type: str | None, runtime: str) -> bool:
+    if runtime == "ours" and model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"our runtime supports {', '.join(SUPPORTED_MODEL_TYPES)}, not {model_type!r}; "
+                         "use runtime 'hf'")
+    return runtime != "hf" and model_type in SUPPORTED_MODEL_TYPES
+
+
+def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """Our Llama-family runtime with the folder's safetensors weights."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no .safetensors weights")
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device)
+
+
+def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> LlamaModel:
+    """Instantiate without random init (meta device), then load Hugging Face-named weights."""
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    load_hf_state_dict(model, {k: v.float() for k, v in tensors.items()})
+    model = model.to(device=device, dtype=dtype).eval()
+    model.pack_for_cpu()
+    return model
+
+
+def _load_gguf(path: Path, spec: str, dtype: torch.dtype, device: torch.device, runtime: str) -> LoadedModel:
+    from specsample.models.gguf_file import (OUR_ARCHES, gguf_architecture, gguf_eos_ids, hf_config_from_gguf,
+                                             iter_hf_tensors, load_gguf_tokenizer, open_gguf)
+
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    hf_tokenizer = load_gguf_tokenizer(path)
+    tokenizer = Tokenizer(hf_tokenizer, gguf_eos_ids(reader))
+    if _use_ours(OUR_ARCHES.get(arch), runtime):
+        hf_config = hf_config_from_gguf(reader)
+        model = build_llama(LlamaConfig.from_hf(hf_config), dict(iter_hf_tensors(reader, hf_config)), dtype, device)
+        return LoadedModel(model, tokenizer, spec, "ours")
+    from transformers import AutoModelForCausalLM
+
+    from specsample.models.hf_adapter import HFCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device)
+    return LoadedModel(HFCausalLM(hf_model), tokenizer, spec, "hf")
+
+
+def _folder_tokenizer(folder: Path) -> Tokenizer | None:
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    return Tokenizer.from_folder(folder)
+
+
+def _hub_folder(repo_id: str) -> Path:
+    """Download a model folder from the Hugging Face Hub (needs network; fails fast offline)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, etag_timeout=10, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]))
+    except Exception as exc:  # the hub client raises many types for offline / missing repos
+        raise ValueError(
+            f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]}). Offline? Download the model folder where you have access and pass "
+            f"its local path, or use a built-in alias ({', '.join(ALIASES)})"
+        ) from exc

@@ -1,0 +1,58 @@
+"""Turn user-facing specs (target, draft) into a loaded target and a drafter, with clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specsample.drafters.base import Drafter
+from specsample.drafters.model import ModelDrafter
+from specsample.drafters.ngram import NgramDrafter
+from specsample.models.loader import LoadedModel, load_model
+
+NO_DRAFT = ("none", "off")
+
+
+@dataclass
+class Pair:
+    """A target ready to serve and the drafter that speculates for it (None = plain decoding)."""
+
+    target: LoadedModel
+    drafter: Drafter | None
+    draft_spec: str
+
+
+def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
+    """The draft to use: the one asked for, else the target alias's default, else n-gram lookup."""
+    if draft_spec:
+        return draft_spec
+    return target.default_draft or "ngram"
+
+
+def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "cpu") -> Drafter | None:
+    """Build the drafter for `spec`: 'ngram', 'none', or any model spec sharing the target's tokenizer."""
+    if spec in NO_DRAFT:
+        return None
+    if spec == "ngram":
+        return NgramDrafter()
+    draft = load_model(spec, dtype=dtype, device=device)
+    if draft.model.vocab_size != target.model.vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary "
+            f"({target.model.vocab_size}); pick a draft trained with the target's tokenizer, or use --draft ngram"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.hf.get_vocab() != draft.tokenizer.hf.get_vocab():
+            raise ValueError("draft tokenizer maps tokens to different ids than the target's; pick a draft "
+                             "trained with the target's tokenizer, or use --draft ngram")
+    return ModelDrafter(draft.model)
+
+
+def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype = "auto",
+              device: str | torch.device = "cpu", runtime: str = "auto") -> Pair:
+    """Load the target and its drafter from specs."""
+    target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime)
+    spec = resolve_draft_spec(target, draft_spec)
+    return Pair(target, load_drafter(spec, target, dtype, device), spec)

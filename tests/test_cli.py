@@ -1,0 +1,85 @@
+"""`specsample generate` through a subprocess: JSON fields, streaming output, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_factory import make_tokenizer, write_hf_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli")
+    tokenizer = make_tokenizer()
+    return {
+        "target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=64),
+        "draft": write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
+        "other_vocab": write_hf_model(root / "other", "llama", tokenizer=tokenizer, vocab_size=512),
+    }
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specsample.cli", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_json_output(models) -> None:
+    done = run_cli("generate", "the quick brown fox", "--target", str(models["target"]), "--draft",
+                   str(models["draft"]), "--json", "--max-new-tokens", "12", "--seed", "1", "--gamma", "3")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) >= {"text", "token_ids", "stats", "prompt_tokens", "finish_reason"}
+    assert 1 <= len(out["token_ids"]) <= 12
+    stats = out["stats"]
+    for field in ("new_tokens", "tokens_per_second", "ttft_seconds", "tpot_seconds", "acceptance_rate",
+                  "mean_accepted_length", "gamma", "acceptance_per_position", "draft_seconds", "target_seconds"):
+        assert field in stats
+    assert stats["gamma"] == 3 and stats["drafted"] > 0
+    again = json.loads(run_cli("generate", "the quick brown fox", "--target", str(models["target"]), "--draft",
+                               str(models["draft"]), "--json", "--max-new-tokens", "12", "--seed", "1",
+                               "--gamma", "3").stdout)
+    assert again["token_ids"] == out["token_ids"]  # same seed, same output
+
+
+def test_streaming_text_and_summary(models) -> None:
+    done = run_cli("generate", "hello world", "--target", str(models["target"]), "--draft", "ngram",
+                   "--temperature", "0", "--max-new-tokens", "10", "--no-chat")
+    assert done.returncode == 0, done.stderr
+    summary = done.stderr.strip().splitlines()[-1]
+    for piece in ("new tokens", "tok/s", "TTFT", "TPOT", "acceptance", "tokens/round", "gamma"):
+        assert piece in summary
+    plain = run_cli("generate", "hello world", "--target", str(models["target"]), "--no-speculation",
+                    "--temperature", "0", "--max-new-tokens", "10", "--no-chat")
+    assert plain.stdout == done.stdout  # greedy text is the same with and without speculation
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown", "unknown model spec"),
+    ("vocab", "vocabulary"),
+    ("long", "context window"),
+    ("gamma", "gamma"),
+])
+def test_errors_are_one_line(models, case, message) -> None:
+    args = {
+        "unknown": ["generate", "hi", "--target", "no-such-model"],
+        "vocab": ["generate", "hi", "--target", str(models["target"]), "--draft", str(models["other_vocab"])],
+        "long": ["generate", "fox " * 200, "--target", str(models["target"]), "--max-new-tokens", "8"],
+        "gamma": ["generate", "hi", "--target", str(models["target"]), "--gamma", "0"],
+    }[case]
+    done = run_cli(*args)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_defaults_run_the_embedded_models() -> None:
+    done = run_cli("generate", "Name a color.", "--json", "--max-new-tokens", "8", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["stats"]["target"] == "smollm2-135m-instruct" and out["text"]

@@ -1,0 +1,162 @@
+"""Loaders and runtimes on small models written by the tests: parity with transformers, GGUF, adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
+from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
+from specsample.drafters.ngram import NgramDrafter
+from specsample.models.loader import load_model
+
+TEXT = "the quick brown fox jumps over the lazy dog, the quick brown fox"
+CONFIGS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral_window": ("mistral", {"sliding_window": 8}),
+    "qwen2_window_from_layer_1": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "rope_llama3": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "rope_yarn": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    "bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "tied": ("llama", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = make_tokenizer()
+    out = {name: write_hf_model(root / name, kind, tokenizer=tokenizer, **extra)
+           for name, (kind, extra) in CONFIGS.items()}
+    out["gemma3"] = write_hf_model(root / "gemma3", "gemma3", tokenizer=tokenizer, sliding_window=4)
+    out["gemma3_draft"] = write_hf_model(root / "gemma3_draft", "gemma3", tokenizer=tokenizer, seed=5,
+                                         sliding_window=4, num_hidden_layers=1)
+    out["gguf"] = write_llama_gguf(out["llama"], root / "tiny.gguf")
+    return out
+
+
+def _reference_logits(folder: Path, ids: torch.Tensor, gguf_file: str | None = None) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _incremental(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits from a prefill, a rejected detour rolled back, then one token at a time."""
+    cache = model.new_cache(1, 128)
+    slot = torch.tensor([0])
+    parts = [model.forward_cached(ids[:, :10], cache, slot)]
+    model.forward_cached(torch.tensor([[3, 4, 5]]), cache, slot)  # drafts that get rejected...
+    cache.truncate(slot, torch.tensor([10]))  # ...and rolled back by lowering the length
+    parts += [model.forward_cached(ids[:, i:i + 1], cache, slot) for i in range(10, ids.shape[1])]
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_our_runtime_matches_transformers(folders, name) -> None:
+    loaded = load_model(str(folders[name]), dtype="float32")
+    assert loaded.runtime == "ours"
+    ids = torch.tensor([loaded.tokenizer.encode(TEXT, chat=True)])
+    reference = _reference_logits(folders[name], ids)
+    for logits in (loaded.model(ids), _incremental(loaded.model, ids)):
+        assert (logits - reference).abs().max().item() < 1e-4
+        assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
+def test_sliding_window_changes_the_output(folders) -> None:
+    loaded = load_model(str(folders["mistral_window"]), dtype="float32")
+    ids = torch.tensor([loaded.tokenizer.encode(TEXT, chat=True)])
+    assert ids.shape[1] > 8
+    windowed = loaded.model(ids)
+    loaded.model.config = dataclasses.replace(loaded.model.config, sliding_window=None)
+    assert (windowed - loaded.model(ids)).abs().max().item() > 1e-3  # the parity test above has teeth
+
+
+def test_gguf_loads_like_the_folder_and_like_transformers(folders) -> None:
+    from_folder = load_model(str(folders["llama"]), dtype="float32")
+    from_gguf = load_model(str(folders["gguf"]), dtype="float32")
+    ids = torch.tensor([from_folder.tokenizer.encode(TEXT, chat=True)])
+    assert from_gguf.tokenizer.encode(TEXT, chat=True) == ids[0].tolist()
+    ours = from_gguf.model(ids)
+    reference = _reference_logits(folders["gguf"].parent, ids, gguf_file=folders["gguf"].name)
+    assert (ours - reference).abs().max().item() < 1e-4  # Q8_0 feed-forward weights dequantized alike
+    assert (ours - from_folder.model(ids)).abs().max().item() < 0.05  # only Q8_0 rounding apart
+    assert from_gguf.tokenizer.eos_token_ids == from_folder.tokenizer.eos_token_ids
+
+
+def test_bfloat16_runtime(folders) -> None:
+    fp32 = load_model(str(folders["llama"]), dtype="float32").model
+    bf16 = load_model(str(folders["llama"]), dtype="bfloat16").model
+    assert bf16.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    assert (bf16(ids).float() - fp32(ids)).abs().max().item() < 0.1
+    cache = bf16.new_cache(1, 32)
+    cached = bf16.forward_cached(ids, cache, torch.tensor([0]))
+    assert cached.dtype == torch.bfloat16 and cached.shape == (1, 6, fp32.vocab_size)
+
+
+def test_transformers_adapter_gemma3(folders) -> None:
+    loaded = load_model(str(folders["gemma3"]), dtype="float32")
+    assert loaded.runtime == "hf"
+    ids = torch.tensor([loaded.tokenizer.encode(TEXT, chat=True)])
+    reference = _reference_logits(folders["gemma3"], ids)
+    assert ids.shape[1] > 4  # crosses the sliding window, so cropping after it is exercised
+    assert (_incremental(loaded.model, ids) - reference).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_greedy_speculation_with_each_runtime(folders, name) -> None:
+    target = load_model(str(folders[name]), dtype="float32")
+    draft_name = "gemma3_draft" if name == "gemma3" else "qwen2"
+    draft = load_model(str(folders[draft_name]), dtype="float32")
+    prompts = [target.tokenizer.encode(t, chat=True) for t in (TEXT, "hello world", "speculative sampling")]
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    plain = generate(target.model, prompts, params)
+    for drafter in (ModelDrafter(draft.model), NgramDrafter(min_n=1)):
+        spec = generate(target.model, prompts, params, draft=drafter, config=SpecConfig(gamma=4))
+        assert [c.token_ids for c in spec.completions] == [c.token_ids for c in plain.completions]
+
+
+def test_tokenizer_stop_ids_chat_and_streaming(folders) -> None:
+    tokenizer = load_model(str(folders["llama"]), dtype="float32").tokenizer
+    vocab = tokenizer.hf.get_vocab()
+    assert {vocab["<|im_end|>"], vocab["<|endoftext|>"]} <= tokenizer.eos_token_ids
+    chat = tokenizer.encode("hello", chat=True)
+    assert chat[0] == vocab["<|im_start|>"] and tokenizer.hf.decode(chat).endswith("<|im_start|>assistant\n")
+    text = "fox → 狐狸 🦊 é"  # multi-byte characters split over byte-level tokens
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.encode()) // 2
+    decoder = tokenizer.stream()
+    pieces = [decoder.push([i]) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + decoder.flush() == tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no-such-model", "unknown model spec"),
+    ("someorg/somemodel", "local path"),
+])
+def test_loader_errors(spec, message, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=message):
+        load_model(spec)
+
+
+def test_bad_files_are_clear_errors(tmp_path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="not a .gguf model"):
+        load_model(str(tmp_path / "weights.bin"))
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 12)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load_model(str(tmp_path / "broken.gguf"))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(str(tmp_path))
