@@ -92,3 +92,18 @@ def test_sampler_never_returns_zero_mass_tokens() -> None:
     assert set(sample_from(probs, edges).tolist()) <= {1, 3}
     with pytest.raises(ValueError, match="zero total mass"):
         sample_from(torch.zeros(1, 5), torch.tensor([0.3]))
+
+
+def test_two_level_sampler_matches_one_level_cdf() -> None:
+    from specsample.sampling import _sample_exact
+
+    g = torch.Generator().manual_seed(5)
+    for vocab in (7, 256, 1000, 49152):  # below, at and across block boundaries, padded tails
+        probs = torch.softmax(torch.randn(64, vocab, generator=g) * 3, -1)
+        probs[:, ::3] = 0.0  # many zero-mass tokens
+        probs[0] = 0.0
+        probs[0, vocab - 1] = 1.0  # all mass on the very last (padded-block) token
+        uniforms = torch.rand(64, generator=g, dtype=torch.float64)
+        uniforms[1] = 0.0
+        uniforms[2] = 1.0 - 1e-16
+        assert torch.equal(sample_from(probs, uniforms), _sample_exact(probs, uniforms))

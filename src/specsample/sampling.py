@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from specsample.config import SamplingParams
@@ -74,19 +75,38 @@ def draw_uniforms(generators: Generators, rows: int, count: int, device: torch.d
     return out.to(device)
 
 
-def sample_from(probs: Tensor, uniforms: Tensor) -> Tensor:
+def sample_from(probs: Tensor, uniforms: Tensor, block: int = 256) -> Tensor:
     """Inverse-CDF draw per row: `probs [rows, vocab]` (unnormalised ok), `uniforms [rows]` -> `[rows]`.
 
-    Cumulative sums in float64 keep the bias from rounding below 1e-15; a zero-probability token is
-    never returned.
+    Two levels, both summed in float64 so rounding biases nothing above 1e-15: find the block of
+    `block` tokens holding u * total, then the token inside it. This reads the probabilities once
+    instead of materialising a float64 CDF over the whole vocabulary. A token with zero probability
+    is never returned.
     """
-    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
+    rows, vocab = probs.shape
+    padded = F.pad(probs, (0, (-vocab) % block)) if vocab % block else probs
+    blocks = padded.view(rows, -1, block)  # [rows, num_blocks, block]
+    block_mass = blocks.sum(-1, dtype=torch.float64)  # [rows, num_blocks]
+    cdf = block_mass.cumsum(-1)
     total = cdf[:, -1:]
     if bool((total <= 0).any()):
         raise ValueError("cannot sample from a distribution with zero total mass")
     threshold = uniforms.double().unsqueeze(-1) * total  # [rows, 1]
-    index = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
-    # u * total can round up to total: fall back to the last token with positive mass
+    chosen = torch.searchsorted(cdf, threshold, right=True).clamp(max=cdf.shape[1] - 1)  # [rows, 1]
+    within = threshold - (cdf.gather(1, chosen) - block_mass.gather(1, chosen))
+    inner = blocks.gather(1, chosen.unsqueeze(-1).expand(rows, 1, block)).squeeze(1).double().cumsum(-1)
+    offset = torch.searchsorted(inner, within, right=True).clamp(max=block - 1)
+    token = (chosen * block + offset).squeeze(-1).clamp(max=vocab - 1)
+    bad = probs.gather(1, token.unsqueeze(-1)).squeeze(-1) <= 0  # only where rounding hit a block edge
+    if bool(bad.any()):
+        token[bad] = _sample_exact(probs[bad], uniforms[bad])
+    return token
+
+
+def _sample_exact(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One-level float64 inverse CDF (the slow path for rounding at block edges)."""
+    cdf = probs.double().cumsum(dim=-1)
+    index = torch.searchsorted(cdf, uniforms.double().unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)
     last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).double().argmax(dim=-1)
     return torch.minimum(index, last_positive)
 

@@ -32,6 +32,7 @@ def save_hf_folder(
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
         config = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     eos = sorted(set(int(i) for i in eos_token_ids))
     if eos:

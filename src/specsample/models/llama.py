@@ -177,34 +177,43 @@ def _yarn_inv_freq(config: LlamaConfig, scaling: dict[str, Any], factor: float) 
     return inv_freq, float(attention_factor)
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` that can prepack its weight for oneDNN on CPU.
+def prepack(weight: Tensor) -> Tensor | None:
+    """oneDNN-prepacked copy of a `[out, in]` weight for CPU inference; None where oneDNN cannot.
 
     Measured on a 2-core AVX512-BF16 machine (docs/runtime.md): a prepacked matrix-vector product
     reads weights about twice as fast as `F.linear`, in float32 and bfloat16 alike.
     """
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            probe = torch.ones(1, weight.shape[1], dtype=weight.dtype)
+            torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return None
+    return packed
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None) -> Tensor:
+    """`F.linear`, through the prepacked weight when there is one and no gradient is needed."""
+    if packed is None or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that can prepack its weight for oneDNN on CPU."""
 
     packed: Tensor | None = None
 
     def pack(self) -> bool:
         """Prepack for CPU inference; returns False (and stays unpacked) where oneDNN cannot."""
-        self.packed = None
-        if self.weight.device.type != "cpu" or self.weight.dtype not in (torch.float32, torch.bfloat16):
-            return False
-        try:
-            with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-                probe = torch.ones(1, self.in_features, dtype=self.weight.dtype)
-                torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        except (AttributeError, RuntimeError):
-            return False
-        self.packed = packed
-        return True
+        self.packed = prepack(self.weight)
+        return self.packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -265,9 +274,12 @@ class Attention:
         batch = starts.shape[0]
         self.kv_len = int(starts.max()) + n
         uniform = bool((starts == starts[0]).all())
-        contiguous = slots is not None and bool((slots.cpu() == torch.arange(batch)).all())
-        # fast path: same start in every row and slots 0..b-1 -> plain slicing, no gathers
-        self.start = int(starts[0]) if uniform and contiguous else None
+        first = int(slots[0]) if slots is not None else 0
+        # rows that sit in consecutive slots are read as a slice (a view), never gathered
+        self.row_range = (first, first + batch) if slots is not None and bool(
+            (slots.cpu() == torch.arange(first, first + batch)).all()) else None
+        # fastest path: consecutive slots and one start -> writes are slices too
+        self.start = int(starts[0]) if uniform and self.row_range is not None else None
         self.positions = (starts.unsqueeze(1) + torch.arange(n).unsqueeze(0)).to(device)  # [b, n]
         if slots is not None and self.start is None:
             self.index = (slots.to(device).view(batch, 1, 1), self.positions.view(batch, 1, n))
@@ -308,15 +320,19 @@ class Attention:
     def _write_and_read(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         assert self.cache is not None
         key_cache, value_cache = self.cache.keys[self.layer], self.cache.values[self.layer]
-        batch, _, n, _ = k.shape
+        n = k.shape[2]
         if self.start is not None:
-            key_cache[:batch, :, self.start:self.start + n] = k
-            value_cache[:batch, :, self.start:self.start + n] = v
-            return key_cache[:batch, :, :self.kv_len], value_cache[:batch, :, :self.kv_len]
-        rows, positions = self.index
-        heads = torch.arange(k.shape[1], device=k.device).view(1, -1, 1)
-        key_cache[rows, heads, positions] = k
-        value_cache[rows, heads, positions] = v
+            lo, hi = self.row_range
+            key_cache[lo:hi, :, self.start:self.start + n] = k
+            value_cache[lo:hi, :, self.start:self.start + n] = v
+        else:
+            rows, positions = self.index
+            heads = torch.arange(k.shape[1], device=k.device).view(1, -1, 1)
+            key_cache[rows, heads, positions] = k
+            value_cache[rows, heads, positions] = v
+        if self.row_range is not None:
+            lo, hi = self.row_range
+            return key_cache[lo:hi, :, :self.kv_len], value_cache[lo:hi, :, :self.kv_len]
         return key_cache[self.slots, :, :self.kv_len], value_cache[self.slots, :, :self.kv_len]
 
 
@@ -337,6 +353,9 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.output_subset: Tensor | None = None
+        self._subset_weight: Tensor | None = None  # inference copy of the subset's output rows
+        self._subset_packed: Tensor | None = None
         inv_freq, scale = rope_inv_freq(config)
         self._inv_freq = inv_freq.float()  # not a buffer: must stay float32 when weights go bf16
         self.rope_scale = scale
@@ -353,7 +372,9 @@ class LlamaModel(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed = None
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self.set_output_subset(self.output_subset)  # re-place on the new device, drop stale copies
+        return out
 
     @property
     def dtype(self) -> torch.dtype:
@@ -379,10 +400,45 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, attend)
         return self.norm(x)
 
+    def set_output_subset(self, token_ids: Tensor | None) -> None:
+        """Restrict the output layer to `token_ids` (FR-Spec): other tokens get probability 0.
+
+        For a small draft the full-vocabulary output layer is most of its cost; the verifier handles
+        draft probability 0, so sampling stays exact.
+        """
+        self._subset_weight = self._subset_packed = None
+        if token_ids is None:
+            self.output_subset = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
+        if ids.dim() != 1 or len(ids) == 0 or int(ids.max()) >= self.vocab_size or int(ids.min()) < 0:
+            raise ValueError(f"output subset must be token ids in [0, {self.vocab_size})")
+        if len(torch.unique(ids)) != len(ids):
+            raise ValueError("output subset has repeated token ids")
+        self.output_subset = ids.to(self.device)
+
+    def subset_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the output subset `[b, n, K]`, from the (trainable) output weights."""
+        assert self.output_subset is not None
+        if torch.is_grad_enabled():
+            return F.linear(hidden, self.lm_head.weight[self.output_subset])
+        if self._subset_weight is None:  # gathered (and prepacked) once for inference
+            self._subset_weight = self.lm_head.weight.detach()[self.output_subset].contiguous()
+            self._subset_packed = prepack(self._subset_weight)
+        return linear(hidden, self._subset_weight, None, self._subset_packed)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Full-vocabulary logits `[b, n, vocab]`; outside an output subset they are -inf."""
+        if self.output_subset is None:
+            return self.lm_head(hidden)
+        sub = self.subset_logits(hidden)
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.output_subset, sub)
+
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
         """Append `tokens [b, n]` to rows `slots` of `cache` and return logits `[b, n, vocab]`."""
-        return self.lm_head(self._append(tokens, cache, slots))
+        return self.logits(self._append(tokens, cache, slots))
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
@@ -398,11 +454,15 @@ class LlamaModel(nn.Module):
         cache.lengths[slots.cpu()] = starts + n
         return hidden
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Uncached causal forward over `tokens [b, n]` (training, parity checks): logits `[b, n, vocab]`."""
+    def uncached_hidden(self, tokens: Tensor) -> Tensor:
+        """Final hidden states `[b, n, hidden]` of a causal forward without a cache (training, scoring)."""
         batch, n = tokens.shape
         attend = Attention(None, None, torch.zeros(batch, dtype=torch.long), n, self.config, self.groups, self.device)
-        return self.lm_head(self.hidden_states(tokens.to(self.device), attend))
+        return self.hidden_states(tokens.to(self.device), attend)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Uncached causal forward over `tokens [b, n]` (training, parity checks): logits `[b, n, vocab]`."""
+        return self.logits(self.uncached_hidden(tokens))
 
 
 # Hugging Face parameter names -> ours (per layer); q/k/v and gate/up are fused on load.

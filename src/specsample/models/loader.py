@@ -16,6 +16,7 @@ from specsample.tokenizer import Tokenizer
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 RUNTIMES = ("auto", "ours", "hf")
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: output tokens of a reduced-vocabulary draft
 
 
 @dataclass
@@ -119,7 +120,11 @@ def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device:
     tensors = {}
     for file in files:
         tensors.update(load_file(str(file)))
-    return build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device)
+    model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device)
+    subset_file = folder / DRAFT_VOCAB_FILE
+    if subset_file.exists():  # a draft with a reduced output vocabulary (FR-Spec)
+        model.set_output_subset(json.loads(subset_file.read_text())["token_ids"])
+    return model
 
 
 def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -1,0 +1,1 @@
+"""Distil a small draft from a target: data collection, training, evaluation, export."""
