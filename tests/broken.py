@@ -29,3 +29,26 @@ def bonus_off_by_one(draft_tokens, draft_probs, target_probs, generators, num_dr
 
 
 BROKEN = {"residual_as_target": residual_as_target, "bonus_off_by_one": bonus_off_by_one}
+
+
+class GateDropsToken:
+    """A confidence gate that drops the low-confidence token instead of keeping it: whether a draft
+    is proposed then depends on that very draw, which biases the output. Wraps a ModelDrafter."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, slots, gamma, max_drafts, params, generators, stop_threshold=0.0):
+        from specsample.drafters.base import Proposal
+
+        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_threshold)
+        drafted = proposal.num_drafted.clone()
+        for row in range(len(slots)):
+            n = int(drafted[row])
+            if n and float(proposal.confidence[row, n - 1]) < stop_threshold:
+                drafted[row] = n - 1
+        return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)

@@ -6,6 +6,7 @@ draws SAMPLES independent rows in one batch. A deliberately broken verifier must
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -13,8 +14,12 @@ import pytest
 import torch
 
 import specsample.engine as engine_module
-from broken import BROKEN
-from specsample import SamplingParams, SpecConfig, generate, tiny_lm
+from broken import BROKEN, GateDropsToken
+from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
+from specsample.api import as_drafter
+from specsample.controller import ControllerConfig, GammaController
+from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.ngram import NgramDrafter
 from specsample.sampling import warp_probs
 from stats_util import chi_square
 
@@ -37,20 +42,27 @@ def pair():
     return target, draft
 
 
-def exact_joint(target, params: SamplingParams) -> np.ndarray:
+def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> np.ndarray:
     """P(x1, x2, x3 | prompt) for all VOCAB**3 sequences, indexed x1 * V^2 + x2 * V + x3."""
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))  # [V^3, 3]
-    inputs = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], dim=1)
+    inputs = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
-        probs = warp_probs(target(inputs)[:, len(PROMPT) - 1:-1], params)  # [V^3, 3, V]
+        probs = warp_probs(target(inputs)[:, len(prompt) - 1:-1], params)  # [V^3, 3, V]
     per_step = probs.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
     return per_step.prod(dim=1).numpy()
 
 
-def engine_counts(target, draft, params: SamplingParams, gamma: int) -> np.ndarray:
-    result = generate(target, [PROMPT] * SAMPLES, params.__class__(**{**params.__dict__, "seed": 1000}),
-                      draft=draft, config=SpecConfig(gamma=gamma, max_batch_size=SAMPLES))
-    index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(c.token_ids)) for c in result.completions]
+def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive: bool = False,
+                  controller=None, prompt: list[int] = PROMPT) -> np.ndarray:
+    """Histogram of the first LENGTH tokens over SAMPLES independent rows of one batch."""
+    config = SpecConfig(gamma=gamma, adaptive=adaptive, max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH)
+    engine = Engine(target, as_drafter(drafter), config, controller=controller)
+    ids = [engine.add_request(prompt, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    for result in engine.stream():
+        for update in result.rows:
+            out[update.request_id].extend(update.new_tokens)
+    index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids]
     return np.bincount(index, minlength=VOCAB**LENGTH)
 
 
@@ -69,3 +81,45 @@ def test_broken_verifier_fails(pair, monkeypatch, broken: str) -> None:
     params = WARPS["temperature_1"]
     statistic, threshold = chi_square(engine_counts(target, draft, params, gamma=2), exact_joint(target, params))
     assert statistic > threshold, f"{broken} was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # the context repeats itself, so prompt lookup proposes tokens
+
+
+class FixedGate(GammaController):
+    """The adaptive controller with its timing-dependent inputs pinned, so the gate always acts."""
+
+    def cost_ratio(self, batch_size: int) -> float:
+        return 0.05
+
+    def gate_threshold(self, batch_size: int) -> float:
+        return 0.5
+
+
+def _adaptive_cases(draft):
+    return {
+        "ngram": (NgramDrafter(min_n=1, max_n=2), False, None),
+        "hybrid": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), False, None),
+        "auto_gamma_with_gate": (ModelDrafter(draft), True, FixedGate(ControllerConfig(max_gamma=4))),
+    }
+
+
+@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate"])
+def test_adaptive_drafting_is_exact(pair, case: str) -> None:
+    target, draft = pair
+    drafter, adaptive, controller = _adaptive_cases(draft)[case]
+    params = WARPS["temperature_1"]
+    counts = engine_counts(target, drafter, params, gamma=3, adaptive=adaptive, controller=controller, prompt=REPEATING)
+    if controller is not None:
+        assert any(t > 0 for t in controller._gate_trials)  # the gate had drafts to act on
+    statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
+    assert statistic < threshold, f"{case}: chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_gate_that_drops_the_token_fails(pair) -> None:
+    target, draft = pair
+    params = WARPS["temperature_1"]
+    counts = engine_counts(target, GateDropsToken(ModelDrafter(draft)), params, gamma=3, adaptive=True,
+                           controller=FixedGate(ControllerConfig(max_gamma=4)), prompt=REPEATING)
+    statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
+    assert statistic > threshold, f"the broken gate was not detected: chi2 {statistic:.1f} < {threshold:.1f}"

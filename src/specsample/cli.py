@@ -26,10 +26,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"target model: alias ({', '.join(ALIASES)}), HF folder, .gguf file or hub id "
                              f"(default: {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=None,
-                        help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt lookup) or "
-                             "'none'. Default: the target alias's draft; for smollm2-135m-instruct that is "
-                             "'ngram' until a distilled draft ships (the best draft we have: no small model "
-                             "shares its tokenizer)")
+                        help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt lookup), "
+                             "'hybrid[:MODEL]' (n-gram where the context repeats, the model elsewhere) or 'none'. "
+                             "Default: the target alias's draft; for smollm2-135m-instruct that is 'ngram' until "
+                             "a distilled draft ships (the best draft we have: no small model shares its tokenizer)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively), float32, bfloat16")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--runtime", default="auto", choices=("auto", "ours", "hf"),
@@ -37,13 +37,34 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gamma", type=int, default=5, help="draft tokens per round (default 5)")
+    parser.add_argument("--gamma", type=_gamma_arg, default="auto",
+                        help="draft tokens per round, or 'auto' (default): chosen per request online from measured "
+                             "acceptance and cost, between 1 and --max-gamma, with fallback to plain decoding")
+    parser.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None)
+
+
+def _gamma_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {value!r}") from None
+
+
+def spec_config(gamma: int | str, max_gamma: int, speculative: bool, max_batch_size: int,
+                max_seq_len: int | None = None) -> SpecConfig:
+    """SpecConfig from the CLI's --gamma (int or 'auto') and --max-gamma."""
+    if gamma == "auto":
+        return SpecConfig(gamma=max_gamma, adaptive=True, speculative=speculative, max_batch_size=max_batch_size,
+                          max_seq_len=max_seq_len)
+    return SpecConfig(gamma=gamma, speculative=speculative, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    config = SpecConfig(gamma=args.gamma, speculative=not args.no_speculation, max_batch_size=1)
+    config = spec_config(args.gamma, args.max_gamma, not args.no_speculation, max_batch_size=1)
     pair = load_pair(args.target, "none" if args.no_speculation else args.draft, args.dtype, args.device,
                      args.runtime)
     tokenizer = pair.target.tokenizer
@@ -135,6 +156,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     stats = collector.summary()
     stats.update(gamma=args.gamma if pair.drafter else 0, draft=pair.draft_spec if pair.drafter else "none",
                  target=args.target)
+    if args.gamma == "auto" and pair.drafter:
+        stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
     if args.json:
         print(json.dumps({"text": tokenizer.decode(token_ids), "token_ids": token_ids,
                           "prompt_tokens": len(prompt_ids), "finish_reason": finish_reason, "stats": stats}))
@@ -222,6 +245,9 @@ def summary_line(stats: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `specsample` console script."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="specsample: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

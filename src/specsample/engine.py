@@ -6,6 +6,7 @@ all drive. Plain autoregressive decoding is the same loop with gamma = 0.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -17,10 +18,13 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, SpecConfig
+from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.base import Drafter
 from specsample.models.base import CausalLM, prefill_ragged
 from specsample.sampling import warp_rows
 from specsample.verify import Verdict, verify, verify_greedy
+
+log = logging.getLogger("specsample.engine")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class RoundStats:
     draft_seconds: float
     target_seconds: float
     verify_seconds: float
+    fallback_rows: int = 0  # rows the gamma controller kept from drafting this round
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,9 @@ class Engine:
         drafter: Drafter | None = None,
         config: SpecConfig = SpecConfig(),
         eos_token_ids: Iterable[int] = (),
+        controller: GammaController | None = None,
     ) -> None:
+        """`controller` overrides the gamma controller an adaptive config would create."""
         if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({drafter.vocab_size}) differs from target vocabulary "
@@ -103,14 +110,15 @@ class Engine:
                 "n-gram drafter"
             )
         self.target = target
-        self.drafter = drafter
         self.config = config
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
         # slack past max_len: padded positions of a round may be written (never read) beyond it
         self.cache = target.new_cache(config.max_batch_size, self.max_len + config.gamma + 2)
-        if drafter is not None:
-            drafter.allocate(config.max_batch_size, self.max_len + config.gamma + 2)
+        self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.gamma + 2)
+        if controller is None and config.adaptive:
+            controller = GammaController(ControllerConfig(max_gamma=config.gamma))
+        self.controller = controller
         self._free_slots = list(range(config.max_batch_size))
         self._waiting: deque[_Row] = deque()
         self._running: dict[int, _Row] = {}  # slot -> row
@@ -193,9 +201,10 @@ class Engine:
         if not rows:
             stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0)
             return RoundResult(tuple(cancelled_updates), stats, time.perf_counter())
-        gamma, max_drafts = self._plan(rows)
+        gamma, max_drafts, fallback_rows = self._plan(rows)
         slots = [r.slot for r in rows]
-        draft_tokens, draft_probs, num_drafted = self._draft(rows, slots, gamma, max_drafts)
+        draft_tokens, draft_probs, num_drafted, confidence = self._draft(rows, slots, gamma, max_drafts)
+        gamma = draft_tokens.shape[1]  # the drafter may have stopped every row early
         draft_done = self._now()
         device = self.target.device
         slot_tensor = torch.tensor(slots, dtype=torch.long)
@@ -204,31 +213,51 @@ class Engine:
         target_logits = self.target.forward_cached(target_input, self.cache, slot_tensor)  # [b, gamma + 1, vocab]
         target_done = self._now()
         verdict = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits, num_drafted.to(device))
+        self._observe(rows, num_drafted, verdict.num_accepted.cpu(), confidence, gamma,
+                      draft_done - prefill_done, target_done - draft_done)
         updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted)
         verify_done = self._now()
         stats = _round_stats(len(rows), gamma, num_drafted, verdict.num_accepted.cpu(), updates,
                              prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                             verify_done - target_done)
+                             verify_done - target_done, fallback_rows)
         return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
 
-    def _plan(self, rows: list[_Row]) -> tuple[int, list[int]]:
-        """Drafts per row: never more than a row can use (remaining - 1) or asked for."""
+    def _plan(self, rows: list[_Row]) -> tuple[int, list[int], int]:
+        """Drafts per row: fixed or chosen by the controller, never more than a row can use."""
+        adaptive = [r for r in rows if r.speculative and r.gamma is None and self.controller is not None]
+        chosen = dict(zip((r.request_id for r in adaptive),
+                          self.controller.plan([r.request_id for r in adaptive], len(rows)) if adaptive else []))
         max_drafts = []
         for row in rows:
-            wanted = (row.gamma or self.config.gamma) if row.speculative else 0
+            wanted = 0 if not row.speculative else chosen.get(row.request_id, row.gamma or self.config.gamma)
             max_drafts.append(max(0, min(wanted, row.remaining - 1)))
-        return max(max_drafts), max_drafts
+        fallback = sum(1 for r in adaptive if chosen[r.request_id] == 0)
+        return max(max_drafts), max_drafts, fallback
 
     def _draft(self, rows: list[_Row], slots: list[int], gamma: int,
-               max_drafts: list[int]) -> tuple[Tensor, Tensor | None, Tensor]:
+               max_drafts: list[int]) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """Tokens `[b, g]` (g <= gamma: trailing columns no row used are dropped), probs, counts, confidence."""
         if gamma == 0 or self.drafter is None:
             empty = torch.zeros(len(rows), 0, dtype=torch.long)
-            return empty, None, torch.zeros(len(rows), dtype=torch.long)
+            return empty, None, torch.zeros(len(rows), dtype=torch.long), None
+        threshold = self.controller.gate_threshold(len(rows)) if self.controller is not None else 0.0
         proposal = self.drafter.propose(
-            slots, gamma, max_drafts, [r.params for r in rows], [r.generator for r in rows]
+            slots, gamma, max_drafts, [r.params for r in rows], [r.generator for r in rows], threshold
         )
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(max_drafts))
-        return proposal.tokens, proposal.probs, num_drafted
+        used = int(num_drafted.max())
+        probs = proposal.probs[:, :used] if proposal.probs is not None else None
+        confidence = proposal.confidence[:, :used] if proposal.confidence is not None else None
+        return proposal.tokens[:, :used], probs, num_drafted, confidence
+
+    def _observe(self, rows: list[_Row], num_drafted: Tensor, num_accepted: Tensor, confidence: Tensor | None,
+                 gamma: int, draft_seconds: float, target_seconds: float) -> None:
+        if self.controller is None:
+            return
+        self.controller.observe_timing(len(rows), gamma, draft_seconds, target_seconds)
+        for i, row in enumerate(rows):
+            conf = confidence[i, : int(num_drafted[i])].tolist() if confidence is not None else None
+            self.controller.observe(row.request_id, int(num_drafted[i]), int(num_accepted[i]), conf)
 
     def _verify(self, rows: list[_Row], draft_tokens: Tensor, draft_probs: Tensor | None,
                 target_logits: Tensor, num_drafted: Tensor) -> Verdict:
@@ -307,6 +336,9 @@ class Engine:
         self.cache.reset(torch.tensor(slots, dtype=torch.long))
         if self.drafter is not None:
             self.drafter.release_rows(slots)
+        if self.controller is not None:
+            for row in rows:
+                self.controller.release(row.request_id)
         with self._lock:
             for row in rows:
                 del self._running[row.slot]
@@ -319,8 +351,21 @@ class Engine:
         return time.perf_counter()
 
 
+def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Drafter | None:
+    """Give the drafter its caches; if they cannot be allocated, decode without drafting (loudly)."""
+    if drafter is None:
+        return None
+    try:
+        drafter.allocate(slots, max_len)
+    except (RuntimeError, MemoryError) as exc:  # out of memory (CPU or GPU): never fail requests for it
+        log.warning("draft cache could not be allocated (%s): decoding WITHOUT speculation", exc)
+        return None
+    return drafter
+
+
 def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tensor, updates: list[RowUpdate],
-                 prefill_s: float, draft_s: float, target_s: float, verify_s: float) -> RoundStats:
+                 prefill_s: float, draft_s: float, target_s: float, verify_s: float,
+                 fallback_rows: int) -> RoundStats:
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]
     drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
     accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
@@ -330,4 +375,5 @@ def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tens
         emitted=sum(len(u.new_tokens) for u in updates),
         drafted_per_position=tuple(drafted_at.tolist()), accepted_per_position=tuple(accepted_at.tolist()),
         prefill_seconds=prefill_s, draft_seconds=draft_s, target_seconds=target_s, verify_seconds=verify_s,
+        fallback_rows=fallback_rows,
     )

@@ -50,6 +50,7 @@ class StatsCollector:
     accepted_per_draft: list[int] = field(default_factory=list)
     drafted_per_draft: list[int] = field(default_factory=list)
     gammas: list[int] = field(default_factory=list)
+    fallback_row_rounds: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -71,6 +72,7 @@ class StatsCollector:
         self.accepted += s.accepted
         self.emitted += s.emitted
         self.gammas.append(s.gamma)
+        self.fallback_row_rounds += s.fallback_rows
         _add_into(self.drafted_per_position, s.drafted_per_position)
         _add_into(self.accepted_per_position, s.accepted_per_position)
         self.prefill_seconds += s.prefill_seconds
@@ -123,11 +125,24 @@ class StatsCollector:
             "acceptance_per_position": [a / d if d else 0.0 for a, d in
                                         zip(self.accepted_per_position, self.drafted_per_position)],
             "gamma_mean": statistics.fmean(self.gammas) if self.gammas else 0.0,
+            "gamma_history": _run_lengths(self.gammas),
+            "fallback_row_rounds": self.fallback_row_rounds,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,
             "verify_seconds": self.verify_seconds,
         }
+
+
+def _run_lengths(values: list[int]) -> list[list[int]]:
+    """[[value, repeats], ...]: gamma over time, compactly."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
 
 
 def _add_into(total: list[int], values: tuple[int, ...]) -> None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 
 from specsample.drafters.base import Drafter
+from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.models.hub import ALIASES, FetchError
 from specsample.models.loader import LoadedModel, load_model
+
+log = logging.getLogger("specsample")
 
 NO_DRAFT = ("none", "off")
 
@@ -32,12 +38,27 @@ def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
 
 def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu") -> Drafter | None:
-    """Build the drafter for `spec`: 'ngram', 'none', or any model spec sharing the target's tokenizer."""
+    """Build the drafter for `spec`: 'ngram', 'none', 'hybrid[:MODEL]' (n-gram where the context
+    repeats, the model elsewhere), or any model spec sharing the target's tokenizer.
+
+    A draft that exists but cannot be loaded (out of memory, unreadable files) is not fatal: we
+    decode without speculation and say so loudly.
+    """
     if spec in NO_DRAFT:
         return None
     if spec == "ngram":
         return NgramDrafter()
-    draft = load_model(spec, dtype=dtype, device=device)
+    if spec == "hybrid" or spec.startswith("hybrid:"):
+        model_spec = spec.partition(":")[2] or _model_draft_default(target)
+        model = load_drafter(model_spec, target, dtype, device)
+        if not isinstance(model, ModelDrafter):
+            raise ValueError(f"hybrid drafting needs a draft model, got {model_spec!r}")
+        return HybridDrafter(model)
+    try:
+        draft = load_model(spec, dtype=dtype, device=device)
+    except (OSError, RuntimeError, MemoryError, FetchError, SafetensorError) as exc:
+        log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
+        return None
     if draft.model.vocab_size != target.model.vocab_size:
         raise ValueError(
             f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary "
@@ -48,6 +69,13 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
             raise ValueError("draft tokenizer maps tokens to different ids than the target's; pick a draft "
                              "trained with the target's tokenizer, or use --draft ngram")
     return ModelDrafter(draft.model)
+
+
+def _model_draft_default(target: LoadedModel) -> str:
+    alias = ALIASES.get(target.spec)
+    if alias is None or alias.draft_model is None:
+        raise ValueError(f"no draft model known for {target.spec}; use hybrid:MODEL_SPEC")
+    return alias.draft_model
 
 
 def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype = "auto",

@@ -19,6 +19,7 @@ class Proposal:
     tokens: Tensor  # [batch, gamma] long; entries past num_drafted are padding
     probs: Tensor | None  # [batch, gamma, vocab] warped draft distributions; None = deterministic
     num_drafted: Tensor  # [batch] long, drafts actually proposed per row (0..gamma)
+    confidence: Tensor | None = None  # [batch, gamma] drafter's temperature-1 probability of each token
 
 
 @runtime_checkable
@@ -49,8 +50,13 @@ class Drafter(Protocol):
         max_drafts: Sequence[int],  # per row: never draft more than this (<= gamma)
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
+        stop_threshold: float = 0.0,
     ) -> Proposal:
-        """Draft up to `gamma` tokens per row, each drawn from its (warped) draft distribution."""
+        """Draft up to `gamma` tokens per row, each drawn from its (warped) draft distribution.
+
+        A drafter that reports confidence stops a row after a token whose confidence is below
+        `stop_threshold` (the token itself is kept, so the rule depends on past draws only).
+        """
         ...
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:

@@ -56,26 +56,51 @@ class ModelDrafter:
         max_drafts: Sequence[int],
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
+        stop_threshold: float = 0.0,
     ) -> Proposal:
+        """Draw up to `max_drafts[i]` tokens per row; a row stops after a token it gave less than
+        `stop_threshold` probability (at temperature 1): a stopping rule on past draws only."""
+        batch = len(slots)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         pending = [self.history[s][int(self.cache.lengths[s]):] for s in slots]
         inputs, last = pad_right(pending, self.model.device)
         logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, k, vocab]
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
-        logits = logits[torch.arange(len(slots), device=logits.device), last]  # [b, vocab]
-        tokens, probs = [], []
+        logits = logits[torch.arange(batch, device=logits.device), last]  # [b, vocab]
+        limits = [min(gamma, m) for m in max_drafts]
+        drafted = [0] * batch
+        tokens, probs, confidence = [], [], []
         for step in range(gamma):
+            active = [drafted[r] == step and step < limits[r] for r in range(batch)]
+            if not any(active):
+                break
             step_probs = warp_rows(logits, params)  # [b, vocab]
-            token = sample(step_probs, generators, [step < m for m in max_drafts])  # [b]
+            token = sample(step_probs, generators, active)  # [b]; inactive rows draw nothing
+            own = torch.softmax(logits.float(), dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)  # [b]
             tokens.append(token)
             probs.append(step_probs)
-            if step + 1 < gamma:
+            confidence.append(own)
+            for r in range(batch):
+                if active[r]:
+                    drafted[r] = step + 1
+                    if float(own[r]) < stop_threshold:
+                        limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
+            if step + 1 < gamma and any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
                 logits = self.model.forward_cached(token.unsqueeze(1), self.cache, slot_tensor)[:, 0]
-        draft_tokens = torch.stack(tokens, dim=1)  # [b, gamma]
+            else:
+                break
+        steps = len(tokens)
+        draft_tokens = torch.zeros(batch, gamma, dtype=torch.long)
+        draft_probs = torch.zeros(batch, gamma, self.vocab_size, dtype=probs[0].dtype if probs else torch.float32)
+        draft_conf = torch.zeros(batch, gamma)
+        if steps:
+            draft_tokens[:, :steps] = torch.stack(tokens, dim=1).cpu()
+            draft_probs[:, :steps] = torch.stack(probs, dim=1).cpu()
+            draft_conf[:, :steps] = torch.stack(confidence, dim=1).cpu()
         for row, slot in enumerate(slots):
-            self._drafted[slot] = draft_tokens[row].tolist()
-        num_drafted = torch.tensor([min(gamma, m) for m in max_drafts], dtype=torch.long)
-        return Proposal(tokens=draft_tokens, probs=torch.stack(probs, dim=1), num_drafted=num_drafted)
+            self._drafted[slot] = draft_tokens[row, :steps].tolist()  # drawn; all but the last were fed
+        return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
+                        confidence=draft_conf)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         """Keep cached drafts that were committed; drop the rest by lowering the cache length."""

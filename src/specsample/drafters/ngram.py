@@ -58,7 +58,8 @@ class NgramDrafter:
             self.history.pop(slot, None)
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
-                params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> Proposal:
+                params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                stop_threshold: float = 0.0) -> Proposal:
         tokens = torch.zeros(len(slots), gamma, dtype=torch.long)
         counts = []
         for row, (slot, limit) in enumerate(zip(slots, max_drafts)):

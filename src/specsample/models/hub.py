@@ -42,6 +42,7 @@ class Alias:
     gguf_sha256: str
     license: str
     default_draft: str | None  # spec of the draft `specsample generate` uses with no --draft
+    draft_model: str | None = None  # the draft model `hybrid` pairs with n-gram lookup
 
 
 ALIASES: dict[str, Alias] = {
