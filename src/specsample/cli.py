@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -81,7 +82,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding (vLLM's flag names)")
+    serve.add_argument("--model", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
+    serve.add_argument("--speculative-model", default=None,
+                       help="draft spec (model, 'ngram', 'hybrid[:MODEL]', 'none'); default: the target alias's draft")
+    serve.add_argument("--num-speculative-tokens", type=_gamma_arg, default="auto",
+                       help="gamma, or 'auto' (default): chosen per request online, up to --max-gamma")
+    serve.add_argument("--max-gamma", type=int, default=8)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together; more wait in line")
+    serve.add_argument("--max-model-len", type=int, default=2048, help="context length per request (prompt + output)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also enables /admin)")
+    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
+    serve.add_argument("--min-acceptance", type=float, default=None,
+                       help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--device", default="cpu")
+    serve.set_defaults(func=cmd_serve)
 
 
 def _add_distill_parsers(sub) -> None:
@@ -234,6 +257,23 @@ def eval_prompt_set(name: str, num: int | None) -> list:
     return prompts[:num] if num else prompts
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Load the pair, then serve the OpenAI API with uvicorn until interrupted."""
+    import uvicorn
+
+    from specsample.pair import load_pair
+    from specsample.server.app import ServerOptions, SpecServer, build_app
+
+    config = spec_config(args.num_speculative_tokens, args.max_gamma, True, args.max_batch_size, args.max_model_len)
+    pair = load_pair(args.model, args.speculative_model, args.dtype, args.device)
+    server = SpecServer(pair, config, ServerOptions(model_name=args.served_model_name or args.model,
+                                                    api_key=args.api_key, min_acceptance=args.min_acceptance))
+    logging.getLogger("specsample.server").setLevel(logging.INFO)
+    print(f"specsample: serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+
+
 def summary_line(stats: dict) -> str:
     """One human-readable line of the run's statistics."""
     return (f"[{stats['new_tokens']} new tokens | {stats['tokens_per_second']:.1f} tok/s | "
@@ -245,8 +285,6 @@ def summary_line(stats: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `specsample` console script."""
-    import logging
-
     logging.basicConfig(level=logging.WARNING, format="specsample: %(message)s")
     args = build_parser().parse_args(argv)
     try:

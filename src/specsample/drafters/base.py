@@ -62,3 +62,28 @@ class Drafter(Protocol):
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         """Append the tokens the engine committed this round to each row (accepted + next token)."""
         ...
+
+
+def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int,
+                    vocab_size: int) -> Proposal:
+    """Combine proposals made for disjoint rows of one batch (deterministic rows become one-hot)."""
+    from specsample.sampling import one_hot_like
+
+    tokens = torch.zeros(batch, gamma, dtype=torch.long)
+    probs = torch.zeros(batch, gamma, vocab_size)
+    confidence = torch.ones(batch, gamma)
+    drafted = torch.zeros(batch, dtype=torch.long)
+    for rows, part in parts:
+        if not rows:
+            continue
+        index = torch.tensor(list(rows), dtype=torch.long)
+        width = part.tokens.shape[1]
+        tokens[index, :width] = part.tokens.cpu()
+        drafted[index] = part.num_drafted.cpu()
+        if part.probs is not None:
+            probs[index, :width] = part.probs.cpu().to(probs.dtype)
+        else:
+            probs[index, :width] = one_hot_like(part.tokens.cpu(), probs[index, :width])
+        if part.confidence is not None:
+            confidence[index, :width] = part.confidence.cpu()
+    return Proposal(tokens=tokens, probs=probs, num_drafted=drafted, confidence=confidence)

@@ -7,10 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Proposal
+from specsample.drafters.base import Proposal, merge_proposals
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter, find_continuation
-from specsample.sampling import one_hot_like
 
 
 class HybridDrafter:
@@ -39,28 +38,20 @@ class HybridDrafter:
                 generators: Sequence[torch.Generator], stop_threshold: float = 0.0) -> Proposal:
         lookups = [find_continuation(self.ngram.history[s], min(gamma, m), self.ngram.min_n, self.ngram.max_n)
                    for s, m in zip(slots, max_drafts)]
-        use_ngram = [n >= self.min_match and len(found) > 0 for found, n in lookups]
-        model_rows = [i for i, u in enumerate(use_ngram) if not u]
-        tokens = torch.zeros(len(slots), gamma, dtype=torch.long)
-        probs = torch.zeros(len(slots), gamma, self.vocab_size)
-        confidence = torch.ones(len(slots), gamma)
-        drafted = torch.zeros(len(slots), dtype=torch.long)
+        ngram_rows = [i for i, (found, n) in enumerate(lookups) if n >= self.min_match and found]
+        model_rows = [i for i in range(len(slots)) if i not in set(ngram_rows)]
+        parts = []
         if model_rows:
-            sub = self.model.propose([slots[i] for i in model_rows], gamma, [max_drafts[i] for i in model_rows],
-                                     [params[i] for i in model_rows], [generators[i] for i in model_rows],
-                                     stop_threshold)
-            index = torch.tensor(model_rows)
-            tokens[index], drafted[index] = sub.tokens, sub.num_drafted
-            probs[index] = sub.probs.to(probs.dtype)
-            if sub.confidence is not None:
-                confidence[index] = sub.confidence
-        for i, ((found, _), u) in enumerate(zip(lookups, use_ngram)):
-            if u:
-                row = torch.tensor(found, dtype=torch.long)
-                tokens[i, : len(found)] = row
-                probs[i, : len(found)] = one_hot_like(row, probs[i, : len(found)])  # deterministic draft
-                drafted[i] = len(found)
-        return Proposal(tokens=tokens, probs=probs, num_drafted=drafted, confidence=confidence)
+            parts.append((model_rows, self.model.propose(
+                [slots[i] for i in model_rows], gamma, [max_drafts[i] for i in model_rows],
+                [params[i] for i in model_rows], [generators[i] for i in model_rows], stop_threshold)))
+        if ngram_rows:
+            tokens = torch.zeros(len(ngram_rows), gamma, dtype=torch.long)
+            for j, i in enumerate(ngram_rows):
+                tokens[j, : len(lookups[i][0])] = torch.tensor(lookups[i][0], dtype=torch.long)
+            counts = torch.tensor([len(lookups[i][0]) for i in ngram_rows], dtype=torch.long)
+            parts.append((ngram_rows, Proposal(tokens=tokens, probs=None, num_drafted=counts)))
+        return merge_proposals(parts, len(slots), gamma, self.vocab_size)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         self.model.commit(slots, committed)

@@ -1,0 +1,78 @@
+"""Route rows to drafters by slot, so a draft can be replaced while requests run.
+
+Rows admitted before a swap keep the drafter they started with until they finish; rows admitted
+after it use the new one. An old drafter is dropped (and its memory freed) once its last row ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from specsample.config import SamplingParams
+from specsample.drafters.base import Drafter, Proposal, merge_proposals
+
+
+class RoutedDrafter:
+    """A drafter made of generations of drafters; `replace()` makes a new generation current."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.current = drafter
+        self.vocab_size = drafter.vocab_size
+        self._owner: dict[int, Drafter] = {}
+        self._size: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+
+    def replace(self, drafter: Drafter) -> None:
+        """Make `drafter` serve rows added from now on (thread-safe; caches allocated here)."""
+        if drafter.vocab_size not in (None, self.vocab_size) and self.vocab_size is not None:
+            raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the running one ({self.vocab_size})")
+        if self._size is not None:
+            drafter.allocate(*self._size)
+        with self._lock:
+            self.current = drafter
+
+    @property
+    def generations(self) -> int:
+        """Distinct drafters still serving rows (plus the current one)."""
+        return len({id(d) for d in self._owner.values()} | {id(self.current)})
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        self._size = (num_slots, max_len)
+        self.current.allocate(num_slots, max_len)
+
+    def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        with self._lock:
+            drafter = self.current
+        drafter.add_rows(slots, prompts)
+        for slot in slots:
+            self._owner[slot] = drafter
+
+    def release_rows(self, slots: Sequence[int]) -> None:
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            drafter.release_rows([slots[i] for i in rows])
+        for slot in slots:
+            self._owner.pop(slot, None)
+
+    def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator], stop_threshold: float = 0.0) -> Proposal:
+        groups = self._groups(list(range(len(slots))), slots)
+        if len(groups) == 1:
+            return groups[0][0].propose(slots, gamma, max_drafts, params, generators, stop_threshold)
+        parts = [(rows, drafter.propose([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows],
+                                        [params[i] for i in rows], [generators[i] for i in rows], stop_threshold))
+                 for drafter, rows in groups]
+        return merge_proposals(parts, len(slots), gamma, self.vocab_size)
+
+    def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            drafter.commit([slots[i] for i in rows], [committed[i] for i in rows])
+
+    def _groups(self, rows: list[int], slots: Sequence[int]) -> list[tuple[Drafter, list[int]]]:
+        out: dict[int, tuple[Drafter, list[int]]] = {}
+        for row in rows:
+            drafter = self._owner.get(slots[row], self.current)
+            out.setdefault(id(drafter), (drafter, []))[1].append(row)
+        return list(out.values())

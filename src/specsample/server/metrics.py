@@ -1,0 +1,131 @@
+"""Prometheus metrics of the server (all under `specsample_`), with vLLM's definitions.
+
+Counters: requests (by finish status), prompt and generation tokens, drafts (row-rounds that drafted),
+draft tokens, accepted tokens, emitted tokens, accepted tokens per draft position.
+Histograms: time to first token, time per output token, end-to-end latency.
+Gauges: running batch size, queue depth, recent acceptance rate and mean acceptance length
+(1 + accepted / drafts over the last rounds). Histogram of the batch size per round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specsample.engine import RoundResult
+
+log = logging.getLogger("specsample.server")
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """One registry per server (tests run several in a process)."""
+
+    def __init__(self, min_acceptance: float | None = None, window_rounds: int = 64, labels: dict | None = None) -> None:
+        self.registry = CollectorRegistry()
+        names = list((labels or {}).keys())
+        self._labels = labels or {}
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"specsample_{name}", doc, names + list(extra), registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"specsample_{name}", doc, names, registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"specsample_{name}", doc, names, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.requests = counter("requests", "Finished requests by status", ("status",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.num_drafts = counter("spec_decode_num_drafts", "Row-rounds that proposed at least one draft token")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.emitted_tokens = counter("spec_decode_num_emitted_tokens", "Tokens emitted by speculative rounds")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", ("position",))
+        self.drafted_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
+                                       "Draft tokens proposed at each draft position", ("position",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
+        self.batch_size = Histogram("specsample_batch_size", "Rows decoded together per engine round", names,
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=self.registry)
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for a batch slot")
+        self.recent_acceptance = gauge("spec_decode_recent_acceptance_rate",
+                                       f"Accepted / drafted tokens over the last {window_rounds} rounds")
+        self.recent_mean_length = gauge("spec_decode_recent_mean_acceptance_length",
+                                        f"1 + accepted / drafts over the last {window_rounds} rounds")
+        self.max_batch_seen = 0
+        self._window: deque[tuple[int, int, int]] = deque(maxlen=window_rounds)  # (accepted, drafted, drafts)
+        self._min_acceptance = min_acceptance
+        self._low_since: float | None = None
+        self._last_warning = 0.0
+        self._lock = threading.Lock()
+
+    def _l(self, metric, **extra):
+        return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
+
+    def observe_round(self, result: RoundResult, running: int, waiting: int) -> None:
+        """Count one engine round (called from the engine thread)."""
+        s = result.stats
+        self._l(self.running).set(running)
+        self._l(self.waiting).set(waiting)
+        if s.batch_size == 0:
+            return
+        self.max_batch_seen = max(self.max_batch_seen, s.batch_size)
+        self._l(self.batch_size).observe(s.batch_size)
+        drafts = sum(1 for u in result.rows if u.num_drafted > 0)
+        self._l(self.num_drafts).inc(drafts)
+        self._l(self.draft_tokens).inc(s.drafted)
+        self._l(self.accepted_tokens).inc(s.accepted)
+        self._l(self.emitted_tokens).inc(sum(len(u.new_tokens) for u in result.rows if u.num_drafted > 0))
+        self._l(self.generation_tokens).inc(s.emitted)
+        for pos, (acc, dr) in enumerate(zip(s.accepted_per_position, s.drafted_per_position)):
+            self._l(self.accepted_per_pos, position=str(pos)).inc(acc)
+            self._l(self.drafted_per_pos, position=str(pos)).inc(dr)
+        with self._lock:
+            self._window.append((s.accepted, s.drafted, drafts))
+            accepted = sum(a for a, _, _ in self._window)
+            drafted = sum(d for _, d, _ in self._window)
+            n_drafts = sum(n for _, _, n in self._window)
+        if drafted:
+            rate = accepted / drafted
+            self._l(self.recent_acceptance).set(rate)
+            self._l(self.recent_mean_length).set(1 + accepted / max(n_drafts, 1))
+            self._check_low_acceptance(rate, drafted)
+
+    def _check_low_acceptance(self, rate: float, drafted: int) -> None:
+        """Warn (at most once a minute) while the recent acceptance rate stays under the floor."""
+        if self._min_acceptance is None or drafted < 50:
+            return
+        now = time.monotonic()
+        if rate >= self._min_acceptance:
+            self._low_since = None
+            return
+        self._low_since = self._low_since or now
+        if now - self._low_since >= 5.0 and now - self._last_warning >= 60.0:
+            self._last_warning = now
+            log.warning("recent acceptance rate %.2f has stayed below --min-acceptance %.2f for %.0f s: "
+                        "the draft no longer matches the target's traffic", rate, self._min_acceptance,
+                        now - self._low_since)
+
+    def observe_request(self, status: str, prompt_tokens: int, ttft: float | None, tpot: float | None,
+                        e2e: float) -> None:
+        """Count one finished request (called from the event loop)."""
+        self._l(self.requests, status=status).inc()
+        self._l(self.prompt_tokens).inc(prompt_tokens)
+        if ttft is not None:
+            self._l(self.ttft).observe(ttft)
+        if tpot is not None:
+            self._l(self.tpot).observe(tpot)
+        self._l(self.e2e).observe(e2e)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

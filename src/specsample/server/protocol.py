@@ -1,0 +1,182 @@
+"""The OpenAI request schema we honour, and the text assembly (stop strings) for one choice.
+
+Every field either changes what we do or is rejected: an unknown field, or a known one set to a
+value that would change the output in a way we do not implement, is a 400 — never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specsample.tokenizer import StreamDecoder
+
+
+class ProtocolError(ValueError):
+    """A request we refuse, with the offending parameter for the OpenAI error object."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = None  # extension; None, 0 or -1 = off (vLLM's convention)
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculative: bool = True  # extension: false = plain decoding for this request
+    num_speculative_tokens: int | None = Field(None, ge=1)  # extension: a fixed gamma for this request
+    user: str | None = None  # recorded nowhere; does not change the output
+    # accepted only at their neutral values
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value in (None, 0, -1):
+            return None
+        if value < 1:
+            raise ValueError("top_k must be >= 1 (or 0 / -1 for no limit)")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _neutral(self) -> "_Sampling":
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name} is not supported (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_only(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported (only equal to n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise ValueError("prompt is empty")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self) -> "ChatRequest":
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format is not supported (only {'type': 'text'})")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages for the chat template ('developer' is the newer name of 'system')."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class TextAssembler:
+    """Detokenises one choice incrementally and applies stop strings, also across round boundaries.
+
+    Text that could still be the start of a stop string is held back until it cannot be.
+    """
+
+    def __init__(self, decoder: StreamDecoder, stops: list[str]) -> None:
+        self.decoder = decoder
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, token_ids: tuple[int, ...]) -> str:
+        """Add tokens; return the text that is final now (empty once a stop string matched)."""
+        if self.stopped:
+            return ""
+        self.pending += self.decoder.push(token_ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Flush at the end of generation."""
+        if self.stopped:
+            return ""
+        self.pending += self.decoder.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        keep = 0 if final else self._holdback()
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out
+
+    def _holdback(self) -> int:
+        """Length of the longest tail of `pending` that begins some stop string."""
+        best = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if stop.startswith(self.pending[-size:]):
+                    best = size
+                    break
+        return best

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from model_factory import make_tokenizer, write_hf_model
+from specsample.config import SpecConfig
+from specsample.pair import load_pair
+from specsample.server.app import ServerOptions, SpecServer, build_app
+from specsample.server.protocol import TextAssembler
+
+MODEL = "tiny"
+PROMPTS = ["the quick brown fox", "hello world", "speculative sampling", "the lazy dog jumps",
+           "tokens for tests", "a tiny language model", "over the quick dog", "world hello fox"]
+
+
+class LiveServer:
+    def __init__(self, server: SpecServer) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.server = server
+        self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=self.port,
+                                                     log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uvicorn.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = "unused", cls=openai.OpenAI):
+        return cls(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("server")
+    tokenizer = make_tokenizer()
+    return {"target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128),
+            "draft": write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
+            "draft2": write_hf_model(root / "draft2", "qwen2", tokenizer=tokenizer, seed=4, num_hidden_layers=1),
+            "other_vocab": write_hf_model(root / "other", "llama", tokenizer=tokenizer, vocab_size=512)}
+
+
+def _server(folders, api_key=None, max_batch=8) -> LiveServer:
+    pair = load_pair(str(folders["target"]), str(folders["draft"]), dtype="float32")
+    config = SpecConfig(gamma=4, max_batch_size=max_batch, max_seq_len=128)
+    return LiveServer(SpecServer(pair, config, ServerOptions(model_name=MODEL, api_key=api_key, min_acceptance=0.7)))
+
+
+@pytest.fixture(scope="module")
+def live(folders):
+    server = _server(folders)
+    yield server
+    server.close()
+
+
+def test_completions_and_chat_streamed_and_not(live) -> None:
+    client = live.client()
+    for kwargs in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
+        full = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=24, **kwargs)
+        streamed = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=24, stream=True,
+                                             **kwargs)
+        assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
+        assert full.usage.completion_tokens >= 1 and full.usage.prompt_tokens > 0
+        messages = [{"role": "user", "content": "hello world"}]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, **kwargs)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, stream=True,
+                                                     stream_options={"include_usage": True}, **kwargs))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+        assert chat.choices[0].finish_reason in ("stop", "length")
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_greedy_speculation_equals_plain(live) -> None:
+    client = live.client()
+    for prompt in PROMPTS[:4]:
+        spec = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                          extra_body={"speculative": False})
+        fixed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                          extra_body={"num_speculative_tokens": 2, "top_k": 5})
+        assert spec.choices[0].text == plain.choices[0].text == fixed.choices[0].text
+
+
+def test_n_choices_and_stop_strings(live) -> None:
+    client = live.client()
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=20, n=3, temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    greedy = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30, temperature=0)
+    text = greedy.choices[0].text
+    stop = text[8:12]
+    assert stop and stop in text
+    cut = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text[: text.index(stop)]
+
+
+def test_stop_string_across_round_boundaries() -> None:
+    class Decoder:  # pretends each token is one character
+        def push(self, ids):
+            return "".join(chr(i) for i in ids)
+
+        def flush(self):
+            return ""
+
+    assembler = TextAssembler(Decoder(), ["STOP"])
+    pieces = [assembler.push(tuple(map(ord, part))) for part in ("abcS", "T", "OPxyz")]
+    assert "".join(pieces) == "abc" and assembler.stopped
+    keep = TextAssembler(Decoder(), ["STOP"])
+    assert keep.push(tuple(map(ord, "xxST"))) == "xx"  # "ST" might begin the stop string: held back
+    assert keep.push(tuple(map(ord, "AR"))) == "STAR"
+    assert keep.finish() == ""
+
+
+def test_concurrent_clients_are_batched_and_isolated(live) -> None:
+    client = live.client()
+    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0).choices[0].text
+             for p in PROMPTS}
+
+    async def run_all():
+        aclient = live.client(cls=openai.AsyncOpenAI)
+
+        async def one(prompt):
+            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                                      stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    together = asyncio.run(run_all())
+    assert dict(zip(PROMPTS, together)) == alone
+    assert live.server.metrics.max_batch_seen > 1
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
+    over_one = [s for s in families["specsample_batch_size"].samples
+                if s.name.endswith("_bucket") and s.labels["le"] == "1.0"]
+    total = [s for s in families["specsample_batch_size"].samples if s.name.endswith("_count")]
+    assert total[0].value > over_one[0].value  # some rounds ran more than one request
+
+
+def test_disconnect_frees_the_slot(live) -> None:
+    engine = live.server.engine
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", live.url + "/v1/completions",
+                         json={"model": MODEL, "prompt": "hello", "max_tokens": 100, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    break  # first chunk received: hang up mid-stream
+    deadline = time.time() + 10
+    while (engine.num_running or engine.num_waiting or live.server.runner.in_flight) and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.num_running == 0 and live.server.runner.in_flight == 0
+    out = live.client().completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0)
+    assert out.choices[0].text is not None
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": "hot"}).encode(), "temperature"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -0.5}).encode(), "temperature"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi " * 60, "max_tokens": 100}).encode(), "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "frobnicate": True}).encode(), "frobnicate"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}).encode(), None),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 3}}).encode(), None),
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), None),
+    (json.dumps([1, 2]).encode(), None),
+])
+def test_bad_requests_get_400_and_the_server_carries_on(live, body, param) -> None:
+    response = httpx.post(live.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param:
+        assert error["param"] == param
+    assert live.client().completions.create(model=MODEL, prompt="hi", max_tokens=3).choices
+
+
+def test_unknown_model_is_404(live) -> None:
+    with pytest.raises(openai.NotFoundError):
+        live.client().completions.create(model="gpt-5", prompt="hi", max_tokens=3)
+
+
+def test_metrics_parse_and_move(live) -> None:
+    def read() -> dict[str, float]:
+        values = {}
+        for family in text_string_to_metric_families(httpx.get(live.url + "/metrics").text):
+            for sample in family.samples:
+                values[sample.name + json.dumps(sample.labels, sort_keys=True)] = sample.value
+        return values
+
+    before = read()
+    live.client().completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=12, temperature=0)
+    after = read()
+    for name in ('specsample_requests_total{"status": "finished"}', "specsample_generation_tokens_total{}",
+                 "specsample_spec_decode_num_draft_tokens_total{}", "specsample_spec_decode_num_drafts_total{}",
+                 "specsample_time_to_first_token_seconds_count{}", "specsample_e2e_request_latency_seconds_count{}"):
+        assert after[name] > before.get(name, 0), name
+    assert "specsample_spec_decode_recent_acceptance_rate{}" in after
+    assert 'specsample_spec_decode_num_accepted_tokens_per_pos_total{"position": "0"}' in after
+
+
+def test_api_key_and_draft_swap(folders) -> None:
+    server = _server(folders, api_key="secret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client("wrong").completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+        client = server.client("secret")
+        reference = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0)
+
+        def swap(spec: str, key: str = "secret") -> httpx.Response:
+            return httpx.post(server.url + "/admin/draft", json={"draft": spec},
+                              headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+        stream = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0, stream=True)
+        first = next(iter(stream))  # a request in flight on the first draft
+        assert swap(str(folders["draft2"])).status_code == 200  # swapped while it runs
+        rest = "".join(c.choices[0].text for c in stream)
+        assert first.choices[0].text + rest == reference.choices[0].text  # finished, not dropped
+        after = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0)
+        assert after.choices[0].text == reference.choices[0].text
+        assert httpx.get(server.url + "/health").json()["draft"] == str(folders["draft2"])
+        refused = swap(str(folders["other_vocab"]))
+        assert refused.status_code == 400 and "vocabulary" in refused.json()["error"]["message"]
+        assert swap("ngram", key="wrong").status_code == 401
+        assert server.server.engine.drafter.generations <= 2
+    finally:
+        server.close()
