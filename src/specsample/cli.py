@@ -83,7 +83,40 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
     _add_serve_parser(sub)
+    _add_bench_parser(sub)
     return parser
+
+
+def _csv(kind):
+    def parse(value: str) -> tuple:
+        try:
+            return tuple(v if (kind is int and v == "auto") else kind(v) for v in value.split(",") if v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {value!r}") from None
+    return parse
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="speed, acceptance and losslessness, side by side with peers")
+    bench.add_argument("--target", default=DEFAULT_TARGET)
+    bench.add_argument("--draft", default=None, help="draft spec (default: the target alias's draft)")
+    bench.add_argument("--dataset", default="spec-bench", help="spec-bench (or a path in its format), humaneval, sharegpt")
+    bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise")
+    bench.add_argument("--max-new-tokens", type=int, default=None)
+    bench.add_argument("--gamma", type=_csv(int), default=None,
+                       help="gammas to sweep ('auto' allowed); the first is used for the main comparison")
+    bench.add_argument("--temperature", type=_csv(float), default=None)
+    bench.add_argument("--batch-size", type=_csv(int), default=None)
+    bench.add_argument("--compare", type=_csv(str), default=(), help=f"peers: {', '.join(('hf', 'hf-assisted', 'hf-lookup'))}")
+    bench.add_argument("--sweep-prompts", type=int, default=None)
+    bench.add_argument("--lossless-samples", type=int, default=None)
+    bench.add_argument("--lossless-prompts", type=int, default=None)
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"))
+    bench.set_defaults(func=cmd_bench)
 
 
 def _add_serve_parser(sub) -> None:
@@ -272,6 +305,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     print(f"specsample: serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Run the benchmark suites and write results.json, results.md and plots to --out."""
+    from specsample.bench.run import BenchConfig, run
+
+    overrides = {k: v for k, v in {
+        "target": args.target, "draft": args.draft, "dataset": args.dataset, "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens, "gammas": args.gamma, "temperatures": args.temperature,
+        "batch_sizes": args.batch_size, "compare": tuple(args.compare), "sweep_prompts": args.sweep_prompts,
+        "lossless_samples": args.lossless_samples, "lossless_prompts": args.lossless_prompts,
+        "dtype": args.dtype, "device": args.device, "seed": args.seed, "out": args.out}.items() if v is not None}
+    config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
+    results = run(config, progress=sys.stderr.isatty())
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots "
+          f"({results['wall_seconds'] / 60:.1f} min)")
 
 
 def summary_line(stats: dict) -> str:

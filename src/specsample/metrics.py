@@ -124,6 +124,10 @@ class StatsCollector:
             "tokens_per_round": self.emitted / self.row_rounds if self.row_rounds else 0.0,
             "acceptance_per_position": [a / d if d else 0.0 for a, d in
                                         zip(self.accepted_per_position, self.drafted_per_position)],
+            "drafts": self.drafts,
+            "rejections": sum(int(a < d) for a, d in zip(self.accepted_per_draft, self.drafted_per_draft)),
+            "accepted_per_position_counts": list(self.accepted_per_position),
+            "drafted_per_position_counts": list(self.drafted_per_position),
             "gamma_mean": statistics.fmean(self.gammas) if self.gammas else 0.0,
             "gamma_history": _run_lengths(self.gammas),
             "fallback_row_rounds": self.fallback_row_rounds,

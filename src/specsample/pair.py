@@ -68,7 +68,7 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         if target.tokenizer.hf.get_vocab() != draft.tokenizer.hf.get_vocab():
             raise ValueError("draft tokenizer maps tokens to different ids than the target's; pick a draft "
                              "trained with the target's tokenizer, or use --draft ngram")
-    return ModelDrafter(draft.model)
+    return ModelDrafter(draft.model, draft.folder)
 
 
 def _model_draft_default(target: LoadedModel) -> str:

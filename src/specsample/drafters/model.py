@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -21,8 +22,9 @@ class ModelDrafter:
     was accepted), then samples one token per step.
     """
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, folder: Path | None = None) -> None:
         self.model = model
+        self.folder = folder  # where the draft was loaded from (peers like transformers can load it too)
         self.vocab_size = model.vocab_size
         self.cache: ModelCache | None = None
         self.history: dict[int, list[int]] = {}

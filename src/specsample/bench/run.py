@@ -1,0 +1,305 @@
+"""`specsample bench`: speed, acceptance and losslessness of speculative sampling, side by side with peers.
+
+Every system sees the same prompts, seeds and token budget, interleaved prompt by prompt (the order
+rotates) so machine drift hits all alike. The baseline of every speedup is target-only decoding
+through our own engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
+from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
+from specsample.config import SamplingParams, SpecConfig
+from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
+from specsample.drafters.model import ModelDrafter
+from specsample.pair import load_pair
+
+COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run (the CLI's flags)."""
+
+    target: str = "smollm2-135m-instruct"
+    draft: str | None = None
+    dataset: str = "spec-bench"
+    num_prompts: int | None = None  # per category for spec-bench, in total otherwise
+    max_new_tokens: int = 128
+    gammas: tuple[int | str, ...] = ("auto", 1, 2, 3, 4, 5, 6, 7, 8)  # first: the main comparison's gamma
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    compare: tuple[str, ...] = ()
+    sweep_prompts: int = 24  # prompts for the gamma and batch sweeps
+    lossless_prompts: int = 3
+    lossless_samples: int = 2000
+    lossless_tokens: int = 4
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    out: Path = Path("bench-out")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> "BenchConfig":
+        """A preset that finishes in minutes: few prompts, short generations, small sweeps."""
+        base = cls(num_prompts=1, max_new_tokens=48, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
+                   batch_sizes=(1, 4), sweep_prompts=6, lossless_prompts=2, lossless_samples=600)
+        return dataclasses.replace(base, **overrides)
+
+
+def load_prompts(name: str, num: int | None, seed: int) -> list[Prompt]:
+    """Benchmark prompts: spec-bench (or a path to a file of that format), humaneval or sharegpt."""
+    if name == "humaneval":
+        prompts = humaneval_prompts()
+        return prompts[:num] if num else prompts
+    if name == "sharegpt":
+        return list(sharegpt_prompts(skip=16000, limit=num or 200))  # far from distillation's range
+    prompts = spec_bench_prompts(None if name == "spec-bench" else name)
+    if num is None:
+        return prompts
+    seen: dict[str, int] = defaultdict(int)
+    picked = []
+    for p in prompts:
+        if seen[p.category] < num:
+            picked.append(p)
+            seen[p.category] += 1
+    return picked
+
+
+class Bench:
+    """Loads the pair and the peers once, then runs the suites."""
+
+    def __init__(self, config: BenchConfig, progress: bool = True) -> None:
+        self.config, self.progress = config, progress
+        self.notes: list[str] = []
+        self.pair = load_pair(config.target, config.draft, config.dtype, config.device)
+        self.tokenizer = self.pair.target.tokenizer
+        if self.tokenizer is None:
+            raise ValueError(f"{config.target} has no tokenizer; benchmarks need text prompts")
+        self.eos = self.tokenizer.eos_token_ids
+        self.prompts = load_prompts(config.dataset, config.num_prompts, config.seed)
+        chat = self.tokenizer.has_chat_template and config.dataset != "humaneval"
+        encoded = [(p, self.tokenizer.encode(p.turns[0], chat=chat)) for p in self.prompts]
+        limit = self.pair.target.model.max_seq_len - config.max_new_tokens
+        kept = [(p, ids) for p, ids in encoded if len(ids) <= limit]
+        if len(kept) < len(encoded):
+            self.notes.append(f"{len(encoded) - len(kept)} prompts longer than the context window were skipped")
+        if not kept:
+            raise ValueError("no prompt fits the target's context window with --max-new-tokens")
+        self.prompts = [p for p, _ in kept]
+        self.prompt_ids = [ids for _, ids in kept]
+        self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens + 16
+        self.peers = self._load_peers()
+
+    # ----- systems ----------------------------------------------------------------------------
+
+    def ours(self, gamma: int | str, batch: int = 1, speculative: bool = True) -> Ours:
+        adaptive = gamma == "auto"
+        config = SpecConfig(gamma=8 if adaptive else max(1, int(gamma)), adaptive=adaptive, speculative=speculative,
+                            max_batch_size=batch, max_seq_len=min(self.max_len, self.pair.target.model.max_seq_len))
+        name = f"specsample gamma={gamma}" if speculative else "target-only (ours)"
+        if speculative and self.pair.drafter is None:
+            raise ValueError(f"no draft for {self.config.target}: pass --draft")
+        return Ours(name, self.pair.target.model, self.pair.drafter if speculative else None, config, self.eos)
+
+    def _load_peers(self) -> list[HFGenerate]:
+        peers = []
+        unknown = set(self.config.compare) - set(COMPARE_CHOICES)
+        if unknown:
+            raise ValueError(f"unknown --compare system(s) {', '.join(sorted(unknown))}; choose from {', '.join(COMPARE_CHOICES)}")
+        if not self.config.compare:
+            return peers
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            self.notes.append("transformers is not installed: peers skipped")
+            return peers
+        folder = self.pair.target.folder
+        if folder is None:
+            self.notes.append("the target was not loaded from a folder: transformers peers skipped")
+            return peers
+        dtype = getattr(self.pair.target.model, "dtype", torch.float32)
+        hf_target = load_hf_peer(folder, dtype)
+        if "hf" in self.config.compare:
+            peers.append(HFGenerate("transformers generate", hf_target, self.eos))
+        if "hf-assisted" in self.config.compare:
+            draft_folder = getattr(self.pair.drafter, "folder", None)
+            if isinstance(self.pair.drafter, ModelDrafter) and draft_folder is not None:
+                peers.append(HFGenerate("transformers assisted", hf_target, self.eos,
+                                        assistant=load_hf_peer(draft_folder, dtype)))
+            else:
+                self.notes.append(f"hf-assisted skipped: the draft ({self.pair.draft_spec}) is not a model folder "
+                                  "transformers can load")
+        if "hf-lookup" in self.config.compare:
+            peers.append(HFGenerate("transformers prompt lookup", hf_target, self.eos, prompt_lookup=5))
+        return peers
+
+    # ----- suites -----------------------------------------------------------------------------
+
+    def _params(self, temperature: float, index: int, max_new_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+                              seed=self.config.seed * 100_003 + index)
+
+    def compare(self) -> dict[str, Any]:
+        """Main table: every system on every prompt, per temperature, interleaved."""
+        systems = [self.ours(0, speculative=False), self.ours(self.config.gammas[0])] + self.peers
+        out: dict[str, Any] = {}
+        bar = tqdm(total=len(self.config.temperatures) * len(self.prompts), desc="compare", disable=not self.progress)
+        for temperature in self.config.temperatures:
+            records: dict[str, list[tuple[Prompt, RunRecord]]] = defaultdict(list)
+            for i, (prompt, ids) in enumerate(zip(self.prompts, self.prompt_ids)):
+                order = systems[i % len(systems):] + systems[: i % len(systems)]  # rotate: no fixed position
+                for system in order:
+                    records[system.name].append((prompt, system.run([ids], self._params(temperature, i))[0]))
+                bar.update(1)
+            out[str(temperature)] = self._summarise(records, systems[0].name)
+        bar.close()
+        return out
+
+    def _summarise(self, records: dict[str, list[tuple[Prompt, RunRecord]]], baseline: str) -> dict[str, Any]:
+        categories = sorted({p.category for p, _ in records[baseline]}) + ["overall"]
+        table: dict[str, Any] = {}
+        for name, rows in records.items():
+            table[name] = {}
+            for cat in categories:
+                chosen = [r for p, r in rows if cat == "overall" or p.category == cat]
+                table[name][cat] = _speed(chosen)
+        for name in records:
+            for cat in categories:
+                base = table[baseline][cat]["tokens_per_s"]
+                table[name][cat]["speedup"] = table[name][cat]["tokens_per_s"] / base if base else 0.0
+                stats = [r.stats for p, r in records[name] if (cat == "overall" or p.category == cat) and r.stats]
+                if stats and any(s["drafted"] for s in stats):
+                    acc = acceptance_summary(stats)
+                    cost = _cost_ratio(stats)
+                    predicted = predicted_speedup(acc["alpha"], acc["gamma_mean"], cost)
+                    table[name][cat].update(acc, cost_ratio=cost, predicted_speedup=predicted,
+                                            measured_over_predicted=table[name][cat]["speedup"] / predicted)
+        return table
+
+    def gamma_sweep(self, temperature: float) -> dict[str, Any]:
+        """Speedup and ms/token against gamma (the paper's figure), with the theory curve."""
+        prompts = list(zip(self.prompts, self.prompt_ids))[: self.config.sweep_prompts]
+        systems = [self.ours(0, speculative=False)] + [self.ours(g) for g in self.config.gammas]
+        records: dict[str, list[tuple[Prompt, RunRecord]]] = defaultdict(list)
+        for i, (prompt, ids) in enumerate(tqdm(prompts, desc="gamma sweep", disable=not self.progress)):
+            for system in systems[i % len(systems):] + systems[: i % len(systems)]:
+                records[system.name].append((prompt, system.run([ids], self._params(temperature, i))[0]))
+        table = self._summarise(records, systems[0].name)
+        points = []
+        for gamma, system in zip(self.config.gammas, systems[1:]):
+            row = table[system.name]["overall"]
+            points.append({"gamma": gamma, "speedup": row["speedup"], "ms_per_token": row["ms_per_token"],
+                           "alpha": row.get("alpha"), "cost_ratio": row.get("cost_ratio"),
+                           "predicted_speedup": row.get("predicted_speedup")})
+        fixed = [p for p in points if p["gamma"] != "auto" and p["alpha"] is not None]
+        alpha = statistics.fmean(p["alpha"] for p in fixed) if fixed else 0.0
+        cost = statistics.fmean(p["cost_ratio"] for p in fixed) if fixed else 0.0
+        theory = [{"gamma": g, "speedup": predicted_speedup(alpha, g, cost)} for g in range(1, 11)]
+        return {"temperature": temperature, "points": points, "theory": theory, "alpha": alpha, "cost_ratio": cost,
+                "baseline_ms_per_token": table[systems[0].name]["overall"]["ms_per_token"]}
+
+    def batch_sweep(self, temperature: float) -> list[dict[str, Any]]:
+        """Throughput of target-only and speculative decoding as the batch grows."""
+        ids = self.prompt_ids[: self.config.sweep_prompts]
+        out = []
+        for batch in tqdm(self.config.batch_sizes, desc="batch sweep", disable=not self.progress):
+            systems = [self.ours(0, batch, speculative=False), self.ours(self.config.gammas[0], batch)]
+            totals = {s.name: [0, 0.0] for s in systems}
+            for start in range(0, len(ids), batch):
+                group = ids[start:start + batch]
+                params = [self._params(temperature, start + j) for j in range(len(group))]
+                for system in systems:
+                    records = system.run(group, params)
+                    totals[system.name][0] += sum(len(r.tokens) for r in records)
+                    totals[system.name][1] += records[0].seconds
+            base, spec = (totals[s.name][0] / totals[s.name][1] for s in systems)
+            out.append({"batch_size": batch, "target_only_tokens_per_s": base, "speculative_tokens_per_s": spec,
+                        "speedup": spec / base if base else 0.0})
+        return out
+
+    def losslessness(self) -> list[dict[str, Any]]:
+        """First tokens of many samples from speculative vs target-only sampling: a two-sample test."""
+        n, tokens = self.config.lossless_samples, self.config.lossless_tokens
+        out = []
+        for index, (prompt, ids) in enumerate(list(zip(self.prompts, self.prompt_ids))[: self.config.lossless_prompts]):
+            samples = {}
+            for speculative in (False, True):
+                system = self.ours(self.config.gammas[0] if speculative else 0, batch=min(n, 256), speculative=speculative)
+                seqs = []
+                for start in tqdm(range(0, n, 256), desc=f"lossless {index} {'spec' if speculative else 'plain'}",
+                                  disable=not self.progress, leave=False):
+                    count = min(256, n - start)
+                    offset = 10**6 * (2 + speculative) + start  # disjoint seeds for the two samples
+                    params = [self._params(1.0, offset + j, tokens) for j in range(count)]
+                    seqs += [tuple(r.tokens) for r in system.run([ids] * count, params)]
+                samples[speculative] = seqs
+            test = two_sample_test(samples[False], samples[True])
+            out.append({"prompt_id": prompt.id, "category": prompt.category, "samples": n, "tokens": tokens,
+                        "temperature": 1.0, **test})
+        return out
+
+
+def _speed(records: list[RunRecord]) -> dict[str, float]:
+    tokens = sum(len(r.tokens) for r in records)
+    seconds = sum(r.seconds for r in records)
+    gaps = [g for r in records for g in r.tpots]
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    return {"prompts": len(records), "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
+            "ttft_p50_ms": 1000 * percentile(ttfts, 50), "tpot_p50_ms": 1000 * percentile(gaps, 50),
+            "tpot_p99_ms": 1000 * percentile(gaps, 99)}
+
+
+def _cost_ratio(stats: list[dict]) -> float:
+    """Measured c: seconds per draft step over seconds per target forward, pooled over runs."""
+    draft = sum(s["draft_seconds"] for s in stats)
+    target = sum(s["target_seconds"] for s in stats)
+    rounds = sum(s["rounds"] for s in stats)
+    steps = sum(s["gamma_mean"] * s["rounds"] for s in stats)
+    return (draft / steps) / (target / rounds) if steps and rounds and target else 0.0
+
+
+def environment(bench: Bench) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    model = bench.pair.target.model
+    return {"cpu": platform.processor() or platform.machine(), "machine": platform.platform(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "python": sys.version.split()[0],
+            "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
+            "device": str(model.device), "target": bench.config.target, "draft": bench.pair.draft_spec}
+
+
+def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Run every suite and write results.json, results.md and the plots into `config.out`."""
+    from specsample.bench.report import write_report
+
+    started = time.time()
+    bench = Bench(config, progress)
+    results: dict[str, Any] = {"config": {k: (str(v) if isinstance(v, Path) else v)
+                                          for k, v in dataclasses.asdict(config).items()},
+                               "environment": environment(bench), "notes": bench.notes}
+    results["compare"] = bench.compare()
+    first = config.temperatures[0]
+    results["gamma_sweep"] = bench.gamma_sweep(first)
+    results["batch_sweep"] = bench.batch_sweep(first)
+    results["losslessness"] = bench.losslessness()
+    results["wall_seconds"] = time.time() - started
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "results.json").write_text(json.dumps(results, indent=2))
+    write_report(results, config.out)
+    return results

@@ -1,0 +1,132 @@
+"""The systems a benchmark compares, behind one small interface: generate for one prompt, timed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from specsample.config import SamplingParams, SpecConfig
+from specsample.drafters.base import Drafter
+from specsample.models.base import CausalLM
+
+
+@dataclass
+class RunRecord:
+    """One generation: tokens, wall time, first-token latency, per-token gaps, engine statistics."""
+
+    tokens: list[int]
+    seconds: float
+    ttft: float | None
+    tpots: list[float] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class System(Protocol):
+    name: str
+
+    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
+        """Generate for a batch of prompts (the batch is decoded together)."""
+        ...
+
+
+class Ours:
+    """specsample's engine: target-only (drafter None) or speculative. The engine re-allocates the
+    drafter's state for every run, so one drafter serves all runs."""
+
+    def __init__(self, name: str, target: CausalLM, drafter: Drafter | None, config: SpecConfig,
+                 eos: frozenset[int]) -> None:
+        self.name, self.target, self.drafter, self.config, self.eos = name, target, drafter, config, eos
+
+    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
+        from specsample.api import generate_stream
+        from specsample.metrics import StatsCollector
+
+        drafter = self.drafter
+        collector = StatsCollector()
+        started = time.perf_counter()
+        outputs: dict[str, list[int]] = {}
+        stamps: dict[str, list[float]] = {}
+        ids: list[str] = []
+        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos):
+            if not collector.requests:
+                for rid in ids:
+                    collector.request_started(rid, started)
+            collector.observe(result)
+            for update in result.rows:
+                if update.new_tokens:
+                    outputs.setdefault(update.request_id, []).extend(update.new_tokens)
+                    stamps.setdefault(update.request_id, []).extend([result.finished_at] * len(update.new_tokens))
+        wall = time.perf_counter() - started
+        stats = collector.summary()
+        records = []
+        for rid in ids:
+            times = stamps.get(rid, [])
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            records.append(RunRecord(outputs.get(rid, []), wall, times[0] - started if times else None, gaps, stats))
+        return records
+
+
+class _HFStreamer:
+    """Records when each generated token arrives (transformers' streamer protocol)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.counts.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class HFGenerate:
+    """transformers `generate()`: plain, assisted by the same draft, or prompt lookup (batch 1)."""
+
+    def __init__(self, name: str, model: Any, eos: frozenset[int], assistant: Any = None,
+                 prompt_lookup: int | None = None) -> None:
+        self.name, self.model, self.eos, self.assistant, self.prompt_lookup = name, model, eos, assistant, prompt_lookup
+
+    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
+        rows = params if isinstance(params, list) else [params] * len(prompts)
+        return [self._one(p, q) for p, q in zip(prompts, rows)]
+
+    @torch.inference_mode()
+    def _one(self, prompt: list[int], params: SamplingParams) -> RunRecord:
+        kwargs: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "eos_token_id": sorted(self.eos) or None,
+                                  "pad_token_id": sorted(self.eos)[0] if self.eos else 0}
+        if params.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k or 0, min_p=params.min_p or None)
+        if self.assistant is not None:
+            kwargs["assistant_model"] = self.assistant
+        if self.prompt_lookup is not None:
+            kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        streamer = _HFStreamer()
+        ids = torch.tensor([prompt], device=self.model.device)
+        started = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer, **kwargs)
+        wall = time.perf_counter() - started
+        tokens = out[0, len(prompt):].tolist()
+        per_token = [t for t, c in zip(streamer.times, streamer.counts) for _ in range(c)]
+        gaps = [b - a for a, b in zip(per_token, per_token[1:])]
+        return RunRecord(tokens, wall, streamer.times[0] - started if streamer.times else None, gaps, {})
+
+
+def load_hf_peer(folder, dtype: torch.dtype) -> Any:
+    """The same weights through transformers (a peer for the comparison)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()

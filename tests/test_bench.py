@@ -1,0 +1,106 @@
+"""Benchmark statistics, dataset loaders on small fixtures, and a --quick run on tiny models."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from model_factory import make_tokenizer, write_hf_model
+from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
+from specsample.datasets import iter_sharegpt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
+from specsample.theory import expected_speedup
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 99) == 99.0
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_two_sample_test_has_power_and_calibration() -> None:
+    rng = random.Random(0)
+    weights = [0.4, 0.3, 0.2, 0.1]
+    same_a = [tuple(rng.choices(range(4), weights, k=2)) for _ in range(3000)]
+    same_b = [tuple(rng.choices(range(4), weights, k=2)) for _ in range(3000)]
+    other = [tuple(rng.choices(range(4), [0.3, 0.3, 0.25, 0.15], k=2)) for _ in range(3000)]
+    assert two_sample_test(same_a, same_b)["p_value"] > 0.01
+    assert two_sample_test(same_a, other)["p_value"] < 1e-6
+    rare = [(9, 9)] + same_a[1:]  # a category too rare for the approximation is pooled, not dropped
+    assert two_sample_test(rare, same_b)["categories"] <= 17
+
+
+def test_acceptance_summary_and_prediction() -> None:
+    stats = [{"drafted": 10, "accepted": 6, "drafts": 3, "rejections": 2, "accepted_per_position_counts": [3, 2, 1],
+              "drafted_per_position_counts": [3, 3, 3]},
+             {"drafted": 4, "accepted": 4, "drafts": 1, "rejections": 0, "accepted_per_position_counts": [1, 1, 1, 1],
+              "drafted_per_position_counts": [1, 1, 1, 1]}]
+    summary = acceptance_summary(stats)
+    assert summary["acceptance_rate"] == pytest.approx(10 / 14)
+    assert summary["alpha"] == pytest.approx(10 / 12)  # successes / (successes + rejections)
+    assert summary["mean_accepted_length"] == pytest.approx(1 + 10 / 4)
+    assert summary["acceptance_per_position"] == [1.0, 0.75, 0.5, 1.0]
+    assert predicted_speedup(0.8, 4.4, 0.05) == pytest.approx(expected_speedup(0.8, 4, 0.05))
+
+
+def test_sharegpt_parser_stops_at_a_truncated_tail(tmp_path) -> None:
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                               {"from": "gpt", "value": f"answer {i}"}]} for i in range(5)]
+    text = json.dumps(convs, indent=2)
+    cut = text[: text.index('"c4"') + 10]  # the file breaks inside the last conversation
+    path = tmp_path / "sharegpt.json"
+    path.write_text(cut)
+    assert [c["id"] for c in iter_sharegpt(path, chunk_chars=64)] == ["c0", "c1", "c2", "c3"]
+    prompts = list(sharegpt_prompts(path, limit=2, skip=1))
+    assert [p.turns for p in prompts] == [("question 1",), ("question 2",)]
+    assert prompts[0].replies == ("answer 1",)
+
+
+def test_prompt_file_loaders(tmp_path) -> None:
+    bench = tmp_path / "questions.jsonl"
+    bench.write_text('{"question_id": 1, "category": "qa", "turns": ["what?"]}\n'
+                     '{"question_id": 3, "category": "math", "turns": ["1+1?", "and 2+2?"]}\n')
+    prompts = spec_bench_prompts(bench)
+    assert [(p.id, p.category, p.turns[0]) for p in prompts] == [("1", "qa", "what?"), ("3", "math", "1+1?")]
+    plain = tmp_path / "plain.txt"
+    plain.write_text("first prompt\n\n{\"prompt\": \"second\", \"category\": \"x\"}\n")
+    assert [(p.category, p.turns) for p in text_file_prompts(plain)] == [("file", ("first prompt",)), ("x", ("second",))]
+    with pytest.raises(ValueError, match="not found"):
+        spec_bench_prompts(tmp_path / "missing.jsonl")
+
+
+def test_quick_bench_on_tiny_models(tmp_path) -> None:
+    tokenizer = make_tokenizer()
+    target = write_hf_model(tmp_path / "target", "llama", tokenizer=tokenizer, max_position_embeddings=512)
+    draft = write_hf_model(tmp_path / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"the quick fox {i}"]})
+                                   for i, c in enumerate(["qa", "qa", "math", "math"])))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "specsample.cli", "bench", "--quick", "--target", str(target),
+                           "--draft", str(draft), "--dataset", str(questions), "--max-new-tokens", "12",
+                           "--compare", "hf,hf-assisted,hf-lookup", "--lossless-samples", "200",
+                           "--gamma", "auto,2,3", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("results.json", "results.md", "speedup_vs_gamma.png", "acceptance_by_position.png",
+                 "speedup_by_category.png", "speedup_vs_batch.png"):
+        assert (out / name).exists(), name
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["environment"]) >= {"cpu", "threads", "torch", "dtype"}
+    table = results["compare"]["0.0"]
+    assert set(table) == {"target-only (ours)", "specsample gamma=auto", "transformers generate",
+                          "transformers assisted", "transformers prompt lookup"}
+    spec = table["specsample gamma=auto"]["overall"]
+    for field in ("tokens_per_s", "speedup", "ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        assert field in spec
+    assert set(table["specsample gamma=auto"]) == {"qa", "math", "overall"}
+    assert [p["gamma"] for p in results["gamma_sweep"]["points"]] == ["auto", 2, 3]
+    assert [b["batch_size"] for b in results["batch_sweep"]] == [1, 4]
+    assert all(0.0 <= t["p_value"] <= 1.0 for t in results["losslessness"])
+    assert "## Losslessness" in (out / "results.md").read_text()
