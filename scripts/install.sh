@@ -8,4 +8,4 @@ python -m pip install -q --disable-pip-version-check --upgrade pip
 # torch first: the pin is the fast CPU path on our machines; a CUDA user installs their own torch
 # beforehand (or sets TORCH_SPEC), and an importable torch is left alone.
 python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e ".[serve,bench,test]"
+python -m pip install -q -e ".[serve,bench,test,ray]"

@@ -4,50 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from live_server import LiveServer
 from model_factory import make_tokenizer, write_hf_model
 from specsample.config import SpecConfig
 from specsample.pair import load_pair
-from specsample.server.app import ServerOptions, SpecServer, build_app
+from specsample.server.app import ServerOptions, SpecServer
 from specsample.server.protocol import TextAssembler
 
 MODEL = "tiny"
 PROMPTS = ["the quick brown fox", "hello world", "speculative sampling", "the lazy dog jumps",
            "tokens for tests", "a tiny language model", "over the quick dog", "world hello fox"]
-
-
-class LiveServer:
-    def __init__(self, server: SpecServer) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.server = server
-        self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=self.port,
-                                                     log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uvicorn.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, key: str = "unused", cls=openai.OpenAI):
-        return cls(base_url=self.url + "/v1", api_key=key, max_retries=0)
-
-    def close(self) -> None:
-        self.uvicorn.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,12 @@ def _add_serve_parser(sub) -> None:
                        help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device", default="cpu")
+    ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'ray[serve]')")
+    ray.add_argument("--replicas", type=int, default=None, help="deploy N replicas behind one endpoint on Ray Serve")
+    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="autoscale replicas on ongoing requests")
+    ray.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    ray.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    ray.add_argument("--num-gpus-per-replica", type=float, default=0.0)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -291,7 +297,10 @@ def eval_prompt_set(name: str, num: int | None) -> list:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    """Load the pair, then serve the OpenAI API with uvicorn until interrupted."""
+    """Load the pair, then serve the OpenAI API with uvicorn (or on Ray Serve) until interrupted."""
+    if args.replicas is not None or args.autoscale is not None:
+        _serve_on_ray(args)
+        return
     import uvicorn
 
     from specsample.pair import load_pair
@@ -321,6 +330,39 @@ def cmd_bench(args: argparse.Namespace) -> None:
     results = run(config, progress=sys.stderr.isatty())
     print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots "
           f"({results['wall_seconds'] / 60:.1f} min)")
+
+
+def _serve_on_ray(args: argparse.Namespace) -> None:
+    """The same API on Ray Serve: N replicas (or autoscaling), each with its own pair and batch."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise CliError("--replicas/--autoscale need Ray Serve: pip install 'ray[serve]'") from None
+    from dataclasses import asdict
+
+    from specsample.deploy import ReplicaSettings, SpecsampleReplica, deployment_options
+
+    settings = ReplicaSettings(
+        model=args.model, draft=args.speculative_model, gamma=str(args.num_speculative_tokens), max_gamma=args.max_gamma,
+        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+        api_key=args.api_key, min_acceptance=args.min_acceptance, dtype=args.dtype, device=args.device)
+    options = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
+                                 args.num_gpus_per_replica, args.max_batch_size)
+    ray.init(address=args.ray_address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(SpecsampleReplica.options(**options).bind(asdict(settings)), name="specsample", route_prefix="/")
+    print(f"specsample: serving {args.model} on Ray Serve at http://{args.host}:{args.port}/v1 "
+          f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops",
+          file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def summary_line(stats: dict) -> str:

@@ -55,6 +55,7 @@ class SpecServer:
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.runner = EngineRunner(self.engine, self._observe)
         self.created = int(time.time())
+        self.metrics_text = self.metrics.render  # replaced by the aggregate of all replicas under Ray Serve
 
     def _observe(self, result) -> None:
         self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)
@@ -111,7 +112,8 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(request.app.state.server.metrics.render(), media_type="text/plain; version=0.0.4")
+        text = await asyncio.to_thread(request.app.state.server.metrics_text)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -129,3 +129,35 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+def merge_expositions(texts: list[str]) -> str:
+    """Merge Prometheus text expositions (one per replica, samples labelled by replica) into one."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, tuple[str, str, list]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            entry = families.setdefault(family.name, (family.documentation, family.type, []))
+            entry[2].extend(family.samples)
+    lines = []
+    for name, (doc, kind, samples) in families.items():
+        lines += [f"# HELP {name} {_escape(doc, help_text=True)}", f"# TYPE {name} {kind}"]
+        for sample in samples:
+            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels.items())
+            lines.append(f"{sample.name}{{{labels}}} {_number(sample.value)}" if labels else
+                         f"{sample.name} {_number(sample.value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str, help_text: bool = False) -> str:
+    value = value.replace("\\", "\\\\").replace("\n", "\\n")
+    return value if help_text else value.replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    if value == float("-inf"):
+        return "-Inf"
+    return repr(float(value))

@@ -1,0 +1,148 @@
+"""Ray Serve deployment of the specsample OpenAI API: the same routes as `specsample serve`, with each
+replica holding its own target, draft and running batch.
+
+    serve run specsample.deploy:app                              # defaults: 1 replica, default models
+    serve run specsample.deploy:builder model=PATH replicas=2    # application builder with args
+    serve deploy serve_config.yaml                               # see docs/ray.md
+    specsample serve --replicas 2 [--ray-address ADDR] [--autoscale 1:4]
+
+Metrics are aggregated at the ingress: every replica pushes its Prometheus exposition (labelled
+`replica=<id>`) to a small hub actor every few seconds, and `/metrics` on any replica returns the
+merged text of all live replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ray import serve
+
+log = logging.getLogger("specsample.deploy")
+HUB_NAME = "specsample-metrics-hub"
+HUB_NAMESPACE = "specsample"
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """Per-replica settings (flags of `specsample serve`, or `args` in a Serve config YAML)."""
+
+    model: str = "smollm2-135m-instruct"
+    draft: str | None = None
+    gamma: str = "auto"  # an integer, or "auto"
+    max_gamma: int = 8
+    max_batch_size: int = 8
+    max_model_len: int = 2048
+    served_model_name: str | None = None
+    api_key: str | None = None
+    min_acceptance: float | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> "ReplicaSettings":
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = set(args) - set(known) - {"replicas", "autoscale", "num_cpus", "num_gpus"}
+        if unknown:
+            raise ValueError(f"unknown specsample deployment argument(s): {', '.join(sorted(unknown))}")
+        casts = {"max_gamma": int, "max_batch_size": int, "max_model_len": int, "min_acceptance": float}
+        return cls(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items() if k in known})
+
+
+def _hub():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class MetricsHub:
+        """Latest Prometheus text of every replica."""
+
+        def __init__(self) -> None:
+            self.texts: dict[str, tuple[float, str]] = {}
+
+        def push(self, replica: str, text: str) -> None:
+            self.texts[replica] = (time.time(), text)
+
+        def collect(self, max_age: float = 30.0) -> list[str]:
+            now = time.time()
+            return [text for seen, text in self.texts.values() if now - seen <= max_age]
+
+    return MetricsHub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True,
+                              lifetime="detached").remote()
+
+
+@serve.deployment(name="SpecsampleReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
+@serve.ingress()
+class SpecsampleReplica:
+    """One replica: loads the pair, runs its own engine thread, serves the shared FastAPI routes."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from specsample.cli import spec_config
+        from specsample.pair import load_pair
+        from specsample.server.app import ServerOptions, SpecServer
+
+        s = ReplicaSettings(**settings)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id if context is not None else "local"
+        gamma = s.gamma if s.gamma == "auto" else int(s.gamma)
+        config = spec_config(gamma, s.max_gamma, True, s.max_batch_size, s.max_model_len)
+        pair = load_pair(s.model, s.draft, s.dtype, s.device)
+        self.server = SpecServer(pair, config, ServerOptions(
+            model_name=s.served_model_name or s.model, api_key=s.api_key, min_acceptance=s.min_acceptance,
+            replica_id=self.replica_id))
+        self.hub = _hub()
+        self.server.metrics_text = self._aggregated_metrics
+        self._pusher = threading.Thread(target=self._push_metrics, daemon=True)
+        self._pusher.start()
+
+    def __serve_build_asgi_app__(self):
+        from specsample.server.app import build_app
+
+        return build_app(self.server)  # the very routes `specsample serve` runs
+
+    def _push_metrics(self) -> None:
+        while True:
+            try:
+                self.hub.push.remote(self.replica_id, self.server.metrics.render().decode())
+            except Exception:  # the hub may be restarting; metrics must never break serving
+                log.debug("metrics push failed", exc_info=True)
+            time.sleep(2.0)
+
+    def _aggregated_metrics(self) -> bytes:
+        import ray
+
+        from specsample.server.metrics import merge_expositions
+
+        self.hub.push.remote(self.replica_id, self.server.metrics.render().decode())
+        return merge_expositions(ray.get(self.hub.collect.remote(), timeout=10)).encode()
+
+
+def deployment_options(replicas: int = 1, autoscale: str | None = None, num_cpus: float = 1.0,
+                       num_gpus: float = 0.0, max_batch_size: int = 8) -> dict[str, Any]:
+    """Serve options: a fixed replica count, or autoscaling on ongoing requests ('MIN:MAX')."""
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus}}
+    if autoscale:
+        low, _, high = autoscale.partition(":")
+        if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):
+            raise ValueError(f"--autoscale takes MIN:MAX with 0 < MIN <= MAX, got {autoscale!r}")
+        options["autoscaling_config"] = {"min_replicas": int(low), "max_replicas": int(high),
+                                         "target_ongoing_requests": max_batch_size}
+    else:
+        if replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {replicas}")
+        options["num_replicas"] = replicas
+    return options
+
+
+def builder(args: dict[str, Any]):
+    """Serve application builder: `serve run specsample.deploy:builder model=... replicas=2`."""
+    settings = ReplicaSettings.from_args(args)
+    options = deployment_options(int(args.get("replicas", 1)), args.get("autoscale"),
+                                 float(args.get("num_cpus", 1)), float(args.get("num_gpus", 0)),
+                                 settings.max_batch_size)
+    return SpecsampleReplica.options(**options).bind(asdict(settings))
+
+
+app = SpecsampleReplica.bind(asdict(ReplicaSettings()))
