@@ -147,3 +147,18 @@ def test_killing_a_replica_mid_run(cluster) -> None:
             break
         assert time.time() < deadline, "Serve did not restart the killed replica"
         time.sleep(2)
+
+
+def test_serve_config_yaml_builds() -> None:
+    import yaml
+
+    from specsample.deploy import builder
+
+    config = yaml.safe_load((__import__("pathlib").Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text())
+    args = config["applications"][0]["args"]
+    application = builder(args)
+    assert application is not None
+    with pytest.raises(ValueError, match="unknown specsample deployment argument"):
+        builder({**args, "modle": "typo"})
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        builder({**args, "autoscale": "4:1"})

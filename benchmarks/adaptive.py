@@ -1,0 +1,107 @@
+"""Adaptive speculation benchmark: fixed gamma 1..8, gamma auto, n-gram, hybrid and target-only, per
+Spec-Bench category, at temperatures 0 and 0.7, in one interleaved run (batch 1).
+
+    python benchmarks/adaptive.py --per-category 3 --max-new-tokens 96 --out docs/adaptive_results.json
+
+The goal checked in the output: gamma auto within 3% of the best fixed gamma per category (without
+being told the category), and never more than 3% slower than target-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specsample.bench.run import BenchConfig, load_prompts
+from specsample.bench.systems import Ours
+from specsample.config import SamplingParams, SpecConfig
+from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.model import ModelDrafter
+from specsample.drafters.ngram import NgramDrafter
+from specsample.pair import load_pair
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default=None, help="draft model spec (default: the alias's)")
+    parser.add_argument("--per-category", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
+    args = parser.parse_args()
+
+    pair = load_pair(args.target, args.draft)
+    if not isinstance(pair.drafter, ModelDrafter):
+        raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
+    tokenizer, target = pair.target.tokenizer, pair.target.model
+    prompts = load_prompts("spec-bench", args.per_category, 0)
+    ids = [tokenizer.encode(p.turns[0], chat=True) for p in prompts]
+    keep = [i for i, x in enumerate(ids) if len(x) + args.max_new_tokens <= target.max_seq_len]
+    prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
+    max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
+    eos = tokenizer.eos_token_ids
+
+    def system(name, drafter, gamma, adaptive=False, speculative=True):
+        config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1, max_seq_len=max_len)
+        return Ours(name, target, drafter, config, eos)
+
+    model = pair.drafter.model
+    systems = [system("target-only", None, 1, speculative=False)]
+    systems += [system(f"gamma={g}", ModelDrafter(model), g) for g in range(1, 9)]
+    systems += [system("gamma=auto", ModelDrafter(model), 8, adaptive=True),
+                system("ngram", NgramDrafter(), 5),
+                system("hybrid", HybridDrafter(ModelDrafter(model)), 5),
+                system("hybrid auto", HybridDrafter(ModelDrafter(model)), 8, adaptive=True)]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
+    bar = tqdm(total=len(temperatures) * len(prompts), desc="adaptive benchmark")
+    for temperature in temperatures:
+        for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+            order = systems[i % len(systems):] + systems[: i % len(systems)]
+            params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=i)
+            for s in order:
+                record = s.run([prompt_ids], params)[0]
+                for cat in (prompt.category, "overall"):
+                    totals[temperature][s.name][cat][0] += len(record.tokens)
+                    totals[temperature][s.name][cat][1] += record.seconds
+            bar.update(1)
+    bar.close()
+    report = {"command": "python benchmarks/adaptive.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+              "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                          "torch": torch.__version__}, "draft": pair.draft_spec, "results": {}}
+    lines = [f"Command: `{report['command']}`", "", f"Draft: `{pair.draft_spec}`; tokens/s per category, batch 1.", ""]
+    for temperature in temperatures:
+        table = {name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in totals[temperature].items()}
+        report["results"][str(temperature)] = table
+        cats = sorted(c for c in table["target-only"] if c != "overall") + ["overall"]
+        lines += [f"### Temperature {temperature}", "", "| system | " + " | ".join(cats) + " |",
+                  "|---|" + "---|" * len(cats)]
+        for name in table:
+            lines.append(f"| {name} | " + " | ".join(f"{table[name][c]:.1f}" for c in cats) + " |")
+        best_fixed = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
+        auto = {c: table["gamma=auto"][c] for c in cats}
+        base = {c: table["target-only"][c] for c in cats}
+        lines += ["", "| category | auto / best fixed gamma | auto / target-only | within 3% of best | never 3% slower |",
+                  "|---|---|---|---|---|"]
+        for c in cats:
+            lines.append(f"| {c} | {auto[c] / best_fixed[c]:.3f} | {auto[c] / base[c]:.3f} | "
+                         f"{'yes' if auto[c] >= 0.97 * best_fixed[c] else 'no'} | {'yes' if auto[c] >= 0.97 * base[c] else 'no'} |")
+        lines.append("")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    started = time.time()
+    main()
+    print(f"{(time.time() - started) / 60:.1f} min")
