@@ -10,7 +10,29 @@ import torch
 from torch import Tensor
 
 
-class KVCache:
+class RowLengths:
+    """Per-row valid lengths: the bookkeeping every model cache shares (rollback is an integer)."""
+
+    lengths: Tensor  # [num_slots] long, on CPU
+
+    @property
+    def num_slots(self) -> int:
+        """Number of rows the cache can hold."""
+        return self.lengths.shape[0]
+
+    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
+        """Roll `slots` back to `lengths` tokens: the O(1) rollback of rejected drafts."""
+        lengths = lengths.to(torch.long).cpu()
+        if bool((lengths > self.lengths[slots.cpu()]).any()) or bool((lengths < 0).any()):
+            raise ValueError("truncate can only shorten a row")
+        self.lengths[slots.cpu()] = lengths
+
+    def reset(self, slots: Tensor) -> None:
+        """Empty the given rows so a new request can use them."""
+        self.lengths[slots.cpu()] = 0
+
+
+class KVCache(RowLengths):
     """Keys and values for `num_slots` rows of up to `max_len` tokens, per layer.
 
     Layout per layer: `[num_slots, kv_heads, max_len, head_dim]` (a row's keys per head are
@@ -32,22 +54,6 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # on CPU: bookkeeping, not math
         self.max_len = max_len
-
-    @property
-    def num_slots(self) -> int:
-        """Number of rows the cache can hold."""
-        return self.lengths.shape[0]
-
-    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
-        """Roll `slots` back to `lengths` tokens: the O(1) rollback of rejected drafts."""
-        lengths = lengths.to(torch.long).cpu()
-        if bool((lengths > self.lengths[slots.cpu()]).any()) or bool((lengths < 0).any()):
-            raise ValueError("truncate can only shorten a row")
-        self.lengths[slots.cpu()] = lengths
-
-    def reset(self, slots: Tensor) -> None:
-        """Empty the given rows so a new request can use them."""
-        self.lengths[slots.cpu()] = 0
 
     def reserve(self, slots: Tensor, num_new: int) -> Tensor:
         """Check room for `num_new` tokens in each slot; return their start positions `[b]`."""

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specsample.kv_cache import RowLengths
 
-class HFCache:
+
+class HFCache(RowLengths):
     """Per-slot transformers caches and lengths; truncation is applied lazily by cropping."""
 
     def __init__(self, num_slots: int, max_len: int) -> None:
@@ -23,20 +25,10 @@ class HFCache:
         self.lengths = torch.zeros(num_slots, dtype=torch.long)
         self.max_len = max_len
 
-    @property
-    def num_slots(self) -> int:
-        return self.lengths.shape[0]
-
-    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
-        lengths = lengths.to(torch.long).cpu()
-        if bool((lengths > self.lengths[slots.cpu()]).any()) or bool((lengths < 0).any()):
-            raise ValueError("truncate can only shorten a row")
-        self.lengths[slots.cpu()] = lengths
-
     def reset(self, slots: Tensor) -> None:
         for slot in slots.tolist():
             self.caches[slot] = None
-        self.lengths[slots.cpu()] = 0
+        super().reset(slots)
 
 
 def _crop(cache: Any, length: int) -> None:
