@@ -43,7 +43,7 @@ class ReplicaSettings:
     device: str = "cpu"
 
     @classmethod
-    def from_args(cls, args: dict[str, Any]) -> "ReplicaSettings":
+    def from_args(cls, args: dict[str, Any]) -> ReplicaSettings:
         known = {f.name: f.type for f in fields(cls)}
         unknown = set(args) - set(known) - {"replicas", "autoscale", "num_cpus", "num_gpus"}
         if unknown:

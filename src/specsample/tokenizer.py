@@ -27,7 +27,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(eos)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
         """Load from a Hugging Face model folder, reading extra EOS ids from generation_config.json."""
         from transformers import AutoTokenizer
 
@@ -61,7 +61,7 @@ class Tokenizer:
         """Text for `ids`, special tokens removed."""
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def stream(self) -> "StreamDecoder":
+    def stream(self) -> StreamDecoder:
         """A fresh incremental decoder for one generated sequence."""
         return StreamDecoder(self)
 

@@ -54,7 +54,7 @@ class BenchConfig:
     out: Path = Path("bench-out")
 
     @classmethod
-    def quick(cls, **overrides: Any) -> "BenchConfig":
+    def quick(cls, **overrides: Any) -> BenchConfig:
         """A preset that finishes in minutes: few prompts, short generations, small sweeps."""
         base = cls(num_prompts=1, max_new_tokens=48, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
                    batch_sizes=(1, 4), sweep_prompts=6, lossless_prompts=2, lossless_samples=600)

@@ -18,7 +18,8 @@ from specsample.distill.data import DataReader, DataWriter
 from specsample.distill.evaluate import evaluate
 from specsample.distill.train import DraftShape, TrainConfig, choose_output_subset, init_draft, train
 from specsample.models.convert import save_hf_folder
-from specsample.models.llama import LlamaModel, export_hf_state_dict
+from specsample.models.hf_names import export_hf_state_dict
+from specsample.models.llama import LlamaModel
 from specsample.models.loader import DRAFT_VOCAB_FILE, LoadedModel, load_model
 
 

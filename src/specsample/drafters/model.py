@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from specsample.config import SamplingParams
 from specsample.drafters.base import Proposal

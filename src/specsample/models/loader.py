@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from specsample.models.base import CausalLM
-from specsample.models.hub import ALIASES, alias_folder
-from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel, load_hf_state_dict
+from specsample.models.hub import ALIASES, alias_folder, builtin_draft
+from specsample.models.hf_names import load_hf_state_dict
+from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel
 from specsample.tokenizer import Tokenizer
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -66,6 +67,8 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | to
     if spec in ALIASES:
         folder = alias_folder(spec, progress=progress)
         default_draft = ALIASES[spec].default_draft
+    elif builtin_draft(spec) is not None:
+        folder = builtin_draft(spec)
     elif Path(spec).expanduser().is_dir():
         folder = Path(spec).expanduser()
     elif Path(spec).expanduser().is_file():

@@ -68,7 +68,7 @@ class _Sampling(BaseModel):
         return stops
 
     @model_validator(mode="after")
-    def _neutral(self) -> "_Sampling":
+    def _neutral(self) -> _Sampling:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise ValueError(f"{name} is not supported (only 0)")
@@ -89,7 +89,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _completion_only(self) -> "CompletionRequest":
+    def _completion_only(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
         if self.best_of not in (None, self.n):
@@ -124,7 +124,7 @@ class ChatRequest(_Sampling):
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _chat_only(self) -> "ChatRequest":
+    def _chat_only(self) -> ChatRequest:
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError("response_format is not supported (only {'type': 'text'})")
         return self
