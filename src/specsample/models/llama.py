@@ -153,13 +153,17 @@ class Linear(nn.Linear):
     """`nn.Linear` that can prepack its weight for oneDNN on CPU."""
 
     packed: Tensor | None = None
+    packed_version: int = -1  # the weight's version counter when packed: training invalidates the copy
 
     def pack(self) -> bool:
         """Prepack for CPU inference; returns False (and stays unpacked) where oneDNN cannot."""
         self.packed = prepack(self.weight)
+        self.packed_version = self.weight._version
         return self.packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.packed is not None and self.weight._version != self.packed_version:
+            self.pack()  # the weights were updated in place since they were packed
         return linear(x, self.weight, self.bias, self.packed)
 
 
@@ -258,6 +262,9 @@ class Attention:
         if n == 1:  # decode: a group's heads are already adjacent query rows
             out = F.scaled_dot_product_attention(q.view(batch, kv_heads, self.groups, head_dim), k, v, attn_mask=mask)
             return out.view(batch, 1, heads * head_dim)
+        if self.cache is None and mask is self.mask:  # training: plain causal, let SDPA use its fused kernel
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
         grouped = q.view(batch, n, kv_heads, self.groups, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(batch, kv_heads, self.groups * n, head_dim)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)  # [b, KVH, G * n, hd]
@@ -303,6 +310,7 @@ class LlamaModel(nn.Module):
         self.output_subset: Tensor | None = None
         self._subset_weight: Tensor | None = None  # inference copy of the subset's output rows
         self._subset_packed: Tensor | None = None
+        self._subset_version = -1
         inv_freq, scale = rope_inv_freq(config)
         self._inv_freq = inv_freq.float()  # not a buffer: must stay float32 when weights go bf16
         self.rope_scale = scale
@@ -369,9 +377,11 @@ class LlamaModel(nn.Module):
         assert self.output_subset is not None
         if torch.is_grad_enabled():
             return F.linear(hidden, self.lm_head.weight[self.output_subset])
-        if self._subset_weight is None:  # gathered (and prepacked) once for inference
+        version = self.lm_head.weight._version
+        if self._subset_weight is None or version != self._subset_version:  # gathered (and packed) once
             self._subset_weight = self.lm_head.weight.detach()[self.output_subset].contiguous()
             self._subset_packed = prepack(self._subset_weight)
+            self._subset_version = version
         return linear(hidden, self._subset_weight, None, self._subset_packed)
 
     def logits(self, hidden: Tensor) -> Tensor:
