@@ -170,6 +170,7 @@ def _add_distill_parsers(sub) -> None:
     dist.add_argument("--onpolicy-max-new", type=int, default=256)
     dist.add_argument("--eval-prompts", default="heldout", help="heldout, spec-bench or a prompt file")
     dist.add_argument("--eval-max-new-tokens", type=int, default=64)
+    dist.add_argument("--device", default="cpu", help="cpu or cuda: where the target scores and the draft trains")
     dist.add_argument("--resume", action="store_true")
     dist.add_argument("--seed", type=int, default=0)
     dist.set_defaults(func=cmd_distill)
@@ -246,6 +247,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
         collect=replace(CollectConfig(), max_len=args.max_len, onpolicy_max_new=args.onpolicy_max_new,
                         batch_tokens=max(CollectConfig().batch_tokens, args.max_len)),
         seed=args.seed, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
+        device=args.device,
     )
     result = run(plan, resume=args.resume, train_minutes=args.max_run_minutes)
     if result["finished"]:

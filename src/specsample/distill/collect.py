@@ -72,7 +72,7 @@ def score(model, sequences: Sequence[Sequence[int]], top_k: int) -> list[Sequenc
     for row, seq in enumerate(sequences):
         logp = torch.log_softmax(logits[row, : len(seq)].float(), dim=-1)
         values, ids = logp.topk(top_k, dim=-1)
-        out.append(Sequence_(np.asarray(seq, dtype=np.int32), ids.numpy(), values.numpy()))
+        out.append(Sequence_(np.asarray(seq, dtype=np.int32), ids.cpu().numpy(), values.cpu().numpy()))
     return out
 
 

@@ -40,6 +40,7 @@ class DistillPlan:
     seed: int = 0
     eval_prompts: str = "heldout"  # 'heldout' (unused ShareGPT prompts), 'spec-bench', or a file
     eval_max_new_tokens: int = 64
+    device: str = "cpu"  # where the target scores and the draft trains ('cuda' on a GPU machine)
 
     @property
     def work(self) -> Path:
@@ -111,7 +112,7 @@ def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: f
     plan.work.mkdir(parents=True, exist_ok=True)
     plan_file.write_text(plan_json)
     torch.manual_seed(plan.seed)
-    target = load_model(plan.target)
+    target = load_model(plan.target, device=plan.device)
     if not isinstance(target.model, LlamaModel) or target.tokenizer is None:
         raise ValueError("distill needs a Llama-family target (our runtime) with a tokenizer")
     stores = collect(plan, target, progress)
@@ -121,7 +122,7 @@ def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: f
         subset_path.write_text(json.dumps({"token_ids": subset.tolist()}))
     subset = torch.tensor(json.loads(subset_path.read_text())["token_ids"])
     fp32_target = target.model.float() if target.model.dtype != torch.float32 else target.model
-    draft = init_draft(fp32_target, plan.shape, plan.seed)
+    draft = init_draft(fp32_target, plan.shape, plan.seed).to(plan.device)
     draft.set_output_subset(subset)
     config = plan.train
     schedule_path = plan.work / "schedule.json"
@@ -136,7 +137,7 @@ def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: f
         _log(f"stopped at step {record['step']}/{config.steps}; rerun with --resume to continue")
         return {"finished": False, "step": record["step"]}
     export(draft, target, plan.out, stores, record)
-    exported = load_model(str(plan.out), dtype="float32")
+    exported = load_model(str(plan.out), dtype="float32", device=plan.device)
     report = evaluate(fp32_target, exported.model, target.tokenizer, _eval_prompts(plan),
                       plan.eval_max_new_tokens, progress=progress)
     (plan.out / "eval.json").write_text(json.dumps(report, indent=2))
@@ -156,6 +157,7 @@ def _plan_dict(plan: DistillPlan) -> dict[str, Any]:
     out = asdict(plan)
     out["out"] = str(plan.out)
     out.pop("minutes", None)  # a time budget may differ between resumed chunks
+    out.pop("device", None)  # ...and so may the machine
     return out
 
 

@@ -76,15 +76,15 @@ def init_draft(target: LlamaModel, shape: DraftShape, seed: int) -> LlamaModel:
     config = draft_config(target.config, shape)
     generator = torch.Generator().manual_seed(seed)
     draft = LlamaModel(config)
+    embed_source = target.embed.weight.detach().float().cpu()  # [vocab, target width]
     with torch.no_grad():
         for name, param in draft.named_parameters():
             if name.endswith("norm.weight"):
                 continue
             std = 0.02 / math.sqrt(2 * shape.layers) if name.endswith(("o_proj.weight", "down.weight")) else 0.02
             param.copy_(torch.randn(param.shape, generator=generator) * std)
-        embed = target.embed.weight.detach().float().cpu()  # [vocab, target width]
-        _, _, vh = torch.linalg.svd(embed, full_matrices=False)
-        projected = embed @ vh[: shape.width].T  # [vocab, width]
+        _, _, vh = torch.linalg.svd(embed_source, full_matrices=False)
+        projected = embed_source @ vh[: shape.width].T  # [vocab, width]
         # small rows: the tied output layer starts with logits of order 1, not a confident wrong guess
         draft.embed.weight.copy_(projected / projected.pow(2).mean().sqrt() * 0.05)
     return draft
@@ -150,6 +150,7 @@ def make_batch(store: DataReader, seq_ids: list[int], to_subset: torch.Tensor) -
 
 def distill_loss(draft: LlamaModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward KL (as cross-entropy) from the target's top-k to the draft, over scored positions."""
+    batch = {k: v.to(draft.device) for k, v in batch.items()}
     hidden = draft.uncached_hidden(batch["tokens"])
     log_q = torch.log_softmax(draft.subset_logits(hidden).float(), dim=-1)  # [b, n, K]
     sub = batch["topk_sub"]  # [b, n, k] index into the draft's outputs, -1 = not emittable
@@ -226,7 +227,7 @@ def train(draft: LlamaModel, stores: list[DataReader], onpolicy: list[int], conf
     ckpt_path = work / "checkpoint.pt"
     assert draft.output_subset is not None, "set the draft's output subset before training"
     to_subset = torch.full((draft.vocab_size,), -1, dtype=torch.long)
-    to_subset[draft.output_subset] = torch.arange(len(draft.output_subset))
+    to_subset[draft.output_subset.cpu()] = torch.arange(len(draft.output_subset))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95))
     batches = Batches(stores, config.heldout_every, config.seed)
