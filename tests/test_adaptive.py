@@ -156,3 +156,29 @@ def test_unloadable_draft_falls_back_loudly(tmp_path, caplog) -> None:
     assert "WITHOUT speculation" in caplog.text
     with pytest.raises(ValueError, match="unknown model spec"):  # a typo is still an error
         load_drafter("no-such-draft", target)
+
+
+def test_long_draft_backlog_never_overflows_another_rows_cache(tiny_draft) -> None:
+    drafter = ModelDrafter(tiny_draft)
+    drafter.allocate(2, 40 + 6)  # context 40 plus the engine's slack for gamma 4
+    drafter.add_rows([0, 1], [[t % 32 for t in range(1, 39)], [1, 2, 3]])
+    drafter.commit([1], [[t % 32 for t in range(4, 32)]])  # row 1 fell 28 tokens behind (an n-gram streak)
+    gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
+    proposal = drafter.propose([0, 1], 2, [1, 2], [SamplingParams(temperature=0)] * 2, gens)
+    assert proposal.num_drafted.tolist() == [1, 2]
+    assert int(drafter.cache.lengths[1]) == len(drafter.history[1]) + 1  # caught up, plus one fed draft
+
+
+def test_swap_from_ngram_to_a_model_draft_mid_run(tiny_target, tiny_draft) -> None:
+    from specsample.drafters.routed import RoutedDrafter
+
+    routed = RoutedDrafter(NgramDrafter(min_n=1))
+    engine = Engine(tiny_target, routed, SpecConfig(gamma=3, max_batch_size=3))
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=0)
+    engine.add_request([1, 2, 1, 2, 1], params)
+    engine.step()
+    routed.replace(ModelDrafter(tiny_draft))  # the old row keeps the n-gram drafter, new rows get the model
+    engine.add_request([3, 4, 5], params)
+    assert routed.vocab_size == tiny_draft.vocab_size
+    results = list(engine.stream())
+    assert sum(len(u.new_tokens) for r in results for u in r.rows) > 0 and not engine.has_work()

@@ -150,3 +150,17 @@ def test_cancel_frees_the_slot(tiny_target, tiny_draft) -> None:
 def test_bad_input_raises_value_error(tiny_target, tiny_draft, make, message) -> None:
     with pytest.raises(ValueError, match=message):
         make(tiny_target, tiny_draft)
+
+
+class _BrokenAdmission(ModelDrafter):
+    def add_rows(self, slots, prompts):
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_failed_admission_returns_its_slots(tiny_target, tiny_draft) -> None:
+    engine = Engine(tiny_target, _BrokenAdmission(tiny_draft), SpecConfig(gamma=3, max_batch_size=2))
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    assert engine._free_slots == [0, 1] and engine.num_running == 0
+    assert int(engine.cache.lengths.sum()) == 0

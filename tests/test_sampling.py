@@ -90,7 +90,7 @@ def test_sampler_never_returns_zero_mass_tokens() -> None:
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(4, 5)
     edges = torch.tensor([0.0, 0.4999999, 0.5, 1.0 - 1e-16])
     assert set(sample_from(probs, edges).tolist()) <= {1, 3}
-    with pytest.raises(ValueError, match="zero total mass"):
+    with pytest.raises(ValueError, match="zero or non-finite total mass"):
         sample_from(torch.zeros(1, 5), torch.tensor([0.3]))
 
 
@@ -107,3 +107,5 @@ def test_two_level_sampler_matches_one_level_cdf() -> None:
         uniforms[1] = 0.0
         uniforms[2] = 1.0 - 1e-16
         assert torch.equal(sample_from(probs, uniforms), _sample_exact(probs, uniforms))
+    with pytest.raises(ValueError, match="non-finite"):
+        sample_from(torch.tensor([[float("nan"), 1.0]]), torch.tensor([0.3]))

@@ -193,7 +193,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    config = spec_config(args.gamma, args.max_gamma, not args.no_speculation, max_batch_size=1)
     pair = load_pair(args.target, "none" if args.no_speculation else args.draft, args.dtype, args.device,
                      args.runtime)
     tokenizer = pair.target.tokenizer
@@ -201,6 +200,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise CliError(f"{args.target} has no tokenizer files; text generation needs one")
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     prompt_ids = tokenizer.encode(args.prompt, chat=chat, system=args.system)
+    context = pair.target.model.max_seq_len
+    if len(prompt_ids) + args.max_new_tokens > context:
+        raise CliError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the "
+                       f"context window ({context} tokens)")
+    # caches sized to this request, not to the model's whole context window
+    config = spec_config(args.gamma, args.max_gamma, not args.no_speculation, max_batch_size=1,
+                         max_seq_len=len(prompt_ids) + args.max_new_tokens)
     engine = Engine(pair.target.model, pair.drafter, config, tokenizer.eos_token_ids)
     collector = StatsCollector()
     request_id = engine.add_request(prompt_ids, params)

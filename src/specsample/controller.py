@@ -163,6 +163,8 @@ class GammaController:
         state.successes = factor * state.successes + num_accepted
         state.failures = factor * state.failures + rejected
         for i, q in enumerate((confidences or [])[: min(num_accepted + 1, num_drafted)]):
+            if q != q:  # NaN: a deterministic (n-gram) draft has no confidence to calibrate on
+                continue
             b = min(int(q * BINS), BINS - 1)
             self._gate_trials[b] += 1
             self._gate_accepts[b] += int(i < num_accepted)
@@ -183,8 +185,8 @@ class GammaController:
     def _state(self, request_id: str) -> _RequestState:
         if request_id not in self._requests:
             w, a = self.config.prior_weight, self.config.prior_alpha
-            self._requests[request_id] = _RequestState(successes=w * a, failures=w * (1 - a),
-                                                       gamma=self.config.max_gamma // 2 or 1)
+            start = min(max(self.config.max_gamma // 2, self.config.min_gamma), self.config.max_gamma)
+            self._requests[request_id] = _RequestState(successes=w * a, failures=w * (1 - a), gamma=start)
         return self._requests[request_id]
 
     def _switch(self, rid: str, to: str, alpha: float, c: float, speedup: float) -> None:

@@ -230,7 +230,8 @@ class Engine:
         max_drafts = []
         for row in rows:
             wanted = 0 if not row.speculative else chosen.get(row.request_id, row.gamma or self.config.gamma)
-            max_drafts.append(max(0, min(wanted, row.remaining - 1)))
+            # the caches hold gamma + 2 positions of slack: never draft past config.gamma
+            max_drafts.append(max(0, min(wanted, self.config.gamma, row.remaining - 1)))
         fallback = sum(1 for r in adaptive if chosen[r.request_id] == 0)
         return max(max_drafts), max_drafts, fallback
 
@@ -313,9 +314,17 @@ class Engine:
             return
         slots = torch.tensor([r.slot for r in admitted], dtype=torch.long)
         self.cache.reset(slots)
-        prefill_ragged(self.target, self.cache, slots, [r.prompt[:-1] for r in admitted])
-        if self.drafter is not None:
-            self.drafter.add_rows([r.slot for r in admitted], [r.prompt for r in admitted])
+        try:
+            prefill_ragged(self.target, self.cache, slots, [r.prompt[:-1] for r in admitted])
+            if self.drafter is not None:
+                self.drafter.add_rows([r.slot for r in admitted], [r.prompt for r in admitted])
+        except Exception:  # e.g. out of memory on a long prompt: give the slots back, then report
+            self.cache.reset(slots)
+            if self.drafter is not None:
+                self.drafter.release_rows([r.slot for r in admitted])
+            with self._lock:
+                self._free_slots = sorted(self._free_slots + [r.slot for r in admitted])
+            raise
         for row in admitted:
             self._running[row.slot] = row
 

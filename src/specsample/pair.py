@@ -51,6 +51,9 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
     if spec == "hybrid" or spec.startswith("hybrid:"):
         model_spec = spec.partition(":")[2] or _model_draft_default(target)
         model = load_drafter(model_spec, target, dtype, device)
+        if model is None:  # the model failed to load (already logged): keep prompt lookup at least
+            log.warning("hybrid drafting continues with n-gram lookup only")
+            return NgramDrafter()
         if not isinstance(model, ModelDrafter):
             raise ValueError(f"hybrid drafting needs a draft model, got {model_spec!r}")
         return HybridDrafter(model)

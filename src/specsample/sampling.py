@@ -89,8 +89,8 @@ def sample_from(probs: Tensor, uniforms: Tensor, block: int = 256) -> Tensor:
     block_mass = blocks.sum(-1, dtype=torch.float64)  # [rows, num_blocks]
     cdf = block_mass.cumsum(-1)
     total = cdf[:, -1:]
-    if bool((total <= 0).any()):
-        raise ValueError("cannot sample from a distribution with zero total mass")
+    if bool((~torch.isfinite(total) | (total <= 0)).any()):
+        raise ValueError("cannot sample from a distribution with zero or non-finite total mass")
     threshold = uniforms.double().unsqueeze(-1) * total  # [rows, 1]
     chosen = torch.searchsorted(cdf, threshold, right=True).clamp(max=cdf.shape[1] - 1)  # [rows, 1]
     within = threshold - (cdf.gather(1, chosen) - block_mass.gather(1, chosen))
@@ -126,14 +126,15 @@ def warp_rows(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Warp `logits [batch, ..., vocab]` with one `SamplingParams` per row (rows sharing params batch)."""
     if len(params) != logits.shape[0]:
         raise ValueError(f"got {len(params)} SamplingParams for {logits.shape[0]} rows")
-    if all(p == params[0] for p in params):
+    # rows group by what warping reads (seeds and budgets differ per row but warp alike)
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(row)
+    if len(groups) == 1:
         return warp_probs(logits, params[0])
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     probs = torch.empty(logits.shape, dtype=dtype, device=logits.device)
-    groups: dict[SamplingParams, list[int]] = {}
-    for row, p in enumerate(params):
-        groups.setdefault(p, []).append(row)
-    for p, rows in groups.items():
+    for rows in groups.values():
         index = torch.tensor(rows, device=logits.device)
-        probs[index] = warp_probs(logits[index], p)
+        probs[index] = warp_probs(logits[index], params[rows[0]])
     return probs

@@ -53,8 +53,11 @@ def verify(
     batch, gamma = draft_tokens.shape
     _check_shapes(draft_tokens, draft_probs, target_probs)
     drafted = _num_drafted_or_full(num_drafted, draft_tokens)
-    # float32 or wider whatever the model dtype
-    target = target_probs if target_probs.dtype == torch.float64 else target_probs.float()
+    # float32 or wider whatever the model dtype; float64 if either side is (never round a float64 draft)
+    wide = target_probs.dtype == torch.float64 or (draft_probs is not None and draft_probs.dtype == torch.float64)
+    target = target_probs.to(torch.float64 if wide else torch.float32)
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(device=target.device, dtype=target.dtype)  # drafters may return CPU tensors
     # per row: one uniform per offered draft, then one for the next token
     uniforms = draw_uniforms(generators, batch, gamma + 1, target.device, (drafted + 1).tolist())
     next_uniform = uniforms.gather(1, drafted.unsqueeze(1)).squeeze(1)  # [batch]
@@ -63,7 +66,7 @@ def verify(
     if draft_probs is None:
         draft_at_draft = torch.ones_like(target_at_draft)
     else:
-        draft_at_draft = draft_probs.to(target.dtype).gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        draft_at_draft = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     # accept iff u < target/draft, written without division so a draft probability of 0 is safe
     passes = uniforms[:, :gamma] * draft_at_draft.double() < target_at_draft.double()  # [batch, gamma]
     in_range = torch.arange(gamma, device=target.device).unsqueeze(0) < drafted.unsqueeze(1)
@@ -77,7 +80,7 @@ def verify(
         if draft_probs is None:
             draft_next = one_hot_like(draft_tokens[rows, clamped], target)
         else:
-            draft_next = draft_probs[rows, clamped].to(target.dtype)
+            draft_next = draft_probs[rows, clamped]
         # sample from max(0, target - draft): this is what keeps the output exactly target-distributed
         residual = (target_next - draft_next).clamp(min=0.0)
         # a residual that sums to 0 means target == draft up to rounding: fall back to the target

@@ -64,15 +64,23 @@ class Drafter(Protocol):
         ...
 
 
-def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int,
-                    vocab_size: int) -> Proposal:
-    """Combine proposals made for disjoint rows of one batch (deterministic rows become one-hot)."""
+def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int) -> Proposal:
+    """Combine proposals made for disjoint rows of one batch.
+
+    When any part carries probabilities, deterministic rows become one-hot rows of the same width
+    and dtype (never rounded); when none does, the merged proposal is deterministic too. A
+    deterministic row has no confidence (NaN), so it never calibrates the confidence gate.
+    """
     from specsample.sampling import one_hot_like
 
+    with_probs = [part.probs for _, part in parts if part.probs is not None]
     tokens = torch.zeros(batch, gamma, dtype=torch.long)
-    probs = torch.zeros(batch, gamma, vocab_size)
-    confidence = torch.ones(batch, gamma)
     drafted = torch.zeros(batch, dtype=torch.long)
+    confidence = torch.full((batch, gamma), float("nan"))
+    probs = None
+    if with_probs:
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in with_probs) else torch.float32
+        probs = torch.zeros(batch, gamma, with_probs[0].shape[-1], dtype=dtype)
     for rows, part in parts:
         if not rows:
             continue
@@ -80,10 +88,9 @@ def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int,
         width = part.tokens.shape[1]
         tokens[index, :width] = part.tokens.cpu()
         drafted[index] = part.num_drafted.cpu()
-        if part.probs is not None:
-            probs[index, :width] = part.probs.cpu().to(probs.dtype)
-        else:
-            probs[index, :width] = one_hot_like(part.tokens.cpu(), probs[index, :width])
+        if probs is not None:
+            probs[index, :width] = (part.probs.cpu().to(probs.dtype) if part.probs is not None
+                                    else one_hot_like(part.tokens.cpu(), probs[index, :width]))
         if part.confidence is not None:
-            confidence[index, :width] = part.confidence.cpu()
+            confidence[index, :width] = part.confidence.cpu().to(confidence.dtype)
     return Proposal(tokens=tokens, probs=probs, num_drafted=drafted, confidence=confidence)

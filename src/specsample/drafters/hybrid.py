@@ -51,7 +51,7 @@ class HybridDrafter:
                 tokens[j, : len(lookups[i][0])] = torch.tensor(lookups[i][0], dtype=torch.long)
             counts = torch.tensor([len(lookups[i][0]) for i in ngram_rows], dtype=torch.long)
             parts.append((ngram_rows, Proposal(tokens=tokens, probs=None, num_drafted=counts)))
-        return merge_proposals(parts, len(slots), gamma, self.vocab_size)
+        return merge_proposals(parts, len(slots), gamma)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         self.model.commit(slots, committed)

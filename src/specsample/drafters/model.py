@@ -63,9 +63,10 @@ class ModelDrafter:
         `stop_threshold` probability (at temperature 1): a stopping rule on past draws only."""
         batch = len(slots)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
-        pending = [self.history[s][int(self.cache.lengths[s]):] for s in slots]
+        self._catch_up(slots)
+        pending = [self.history[s][int(self.cache.lengths[s]):] for s in slots]  # 1 or 2 tokens per row
         inputs, last = pad_right(pending, self.model.device)
-        logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, k, vocab]
+        logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, 1 or 2, vocab]
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
         logits = logits[torch.arange(batch, device=logits.device), last]  # [b, vocab]
         limits = [min(gamma, m) for m in max_drafts]
@@ -102,6 +103,15 @@ class ModelDrafter:
             self._drafted[slot] = draft_tokens[row, :steps].tolist()  # drawn; all but the last were fed
         return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
                         confidence=draft_conf)
+
+    def _catch_up(self, slots: Sequence[int]) -> None:
+        """Rows lacking more than two tokens (after an n-gram streak or plain rounds) are fed their
+        backlog row by row, so a long backlog never pads into another row's cache; what is left is
+        at most one pad position per row, within the cache's slack."""
+        for slot in slots:
+            backlog = self.history[slot][int(self.cache.lengths[slot]):-2]
+            if backlog:
+                prefill_ragged(self.model, self.cache, torch.tensor([slot]), [backlog])
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         """Keep cached drafts that were committed; drop the rest by lowering the cache length."""

@@ -27,12 +27,14 @@ class RoutedDrafter:
 
     def replace(self, drafter: Drafter) -> None:
         """Make `drafter` serve rows added from now on (thread-safe; caches allocated here)."""
-        if drafter.vocab_size not in (None, self.vocab_size) and self.vocab_size is not None:
+        if None not in (drafter.vocab_size, self.vocab_size) and drafter.vocab_size != self.vocab_size:
             raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the running one ({self.vocab_size})")
         if self._size is not None:
             drafter.allocate(*self._size)
         with self._lock:
             self.current = drafter
+            if self.vocab_size is None:  # an n-gram drafter gives way to a model
+                self.vocab_size = drafter.vocab_size
 
     @property
     def generations(self) -> int:
@@ -64,7 +66,7 @@ class RoutedDrafter:
         parts = [(rows, drafter.propose([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows],
                                         [params[i] for i in rows], [generators[i] for i in rows], stop_threshold))
                  for drafter, rows in groups]
-        return merge_proposals(parts, len(slots), gamma, self.vocab_size)
+        return merge_proposals(parts, len(slots), gamma)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         for drafter, rows in self._groups(list(range(len(slots))), slots):

@@ -98,7 +98,8 @@ def hf_config_from_gguf(reader: Any) -> dict[str, Any]:
     if "blk.0.attn_output.bias" in names:
         raise ValueError("GGUF with an attention output bias is not supported")
     if arch == "llama" and "blk.0.attn_q.bias" in names:
-        config["attention_bias"] = True
+        raise ValueError("GGUF Llama with Q/K/V bias but no output bias is not a layout our runtime knows; "
+                         "load it with runtime='hf'")
     return config
 
 

@@ -77,14 +77,20 @@ class HFCausalLM:
                 raise ValueError(f"KV cache full: a row would need {length + n} positions, the cache holds {cache.max_len}")
             past = cache.caches[slot] if cache.caches[slot] is not None else DynamicCache()
             _crop(past, length)
-            positions = torch.arange(length, length + n, device=self.device)
+            # padded columns of a batch may run past the context: models with learned position
+            # embeddings cannot take those positions, and their logits are never read, so skip them
+            fed = max(1, min(n, self.max_seq_len - length))
+            positions = torch.arange(length, length + fed, device=self.device)
             out = self.model(
-                input_ids=tokens[row:row + 1].to(self.device), use_cache=True,
+                input_ids=tokens[row:row + 1, :fed].to(self.device), use_cache=True,
                 position_ids=positions.unsqueeze(0), cache_position=positions, **{self._cache_arg: past},
             )
             cache.caches[slot] = past  # updated in place by the model
             cache.lengths[slot] = length + n
-            outputs.append(out.logits.float())
+            logits = out.logits.float()
+            if fed < n:
+                logits = torch.cat([logits, logits[:, -1:].expand(1, n - fed, logits.shape[-1])], dim=1)
+            outputs.append(logits)
         return torch.cat(outputs, dim=0)
 
     def prefill(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> None:

@@ -117,7 +117,13 @@ def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device:
     """Our Llama-family runtime with the folder's safetensors weights."""
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():  # sharded: exactly the files the index names
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if len(files) > 1:  # Mistral repos ship consolidated.safetensors beside the HF-named file(s)
+            files = [f for f in files if not f.name.startswith("consolidated")] or files
     if not files:
         raise ValueError(f"{folder} has no .safetensors weights")
     tensors = {}
@@ -176,7 +182,8 @@ def _hub_folder(repo_id: str) -> Path:
 
     try:
         return Path(snapshot_download(repo_id, etag_timeout=10, allow_patterns=[
-            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]))
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+            ignore_patterns=["consolidated*"]))
     except Exception as exc:  # the hub client raises many types for offline / missing repos
         raise ValueError(
             f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: "

@@ -190,9 +190,21 @@ async def _serve(request: Request, schema: type, chat: bool):
     choices = [_Choice(i, h, TextAssembler(srv.tokenizer.stream(), req.stop)) for i, h in enumerate(handles)]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # a client that hangs up before the stream starts would never run the stream's cleanup
+        asyncio.ensure_future(_cancel_on_disconnect(srv, request, choices))
         return StreamingResponse(_stream(srv, request_id, chat, choices, len(prompt_ids), include_usage),
                                  media_type="text/event-stream")
     return await _complete(srv, request, request_id, chat, choices, len(prompt_ids))
+
+
+async def _cancel_on_disconnect(srv: SpecServer, request: Request, choices: list[_Choice]) -> None:
+    """Watch a streaming request until its choices finish; cancel them if the client goes away."""
+    while not all(c.done or c.closed for c in choices):
+        if await request.is_disconnected():
+            for choice in choices:
+                srv.runner.cancel(choice.handle.request_id)
+            return
+        await asyncio.sleep(0.25)
 
 
 def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
@@ -239,6 +251,7 @@ class _Choice:
     text: TextAssembler
     tokens: int = 0
     finish_reason: str | None = None
+    closed: bool = False  # the response is over (finished, or its stream was torn down)
 
     async def next(self) -> list[tuple[str, str | None]]:
         """Wait for the next round's update; return (text, finish_reason) pieces to emit."""
@@ -252,7 +265,8 @@ class _Choice:
             self.finish_reason = "stop"
         elif update.finish_reason is not None:
             text += self.text.finish()
-            self.finish_reason = "length" if update.finish_reason == "length" else "stop"
+            stopped = self.text.stopped or update.finish_reason != "length"  # a stop string may match at the end
+            self.finish_reason = "stop" if stopped else "length"
         return [(text, self.finish_reason)]
 
     @property
@@ -263,6 +277,7 @@ class _Choice:
 def _finish(srv: SpecServer, request_id: str, choices: list[_Choice], prompt_tokens: int, status: str) -> None:
     """Cancel what still runs, and log and count every choice."""
     for choice in choices:
+        choice.closed = True
         h = choice.handle
         if not choice.done or choice.text.stopped:
             srv.runner.cancel(h.request_id)  # client gone, or a stop string ended it early

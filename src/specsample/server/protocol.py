@@ -36,7 +36,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = None  # extension; None, 0 or -1 = off (vLLM's convention)
     min_p: float = Field(0.0, ge=0.0, lt=1.0)  # extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = Field(None, validate_default=True)
     n: int = Field(1, ge=1, le=16)
     stream: bool = False

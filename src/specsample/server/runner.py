@@ -99,10 +99,13 @@ class EngineRunner:
                 log.exception("engine round failed; failing the requests in flight")
                 self._fail_all()
                 continue
-            if self.observe is not None:
-                self.observe(result)
-            for update in result.rows:
-                self._deliver(update, result)
+            try:
+                if self.observe is not None:
+                    self.observe(result)
+                for update in result.rows:
+                    self._deliver(update, result)
+            except Exception:  # metrics or a closed client loop must never stop the engine thread
+                log.exception("delivering a round's results failed")
 
     def _deliver(self, update: RowUpdate, result: RoundResult) -> None:
         with self._lock:
