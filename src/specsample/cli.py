@@ -69,7 +69,10 @@ def spec_config(gamma: int | str, max_gamma: int, speculative: bool, max_batch_s
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specsample import __version__
+
     parser = argparse.ArgumentParser(prog="specsample", description="Exact speculative sampling for LLM decoding.")
+    parser.add_argument("--version", action="version", version=f"specsample {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streaming it as rounds commit")
     gen.add_argument("prompt")
