@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -196,6 +197,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
+    # bad --gamma fails before any model is loaded; the cache length is fixed once the prompt is known
+    config = spec_config(args.gamma, args.max_gamma, not args.no_speculation, max_batch_size=1,
+                         max_seq_len=args.max_new_tokens + 1)
     pair = load_pair(args.target, "none" if args.no_speculation else args.draft, args.dtype, args.device,
                      args.runtime)
     tokenizer = pair.target.tokenizer
@@ -208,8 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise CliError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the "
                        f"context window ({context} tokens)")
     # caches sized to this request, not to the model's whole context window
-    config = spec_config(args.gamma, args.max_gamma, not args.no_speculation, max_batch_size=1,
-                         max_seq_len=len(prompt_ids) + args.max_new_tokens)
+    config = dataclasses.replace(config, max_seq_len=len(prompt_ids) + args.max_new_tokens)
     engine = Engine(pair.target.model, pair.drafter, config, tokenizer.eos_token_ids)
     collector = StatsCollector()
     request_id = engine.add_request(prompt_ids, params)
