@@ -149,3 +149,4 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     card = (out / "README.md").read_text()
     overall = json.loads((out / "eval.json").read_text())["categories"]["overall"]
     assert f"{overall['agree']:.3f}" in card
+    assert f"specsample distill --target {target} --out {out}" in card  # the command that made it

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -261,7 +262,7 @@ def cmd_distill(args: argparse.Namespace) -> None:
         seed=args.seed, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
         device=args.device,
     )
-    result = run(plan, resume=args.resume, train_minutes=args.max_run_minutes)
+    result = run(plan, resume=args.resume, train_minutes=args.max_run_minutes, command=args.command_line)
     if result["finished"]:
         overall = result["eval"]["categories"]["overall"]
         print(f"draft written to {args.out}: greedy agreement {overall['agree']:.3f}, "
@@ -282,7 +283,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     prompts = eval_prompt_set(args.prompts, args.num_prompts)
     report = evaluate(target.model, draft.model, target.tokenizer, prompts, args.max_new_tokens,
                       progress=sys.stderr.isatty(), measure_cost=not args.no_cost)
-    report["command"] = "specsample eval-draft " + " ".join(sys.argv[2:])
+    report["command"] = args.command_line
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
@@ -391,7 +392,9 @@ def summary_line(stats: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `specsample` console script."""
     logging.basicConfig(level=logging.WARNING, format="specsample: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["specsample", *argv])  # recorded in reports and model cards
     try:
         args.func(args)
     except (ValueError, FetchError, CliError, OSError) as exc:

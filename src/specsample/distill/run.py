@@ -101,7 +101,8 @@ def _estimate_steps(draft: LlamaModel, stores: list[DataReader], config: TrainCo
     return max(config.warmup + 10, int(minutes * 60 / (per_step * 1.1)))
 
 
-def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: float | None = None) -> dict[str, Any]:
+def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: float | None = None,
+        command: str | None = None) -> dict[str, Any]:
     """Collect, train, export and evaluate; every stage resumes where an interrupted run stopped."""
     plan_file = plan.work / "plan.json"
     plan_json = json.dumps(_plan_dict(plan), indent=2, sort_keys=True)
@@ -141,7 +142,7 @@ def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: f
     report = evaluate(fp32_target, exported.model, target.tokenizer, _eval_prompts(plan),
                       plan.eval_max_new_tokens, progress=progress)
     (plan.out / "eval.json").write_text(json.dumps(report, indent=2))
-    write_model_card(plan, stores, record, report)
+    write_model_card(plan, stores, record, report, command)
     return {"finished": True, "step": record["step"], "eval": report}
 
 
@@ -201,12 +202,15 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_model_card(plan: DistillPlan, stores: list[DataReader], record: dict[str, Any], report: dict[str, Any]) -> None:
+def write_model_card(plan: DistillPlan, stores: list[DataReader], record: dict[str, Any], report: dict[str, Any],
+                     command: str | None = None) -> None:
     """README.md beside the weights: data, command, curve and evaluation, all from this run's files."""
     lines = [f"# Draft for {plan.target}", "",
              f"A {plan.shape.layers}-layer, {plan.shape.width}-wide Llama draft distilled from `{plan.target}` with "
-             "`specsample distill` (DistillSpec-style: forward KL to the target's top-k distributions).", "",
-             "## Data", ""]
+             "`specsample distill` (DistillSpec-style: forward KL to the target's top-k distributions).", ""]
+    if command:
+        lines += ["## Command", "", "```bash", command, "```", ""]
+    lines += ["## Data", ""]
     for store in stores:
         lines.append(f"- {store.index['kind']}: {len(store)} sequences, {store.num_tokens} tokens, top-{store.k}")
     lines += ["", "## Training", "",
