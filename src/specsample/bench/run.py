@@ -56,8 +56,8 @@ class BenchConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
         """A preset that finishes in minutes: few prompts, short generations, small sweeps."""
-        base = cls(num_prompts=1, max_new_tokens=48, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
-                   batch_sizes=(1, 4), sweep_prompts=6, lossless_prompts=2, lossless_samples=600)
+        base = cls(num_prompts=1, max_new_tokens=32, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
+                   batch_sizes=(1, 4), sweep_prompts=4, lossless_prompts=2, lossless_samples=400)
         return dataclasses.replace(base, **overrides)
 
 
