@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from model_factory import make_tokenizer, write_hf_model
 
 

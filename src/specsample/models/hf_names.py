@@ -7,7 +7,6 @@ from torch import Tensor
 
 from specsample.models.llama import LlamaModel
 
-
 # Hugging Face parameter names -> ours (per layer); q/k/v and gate/up are fused on load.
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.weight",

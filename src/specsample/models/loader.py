@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from specsample.models.base import CausalLM
-from specsample.models.hub import ALIASES, alias_folder, builtin_draft
 from specsample.models.hf_names import load_hf_state_dict
+from specsample.models.hub import ALIASES, alias_folder, builtin_draft
 from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel
 from specsample.tokenizer import Tokenizer
 
@@ -151,8 +151,15 @@ def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: to
 
 
 def _load_gguf(path: Path, spec: str, dtype: torch.dtype, device: torch.device, runtime: str) -> LoadedModel:
-    from specsample.models.gguf_file import (OUR_ARCHES, gguf_architecture, gguf_eos_ids, hf_config_from_gguf,
-                                             iter_hf_tensors, load_gguf_tokenizer, open_gguf)
+    from specsample.models.gguf_file import (
+        OUR_ARCHES,
+        gguf_architecture,
+        gguf_eos_ids,
+        hf_config_from_gguf,
+        iter_hf_tensors,
+        load_gguf_tokenizer,
+        open_gguf,
+    )
 
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
