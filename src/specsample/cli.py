@@ -329,7 +329,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     pair = load_pair(args.model, args.speculative_model, args.dtype, args.device)
     server = SpecServer(pair, config, ServerOptions(model_name=args.served_model_name or args.model,
                                                     api_key=args.api_key, min_acceptance=args.min_acceptance))
-    logging.getLogger("specsample.server").setLevel(logging.INFO)
+    for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
+        logging.getLogger(name).setLevel(logging.INFO)
     print(f"specsample: serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")

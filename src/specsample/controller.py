@@ -191,5 +191,5 @@ class GammaController:
 
     def _switch(self, rid: str, to: str, alpha: float, c: float, speedup: float) -> None:
         self.switches.append((rid, to))
-        log.warning("request %s: speculation %s (alpha %.2f, cost ratio %.3f, predicted speedup %.2f)",
+        log.info("request %s: speculation %s (alpha %.2f, cost ratio %.3f, predicted speedup %.2f)",
                     rid, to, alpha, c, speedup)
