@@ -146,7 +146,6 @@ def test_draft_cache_allocation_failure_decodes_without_drafting(tiny_target, ca
 
 def test_unloadable_draft_falls_back_loudly(tmp_path, caplog) -> None:
     from model_factory import write_hf_model
-
     from specsample.models.loader import load_model
     from specsample.pair import load_drafter
 

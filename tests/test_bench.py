@@ -8,20 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from model_factory import make_tokenizer, write_hf_model
 
-from specsample.bench.stats import (
-    acceptance_summary,
-    percentile,
-    predicted_speedup,
-    two_sample_test,
-)
-from specsample.datasets import (
-    iter_sharegpt,
-    sharegpt_prompts,
-    spec_bench_prompts,
-    text_file_prompts,
-)
+from model_factory import make_tokenizer, write_hf_model
+from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
+from specsample.datasets import iter_sharegpt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
 from specsample.theory import expected_speedup
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from model_factory import make_tokenizer, write_hf_model
 
 

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsample import (
-    Engine,
-    ModelDrafter,
-    SamplingParams,
-    SpecConfig,
-    generate,
-    tiny_lm,
-)
+from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.models.base import prefill_ragged
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17, 18]]

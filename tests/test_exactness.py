@@ -12,16 +12,16 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from broken import BROKEN, GateDropsToken
-from stats_util import chi_square
 
 import specsample.engine as engine_module
+from broken import BROKEN, GateDropsToken
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.sampling import warp_probs
+from stats_util import chi_square
 
 VOCAB = 8
 LENGTH = 3

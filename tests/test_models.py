@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
 
+from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.loader import load_model

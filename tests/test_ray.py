@@ -13,9 +13,10 @@ from dataclasses import asdict
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from live_server import LiveServer, free_port
 from model_factory import make_tokenizer, write_hf_model
-from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

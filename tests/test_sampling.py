@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from stats_util import chi_square
 
 from specsample.config import SamplingParams
 from specsample.sampling import sample, sample_from, warp_probs, warp_rows
+from stats_util import chi_square
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
 LOGITS = PROBS.log()

@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from live_server import LiveServer
-from model_factory import make_tokenizer, write_hf_model
 from prometheus_client.parser import text_string_to_metric_families
 
+from live_server import LiveServer
+from model_factory import make_tokenizer, write_hf_model
 from specsample.config import SpecConfig
 from specsample.pair import load_pair
 from specsample.server.app import ServerOptions, SpecServer

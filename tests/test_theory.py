@@ -6,14 +6,8 @@ import random
 
 import pytest
 
-from specsample.theory import (
-    acceptance_rate,
-    estimate_alpha,
-    expected_speedup,
-    expected_tokens_per_round,
-    mean_accepted_length,
-    optimal_gamma,
-)
+from specsample.theory import (acceptance_rate, estimate_alpha, expected_speedup, expected_tokens_per_round,
+                               mean_accepted_length, optimal_gamma)
 
 
 def test_expected_tokens_matches_definition() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from broken import residual_as_target
-from stats_util import chi_square
 
+from broken import residual_as_target
 from specsample.sampling import sample
 from specsample.verify import verify, verify_greedy
+from stats_util import chi_square
 
 VOCAB = 10
 SAMPLES = 200_000

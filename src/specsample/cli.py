@@ -292,11 +292,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
 
 def eval_prompt_set(name: str, num: int | None) -> list:
     """Evaluation prompts: Spec-Bench (first `num` per category), ShareGPT beyond the training range, or a file."""
-    from specsample.datasets import (
-        sharegpt_prompts,
-        spec_bench_prompts,
-        text_file_prompts,
-    )
+    from specsample.datasets import sharegpt_prompts, spec_bench_prompts, text_file_prompts
 
     if name == "spec-bench":
         prompts = spec_bench_prompts()

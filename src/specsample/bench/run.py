@@ -21,20 +21,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specsample.bench.stats import (
-    acceptance_summary,
-    percentile,
-    predicted_speedup,
-    two_sample_test,
-)
+from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
 from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
-from specsample.datasets import (
-    Prompt,
-    humaneval_prompts,
-    sharegpt_prompts,
-    spec_bench_prompts,
-)
+from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.drafters.model import ModelDrafter
 from specsample.pair import load_pair
 

@@ -12,15 +12,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from specsample.models.gguf_file import (
-    OUR_ARCHES,
-    gguf_architecture,
-    gguf_eos_ids,
-    hf_config_from_gguf,
-    iter_hf_tensors,
-    load_gguf_tokenizer,
-    open_gguf,
-)
+from specsample.models.gguf_file import (OUR_ARCHES, gguf_architecture, gguf_eos_ids, hf_config_from_gguf,
+                                         iter_hf_tensors, load_gguf_tokenizer, open_gguf)
 
 
 def save_hf_folder(

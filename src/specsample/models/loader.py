@@ -151,15 +151,8 @@ def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: to
 
 
 def _load_gguf(path: Path, spec: str, dtype: torch.dtype, device: torch.device, runtime: str) -> LoadedModel:
-    from specsample.models.gguf_file import (
-        OUR_ARCHES,
-        gguf_architecture,
-        gguf_eos_ids,
-        hf_config_from_gguf,
-        iter_hf_tensors,
-        load_gguf_tokenizer,
-        open_gguf,
-    )
+    from specsample.models.gguf_file import (OUR_ARCHES, gguf_architecture, gguf_eos_ids, hf_config_from_gguf,
+                                             iter_hf_tensors, load_gguf_tokenizer, open_gguf)
 
     reader = open_gguf(path)
     arch = gguf_architecture(reader)

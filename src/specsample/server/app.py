@@ -24,12 +24,7 @@ from specsample.drafters.routed import RoutedDrafter
 from specsample.engine import Engine, RowUpdate
 from specsample.pair import Pair, load_drafter
 from specsample.server.metrics import ServerMetrics
-from specsample.server.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    ProtocolError,
-    TextAssembler,
-)
+from specsample.server.protocol import ChatRequest, CompletionRequest, ProtocolError, TextAssembler
 from specsample.server.runner import EngineRunner, RequestHandle
 
 log = logging.getLogger("specsample.server")

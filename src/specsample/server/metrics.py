@@ -14,13 +14,7 @@ import threading
 import time
 from collections import deque
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specsample.engine import RoundResult
 
