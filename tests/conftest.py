@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny float64 models so a failure means a bug, not rounding."""
+"""Shared fixtures: tiny float64 models so a failure means a bug, not rounding; the real SmolLM2 once per session."""
 
 from __future__ import annotations
 
@@ -16,3 +16,11 @@ def tiny_target():
 @pytest.fixture(scope="session")
 def tiny_draft():
     return tiny_lm(32, seed=2, init_scale=0.2, num_layers=1, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct in float32 (fetched through its alias on first use), shared by the slow tests."""
+    from specsample.models.loader import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="float32")

@@ -15,11 +15,6 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 NEAR_TIE = 1e-3  # logit gap below which fp rounding of a multi-token forward may flip the argmax
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m-instruct", dtype="float32")
-
-
 def _agree_or_near_tie(model, prompt: list[int], expected: list[int], got: list[int]) -> None:
     """Equal token for token, or diverging only where the target's top two logits tie to rounding."""
     if got == expected:

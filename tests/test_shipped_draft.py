@@ -24,6 +24,11 @@ def quick_record() -> dict:
     return json.loads((FOLDER / "eval_quick.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def shipped_draft():
+    return load_model(SMOLLM2_DRAFT, dtype="float32")
+
+
 def test_shipped_folder_fits_the_budget() -> None:
     files = [p for p in FOLDER.iterdir() if p.is_file()]
     assert {"config.json", "model.safetensors", "draft_vocab.json", "README.md", "eval.json"} <= {p.name for p in files}
@@ -35,8 +40,8 @@ def test_alias_defaults_to_the_shipped_draft() -> None:
     assert builtin_draft(SMOLLM2_DRAFT) == FOLDER
 
 
-def test_loads_with_the_target_vocabulary_and_output_subset() -> None:
-    draft = load_model(SMOLLM2_DRAFT, dtype="float32")
+def test_loads_with_the_target_vocabulary_and_output_subset(shipped_draft) -> None:
+    draft = shipped_draft
     target_vocab = 49152
     assert draft.model.vocab_size == target_vocab
     subset = json.loads((FOLDER / "draft_vocab.json").read_text())["token_ids"]
@@ -55,11 +60,9 @@ def test_model_card_shows_the_recorded_evaluation() -> None:
         assert f"| {name} |" in card
 
 
-def test_quick_evaluation_rerun_matches_the_record(quick_record: dict) -> None:
-    target = load_model("smollm2-135m-instruct", dtype="float32")
-    draft = load_model(SMOLLM2_DRAFT, dtype="float32")
+def test_quick_evaluation_rerun_matches_the_record(quick_record: dict, smollm2, shipped_draft) -> None:
     prompts = eval_prompt_set("spec-bench", 1)
-    report = evaluate(target.model, draft.model, target.tokenizer, prompts, quick_record["max_new_tokens"],
+    report = evaluate(smollm2.model, shipped_draft.model, smollm2.tokenizer, prompts, quick_record["max_new_tokens"],
                       progress=False, measure_cost=False)
     assert report["prompts"] == quick_record["prompts"]
     recorded = quick_record["categories"]["overall"]

@@ -192,4 +192,4 @@ class GammaController:
     def _switch(self, rid: str, to: str, alpha: float, c: float, speedup: float) -> None:
         self.switches.append((rid, to))
         log.info("request %s: speculation %s (alpha %.2f, cost ratio %.3f, predicted speedup %.2f)",
-                    rid, to, alpha, c, speedup)
+                 rid, to, alpha, c, speedup)
