@@ -58,11 +58,21 @@ def test_streaming_text_and_summary(models) -> None:
     assert plain.stdout == done.stdout  # greedy text is the same with and without speculation
 
 
+def test_compile_flag(models) -> None:
+    """--compile runs the compiled decode step and changes nothing in float32 greedy output."""
+    args = ["generate", "hello world", "--target", str(models["target"]), "--no-speculation", "--temperature", "0",
+            "--max-new-tokens", "10", "--no-chat", "--json", "--dtype", "float32"]
+    compiled = run_cli(*args, "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert json.loads(compiled.stdout)["token_ids"] == json.loads(run_cli(*args).stdout)["token_ids"]
+
+
 @pytest.mark.parametrize("case, message", [
     ("unknown", "unknown model spec"),
     ("vocab", "vocabulary"),
     ("long", "context window"),
     ("gamma", "gamma"),
+    ("compile-hf", "--compile needs our Llama-family runtime"),
 ])
 def test_errors_are_one_line(models, case, message) -> None:
     args = {
@@ -70,6 +80,7 @@ def test_errors_are_one_line(models, case, message) -> None:
         "vocab": ["generate", "hi", "--target", str(models["target"]), "--draft", str(models["other_vocab"])],
         "long": ["generate", "fox " * 200, "--target", str(models["target"]), "--max-new-tokens", "8"],
         "gamma": ["generate", "hi", "--target", str(models["target"]), "--gamma", "0"],
+        "compile-hf": ["generate", "hi", "--target", str(models["target"]), "--runtime", "hf", "--compile"],
     }[case]
     done = run_cli(*args)
     assert done.returncode != 0

@@ -49,9 +49,11 @@ class KVCache(RowLengths):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_slots, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_slots, kv_heads, max_len, head_dim)
+        self.key_store = torch.zeros(shape, dtype=dtype, device=device)  # one tensor: a compiled step guards once
+        self.value_store = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = list(self.key_store.unbind(0))  # per-layer views
+        self.values = list(self.value_store.unbind(0))
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # on CPU: bookkeeping, not math
         self.max_len = max_len
 

@@ -37,9 +37,10 @@ def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
 
 
 def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu") -> Drafter | None:
+                 device: str | torch.device = "cpu", compile_decode: bool = False) -> Drafter | None:
     """Build the drafter for `spec`: 'ngram', 'none', 'hybrid[:MODEL]' (n-gram where the context
-    repeats, the model elsewhere), or any model spec sharing the target's tokenizer.
+    repeats, the model elsewhere), or any model spec sharing the target's tokenizer. `compile_decode`
+    compiles a draft model's one-token steps (see `load_model`).
 
     A draft that exists but cannot be loaded (out of memory, unreadable files) is not fatal: we
     decode without speculation and say so loudly.
@@ -50,7 +51,7 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         return NgramDrafter()
     if spec == "hybrid" or spec.startswith("hybrid:"):
         model_spec = spec.partition(":")[2] or _model_draft_default(target)
-        model = load_drafter(model_spec, target, dtype, device)
+        model = load_drafter(model_spec, target, dtype, device, compile_decode)
         if model is None:  # the model failed to load (already logged): keep prompt lookup at least
             log.warning("hybrid drafting continues with n-gram lookup only")
             return NgramDrafter()
@@ -58,7 +59,7 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
             raise ValueError(f"hybrid drafting needs a draft model, got {model_spec!r}")
         return HybridDrafter(model)
     try:
-        draft = load_model(spec, dtype=dtype, device=device)
+        draft = load_model(spec, dtype=dtype, device=device, compile_decode=compile_decode)
     except (OSError, RuntimeError, MemoryError, FetchError, SafetensorError) as exc:
         log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
         return None
@@ -82,8 +83,8 @@ def _model_draft_default(target: LoadedModel) -> str:
 
 
 def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype = "auto",
-              device: str | torch.device = "cpu", runtime: str = "auto") -> Pair:
-    """Load the target and its drafter from specs."""
-    target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime)
+              device: str | torch.device = "cpu", runtime: str = "auto", compile_decode: bool = False) -> Pair:
+    """Load the target and its drafter from specs (`compile_decode`: see `load_model`)."""
+    target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime, compile_decode=compile_decode)
     spec = resolve_draft_spec(target, draft_spec)
-    return Pair(target, load_drafter(spec, target, dtype, device), spec)
+    return Pair(target, load_drafter(spec, target, dtype, device, compile_decode), spec)

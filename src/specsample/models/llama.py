@@ -8,7 +8,7 @@ fewer, larger matmuls matter on CPU, where decode is bound by reading the weight
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,9 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models.rope import rope_inv_freq
+
+if TYPE_CHECKING:
+    from specsample.models.compiled import CompiledDecode
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -212,6 +215,11 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def window_layers(config: LlamaConfig) -> frozenset[int]:
+    """Indices of the layers that attend through the sliding window (when there is one)."""
+    return frozenset(range(config.num_layers) if config.window_layers is None else config.window_layers)
+
+
 class Attention:
     """Attention for one forward call: where new keys go, and which cached keys each query sees.
 
@@ -243,7 +251,7 @@ class Attention:
         self.window_mask = None
         if window is not None and self.kv_len > window:  # shorter rows never reach past the window
             self.window_mask = self._grouped(visible & (key_pos > self.positions.unsqueeze(-1) - window), groups)
-        self.window_layers = set(range(config.num_layers) if config.window_layers is None else config.window_layers)
+        self.window_layers = window_layers(config)
 
     @staticmethod
     def _grouped(visible: Tensor, groups: int) -> Tensor:
@@ -314,6 +322,8 @@ class LlamaModel(nn.Module):
         inv_freq, scale = rope_inv_freq(config)
         self._inv_freq = inv_freq.float()  # not a buffer: must stay float32 when weights go bf16
         self.rope_scale = scale
+        self.window_layers = window_layers(config) if config.sliding_window is not None else frozenset()
+        self.compiled: CompiledDecode | None = None  # see compile_decode()
 
     @property
     def device(self) -> torch.device:
@@ -328,6 +338,8 @@ class LlamaModel(nn.Module):
             if isinstance(m, Linear):
                 m.packed = None
         out = super()._apply(fn, recurse)
+        if self.compiled is not None:  # compiled for the old weights: compile again on first use
+            self.compile_decode()
         self.set_output_subset(self.output_subset)  # re-place on the new device, drop stale copies
         return out
 
@@ -340,7 +352,25 @@ class LlamaModel(nn.Module):
         c = self.config
         return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def uses_window(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        return layer in self.window_layers
+
+    def compile_decode(self, warm_up: bool = False) -> None:
+        """Run one-token decode steps through `torch.compile` from now on (inference only).
+
+        Compiling takes 20-70 s for a 30-layer model on a 2-core CPU, on the first step or now with
+        `warm_up`; later steps run faster than eager (docs/runtime.md). Weights are frozen into the
+        compiled code: an in-place weight update makes the next step recompile.
+        """
+        from specsample.models.compiled import CompiledDecode
+
+        self.compiled = CompiledDecode(self)
+        if warm_up:
+            self.compiled.warm_up()
+
+    def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE cos and sin `[b, n, 1, hd]` in the model's dtype for `positions [b, n]`."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         angles = positions.unsqueeze(-1).float() * self._inv_freq  # [b, n, hd/2]
@@ -350,7 +380,7 @@ class LlamaModel(nn.Module):
     def hidden_states(self, tokens: Tensor, attend: Attention) -> Tensor:
         """Final normed hidden states `[b, n, hidden]` for `tokens [b, n]`."""
         x = self.embed(tokens)
-        rope = self._rope(attend.positions)
+        rope = self.rope_tables(attend.positions)
         for layer in self.layers:
             x = layer(x, rope, attend)
         return self.norm(x)
@@ -406,8 +436,13 @@ class LlamaModel(nn.Module):
     def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
         n = tokens.shape[1]
         starts = cache.reserve(slots, n)
-        attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device)
-        hidden = self.hidden_states(tokens.to(self.device), attend)
+        if self.compiled is not None and self.compiled.applies(tokens, cache, slots):
+            if self.compiled.stale():
+                self.compile_decode()
+            hidden = self.compiled(tokens.to(self.device), cache, starts)
+        else:
+            attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device)
+            hidden = self.hidden_states(tokens.to(self.device), attend)
         cache.lengths[slots.cpu()] = starts + n
         return hidden
 

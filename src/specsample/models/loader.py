@@ -57,8 +57,23 @@ def cpu_has_native_bf16() -> bool:
 
 
 def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               runtime: str = "auto", progress: bool = True) -> LoadedModel:
-    """Load `spec`: a built-in alias, a Hugging Face folder, a .gguf file or a Hugging Face Hub id."""
+               runtime: str = "auto", progress: bool = True, compile_decode: bool = False) -> LoadedModel:
+    """Load `spec`: a built-in alias, a Hugging Face folder, a .gguf file or a Hugging Face Hub id.
+
+    `compile_decode` runs our runtime's one-token decode steps through `torch.compile`
+    (`LlamaModel.compile_decode`), compiling before this returns; models on the transformers adapter
+    cannot, and raise.
+    """
+    loaded = _load(spec, dtype, device, runtime, progress)
+    if compile_decode:
+        if not isinstance(loaded.model, LlamaModel):
+            raise ValueError(f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}")
+        loaded.model.compile_decode(warm_up=True)
+    return loaded
+
+
+def _load(spec: str, dtype: str | torch.dtype, device: str | torch.device, runtime: str,
+          progress: bool) -> LoadedModel:
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     device = torch.device(device)

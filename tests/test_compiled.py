@@ -1,0 +1,142 @@
+"""`compile_decode`: the torch.compile'd one-token step computes what the eager runtime computes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specsample import SamplingParams, SpecConfig, generate
+from specsample.models.base import prefill_ragged
+from specsample.models.compiled import CompiledDecode
+from specsample.models.llama import LlamaModel
+from specsample.models.tiny import tiny_config, tiny_lm
+
+VOCAB = 64
+
+
+def twin(config_changes: dict | None = None, seed: int = 1) -> tuple[LlamaModel, LlamaModel]:
+    """Two copies of the same random model: one eager, one with compile_decode."""
+    config = dataclasses.replace(tiny_config(VOCAB), **(config_changes or {}))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        model = LlamaModel(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if not name.endswith("norm.weight"):
+                    param.normal_(0, 0.2)
+        models.append(model.eval())
+    models[1].compile_decode()
+    return models[0], models[1]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LlamaModel, LlamaModel]:
+    return twin()
+
+
+def count_compiled_calls(model: LlamaModel, monkeypatch) -> list[int]:
+    calls = [0]
+    original = type(model.compiled).__call__
+
+    def counted(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(CompiledDecode, "__call__", counted)
+    return calls
+
+
+def decode_both(eager: LlamaModel, compiled: LlamaModel, prompts: list[list[int]], steps: int,
+                max_len: int = 40) -> float:
+    """Greedy-decode ragged rows with both models; return the largest logit difference seen."""
+    batch = len(prompts)
+    caches = [eager.new_cache(batch, max_len), compiled.new_cache(batch, max_len)]
+    slots = torch.arange(batch)
+    for model, cache in zip((eager, compiled), caches):
+        prefill_ragged(model, cache, slots, [p[:-1] for p in prompts])
+    token = torch.tensor([[p[-1]] for p in prompts])
+    worst = 0.0
+    for _ in range(steps):
+        eager_logits = eager.forward_cached(token, caches[0], slots)  # [b, 1, vocab]
+        compiled_logits = compiled.forward_cached(token, caches[1], slots)
+        worst = max(worst, float((eager_logits - compiled_logits).abs().max()))
+        token = eager_logits[:, -1:].argmax(-1)
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    return worst
+
+
+@pytest.mark.parametrize("prompts", [[[3, 4, 5]], [[3, 4, 5], [7, 8, 9, 10, 11, 12], [1]]],
+                         ids=["batch1", "ragged-batch3"])
+def test_logits_match_eager(pair, prompts, monkeypatch) -> None:
+    eager, compiled = pair
+    calls = count_compiled_calls(compiled, monkeypatch)
+    worst = decode_both(eager, compiled, prompts, steps=6)
+    assert calls[0] == 6  # the compiled step really ran
+    assert worst < 1e-4
+
+
+def test_sliding_window_matches_eager(monkeypatch) -> None:
+    eager, compiled = twin({"sliding_window": 4})
+    calls = count_compiled_calls(compiled, monkeypatch)
+    assert decode_both(eager, compiled, [[1, 2, 3, 4, 5, 6, 7]], steps=8) < 1e-4
+    assert calls[0] == 8
+
+
+def test_other_calls_take_the_eager_path(pair, monkeypatch) -> None:
+    """A subset of the cache's rows (a finished row) is outside the compiled step's contract."""
+    eager, compiled = pair
+    calls = count_compiled_calls(compiled, monkeypatch)
+    caches = [eager.new_cache(2, 20), compiled.new_cache(2, 20)]
+    for model, cache in zip((eager, compiled), caches):
+        prefill_ragged(model, cache, torch.arange(2), [[1, 2], [3, 4, 5]])
+    one_row = torch.tensor([1])
+    out = [m.forward_cached(torch.tensor([[6]]), c, one_row) for m, c in zip((eager, compiled), caches)]
+    assert calls[0] == 0
+    assert torch.allclose(out[0], out[1], atol=1e-5)
+
+
+def test_in_place_weight_update_recompiles(monkeypatch) -> None:
+    eager, compiled = twin(seed=5)
+    decode_both(eager, compiled, [[1, 2, 3]], steps=1)  # compile with the old weights
+    with torch.no_grad():
+        for model in (eager, compiled):
+            model.layers[0].down.weight.mul_(3.0)
+    assert compiled.compiled.stale()
+    assert decode_both(eager, compiled, [[1, 2, 3]], steps=2) < 1e-4
+
+
+def test_greedy_generation_is_unchanged(pair) -> None:
+    eager, compiled = pair
+    draft_eager, draft_compiled = twin(seed=9)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    prompts = [[5, 6, 7, 8]]
+    reference = generate(eager, prompts, params, config=SpecConfig(speculative=False)).completions
+    assert generate(compiled, prompts, params, config=SpecConfig(speculative=False)).completions == reference
+    speculative = generate(compiled, prompts, params, draft=draft_compiled, config=SpecConfig(gamma=3))
+    assert speculative.completions == reference
+
+
+def test_compile_needs_our_runtime(tmp_path) -> None:
+    from model_factory import write_hf_model
+
+    from specsample.models.loader import load_model
+
+    folder = write_hf_model(tmp_path / "gemma", "gemma3")
+    with pytest.raises(ValueError, match="compile_decode needs our Llama-family runtime"):
+        load_model(str(folder), compile_decode=True)
+
+
+def test_tiny_lm_unaffected() -> None:
+    assert tiny_lm(VOCAB).compiled is None  # opt-in: nothing compiles unless asked
+
+
+def test_two_compiled_models_keep_their_own_weights() -> None:
+    """Same architecture, different weights (a target and its draft): neither may run the other's code."""
+    first_eager, first = twin(seed=11)
+    second_eager, second = twin(seed=12)
+    assert decode_both(first_eager, first, [[1, 2, 3]], steps=2) < 1e-4
+    assert decode_both(second_eager, second, [[1, 2, 3]], steps=2) < 1e-4
+    assert decode_both(first_eager, first, [[4, 5]], steps=2) < 1e-4
