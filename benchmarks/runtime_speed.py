@@ -3,8 +3,9 @@
 Batch 1, a fixed chat prompt, 128 new tokens (EOS ignored so every run decodes the same length),
 greedy. Systems run interleaved, repetition by repetition, so machine drift hits all alike; we
 report medians. "ours compiled" is our runtime with `compile_decode` (torch.compile of the one-token
-step); its one-time compile is timed separately and reported, not folded into ms/token. The memory floor is (bytes of weights read per token) / (measured copy bandwidth:
-bytes copied per second by `torch.Tensor.copy_` on 256 MiB, median of 10).
+step); its one-time compile is timed separately and reported, not folded into ms/token. The memory
+floor is (bytes of weights read per token) / (measured copy bandwidth: bytes copied per second by
+`torch.Tensor.copy_` on 256 MiB, median of 10).
 
     python benchmarks/runtime_speed.py --repeats 5 --out docs/runtime_speed.json
 """

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -11,25 +9,16 @@ from specsample import SamplingParams, SpecConfig, generate
 from specsample.models.base import prefill_ragged
 from specsample.models.compiled import CompiledDecode
 from specsample.models.llama import LlamaModel
-from specsample.models.tiny import tiny_config, tiny_lm
+from specsample.models.tiny import tiny_lm
 
 VOCAB = 64
 
 
-def twin(config_changes: dict | None = None, seed: int = 1) -> tuple[LlamaModel, LlamaModel]:
+def twin(seed: int = 1, sliding_window: int | None = None) -> tuple[LlamaModel, LlamaModel]:
     """Two copies of the same random model: one eager, one with compile_decode."""
-    config = dataclasses.replace(tiny_config(VOCAB), **(config_changes or {}))
-    models = []
-    for _ in range(2):
-        torch.manual_seed(seed)
-        model = LlamaModel(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if not name.endswith("norm.weight"):
-                    param.normal_(0, 0.2)
-        models.append(model.eval())
-    models[1].compile_decode()
-    return models[0], models[1]
+    eager, compiled = (tiny_lm(VOCAB, seed, init_scale=0.2, sliding_window=sliding_window) for _ in range(2))
+    compiled.compile_decode()
+    return eager, compiled
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +68,7 @@ def test_logits_match_eager(pair, prompts, monkeypatch) -> None:
 
 
 def test_sliding_window_matches_eager(monkeypatch) -> None:
-    eager, compiled = twin({"sliding_window": 4})
+    eager, compiled = twin(sliding_window=4)
     calls = count_compiled_calls(compiled, monkeypatch)
     assert decode_both(eager, compiled, [[1, 2, 3, 4, 5, 6, 7]], steps=8) < 1e-4
     assert calls[0] == 8

@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
     gen.add_argument("--compile", action="store_true",
-                     help="compile one-token decode steps with torch.compile (our runtime only): the first step "
-                          "takes 20-70 s on a small CPU, later ones run about 1.3x faster (docs/runtime.md)")
+                     help="compile one-token decode steps with torch.compile (our runtime only): 20-80 s once per "
+                          "process on a small CPU; faster in bfloat16, slower in float32 (docs/runtime.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
@@ -204,10 +204,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     # bad --gamma fails before any model is loaded; the cache length is fixed once the prompt is known
     config = spec_config(args.gamma, args.max_gamma, not args.no_speculation, max_batch_size=1,
                          max_seq_len=args.max_new_tokens + 1)
-    if args.compile and args.runtime == "hf":
-        raise CliError("--compile needs our Llama-family runtime (compile_decode), not --runtime hf")
     if args.compile:
-        print("specsample: compiling the decode steps after loading (20-70 s on a small CPU, once per process)",
+        if args.runtime == "hf":
+            raise CliError("--compile needs our Llama-family runtime (compile_decode), not --runtime hf")
+        print("specsample: compiling the decode steps after loading (20-80 s on a small CPU, once per process)",
               file=sys.stderr, flush=True)
     pair = load_pair(args.target, "none" if args.no_speculation else args.draft, args.dtype, args.device,
                      args.runtime, compile_decode=args.compile)

@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 
+from specsample.models.llama import apply_rope
+
 if TYPE_CHECKING:
     from specsample.models.llama import LlamaModel
 
@@ -44,7 +46,7 @@ class DecodeStep(nn.Module):
         """`keys`/`values` are a `KVCache`'s stores `[layers, b, KVH, max_len, hd]`, written in place."""
         m, c = self.model, self.model.config
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        batch, half = tokens.shape[0], head_dim // 2
+        batch = tokens.shape[0]
         x = m.embed(tokens)  # [b, 1, hidden]
         cos, sin = m.rope_tables(positions.view(batch, 1))  # [b, 1, 1, hd]
         max_len = keys.shape[3]
@@ -53,21 +55,21 @@ class DecodeStep(nn.Module):
         causal = key_pos <= query_pos  # [b, 1, 1, max_len]; stale entries past a row's length are masked
         windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
         rows = torch.arange(batch, device=tokens.device)
+        # F.linear on the plain weights, not the layers' prepacked oneDNN path: inductor cannot lower that op,
+        # and with frozen weights it prepacks them itself
         for i, layer in enumerate(m.layers):
-            h = F.rms_norm(x, layer.input_norm.weight.shape, layer.input_norm.weight, c.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv.weight, layer.qkv.bias).view(batch, 1, heads + 2 * kv_heads, head_dim)
-            qk = qkv[:, :, : heads + kv_heads]
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            qkv = F.linear(layer.input_norm(x), layer.qkv.weight, layer.qkv.bias)
+            qkv = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim)
+            qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
             keys[i][rows, :, positions] = qk[:, 0, heads:]  # [b, KVH, hd] at each row's own position
             values[i][rows, :, positions] = qkv[:, 0, heads + kv_heads:]
             mask = windowed if m.uses_window(i) else causal
             q = qk[:, :, :heads].reshape(batch, kv_heads, heads // kv_heads, head_dim)  # a group's heads as rows
             out = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask)
             x = x + F.linear(out.reshape(batch, 1, heads * head_dim), layer.o_proj.weight, layer.o_proj.bias)
-            h = F.rms_norm(x, layer.post_norm.weight.shape, layer.post_norm.weight, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up.weight, layer.gate_up.bias).chunk(2, dim=-1)
+            gate, up = F.linear(layer.post_norm(x), layer.gate_up.weight, layer.gate_up.bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
-        return F.rms_norm(x, m.norm.weight.shape, m.norm.weight, c.rms_norm_eps)
+        return m.norm(x)
 
 
 def _total_version(tensors: list[Tensor]) -> int:
@@ -124,7 +126,7 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(tensor, 3)
         single = tokens.shape[0] == 1
         if single not in self.compiled_shapes:
-            log.info("compiling the decode step for batch %s (about a minute on a small CPU, once per process)",
+            log.info("compiling the decode step for batch %s (20-80 s on a small CPU, once per process)",
                      "1" if single else "> 1")
         start = time.perf_counter()
         with torch._inductor.config.patch(self.inductor_config):

@@ -201,14 +201,14 @@ class Block(nn.Module):
         batch, n, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(self.input_norm(x)).view(batch, n, heads + 2 * kv_heads, self.head_dim)
-        qk = _apply_rope(qkv[:, :, : heads + kv_heads], *rope)  # rotate q and k in one pass
+        qk = apply_rope(qkv[:, :, : heads + kv_heads], *rope)  # rotate q and k in one pass
         attn = attend(qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads:])  # [b, n, H * hd]
         x = x + self.o_proj(attn)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate `x [b, n, heads, hd]` by position; cos/sin are `[b, n, 1, hd]` (halves duplicated)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -359,7 +359,7 @@ class LlamaModel(nn.Module):
     def compile_decode(self, warm_up: bool = False) -> None:
         """Run one-token decode steps through `torch.compile` from now on (inference only).
 
-        Compiling takes 20-70 s for a 30-layer model on a 2-core CPU, on the first step or now with
+        Compiling takes 20-80 s for a 30-layer model on a 2-core CPU, on the first step or now with
         `warm_up`; later steps run faster than eager (docs/runtime.md). Weights are frozen into the
         compiled code: an in-place weight update makes the next step recompile.
         """
