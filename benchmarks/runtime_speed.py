@@ -5,9 +5,10 @@ greedy. Systems run interleaved, repetition by repetition, so machine drift hits
 report medians. "ours compiled" is our runtime with `compile_decode` (torch.compile of the one-token
 step); its one-time compile is timed separately and reported, not folded into ms/token. The memory
 floor is (bytes of weights read per token) / (measured copy bandwidth: bytes copied per second by
-`torch.Tensor.copy_` on 256 MiB, median of 10).
+`torch.Tensor.copy_` on 256 MiB, median of 10), on the device the models run on.
 
     python benchmarks/runtime_speed.py --repeats 5 --out docs/runtime_speed.json
+    python benchmarks/runtime_speed.py --device cuda --out docs/runtime_speed_cuda.json   # on a GPU
 """
 
 from __future__ import annotations
@@ -27,15 +28,23 @@ from specsample.models.loader import load_model
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
-    """Bytes copied per second (each byte read once and written once)."""
-    src = torch.randn(megabytes * 2**20 // 4)
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock times include it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes copied per second on `device` (each byte read once and written once)."""
+    src = torch.randn(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
     for _ in range(repeats):
+        sync(device)
         start = time.perf_counter()
         dst.copy_(src)
+        sync(device)
         times.append(time.perf_counter() - start)
     return src.numel() * 4 / statistics.median(times)
 
@@ -56,18 +65,22 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def ours_ms_per_token(model, prompt_ids: list[int], new_tokens: int) -> float:
+    sync(model.device)
     start = time.perf_counter()
     result = generate(model, [prompt_ids], SamplingParams(temperature=0, max_new_tokens=new_tokens))
+    sync(model.device)
     elapsed = time.perf_counter() - start
     assert result.stats["new_tokens"] == new_tokens
     return 1000 * elapsed / new_tokens
 
 
 def hf_ms_per_token(model, prompt_ids: list[int], new_tokens: int) -> float:
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
+    sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    sync(model.device)
     elapsed = time.perf_counter() - start
     assert out.shape[1] - ids.shape[1] == new_tokens
     return 1000 * elapsed / new_tokens
@@ -81,21 +94,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/runtime_speed.json"))
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
                         help="also time our runtime with compile_decode (default on)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",") if name]
 
     from transformers import AutoModelForCausalLM
 
     systems = {}
     compile_s: dict[str, float] = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
-        loaded = load_model(args.model, dtype=dtype)
-        hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=dtype).eval()
+        loaded = load_model(args.model, dtype=dtype, device=device)
+        hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=dtype).to(device).eval()
         prompt_ids = loaded.tokenizer.encode(PROMPT, chat=True)
         systems[f"ours {name}"] = (ours_ms_per_token, loaded.model, weight_bytes_per_token(loaded.model))
         if args.compiled:
             start = time.perf_counter()
-            compiled = load_model(args.model, dtype=dtype, compile_decode=True)
+            compiled = load_model(args.model, dtype=dtype, device=device, compile_decode=True)
             compile_s[f"ours compiled {name}"] = time.perf_counter() - start  # load + one-time compile
             systems[f"ours compiled {name}"] = (ours_ms_per_token, compiled.model,
                                                 weight_bytes_per_token(compiled.model))
@@ -105,7 +122,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in systems}
     bandwidths = []
     for rep in range(args.repeats):
-        bandwidths.append(copy_bandwidth())
+        bandwidths.append(copy_bandwidth(device))
         for name, (fn, model, _) in systems.items():
             times[name].append(fn(model, prompt_ids, args.new_tokens))
             print(f"repeat {rep + 1}/{args.repeats} {name}: {times[name][-1]:.1f} ms/token", flush=True)
@@ -118,14 +135,17 @@ def main() -> None:
                      "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "all_ms": times[name],
                      "load_and_compile_s": compile_s.get(name)})
     ratios = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in (str(d).removeprefix("torch.") for d in dtypes):
         theirs = statistics.median(times[f"transformers {dtype}"])
         for ours in (f"ours {dtype}", f"ours compiled {dtype}"):
             if ours in times:
                 ratios[ours] = theirs / statistics.median(times[ours])
     report = {
-        "command": "python benchmarks/runtime_speed.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "command": "python benchmarks/runtime_speed.py " + " ".join(
+            (f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool) else f"--{k.replace('_', '-')} {v}")
+            for k, v in vars(args).items()),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "copy_bandwidth_gb_s": bandwidth / 1e9},
         "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens, "rows": rows,
         "speedup_vs_transformers": ratios,
@@ -133,7 +153,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     lines = [f"Command: `{report['command']}`", "",
-             f"Machine: {report['machine']['cpu']}, {report['machine']['threads']} threads, torch "
+             f"Machine: {report['machine']['device']} ({report['machine']['cpu']}, "
+             f"{report['machine']['threads']} threads), torch "
              f"{report['machine']['torch']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (median of "
              f"{args.repeats}); prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.", "",
              "| system | ms/token (median) | tokens/s | weights read/token MB | floor ms | ratio to floor | load + compile s |",

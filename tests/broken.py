@@ -39,7 +39,21 @@ class GateDropsToken:
         self.inner = inner
         self.vocab_size = inner.vocab_size
 
-    def __getattr__(self, name):
+    # spelled out, not delegated through __getattr__: Python 3.12's isinstance on a runtime-checkable
+    # Protocol looks attributes up statically and would not see delegated methods
+    def allocate(self, num_slots, max_len):
+        self.inner.allocate(num_slots, max_len)
+
+    def add_rows(self, slots, prompts):
+        self.inner.add_rows(slots, prompts)
+
+    def release_rows(self, slots):
+        self.inner.release_rows(slots)
+
+    def commit(self, slots, committed):
+        self.inner.commit(slots, committed)
+
+    def __getattr__(self, name):  # anything else the engine asks of a model drafter
         return getattr(self.inner, name)
 
     def propose(self, slots, gamma, max_drafts, params, generators, stop_threshold=0.0):

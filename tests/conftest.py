@@ -5,17 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import DEVICE
 from specsample.models.tiny import tiny_lm
+
+
+def pytest_report_header(config) -> str:
+    return f"specsample model tests on device: {DEVICE}"
 
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    return tiny_lm(32, seed=1, init_scale=0.2, dtype=torch.float64)
+    return tiny_lm(32, seed=1, init_scale=0.2, dtype=torch.float64, device=DEVICE)
 
 
 @pytest.fixture(scope="session")
 def tiny_draft():
-    return tiny_lm(32, seed=2, init_scale=0.2, num_layers=1, dtype=torch.float64)
+    return tiny_lm(32, seed=2, init_scale=0.2, num_layers=1, dtype=torch.float64, device=DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -23,4 +28,4 @@ def smollm2():
     """SmolLM2-135M-Instruct in float32 (fetched through its alias on first use), shared by the slow tests."""
     from specsample.models.loader import load_model
 
-    return load_model("smollm2-135m-instruct", dtype="float32")
+    return load_model("smollm2-135m-instruct", dtype="float32", device=DEVICE)

@@ -103,6 +103,30 @@ def test_cost_ratio_is_measured_per_batch_size() -> None:
     assert controller.cost_ratio(6) == pytest.approx(0.1)  # nearest measured batch size
 
 
+def test_cost_ratio_charges_whole_rounds_once_a_plain_round_is_timed() -> None:
+    """Scoring gamma + 1 tokens and verifying them cost too: c is a drafted position's share of a round."""
+    controller = GammaController(ControllerConfig(calibrate_every=50))
+    assert controller.plan(["r"], 1) != [0]  # nothing timed yet: no calibration round
+    controller.observe_timing(1, 4, draft_seconds=0.004, target_seconds=0.024, verify_seconds=0.004)
+    assert controller.cost_ratio(1) == pytest.approx(1 / 24)  # draft step / target forward, until...
+    assert controller.plan(["r"], 1) == [0]  # ...a plain round is planned to time plain decoding
+    controller.observe_timing(1, 0, draft_seconds=0.0, target_seconds=0.018, verify_seconds=0.002)
+    for _ in range(60):  # rounds of gamma 4 take 32 ms against a plain round's 20 ms: 3 ms per draft
+        controller.observe_timing(1, 4, draft_seconds=0.004, target_seconds=0.024, verify_seconds=0.004)
+    assert controller.cost_ratio(1) == pytest.approx(0.15, rel=0.01)
+    plans = [controller.plan(["r"], 1)[0] for _ in range(120)]
+    assert 1 <= plans.count(0) <= 3  # the plain round is re-timed every calibrate_every rounds, not more
+
+
+def test_new_requests_start_from_the_pooled_acceptance() -> None:
+    controller = GammaController()
+    assert controller.alpha("first") == pytest.approx(0.5)  # the constant prior before any data
+    rng = random.Random(3)
+    _simulate(controller, 0.2, 100, rid="first", rng=rng)
+    controller.release("first")
+    assert controller.alpha("second") == pytest.approx(0.2, abs=0.08)
+
+
 def test_gate_threshold_from_calibration() -> None:
     controller = GammaController(ControllerConfig(gate_min_samples=100, prior_cost_ratio=0.2))
     assert controller.gate_threshold(1) == 0.0  # not calibrated yet

@@ -164,3 +164,18 @@ def test_failed_admission_returns_its_slots(tiny_target, tiny_draft) -> None:
         engine.step()
     assert engine._free_slots == [0, 1] and engine.num_running == 0
     assert int(engine.cache.lengths.sum()) == 0
+
+
+def test_decoding_accepts_any_attention_output_layout(tiny_target, monkeypatch) -> None:
+    """CUDA's SDPA returns its output in a transposed memory layout; decoding must not assume contiguity."""
+    import torch.nn.functional as F
+
+    reference = _tokens(generate(tiny_target, PROMPTS, GREEDY))
+    original = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, dims 1 and 2 swapped in memory
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
+    assert _tokens(generate(tiny_target, PROMPTS, GREEDY)) == reference

@@ -15,6 +15,7 @@ import torch
 
 import specsample.engine as engine_module
 from broken import BROKEN, GateDropsToken
+from devices import DEVICE
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.controller import ControllerConfig, GammaController
@@ -37,8 +38,8 @@ WARPS = {
 @pytest.fixture(scope="module")
 def pair():
     # large init scale: peaky, clearly different distributions so broken variants stand out
-    target = tiny_lm(VOCAB, seed=10, init_scale=0.2, dtype=torch.float64)
-    draft = tiny_lm(VOCAB, seed=20, init_scale=0.2, num_layers=1, dtype=torch.float64)
+    target = tiny_lm(VOCAB, seed=10, init_scale=0.2, dtype=torch.float64, device=DEVICE)
+    draft = tiny_lm(VOCAB, seed=20, init_scale=0.2, num_layers=1, dtype=torch.float64, device=DEVICE)
     return target, draft
 
 
@@ -48,8 +49,8 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
     inputs = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
         probs = warp_probs(target(inputs)[:, len(prompt) - 1:-1], params)  # [V^3, 3, V]
-    per_step = probs.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
-    return per_step.prod(dim=1).numpy()
+    per_step = probs.cpu().gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
+    return per_step.prod(dim=1).cpu().numpy()
 
 
 def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive: bool = False,

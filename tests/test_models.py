@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from devices import DEVICE
 from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.ngram import NgramDrafter
@@ -63,11 +64,11 @@ def _incremental(model, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_our_runtime_matches_transformers(folders, name) -> None:
-    loaded = load_model(str(folders[name]), dtype="float32")
+    loaded = load_model(str(folders[name]), dtype="float32", device=DEVICE)
     assert loaded.runtime == "ours"
     ids = torch.tensor([loaded.tokenizer.encode(TEXT, chat=True)])
-    reference = _reference_logits(folders[name], ids)
-    for logits in (loaded.model(ids), _incremental(loaded.model, ids)):
+    reference = _reference_logits(folders[name], ids)  # transformers on the CPU
+    for logits in (loaded.model(ids).cpu(), _incremental(loaded.model, ids).cpu()):
         assert (logits - reference).abs().max().item() < 1e-4
         assert torch.equal(logits.argmax(-1), reference.argmax(-1))
 
@@ -105,19 +106,19 @@ def test_bfloat16_runtime(folders) -> None:
 
 
 def test_transformers_adapter_gemma3(folders) -> None:
-    loaded = load_model(str(folders["gemma3"]), dtype="float32")
+    loaded = load_model(str(folders["gemma3"]), dtype="float32", device=DEVICE)
     assert loaded.runtime == "hf"
     ids = torch.tensor([loaded.tokenizer.encode(TEXT, chat=True)])
     reference = _reference_logits(folders["gemma3"], ids)
     assert ids.shape[1] > 4  # crosses the sliding window, so cropping after it is exercised
-    assert (_incremental(loaded.model, ids) - reference).abs().max().item() < 1e-4
+    assert (_incremental(loaded.model, ids).cpu() - reference).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_greedy_speculation_with_each_runtime(folders, name) -> None:
-    target = load_model(str(folders[name]), dtype="float32")
+    target = load_model(str(folders[name]), dtype="float32", device=DEVICE)
     draft_name = "gemma3_draft" if name == "gemma3" else "qwen2"
-    draft = load_model(str(folders[draft_name]), dtype="float32")
+    draft = load_model(str(folders[draft_name]), dtype="float32", device=DEVICE)
     prompts = [target.tokenizer.encode(t, chat=True) for t in (TEXT, "hello world", "speculative sampling")]
     params = SamplingParams(temperature=0, max_new_tokens=20)
     plain = generate(target.model, prompts, params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import DEVICE
 
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.ngram import NgramDrafter
@@ -33,7 +34,7 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=48)
     plain = generate(model, prompts, params, eos_token_ids=tokenizer.eos_token_ids)
     assert "Paris" in tokenizer.decode(plain.completions[0].token_ids)
-    bf16_draft = load_model("smollm2-135m-instruct", dtype="bfloat16").model  # close to, not equal to, the target
+    bf16_draft = load_model("smollm2-135m-instruct", dtype="bfloat16", device=DEVICE).model  # close to, not equal to, the target
     for drafter in (NgramDrafter(), ModelDrafter(bf16_draft)):
         spec = generate(model, prompts, params, draft=drafter, config=SpecConfig(gamma=5),
                         eos_token_ids=tokenizer.eos_token_ids)

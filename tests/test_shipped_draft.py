@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from devices import DEVICE
 
 from specsample.cli import eval_prompt_set
 from specsample.distill.evaluate import evaluate
@@ -26,7 +27,7 @@ def quick_record() -> dict:
 
 @pytest.fixture(scope="module")
 def shipped_draft():
-    return load_model(SMOLLM2_DRAFT, dtype="float32")
+    return load_model(SMOLLM2_DRAFT, dtype="float32", device=DEVICE)
 
 
 def test_shipped_folder_fits_the_budget() -> None:

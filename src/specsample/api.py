@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specsample.config import SamplingParams, SpecConfig
+from specsample.controller import GammaController
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import ModelDrafter
 from specsample.engine import Engine, RoundResult
@@ -60,11 +61,14 @@ def generate_stream(
     draft: CausalLM | Drafter | None = None,
     config: SpecConfig = SpecConfig(),
     eos_token_ids: Iterable[int] = (),
+    controller: GammaController | None = None,
 ) -> Iterator[tuple[list[str], RoundResult]]:
     """Yield `(request_ids, round_result)` per round while the prompts decode as one batch.
 
     Request ids are in prompt order; each round's `rows` carry the tokens committed for each id.
     With `draft=None` (or `config.speculative=False`) this is plain decoding through the same loop.
+    Pass the same `controller` to successive calls to keep what gamma auto learned (costs, a pooled
+    acceptance rate), as a long-running server does; by default each call starts afresh.
     """
     if not prompts:
         raise ValueError("no prompts given")
@@ -74,7 +78,7 @@ def generate_stream(
         config, max_batch_size=min(config.max_batch_size, len(prompts)),
         max_seq_len=config.max_seq_len or min(longest, target.max_seq_len),
     )
-    engine = Engine(target, as_drafter(draft), sized, eos_token_ids)
+    engine = Engine(target, as_drafter(draft), sized, eos_token_ids, controller)
     ids = [engine.add_request(p, rp) for p, rp in zip(prompts, row_params)]
     for result in engine.stream():
         yield ids, result
@@ -87,6 +91,7 @@ def generate(
     draft: CausalLM | Drafter | None = None,
     config: SpecConfig = SpecConfig(),
     eos_token_ids: Iterable[int] = (),
+    controller: GammaController | None = None,
 ) -> GenerationResult:
     """Generate for a batch of token-id prompts; returns completions in order and statistics."""
     row_params = _row_params(params, len(prompts))
@@ -95,7 +100,7 @@ def generate(
     reasons: dict[str, str] = {}
     started = time.perf_counter()
     request_ids: list[str] = []
-    for request_ids, result in generate_stream(target, prompts, row_params, draft, config, eos_token_ids):
+    for request_ids, result in generate_stream(target, prompts, row_params, draft, config, eos_token_ids, controller):
         if not collector.requests:
             for rid in request_ids:
                 collector.request_started(rid, started)

@@ -31,12 +31,18 @@ class ControllerConfig:
     gate: bool = True  # stop a round early after a low-confidence draft token
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
+    calibrate_every: int = 128  # rounds per batch size between plain rounds that time plain decoding
+    pool_decay: float = 0.99  # forgetting of the acceptance pooled over requests (a new request's prior)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gamma <= self.max_gamma:
             raise ValueError(f"need 1 <= min_gamma <= max_gamma, got {self.min_gamma}, {self.max_gamma}")
         if not 0 < self.decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
+        if not 0 < self.pool_decay < 1:
+            raise ValueError(f"pool_decay must be in (0, 1), got {self.pool_decay}")
+        if self.calibrate_every < 1:
+            raise ValueError(f"calibrate_every must be >= 1, got {self.calibrate_every}")
 
 
 @dataclass
@@ -73,6 +79,11 @@ class GammaController:
         self._requests: dict[str, _RequestState] = {}
         self._draft_step: dict[int, _Ewma] = {}  # batch size -> seconds per draft step
         self._target_step: dict[int, _Ewma] = {}  # batch size -> seconds per target forward
+        self._plain_round: dict[int, _Ewma] = {}  # batch size -> seconds per round without drafts
+        self._per_draft: dict[int, _Ewma] = {}  # batch size -> extra round seconds per drafted position
+        self._round = 0  # rounds planned so far
+        self._last_plain: dict[int, int] = {}  # batch size -> round of the last plain round (or attempt)
+        self._pooled = [0.0, 0.0]  # successes, failures over all requests (decayed): new requests' prior
         self._gate_trials = [0] * BINS
         self._gate_accepts = [0] * BINS
         self.switches: list[tuple[str, str]] = []  # (request id, "off" | "on"), for stats and tests
@@ -84,11 +95,20 @@ class GammaController:
         return self._state(request_id).alpha
 
     def cost_ratio(self, batch_size: int) -> float:
-        """Measured draft-step / target-step time at the nearest batch size seen (a prior before any)."""
+        """c at the nearest batch size measured: what one more drafted position adds to a round's time,
+        over the time of a round without drafts (a prior before any measurement).
+
+        A speculative round also pays for scoring gamma + 1 tokens instead of one and for verifying
+        them, not only for the draft steps; measuring whole rounds charges c with all of it. Until a
+        plain round has been timed at that batch size, c is draft step / target forward.
+        """
         sizes = [b for b in self._target_step if self._draft_step.get(b, _Ewma()).value is not None]
         if not sizes:
             return self.config.prior_cost_ratio
         nearest = min(sizes, key=lambda b: abs(b - batch_size))
+        plain, per_draft = self._plain_round.get(nearest), self._per_draft.get(nearest)
+        if plain is not None and per_draft is not None:
+            return max(per_draft.value, 0.0) / max(plain.value, 1e-9)
         return self._draft_step[nearest].value / max(self._target_step[nearest].value, 1e-9)
 
     def best_gamma(self, alpha: float, cost_ratio: float) -> tuple[int, float]:
@@ -101,7 +121,12 @@ class GammaController:
 
     def plan(self, request_ids: list[str], batch_size: int) -> list[int]:
         """Drafts each request may propose this round (0 = decode without drafting)."""
+        self._round += 1
         c = self.cost_ratio(batch_size)
+        if self._calibration_due(batch_size):
+            # time one round without drafts (needed for c); a choice from the past alone, so still exact
+            self._last_plain[batch_size] = self._round
+            return [0] * len(request_ids)
         out = []
         for rid in request_ids:
             state = self._state(rid)
@@ -125,6 +150,14 @@ class GammaController:
             else:
                 out.append(state.gamma)
         return out
+
+    def _calibration_due(self, batch_size: int) -> bool:
+        """A plain round is due once drafting rounds were timed at this batch size and no plain round
+        was run (or attempted: rows with a fixed gamma may draft anyway) in `calibrate_every` rounds."""
+        if batch_size not in self._target_step:
+            return False  # nothing timed here yet (or a caller that never reports timings)
+        last = self._last_plain.get(batch_size)
+        return last is None or self._round - last >= self.config.calibrate_every
 
     def gate_threshold(self, batch_size: int) -> float:
         """Confidence below which a round stops after the drawn token (0 = no gate yet).
@@ -162,6 +195,8 @@ class GammaController:
         factor = self.config.decay ** (num_accepted + rejected)
         state.successes = factor * state.successes + num_accepted
         state.failures = factor * state.failures + rejected
+        pool = self.config.pool_decay ** (num_accepted + rejected)
+        self._pooled = [pool * self._pooled[0] + num_accepted, pool * self._pooled[1] + rejected]
         for i, q in enumerate((confidences or [])[: min(num_accepted + 1, num_drafted)]):
             if q != q:  # NaN: a deterministic (n-gram) draft has no confidence to calibrate on
                 continue
@@ -169,11 +204,19 @@ class GammaController:
             self._gate_trials[b] += 1
             self._gate_accepts[b] += int(i < num_accepted)
 
-    def observe_timing(self, batch_size: int, gamma: int, draft_seconds: float, target_seconds: float) -> None:
-        """Record one round's draft and target time at a batch size."""
-        if gamma > 0:
-            self._draft_step.setdefault(batch_size, _Ewma()).add(draft_seconds / gamma)
+    def observe_timing(self, batch_size: int, gamma: int, draft_seconds: float, target_seconds: float,
+                       verify_seconds: float = 0.0) -> None:
+        """Record one round's draft, target and verify-and-commit time at a batch size (gamma 0: a plain round)."""
+        total = draft_seconds + target_seconds + verify_seconds
+        if gamma == 0:
+            self._plain_round.setdefault(batch_size, _Ewma()).add(total)
+            self._last_plain[batch_size] = self._round
+            return
+        self._draft_step.setdefault(batch_size, _Ewma()).add(draft_seconds / gamma)
         self._target_step.setdefault(batch_size, _Ewma()).add(target_seconds)
+        plain = self._plain_round.get(batch_size)
+        if plain is not None:
+            self._per_draft.setdefault(batch_size, _Ewma()).add((total - plain.value) / gamma, weight=0.1)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
@@ -185,6 +228,8 @@ class GammaController:
     def _state(self, request_id: str) -> _RequestState:
         if request_id not in self._requests:
             w, a = self.config.prior_weight, self.config.prior_alpha
+            if sum(self._pooled) >= 10:  # earlier requests' acceptance is a better start than a constant
+                a = min(max(self._pooled[0] / sum(self._pooled), 0.01), 0.99)
             start = min(max(self.config.max_gamma // 2, self.config.min_gamma), self.config.max_gamma)
             self._requests[request_id] = _RequestState(successes=w * a, failures=w * (1 - a), gamma=start)
         return self._requests[request_id]

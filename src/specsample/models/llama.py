@@ -269,14 +269,14 @@ class Attention:
         self.layer += 1
         if n == 1:  # decode: a group's heads are already adjacent query rows
             out = F.scaled_dot_product_attention(q.view(batch, kv_heads, self.groups, head_dim), k, v, attn_mask=mask)
-            return out.view(batch, 1, heads * head_dim)
+            return out.reshape(batch, 1, heads * head_dim)  # CUDA SDPA output is not view-compatible
         if self.cache is None and mask is self.mask:  # training: plain causal, let SDPA use its fused kernel
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
             return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
         grouped = q.view(batch, n, kv_heads, self.groups, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(batch, kv_heads, self.groups * n, head_dim)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)  # [b, KVH, G * n, hd]
-        out = out.view(batch, kv_heads, self.groups, n, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(batch, kv_heads, self.groups, n, head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(batch, n, heads * head_dim)
 
     def _write_and_read(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU check: the model tests on CUDA, then plain-decoding speed and a quick `specsample bench` on one GPU.
+#
+#   bash benchmarks/cuda_check.sh tests OUT_DIR    # tiny-model tests on CUDA (no real weights needed)
+#   bash benchmarks/cuda_check.sh real OUT_DIR     # real SmolLM2 tests, runtime speed, bench (needs the alias)
+#
+# Each step has its own time limit, so one slow step cannot hide the others' results; all output
+# goes to OUT_DIR/log.txt. CI never runs this (it has no GPU); docs/cuda.md records what it printed.
+set -u
+part=${1:?usage: cuda_check.sh tests|real OUT_DIR}
+out=${2:?usage: cuda_check.sh tests|real OUT_DIR}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export SPECSAMPLE_TEST_DEVICE=${SPECSAMPLE_TEST_DEVICE:-cuda} PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, append its output to OUT/log.txt
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    echo "=== step $name (limit $limit s): $*" >>"$out/log.txt"
+    timeout "$limit" "$@" >>"$out/log.txt" 2>&1
+    local rc=$?
+    echo "=== step $name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/log.txt"
+}
+
+"$py" -c 'import platform, torch, transformers
+print("python", platform.python_version(), "torch", torch.__version__, "transformers", transformers.__version__)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device")' | tee -a "$out/log.txt"
+
+if [ "$part" = tests ]; then
+    step pytest_models 200 "$py" -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_engine.py \
+        tests/test_models.py
+    step pytest_compiled 120 "$py" -m pytest -q -p no:cacheprovider tests/test_compiled.py
+else
+    step pytest_real 150 "$py" -m pytest -q -p no:cacheprovider tests/test_real_smollm2.py tests/test_shipped_draft.py
+    step runtime_speed 100 "$py" benchmarks/runtime_speed.py --device cuda --no-compiled --repeats 5 \
+        --out "$out/runtime_speed_cuda.json"
+    step bench 420 "$py" -m specsample.cli bench --quick --device cuda --compare hf,hf-assisted,hf-lookup \
+        --out "$out/bench"
+    tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench"  # one file back instead of six
+    step runtime_speed_compiled 120 "$py" benchmarks/runtime_speed.py --device cuda --dtypes bfloat16 --repeats 5 \
+        --out "$out/runtime_speed_cuda_compiled.json"
+fi
