@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from specsample import SamplingParams, generate
+from specsample.bench.systems import load_hf_peer
 from specsample.models.loader import load_model
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -100,14 +101,12 @@ def main() -> None:
     device = torch.device(args.device)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",") if name]
 
-    from transformers import AutoModelForCausalLM
-
     systems = {}
     compile_s: dict[str, float] = {}
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         loaded = load_model(args.model, dtype=dtype, device=device)
-        hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=dtype).to(device).eval()
+        hf = load_hf_peer(loaded.folder, dtype, device)
         prompt_ids = loaded.tokenizer.encode(PROMPT, chat=True)
         systems[f"ours {name}"] = (ours_ms_per_token, loaded.model, weight_bytes_per_token(loaded.model))
         if args.compiled:

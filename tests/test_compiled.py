@@ -17,7 +17,8 @@ VOCAB = 64
 
 def twin(seed: int = 1, sliding_window: int | None = None) -> tuple[LlamaModel, LlamaModel]:
     """Two copies of the same random model: one eager, one with compile_decode."""
-    eager, compiled = (tiny_lm(VOCAB, seed, init_scale=0.2, sliding_window=sliding_window, device=DEVICE) for _ in range(2))
+    eager, compiled = (tiny_lm(VOCAB, seed, init_scale=0.2, sliding_window=sliding_window, device=DEVICE)
+                       for _ in range(2))
     compiled.compile_decode()
     return eager, compiled
 

@@ -213,13 +213,14 @@ class Engine:
         target_logits = self.target.forward_cached(target_input, self.cache, slot_tensor)  # [b, gamma + 1, vocab]
         target_done = self._now()
         verdict = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits, num_drafted.to(device))
-        self._observe(rows, num_drafted, verdict.num_accepted.cpu(), confidence)
-        updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted)
+        num_accepted = verdict.num_accepted.cpu()  # [b]; one device-to-host copy per round
+        self._observe(rows, num_drafted, num_accepted, confidence)
+        updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted, num_accepted)
         verify_done = self._now()
         if self.controller is not None:  # whole rounds: scoring and verifying drafts cost too, not only drafting
             self.controller.observe_timing(len(rows), gamma, draft_done - prefill_done, target_done - draft_done,
                                            verify_done - target_done)
-        stats = _round_stats(len(rows), gamma, num_drafted, verdict.num_accepted.cpu(), updates,
+        stats = _round_stats(len(rows), gamma, num_drafted, num_accepted, updates,
                              prefill_done - start, draft_done - prefill_done, target_done - draft_done,
                              verify_done - target_done, fallback_rows)
         return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
@@ -269,14 +270,13 @@ class Engine:
         return verify(draft_tokens, draft_probs, target_probs, [r.generator for r in rows], num_drafted)
 
     def _commit(self, rows: list[_Row], slot_tensor: Tensor, draft_tokens: Tensor, verdict: Verdict,
-                num_drafted: Tensor) -> list[RowUpdate]:
-        num_accepted = verdict.num_accepted.cpu().tolist()
+                num_drafted: Tensor, num_accepted: Tensor) -> list[RowUpdate]:
         next_tokens = verdict.next_token.cpu().tolist()
         drafts = draft_tokens.cpu().tolist()
         updates, committed, finished = [], [], []
         target_lengths = []
         for row, accepted, nxt, drafted_row, n_drafted in zip(
-            rows, num_accepted, next_tokens, drafts, num_drafted.tolist()
+            rows, num_accepted.tolist(), next_tokens, drafts, num_drafted.tolist()
         ):
             new = drafted_row[:accepted] + [nxt]
             # the target cache keeps the prompt, earlier output and the accepted drafts

@@ -37,13 +37,13 @@ class Ours:
     """specsample's engine: target-only (drafter None) or speculative. The engine re-allocates the
     drafter's state for every run, so one drafter serves all runs. With gamma auto, one controller
     also serves all runs (as in a server, it keeps the costs and acceptance it measured) unless
-    `keep_controller` is False, when every run starts from the priors."""
+    `keep_controller` is False, when every run's engine starts its own from the priors."""
 
     def __init__(self, name: str, target: CausalLM, drafter: Drafter | None, config: SpecConfig,
                  eos: frozenset[int], keep_controller: bool = True) -> None:
         self.name, self.target, self.drafter, self.config, self.eos = name, target, drafter, config, eos
-        self.keep_controller = keep_controller
-        self.controller = GammaController(ControllerConfig(max_gamma=config.gamma)) if config.adaptive else None
+        kept = config.adaptive and keep_controller
+        self.controller = GammaController(ControllerConfig(max_gamma=config.gamma)) if kept else None
 
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
         from specsample.api import generate_stream
@@ -55,8 +55,8 @@ class Ours:
         outputs: dict[str, list[int]] = {}
         stamps: dict[str, list[float]] = {}
         ids: list[str] = []
-        controller = self.controller if self.keep_controller else None
-        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos, controller):
+        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos,
+                                           self.controller):
             if not collector.requests:
                 for rid in ids:
                     collector.request_started(rid, started)

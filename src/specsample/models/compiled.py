@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
-
 from specsample.models.llama import apply_rope
 
 if TYPE_CHECKING:
