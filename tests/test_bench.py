@@ -49,6 +49,18 @@ def test_acceptance_summary_and_prediction() -> None:
     assert predicted_speedup(0.8, 4.4, 0.05) == pytest.approx(expected_speedup(0.8, 4, 0.05))
 
 
+def test_cost_ratio_comes_from_whole_rounds() -> None:
+    """c is what a drafted position adds to a round over a plain round, not a draft step over a target forward."""
+    from specsample.bench.run import _cost_ratio
+
+    plain = [{"rounds": 100, "draft_seconds": 0.0, "target_seconds": 9.0, "verify_seconds": 1.0}]  # 0.1 s/round
+    spec = [{"rounds": 50, "gamma_mean": 4.0, "draft_seconds": 2.0, "target_seconds": 6.0, "verify_seconds": 1.0},
+            {"rounds": 50, "gamma_mean": 4.0, "draft_seconds": 2.0, "target_seconds": 6.0, "verify_seconds": 1.0}]
+    # 0.18 s per round with 4 drafts: (0.18 / 0.1 - 1) / 4; draft step / target forward would say 0.0083 / 0.12
+    assert _cost_ratio(spec, plain) == pytest.approx(0.2)
+    assert _cost_ratio(spec, []) == 0.0  # no plain rounds timed: no estimate rather than a wrong one
+
+
 def test_sharegpt_parser_stops_at_a_truncated_tail(tmp_path) -> None:
     convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
                                                {"from": "gpt", "value": f"answer {i}"}]} for i in range(5)]

@@ -131,3 +131,23 @@ def test_two_compiled_models_keep_their_own_weights() -> None:
     assert decode_both(first_eager, first, [[1, 2, 3]], steps=2) < 1e-4
     assert decode_both(second_eager, second, [[1, 2, 3]], steps=2) < 1e-4
     assert decode_both(first_eager, first, [[4, 5]], steps=2) < 1e-4
+
+
+def test_output_subset_goes_through_the_compiled_head() -> None:
+    """FR-Spec drafts: the compiled output layer honours the subset, and a new subset rebuilds it."""
+    eager, compiled = twin(seed=13)
+    for subset in ([0, 5, 9, 33, 63, 2], list(range(0, VOCAB, 3)), None):
+        for model in (eager, compiled):
+            model.set_output_subset(None if subset is None else torch.tensor(subset))
+        caches = [eager.new_cache(1, 12), compiled.new_cache(1, 12)]
+        slots = torch.arange(1)
+        for model, cache in zip((eager, compiled), caches):
+            model.prefill(torch.tensor([[1, 2]]), cache, slots)
+        token = torch.tensor([[3]])
+        for _ in range(3):
+            expected, got = (m.forward_cached(token, c, slots) for m, c in zip((eager, compiled), caches))
+            assert torch.equal(torch.isinf(expected), torch.isinf(got))  # the same tokens are excluded
+            finite = torch.isfinite(expected)
+            assert float((expected[finite] - got[finite]).abs().max()) < 1e-4
+            token = expected[:, -1:].argmax(-1)
+        assert compiled.compiled.head[0] is compiled.output_subset  # built for this subset

@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
     gen.add_argument("--compile", action="store_true",
-                     help="compile one-token decode steps with torch.compile (our runtime only): 20-80 s once per "
-                          "process on a small CPU; faster in bfloat16, slower in float32 (docs/runtime.md)")
+                     help="compile one-token decode steps with torch.compile (our runtime only): up to 80 s once "
+                          "per process on a small CPU, then ~1.5x faster decoding (docs/runtime.md)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)

@@ -178,14 +178,17 @@ class Bench:
             for cat in categories:
                 chosen = [r for p, r in rows if cat == "overall" or p.category == cat]
                 table[name][cat] = _speed(chosen)
+        def run_stats(name: str, cat: str) -> list[dict]:
+            return [r.stats for p, r in records[name] if (cat == "overall" or p.category == cat) and r.stats]
+
         for name in records:
             for cat in categories:
                 base = table[baseline][cat]["tokens_per_s"]
                 table[name][cat]["speedup"] = table[name][cat]["tokens_per_s"] / base if base else 0.0
-                stats = [r.stats for p, r in records[name] if (cat == "overall" or p.category == cat) and r.stats]
+                stats = run_stats(name, cat)
                 if stats and any(s["drafted"] for s in stats):
                     acc = acceptance_summary(stats)
-                    cost = _cost_ratio(stats)
+                    cost = _cost_ratio(stats, run_stats(baseline, cat))
                     predicted = predicted_speedup(acc["alpha"], acc["gamma_mean"], cost)
                     table[name][cat].update(acc, cost_ratio=cost, predicted_speedup=predicted,
                                             measured_over_predicted=table[name][cat]["speedup"] / predicted)
@@ -266,13 +269,22 @@ def _speed(records: list[RunRecord]) -> dict[str, float]:
             "tpot_p99_ms": 1000 * percentile(gaps, 99)}
 
 
-def _cost_ratio(stats: list[dict]) -> float:
-    """Measured c: seconds per draft step over seconds per target forward, pooled over runs."""
-    draft = sum(s["draft_seconds"] for s in stats)
-    target = sum(s["target_seconds"] for s in stats)
+def _round_seconds(stats: list[dict]) -> float:
+    """Model seconds per round (drafting, target forward, verification), pooled over runs."""
     rounds = sum(s["rounds"] for s in stats)
-    steps = sum(s["gamma_mean"] * s["rounds"] for s in stats)
-    return (draft / steps) / (target / rounds) if steps and rounds and target else 0.0
+    seconds = sum(s["draft_seconds"] + s["target_seconds"] + s.get("verify_seconds", 0.0) for s in stats)
+    return seconds / rounds if rounds else 0.0
+
+
+def _cost_ratio(stats: list[dict], plain_stats: list[dict]) -> float:
+    """Measured c from whole rounds, as the gamma controller defines it: what each drafted position adds
+    to a round's time, over a plain (target-only) round's time. A draft step over a target forward alone
+    undercounts it, because scoring and verifying gamma + 1 tokens costs more than one (docs/adaptive.md).
+    """
+    plain, spec = _round_seconds(plain_stats), _round_seconds(stats)
+    rounds = sum(s["rounds"] for s in stats)
+    gamma = sum(s["gamma_mean"] * s["rounds"] for s in stats) / rounds if rounds else 0.0
+    return max(0.0, (spec / plain - 1) / gamma) if plain and spec and gamma else 0.0
 
 
 def environment(bench: Bench) -> dict[str, Any]:

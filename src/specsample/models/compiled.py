@@ -18,6 +18,7 @@ import logging
 import operator
 import time
 import types
+import warnings
 import weakref
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,16 @@ if TYPE_CHECKING:
     from specsample.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
+
+# CPU: freeze the weights as constants, drop the Python wrapper between kernels, and let inductor time
+# its own packed C++ matrix-vector kernels against oneDNN's per weight shape (its kernels read weights
+# 1.1-2.2x faster: benchmarks/matvec_kernels.py); the autotuner's stderr tables are switched off
+CPU_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
+                       "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
+                       "max_autotune_report_choices_stats": False}
+# inductor's autotuner calls a deprecated storage API (torch 2.13); the warning is not the user's to act on
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                        module=r"torch\._inductor\.select_algorithm")
 
 
 class DecodeStep(nn.Module):
@@ -71,6 +82,42 @@ class DecodeStep(nn.Module):
         return m.norm(x)
 
 
+class DecodeHead(nn.Module):
+    """Logits `[b, 1, vocab]` from final hidden states: the output layer, or its FR-Spec subset.
+
+    The weights it reads are its own parameters (views of the model's, no copy), so freezing makes
+    them constants that inductor packs for its generated matrix-vector kernel.
+    """
+
+    def __init__(self, model: LlamaModel) -> None:
+        super().__init__()
+        self.vocab_size = model.vocab_size
+        self.subset = model.output_subset
+        weight = model.lm_head.weight if self.subset is None else model.subset_weight()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        if self.subset is not None:
+            self.register_buffer("subset_ids", self.subset, persistent=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.subset is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.subset_ids, logits)
+
+
+def _private_forward(module: nn.Module) -> nn.Module:
+    """Give `module` its own copy of its class's forward code, so torch.compile caches it apart.
+
+    Dynamo keeps compiled code per code object: a private copy means recompiling after an in-place
+    weight update (or for another model) cannot hit the old frozen constants.
+    """
+    forward = type(module).forward
+    code = types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward")
+    module.forward = types.MethodType(code, module)
+    return module
+
+
 def _total_version(tensors: list[Tensor]) -> int:
     """Sum of version counters: they only grow, so the sum changes exactly when some tensor was written."""
     return sum(map(operator.attrgetter("_version"), tensors))
@@ -81,28 +128,23 @@ class CompiledDecode:
 
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
-        step = DecodeStep(model).eval()
-        # dynamo keeps compiled code per code object: a private copy of forward's gives this compile its own
-        # cache, so recompiling after an in-place weight update cannot hit the old frozen constants
-        forward = types.FunctionType(DecodeStep.forward.__code__.replace(), DecodeStep.forward.__globals__, "forward")
-        step.forward = types.MethodType(forward, step)
-        self.step = torch.compile(step, fullgraph=True)
-        # CPU: freeze weights (oneDNN-prepacked constants) and drop the Python wrapper between kernels.
-        # Set around each call, not as torch.compile options: freezing given as an option was not applied
-        # (measured: 32 vs 19 ms per step on SmolLM2-135M bf16).
-        cpu = model.device.type == "cpu"
-        self.inductor_config = {"freezing": True, "cpp_wrapper": True} if cpu else {}
+        self.step = torch.compile(_private_forward(DecodeStep(model).eval()), fullgraph=True)
+        self.head: tuple[Tensor | None, nn.Module] | None = None  # (output subset it was built for, compiled head)
+        # set around each call, not as torch.compile options: freezing given as an option was not applied
+        # (measured: 32 vs 19 ms per step on SmolLM2-135M bf16)
+        self.inductor_config = CPU_INDUCTOR_CONFIG if model.device.type == "cpu" else {}
         self.compiled_shapes: set[bool] = set()
         self.weights = list(model.parameters())
         self.weights_version = _total_version(self.weights)
         self.marked: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches whose stores are marked dynamic
 
     def warm_up(self) -> None:
-        """Compile now for batch 1 on a throwaway cache, so the first real step is not the slow one."""
+        """Compile the step and the output layer now for batch 1 on a throwaway cache, so the first real
+        step is not the slow one."""
         cache = self.model.new_cache(1, 8)
         tokens = torch.zeros(1, 1, dtype=torch.long, device=self.model.device)
         with torch.inference_mode():
-            self(tokens, cache, torch.zeros(1, dtype=torch.long))
+            self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long)))
 
     def stale(self) -> bool:
         """True once any weight changed in place: the frozen constants no longer match the model."""
@@ -134,3 +176,11 @@ class CompiledDecode:
             self.compiled_shapes.add(single)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)
         return hidden
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The model's logits `[b, 1, vocab]` for one position per row, through a compiled output layer."""
+        subset = self.model.output_subset
+        if self.head is None or self.head[0] is not subset:  # built for another subset: build again
+            self.head = subset, torch.compile(_private_forward(DecodeHead(self.model).eval()), fullgraph=True)
+        with torch._inductor.config.patch(self.inductor_config):
+            return self.head[1](hidden)

@@ -407,12 +407,17 @@ class LlamaModel(nn.Module):
         assert self.output_subset is not None
         if torch.is_grad_enabled():
             return F.linear(hidden, self.lm_head.weight[self.output_subset])
+        return linear(hidden, self.subset_weight(), None, self._subset_packed)
+
+    def subset_weight(self) -> Tensor:
+        """The output subset's rows of the output weights `[K, hidden]`, gathered (and packed) once per update."""
+        assert self.output_subset is not None
         version = self.lm_head.weight._version
-        if self._subset_weight is None or version != self._subset_version:  # gathered (and packed) once
+        if self._subset_weight is None or version != self._subset_version:
             self._subset_weight = self.lm_head.weight.detach()[self.output_subset].contiguous()
             self._subset_packed = prepack(self._subset_weight)
             self._subset_version = version
-        return linear(hidden, self._subset_weight, None, self._subset_packed)
+        return self._subset_weight
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits `[b, n, vocab]`; outside an output subset they are -inf."""
@@ -425,7 +430,12 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
         """Append `tokens [b, n]` to rows `slots` of `cache` and return logits `[b, n, vocab]`."""
-        return self.logits(self._append(tokens, cache, slots))
+        hidden = self._append(tokens, cache, slots)
+        if self.compiled is not None and tokens.shape[1] == 1:
+            if self.compiled.stale():
+                self.compile_decode()
+            return self.compiled.logits(hidden)
+        return self.logits(hidden)
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
