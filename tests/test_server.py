@@ -110,6 +110,32 @@ def test_stop_string_across_round_boundaries() -> None:
     assert keep.finish() == ""
 
 
+def test_usage_stops_counting_at_the_stop_string() -> None:
+    """A round can commit tokens past a stop string; the response neither shows nor bills them (as vLLM)."""
+    import asyncio
+
+    from specsample.engine import RowUpdate
+    from specsample.server.app import _Choice
+    from specsample.server.runner import RequestHandle
+
+    class Decoder:  # pretends each token is one character
+        def push(self, ids):
+            return "".join(chr(i) for i in ids)
+
+        def flush(self):
+            return ""
+
+    async def one_round() -> _Choice:
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
+        choice = _Choice(0, handle, TextAssembler(Decoder(), ["ST"]))
+        handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abSTxyz")), 6, 6, None))  # 7 tokens in one round
+        assert await choice.next() == [("ab", "stop")]
+        return choice
+
+    assert asyncio.run(one_round()).tokens == 4  # a, b, S, T: not the x, y, z the round also committed
+
+
 def test_concurrent_clients_are_batched_and_isolated(live) -> None:
     client = live.client()
     alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0).choices[0].text

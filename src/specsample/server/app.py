@@ -259,8 +259,13 @@ class _Choice:
         if isinstance(update, Exception):
             raise update
         assert isinstance(update, RowUpdate)
-        self.tokens += len(update.new_tokens)
-        text = self.text.push(update.new_tokens)
+        pieces = []
+        for token in update.new_tokens:  # one at a time: usage counts tokens up to the one completing a stop string
+            pieces.append(self.text.push((token,)))
+            self.tokens += 1
+            if self.text.stopped:
+                break
+        text = "".join(pieces)
         if self.text.stopped:
             self.finish_reason = "stop"
         elif update.finish_reason is not None:
