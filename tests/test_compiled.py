@@ -151,3 +151,18 @@ def test_output_subset_goes_through_the_compiled_head() -> None:
             assert float((expected[finite] - got[finite]).abs().max()) < 1e-4
             token = expected[:, -1:].argmax(-1)
         assert compiled.compiled.head[0] is compiled.output_subset  # built for this subset
+
+
+def test_warm_up_covers_what_generation_calls() -> None:
+    """After load_model's warm-up, generating compiles nothing more (a recompile costs ~70 s on SmolLM2),
+    whether the token tensors come from the engine (inference mode) or from a caller outside it."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_lm(VOCAB, 21, init_scale=0.2, device=DEVICE)
+    model.compile_decode(warm_up=True)
+    graphs = counters["stats"]["unique_graphs"]
+    generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4), config=SpecConfig(speculative=False))
+    cache, slots = model.new_cache(1, 10), torch.tensor([0])
+    model.forward_cached(torch.tensor([[1, 2]]), cache, slots)
+    model.forward_cached(torch.tensor([[3]]), cache, slots)  # a token tensor made outside inference mode
+    assert counters["stats"]["unique_graphs"] == graphs

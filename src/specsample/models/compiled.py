@@ -170,6 +170,9 @@ class CompiledDecode:
             log.info("compiling the decode step for batch %s (20-80 s on a small CPU, once per process)",
                      "1" if single else "> 1")
         start = time.perf_counter()
+        # a fresh tensor: dynamo guards on dispatch keys, and a caller's token tensor made outside
+        # inference mode would differ from the engine's and recompile the whole step (70 s)
+        tokens = tokens.clone()
         with torch._inductor.config.patch(self.inductor_config):
             hidden = self.step(tokens, positions.to(tokens.device), cache.key_store, cache.value_store)
         if single not in self.compiled_shapes:
