@@ -92,6 +92,21 @@ def test_controller_falls_back_and_recovers() -> None:
     assert [to for _, to in controller.switches] == ["off", "on"]
 
 
+def test_probes_thin_out_when_they_cost_more() -> None:
+    """In fallback a probe's expected loss is capped at probe_budget of decode time: a dear verification
+    (e.g. a compiled plain step, c ~ 0.7) probes rarely, a near-break-even one as often as probe_every."""
+    controller = GammaController(ControllerConfig())
+    assert 55 <= controller.probe_interval(0.1, 1, 0.7) <= 65  # loses 0.6 of a round per probe
+    assert controller.probe_interval(0.3, 1, 0.25) == 16  # no predicted loss: the floor
+    assert controller.probe_interval(0.0, 1, 50.0) == 256  # the ceiling: recovery is still noticed
+    dear = GammaController(ControllerConfig(prior_cost_ratio=0.7))
+    cheap = GammaController(ControllerConfig(prior_cost_ratio=0.2))
+    probes = [sum(g > 0 for g in _simulate(ctl, 0.05, 600, rng=random.Random(2))[100:]) for ctl in (dear, cheap)]
+    assert probes[0] <= 12 < 25 <= probes[1]  # ~500/60 rounds against ~500/16
+    with pytest.raises(ValueError, match="probe_every"):
+        ControllerConfig(probe_every=300)
+
+
 def test_cost_ratio_is_measured_per_batch_size() -> None:
     controller = GammaController()
     assert controller.cost_ratio(1) == controller.config.prior_cost_ratio

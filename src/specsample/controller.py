@@ -27,7 +27,9 @@ class ControllerConfig:
     hysteresis: float = 0.03  # switch gamma only for a > 3% better predicted speedup
     fallback_below: float = 1.0  # predicted speedup under which a request stops drafting
     resume_above: float = 1.05  # ...and over which it drafts again (hysteresis against thrash)
-    probe_every: int = 16  # rounds between probes while in fallback
+    probe_every: int = 16  # fewest rounds between probes while in fallback
+    max_probe_every: int = 256  # most rounds between probes (how late a recovery can be noticed)
+    probe_budget: float = 0.01  # share of decode time the expected loss of probing may cost in fallback
     gate: bool = True  # stop a round early after a low-confidence draft token
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
@@ -43,6 +45,11 @@ class ControllerConfig:
             raise ValueError(f"pool_decay must be in (0, 1), got {self.pool_decay}")
         if self.calibrate_every < 1:
             raise ValueError(f"calibrate_every must be >= 1, got {self.calibrate_every}")
+        if not 1 <= self.probe_every <= self.max_probe_every:
+            raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
+                             f"{self.max_probe_every}")
+        if not 0 < self.probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
 
 
 @dataclass
@@ -142,7 +149,7 @@ class GammaController:
                 self._switch(rid, "on", state.alpha, c, speedup)
             if state.fallback:
                 state.rounds_since_probe += 1
-                probe = state.rounds_since_probe >= self.config.probe_every
+                probe = state.rounds_since_probe >= self.probe_interval(state.alpha, state.gamma, c)
                 if probe:
                     state.rounds_since_probe = 0
                 # a probe drafts the gamma the formula picks (1 at a low alpha): at the break-even alpha a
@@ -151,6 +158,19 @@ class GammaController:
             else:
                 out.append(state.gamma)
         return out
+
+    def probe_interval(self, alpha: float, gamma: int, cost_ratio: float) -> int:
+        """Rounds between fallback probes: sparse enough that their expected loss stays within
+        `probe_budget` of decode time, within [probe_every, max_probe_every].
+
+        A probe round takes 1 + gamma c plain rounds' time for E(alpha, gamma) tokens; a plain round
+        gives one token per unit. When verification is dear (a compiled plain step, a slow draft) a
+        probe loses most of a round, so it runs rarely; near break-even it costs nothing and runs often.
+        """
+        speedup = expected_speedup(alpha, max(gamma, 1), cost_ratio)
+        loss = (1 + max(gamma, 1) * cost_ratio) * max(1 - speedup, 0.0)  # in plain rounds' time
+        interval = int(loss / self.config.probe_budget) + 1
+        return min(max(interval, self.config.probe_every), self.config.max_probe_every)
 
     def _calibration_due(self, batch_size: int) -> bool:
         """A plain round is due once drafting rounds were timed at this batch size and no plain round
