@@ -6,8 +6,9 @@ report medians. "ours compiled" is our runtime with `compile_decode` (torch.comp
 step); its one-time compile is timed separately and reported, not folded into ms/token. The memory
 floor is (bytes of weights read per token) / (measured copy bandwidth: bytes copied per second by
 `torch.Tensor.copy_` on 256 MiB, median of 10), on the device the models run on. A copy reads and
-writes each byte while a decode step only reads its weights, so the table also gives a stricter
-floor from read bandwidth (a `sum()` over 256 MiB).
+writes each byte while a decode step only reads its weights, so the table also gives the time at
+read bandwidth (a `sum()` over 256 MiB): a reference, not a hard floor, since a well-tuned
+matrix-vector kernel can read a little faster than a reduction.
 
     python benchmarks/runtime_speed.py --repeats 5 --out docs/runtime_speed.json
     python benchmarks/runtime_speed.py --device cuda --out docs/runtime_speed_cuda.json   # on a GPU
@@ -148,8 +149,8 @@ def main() -> None:
         ms = statistics.median(times[name])
         floor_ms, read_floor_ms = 1000 * nbytes / bandwidth, 1000 * nbytes / read_bw
         rows.append({"system": name, "ms_per_token": ms, "tokens_per_s": 1000 / ms, "weight_mb": nbytes / 1e6,
-                     "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "read_floor_ms": read_floor_ms,
-                     "ratio_to_read_floor": ms / read_floor_ms, "all_ms": times[name],
+                     "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "read_bandwidth_ms": read_floor_ms,
+                     "ratio_to_read_bandwidth": ms / read_floor_ms, "all_ms": times[name],
                      "load_and_compile_s": compile_s.get(name)})
     ratios = {}
     for dtype in (str(d).removeprefix("torch.") for d in dtypes):
@@ -176,12 +177,12 @@ def main() -> None:
              f"{report['machine']['torch']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth "
              f"{read_bw / 1e9:.1f} GB/s (medians of {args.repeats}); prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.", "",
              "| system | ms/token (median) | tokens/s | weights read/token MB | floor ms (copy) | ratio to floor "
-             "| read floor ms | ratio to read floor | load + compile s |",
+             "| at read bandwidth ms | ratio to that | load + compile s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {r['weight_mb']:.0f} | "
-                     f"{r['floor_ms']:.1f} | {r['ratio_to_floor']:.2f} | {r['read_floor_ms']:.1f} | "
-                     f"{r['ratio_to_read_floor']:.2f} | "
+                     f"{r['floor_ms']:.1f} | {r['ratio_to_floor']:.2f} | {r['read_bandwidth_ms']:.1f} | "
+                     f"{r['ratio_to_read_bandwidth']:.2f} | "
                      f"{'' if r['load_and_compile_s'] is None else round(r['load_and_compile_s'])} |")
     lines.append("")
     for name, ratio in ratios.items():

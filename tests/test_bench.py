@@ -58,7 +58,7 @@ def test_cost_ratio_comes_from_whole_rounds() -> None:
             {"rounds": 50, "gamma_mean": 4.0, "draft_seconds": 2.0, "target_seconds": 6.0, "verify_seconds": 1.0}]
     # 0.18 s per round with 4 drafts: (0.18 / 0.1 - 1) / 4; draft step / target forward would say 0.0083 / 0.12
     assert _cost_ratio(spec, plain) == pytest.approx(0.2)
-    assert _cost_ratio(spec, []) == 0.0  # no plain rounds timed: no estimate rather than a wrong one
+    assert _cost_ratio(spec, []) is None  # no plain rounds timed: no estimate rather than c = 0
 
 
 def test_sharegpt_parser_stops_at_a_truncated_tail(tmp_path) -> None:

@@ -65,8 +65,6 @@ def test_compile_flag(models) -> None:
     compiled = run_cli(*args, "--compile")
     assert compiled.returncode == 0, compiled.stderr
     assert json.loads(compiled.stdout)["token_ids"] == json.loads(run_cli(*args).stdout)["token_ids"]
-    for noise in ("AUTOTUNE", "Autotune Choices", "TypedStorage"):  # inductor's autotuner stays quiet
-        assert noise not in compiled.stderr
 
 
 @pytest.mark.parametrize("case, message", [

@@ -151,6 +151,14 @@ def test_output_subset_goes_through_the_compiled_head() -> None:
             assert float((expected[finite] - got[finite]).abs().max()) < 1e-4
             token = expected[:, -1:].argmax(-1)
         assert compiled.compiled.head[0] is compiled.output_subset  # built for this subset
+    with torch.no_grad():  # an in-place update of the output layer: the head's frozen copy must go
+        for model in (eager, compiled):
+            model.set_output_subset(torch.tensor([1, 4, 9, 60]))
+            model.lm_head.weight.mul_(-1.5)
+    caches = [eager.new_cache(1, 4), compiled.new_cache(1, 4)]
+    expected, got = (m.forward_cached(torch.tensor([[3]]), c, torch.arange(1)) for m, c in zip((eager, compiled), caches))
+    assert torch.equal(torch.isinf(expected), torch.isinf(got))
+    assert float((expected[torch.isfinite(expected)] - got[torch.isfinite(got)]).abs().max()) < 1e-4
 
 
 def test_warm_up_covers_what_generation_calls() -> None:

@@ -133,7 +133,19 @@ def test_usage_stops_counting_at_the_stop_string() -> None:
         assert await choice.next() == [("ab", "stop")]
         return choice
 
+    async def two_rounds(last_finish: str | None) -> _Choice:
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
+        choice = _Choice(0, handle, TextAssembler(Decoder(), ["ST"]))
+        handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abS")), 2, 2, None))  # "S" held back
+        assert await choice.next() == [("ab", None)]
+        handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "Txy")), 2, 2, last_finish))
+        assert await choice.next() == [("", "stop")]  # the stop string wins over "length"
+        return choice
+
     assert asyncio.run(one_round()).tokens == 4  # a, b, S, T: not the x, y, z the round also committed
+    for last_finish in (None, "length"):
+        assert asyncio.run(two_rounds(last_finish)).tokens == 4
 
 
 def test_concurrent_clients_are_batched_and_isolated(live) -> None:

@@ -189,9 +189,11 @@ class Bench:
                 if stats and any(s["drafted"] for s in stats):
                     acc = acceptance_summary(stats)
                     cost = _cost_ratio(stats, run_stats(baseline, cat))
-                    predicted = predicted_speedup(acc["alpha"], acc["gamma_mean"], cost)
-                    table[name][cat].update(acc, cost_ratio=cost, predicted_speedup=predicted,
-                                            measured_over_predicted=table[name][cat]["speedup"] / predicted)
+                    table[name][cat].update(acc, cost_ratio=cost)
+                    if cost is not None:  # no plain rounds timed: no prediction rather than an optimistic one
+                        predicted = predicted_speedup(acc["alpha"], acc["gamma_mean"], cost)
+                        table[name][cat].update(predicted_speedup=predicted,
+                                                measured_over_predicted=table[name][cat]["speedup"] / predicted)
         return table
 
     def gamma_sweep(self, temperature: float) -> dict[str, Any]:
@@ -209,7 +211,7 @@ class Bench:
             points.append({"gamma": gamma, "speedup": row["speedup"], "ms_per_token": row["ms_per_token"],
                            "alpha": row.get("alpha"), "cost_ratio": row.get("cost_ratio"),
                            "predicted_speedup": row.get("predicted_speedup")})
-        fixed = [p for p in points if p["gamma"] != "auto" and p["alpha"] is not None]
+        fixed = [p for p in points if p["gamma"] != "auto" and p["alpha"] is not None and p["cost_ratio"] is not None]
         alpha = statistics.fmean(p["alpha"] for p in fixed) if fixed else 0.0
         cost = statistics.fmean(p["cost_ratio"] for p in fixed) if fixed else 0.0
         theory = [{"gamma": g, "speedup": predicted_speedup(alpha, g, cost)} for g in range(1, 11)]
@@ -276,15 +278,19 @@ def _round_seconds(stats: list[dict]) -> float:
     return seconds / rounds if rounds else 0.0
 
 
-def _cost_ratio(stats: list[dict], plain_stats: list[dict]) -> float:
+def _cost_ratio(stats: list[dict], plain_stats: list[dict]) -> float | None:
     """Measured c from whole rounds, as the gamma controller defines it: what each drafted position adds
-    to a round's time, over a plain (target-only) round's time. A draft step over a target forward alone
-    undercounts it, because scoring and verifying gamma + 1 tokens costs more than one (docs/adaptive.md).
+    to a round's time, over a plain (target-only) round's time; None without plain rounds to compare.
+
+    A draft step over a target forward alone undercounts c, because scoring and verifying gamma + 1
+    tokens costs more than one (docs/adaptive.md). Divided by the gamma the prediction uses (the
+    rounded mean), 1 + gamma c is the measured round-time ratio, so measured / predicted then checks
+    the acceptance model E(alpha, gamma) and the engine's overhead, not the cost model.
     """
     plain, spec = _round_seconds(plain_stats), _round_seconds(stats)
     rounds = sum(s["rounds"] for s in stats)
-    gamma = sum(s["gamma_mean"] * s["rounds"] for s in stats) / rounds if rounds else 0.0
-    return max(0.0, (spec / plain - 1) / gamma) if plain and spec and gamma else 0.0
+    gamma = max(1, round(sum(s["gamma_mean"] * s["rounds"] for s in stats) / rounds)) if rounds else 0
+    return max(0.0, (spec / plain - 1) / gamma) if plain and spec and gamma else None
 
 
 def environment(bench: Bench) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """One-token decode steps of our Llama runtime compiled with `torch.compile` (opt-in).
 
-Eager decoding of a small model is bound by per-op overhead: ~45 small ops per layer, each a few
-microseconds of dispatch, beside the matrix-vector products that read the weights. Compiling the
-whole step (all layers at once, weights frozen as constants so inductor prepacks them for oneDNN)
-fuses the small ops into a few generated kernels and calls them from a C++ wrapper.
+Eager decoding of a small model pays per-op overhead for ~30 small ops per layer, beside
+matrix-vector products that read the weights below the memory's speed. Compiling the whole step
+(all layers at once, weights frozen as constants) fuses the small ops into a few generated kernels
+called from a C++ wrapper, and on CPUs lets inductor's autotuned C++ matrix-vector kernels replace
+oneDNN's where they are faster. The output layer is compiled apart (`DecodeHead`) and used exactly
+where the step is.
 
 The compiled step attends over the whole preallocated cache row with a position mask, so its shapes
 do not change as the cache fills; the cache length and batch are marked dynamic, so new requests do
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # CPU: freeze the weights as constants, drop the Python wrapper between kernels, and let inductor time
 # its own packed C++ matrix-vector kernels against oneDNN's per weight shape (its kernels read weights
-# 1.1-2.2x faster: benchmarks/matvec_kernels.py); the autotuner's stderr tables are switched off
+# 1.2-2.8x faster, kernel for kernel: benchmarks/matvec_kernels.py); its stderr tables are switched off
 CPU_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
                        "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
                        "max_autotune_report_choices_stats": False}
@@ -85,8 +87,8 @@ class DecodeStep(nn.Module):
 class DecodeHead(nn.Module):
     """Logits `[b, 1, vocab]` from final hidden states: the output layer, or its FR-Spec subset.
 
-    The weights it reads are its own parameters (views of the model's, no copy), so freezing makes
-    them constants that inductor packs for its generated matrix-vector kernel.
+    The weights it reads are its own parameters (the model's output weights, or the subset's gathered
+    rows), so freezing makes them constants that inductor packs for its generated matrix-vector kernel.
     """
 
     def __init__(self, model: LlamaModel) -> None:
@@ -184,6 +186,7 @@ class CompiledDecode:
         """The model's logits `[b, 1, vocab]` for one position per row, through a compiled output layer."""
         subset = self.model.output_subset
         if self.head is None or self.head[0] is not subset:  # built for another subset: build again
+            log.info("compiling the output layer (a few seconds)")
             self.head = subset, torch.compile(_private_forward(DecodeHead(self.model).eval()), fullgraph=True)
         with torch._inductor.config.patch(self.inductor_config):
             return self.head[1](hidden)

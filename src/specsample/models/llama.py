@@ -395,7 +395,7 @@ class LlamaModel(nn.Module):
         if token_ids is None:
             self.output_subset = None
             return
-        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
+        ids = torch.as_tensor(token_ids, dtype=torch.long).cpu().clone()  # ours: a caller's later edits can't reach it
         if ids.dim() != 1 or len(ids) == 0 or int(ids.max()) >= self.vocab_size or int(ids.min()) < 0:
             raise ValueError(f"output subset must be token ids in [0, {self.vocab_size})")
         if len(torch.unique(ids)) != len(ids):
@@ -430,12 +430,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
         """Append `tokens [b, n]` to rows `slots` of `cache` and return logits `[b, n, vocab]`."""
-        hidden = self._append(tokens, cache, slots)
-        if self.compiled is not None and tokens.shape[1] == 1:
-            if self.compiled.stale():
-                self.compile_decode()
-            return self.compiled.logits(hidden)
-        return self.logits(hidden)
+        compiled = self.compiled is not None and self.compiled.applies(tokens, cache, slots)
+        hidden = self._append(tokens, cache, slots)  # recompiles first when the weights changed
+        # the compiled output layer only where the compiled step ran: other shapes would compile it again
+        return self.compiled.logits(hidden) if compiled else self.logits(hidden)
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
