@@ -38,33 +38,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 10) -> float:
-    """Bytes copied per second on `device` (each byte read once and written once)."""
+def _bytes_per_second(device: torch.device, op, megabytes: int, repeats: int) -> float:
+    """`op(src)` on 256 MiB of float32 timed `repeats` times: bytes of `src` per second, median."""
     src = torch.randn(megabytes * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    op(src)
     times = []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        dst.copy_(src)
+        op(src)
         sync(device)
         times.append(time.perf_counter() - start)
     return src.numel() * 4 / statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes copied per second on `device` (each byte read once and written once)."""
+    dst = torch.empty(megabytes * 2**20 // 4, device=device)
+    return _bytes_per_second(device, dst.copy_, megabytes, repeats)
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 10) -> float:
     """Bytes read per second on `device` by a sum over 256 MiB: a copy moves each byte twice, a decode step once."""
-    src = torch.randn(megabytes * 2**20 // 4, device=device)
-    src.sum()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        src.sum()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return src.numel() * 4 / statistics.median(times)
+    return _bytes_per_second(device, torch.sum, megabytes, repeats)
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:

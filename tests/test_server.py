@@ -93,18 +93,21 @@ def test_n_choices_and_stop_strings(live) -> None:
     assert "".join(c.choices[0].text for c in streamed) == text[: text.index(stop)]
 
 
+class CharDecoder:
+    """A stream decoder that pretends each token is one character."""
+
+    def push(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def flush(self):
+        return ""
+
+
 def test_stop_string_across_round_boundaries() -> None:
-    class Decoder:  # pretends each token is one character
-        def push(self, ids):
-            return "".join(chr(i) for i in ids)
-
-        def flush(self):
-            return ""
-
-    assembler = TextAssembler(Decoder(), ["STOP"])
+    assembler = TextAssembler(CharDecoder(), ["STOP"])
     pieces = [assembler.push(tuple(map(ord, part))) for part in ("abcS", "T", "OPxyz")]
     assert "".join(pieces) == "abc" and assembler.stopped
-    keep = TextAssembler(Decoder(), ["STOP"])
+    keep = TextAssembler(CharDecoder(), ["STOP"])
     assert keep.push(tuple(map(ord, "xxST"))) == "xx"  # "ST" might begin the stop string: held back
     assert keep.push(tuple(map(ord, "AR"))) == "STAR"
     assert keep.finish() == ""
@@ -118,17 +121,10 @@ def test_usage_stops_counting_at_the_stop_string() -> None:
     from specsample.server.app import _Choice
     from specsample.server.runner import RequestHandle
 
-    class Decoder:  # pretends each token is one character
-        def push(self, ids):
-            return "".join(chr(i) for i in ids)
-
-        def flush(self):
-            return ""
-
     async def one_round() -> _Choice:
         loop = asyncio.get_running_loop()
         handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
-        choice = _Choice(0, handle, TextAssembler(Decoder(), ["ST"]))
+        choice = _Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abSTxyz")), 6, 6, None))  # 7 tokens in one round
         assert await choice.next() == [("ab", "stop")]
         return choice
@@ -136,7 +132,7 @@ def test_usage_stops_counting_at_the_stop_string() -> None:
     async def two_rounds(last_finish: str | None) -> _Choice:
         loop = asyncio.get_running_loop()
         handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
-        choice = _Choice(0, handle, TextAssembler(Decoder(), ["ST"]))
+        choice = _Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abS")), 2, 2, None))  # "S" held back
         assert await choice.next() == [("ab", None)]
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "Txy")), 2, 2, last_finish))

@@ -172,15 +172,14 @@ class Bench:
 
     def _summarise(self, records: dict[str, list[tuple[Prompt, RunRecord]]], baseline: str) -> dict[str, Any]:
         categories = sorted({p.category for p, _ in records[baseline]}) + ["overall"]
-        table: dict[str, Any] = {}
-        for name, rows in records.items():
-            table[name] = {}
-            for cat in categories:
-                chosen = [r for p, r in rows if cat == "overall" or p.category == cat]
-                table[name][cat] = _speed(chosen)
-        def run_stats(name: str, cat: str) -> list[dict]:
-            return [r.stats for p, r in records[name] if (cat == "overall" or p.category == cat) and r.stats]
 
+        def chosen(name: str, cat: str) -> list[RunRecord]:
+            return [r for p, r in records[name] if cat == "overall" or p.category == cat]
+
+        def run_stats(name: str, cat: str) -> list[dict]:
+            return [r.stats for r in chosen(name, cat) if r.stats]
+
+        table: dict[str, Any] = {name: {cat: _speed(chosen(name, cat)) for cat in categories} for name in records}
         for name in records:
             for cat in categories:
                 base = table[baseline][cat]["tokens_per_s"]

@@ -430,8 +430,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
         """Append `tokens [b, n]` to rows `slots` of `cache` and return logits `[b, n, vocab]`."""
-        compiled = self.compiled is not None and self.compiled.applies(tokens, cache, slots)
-        hidden = self._append(tokens, cache, slots)  # recompiles first when the weights changed
+        hidden, compiled = self._append(tokens, cache, slots)
         # the compiled output layer only where the compiled step ran: other shapes would compile it again
         return self.compiled.logits(hidden) if compiled else self.logits(hidden)
 
@@ -441,10 +440,12 @@ class LlamaModel(nn.Module):
         for begin in range(0, tokens.shape[1], chunk):
             self._append(tokens[:, begin:begin + chunk], cache, slots)
 
-    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
+    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, bool]:
+        """Final hidden states `[b, n, hidden]` after appending `tokens`, and whether the compiled step ran."""
         n = tokens.shape[1]
         starts = cache.reserve(slots, n)
-        if self.compiled is not None and self.compiled.applies(tokens, cache, slots):
+        compiled = self.compiled is not None and self.compiled.applies(tokens, cache, slots)
+        if compiled:
             if self.compiled.stale():
                 self.compile_decode()
             hidden = self.compiled(tokens.to(self.device), cache, starts)
@@ -452,7 +453,7 @@ class LlamaModel(nn.Module):
             attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device)
             hidden = self.hidden_states(tokens.to(self.device), attend)
         cache.lengths[slots.cpu()] = starts + n
-        return hidden
+        return hidden, compiled
 
     def uncached_hidden(self, tokens: Tensor) -> Tensor:
         """Final hidden states `[b, n, hidden]` of a causal forward without a cache (training, scoring)."""
