@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specsample.bench.round_costs import CostModel
 from specsample.bench.run import BenchConfig, load_prompts
 from specsample.bench.systems import Ours
 from specsample.config import SamplingParams, SpecConfig
@@ -66,6 +69,7 @@ def main() -> None:
                 system("hybrid auto", HybridDrafter(ModelDrafter(model)), 8, adaptive=True)]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
+    timings = {t: defaultdict(list) for t in temperatures}  # system -> [(category, tokens, RunTiming)]
     bar = tqdm(total=len(temperatures) * len(prompts), desc="adaptive benchmark")
     for temperature in temperatures:
         for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
@@ -73,6 +77,7 @@ def main() -> None:
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=i)
             for s in order:
                 record = s.run([prompt_ids], params)[0]
+                timings[temperature][s.name].append((prompt.category, len(record.tokens), record.timing))
                 for cat in (prompt.category, "overall"):
                     totals[temperature][s.name][cat][0] += len(record.tokens)
                     totals[temperature][s.name][cat][1] += record.seconds
@@ -81,12 +86,33 @@ def main() -> None:
     report = {"command": "python benchmarks/adaptive.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__}, "draft": pair.draft_spec, "results": {}}
+    report["modelled"], report["model_fit"] = {}, {}
     for temperature in temperatures:
         report["results"][str(temperature)] = {
             name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in totals[temperature].items()}
+        report["modelled"][str(temperature)], report["model_fit"][str(temperature)] = modelled(timings[temperature])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     write_report(report, args.out.with_suffix(".md"))
+
+
+def modelled(runs_by_system: dict[str, list]) -> tuple[dict, dict]:
+    """Tokens/s per category in modelled time (each round at its system's mean cost; see
+    specsample.bench.round_costs), and per system how far measured and modelled categories differ."""
+    table, fit = {}, {}
+    for name, runs in runs_by_system.items():
+        model = CostModel.fit([timing for _, _, timing in runs])
+        tokens, seconds, measured = defaultdict(int), defaultdict(float), defaultdict(float)
+        for category, count, timing in runs:
+            for cat in (category, "overall"):
+                tokens[cat] += count
+                seconds[cat] += model.seconds(timing)
+                measured[cat] += timing.seconds
+        table[name] = {cat: tokens[cat] / seconds[cat] for cat in tokens}
+        ratios = [math.log(measured[c] / seconds[c]) for c in tokens if c != "overall"]
+        fit[name] = {"rounds": sum(len(t.rounds) for _, _, t in runs), "overall_measured_over_modelled":
+                     measured["overall"] / seconds["overall"], "category_log_ratio_sd": statistics.pstdev(ratios)}
+    return table, fit
 
 
 def passes(table: dict, name: str, cats: list[str]) -> tuple[int, int]:
@@ -97,40 +123,52 @@ def passes(table: dict, name: str, cats: list[str]) -> tuple[int, int]:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """Tables per temperature, the goal check for gamma auto, and the same check for every policy.
+    """Tables per temperature, the goal check for gamma auto, and the same check for every policy; in
+    measured time and, where the run recorded rounds, in modelled time (timing noise removed).
 
     The fixed gammas are checked too: each is itself one of the "fixed gammas", so how often they fail
     the 3% criteria shows how much of a miss is measurement noise rather than a worse policy.
     """
     lines = [f"Command: `{report['command']}`", "", f"Draft: `{report['draft']}`; tokens/s per category, batch 1.", ""]
     for temperature, table in report["results"].items():
-        cats = sorted(c for c in table["target-only"] if c != "overall") + ["overall"]
-        lines += [f"### Temperature {temperature}", "", "| system | " + " | ".join(cats) + " |",
-                  "|---|" + "---|" * len(cats)]
-        for name in table:
-            lines.append(f"| {name} | " + " | ".join(f"{table[name][c]:.1f}" for c in cats) + " |")
-        best_fixed = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
-        auto = {c: table["gamma=auto"][c] for c in cats}
-        fresh = {c: table["gamma=auto fresh"][c] for c in cats}
-        base = {c: table["target-only"][c] for c in cats}
-        lines += ["", "| category | auto / best fixed gamma | auto / target-only | within 3% of best | never 3% slower "
-                  "| fresh auto / best fixed | fresh auto / target-only |", "|---|---|---|---|---|---|---|"]
-        for c in cats:
-            lines.append(f"| {c} | {auto[c] / best_fixed[c]:.3f} | {auto[c] / base[c]:.3f} | "
-                         f"{'yes' if auto[c] >= 0.97 * best_fixed[c] else 'no'} | {'yes' if auto[c] >= 0.97 * base[c] else 'no'} "
-                         f"| {fresh[c] / best_fixed[c]:.3f} | {fresh[c] / base[c]:.3f} |")
-        per_cat = cats[:-1]
-        lines += ["", f"Every policy against the same two criteria ({len(per_cat)} categories):", "",
-                  "| system | within 3% of the best fixed gamma | not over 3% slower than target-only | overall / target-only |",
-                  "|---|---|---|---|"]
-        for name in table:
-            if name == "target-only":
-                continue
-            within, not_slower = passes(table, name, per_cat)
-            lines.append(f"| {name} | {within} | {not_slower} | {table[name]['overall'] / base['overall']:.3f} |")
-        lines.append("")
+        lines += [f"### Temperature {temperature}, measured", ""] + _goal_tables(table)
+        if temperature in report.get("modelled", {}):
+            fit = report["model_fit"][temperature]
+            lines += [f"### Temperature {temperature}, modelled time", "",
+                      "Each round charged its system's mean cost for its draft count and context length, fitted over "
+                      "all of that system's rounds in this run (specsample.bench.round_costs). Per system, the "
+                      "standard deviation over categories of log(measured / modelled time), i.e. the timing noise "
+                      "the model removes: " + ", ".join(f"{n} {f['category_log_ratio_sd']:.3f}" for n, f in fit.items())
+                      + ".", ""] + _goal_tables(report["modelled"][temperature])
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _goal_tables(table: dict) -> list[str]:
+    cats = sorted(c for c in table["target-only"] if c != "overall") + ["overall"]
+    lines = ["| system | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+    for name in table:
+        lines.append(f"| {name} | " + " | ".join(f"{table[name][c]:.1f}" for c in cats) + " |")
+    best_fixed = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
+    auto = {c: table["gamma=auto"][c] for c in cats}
+    fresh = {c: table["gamma=auto fresh"][c] for c in cats}
+    base = {c: table["target-only"][c] for c in cats}
+    lines += ["", "| category | auto / best fixed gamma | auto / target-only | within 3% of best | never 3% slower "
+              "| fresh auto / best fixed | fresh auto / target-only |", "|---|---|---|---|---|---|---|"]
+    for c in cats:
+        lines.append(f"| {c} | {auto[c] / best_fixed[c]:.3f} | {auto[c] / base[c]:.3f} | "
+                     f"{'yes' if auto[c] >= 0.97 * best_fixed[c] else 'no'} | {'yes' if auto[c] >= 0.97 * base[c] else 'no'} "
+                     f"| {fresh[c] / best_fixed[c]:.3f} | {fresh[c] / base[c]:.3f} |")
+    per_cat = cats[:-1]
+    lines += ["", f"Every policy against the same two criteria ({len(per_cat)} categories):", "",
+              "| system | within 3% of the best fixed gamma | not over 3% slower than target-only | overall / target-only |",
+              "|---|---|---|---|"]
+    for name in table:
+        if name == "target-only":
+            continue
+        within, not_slower = passes(table, name, per_cat)
+        lines.append(f"| {name} | {within} | {not_slower} | {table[name]['overall'] / base['overall']:.3f} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 One Spec-Bench prompt per category (the first N), temperature 0, batch 1, interleaved: gamma auto (one
 controller kept across the prompts, as the server keeps it) and plain decoding. After each prompt it
-prints both speeds, the controller's whole-round c (extra seconds per drafted position over a plain
-round) beside the draft-step / target-forward ratio it replaced, the pooled acceptance rate, and the
-rounds the request spent in fallback.
+prints both speeds, the controller's cost model (c: a draft step over a plain round; k: what a drafting
+round costs beyond a plain round and its draft steps) beside the draft-step / target-forward ratio, the
+pooled acceptance rate, and the rounds the request spent in fallback.
 
     python benchmarks/controller_costs.py --prompts 6
 """
@@ -41,15 +41,17 @@ def main() -> None:
         auto_tps, plain_tps = len(fast.tokens) / fast.seconds, len(base.tokens) / base.seconds
         pooled = controller._pooled[0] / max(sum(controller._pooled), 1e-9)
         plain_ms = controller._plain_round[1].value * 1000 if 1 in controller._plain_round else float("nan")
-        draft_ms = controller._per_draft[1].value * 1000 if 1 in controller._per_draft else float("nan")
+        draft_ms = controller._draft_step[1].value * 1000 if 1 in controller._draft_step else float("nan")
         step_ratio = controller._draft_step[1].value / controller._target_step[1].value
         print(f"{prompt.category}: auto {auto_tps:.1f} tok/s, plain {plain_tps:.1f} tok/s ({auto_tps / plain_tps:.2f}x); "
-              f"c {controller.cost_ratio(1):.3f} (plain round {plain_ms:.1f} ms, +{draft_ms:.1f} ms per draft; "
+              f"c {controller.cost_ratio(1):.3f}, k {controller.overhead(1):.3f} (plain round {plain_ms:.1f} ms, "
+              f"+{draft_ms:.1f} ms per draft step; "
               f"draft step / target forward {step_ratio:.3f}); pooled alpha {pooled:.2f}; "
               f"fallback rounds {fast.stats.get('fallback_row_rounds')}", flush=True)
     pooled = controller._pooled[0] / max(sum(controller._pooled), 1e-9)
     print("predicted speedup for gamma 1..4:",
-          ", ".join(f"{expected_speedup(pooled, g, controller.cost_ratio(1)):.3f}" for g in range(1, 5)))
+          ", ".join(f"{expected_speedup(pooled, g, controller.cost_ratio(1), controller.overhead(1)):.3f}"
+                    for g in range(1, 5)))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def test_probes_thin_out_when_they_cost_more() -> None:
     (e.g. a compiled plain step, c ~ 0.7) probes rarely, a near-break-even one as often as probe_every."""
     controller = GammaController(ControllerConfig())
     assert 55 <= controller.probe_interval(0.1, 1, 0.7) <= 65  # loses 0.6 of a round per probe
-    assert controller.probe_interval(0.3, 1, 0.25) == 16  # no predicted loss: the floor
+    assert controller.probe_interval(0.3, 1, 0.25) == 4  # no predicted loss: the floor
+    assert controller.probe_interval(0.3, 1, 0.25, overhead=0.1) == 6  # a round's fixed cost counts too
     assert controller.probe_interval(0.0, 1, 50.0) == 256  # the ceiling: recovery is still noticed
     dear = GammaController(ControllerConfig(prior_cost_ratio=0.7))
     cheap = GammaController(ControllerConfig(prior_cost_ratio=0.2))
@@ -118,7 +119,7 @@ def test_cost_ratio_is_measured_per_batch_size() -> None:
     assert controller.cost_ratio(6) == pytest.approx(0.1)  # nearest measured batch size
 
 
-def test_cost_ratio_charges_whole_rounds_once_a_plain_round_is_timed() -> None:
+def test_cost_model_charges_whole_rounds_once_a_plain_round_is_timed() -> None:
     """Scoring gamma + 1 tokens and verifying them cost too: c is a drafted position's share of a round."""
     controller = GammaController(ControllerConfig(calibrate_every=50))
     assert controller.plan(["r"], 1) != [0]  # nothing timed yet: no calibration round
@@ -126,11 +127,60 @@ def test_cost_ratio_charges_whole_rounds_once_a_plain_round_is_timed() -> None:
     assert controller.cost_ratio(1) == pytest.approx(1 / 24)  # draft step / target forward, until...
     assert controller.plan(["r"], 1) == [0]  # ...a plain round is planned to time plain decoding
     controller.observe_timing(1, 0, draft_seconds=0.0, target_seconds=0.018, verify_seconds=0.002)
-    for _ in range(60):  # rounds of gamma 4 take 32 ms against a plain round's 20 ms: 3 ms per draft
+    for _ in range(60):  # rounds of gamma 4 take 32 ms against a plain round's 20 ms, 4 of them drafting
         controller.observe_timing(1, 4, draft_seconds=0.004, target_seconds=0.024, verify_seconds=0.004)
-    assert controller.cost_ratio(1) == pytest.approx(0.15, rel=0.01)
+    assert controller.cost_ratio(1) == pytest.approx(0.05, rel=0.01)  # a 1 ms draft step per 20 ms
+    assert controller.overhead(1) == pytest.approx(0.4, rel=0.01)  # the other 8 ms, whatever gamma
     plans = [controller.plan(["r"], 1)[0] for _ in range(120)]
     assert 1 <= plans.count(0) <= 3  # the plain round is re-timed every calibrate_every rounds, not more
+
+
+def _timed(controller: GammaController, alpha: float, rounds: int, rng: random.Random, plain: float = 0.020,
+           overhead: float = 0.1, cost: float = 0.15) -> list[int]:
+    """Rounds of one request on a simulated engine: a plain round takes `plain` seconds, a drafting one
+    plain * (1 + overhead + gamma cost), plus one more draft step when it follows a plain round (the
+    model draft catches up on the tokens it missed); acceptance i.i.d. Bernoulli(alpha)."""
+    chosen, previous = [], None
+    for _ in range(rounds):
+        gamma = controller.plan(["r"], 1)[0]
+        chosen.append(gamma)
+        if gamma == 0:
+            controller.observe_timing(1, 0, 0.0, 0.9 * plain, 0.1 * plain)
+        else:
+            steps = gamma + (previous == 0)
+            controller.observe_timing(1, gamma, steps * cost * plain, (0.9 + overhead) * plain, 0.1 * plain)
+            accepted = 0
+            while accepted < gamma and rng.random() < alpha:
+                accepted += 1
+            controller.observe("r", gamma, accepted)
+        previous = gamma
+    return chosen
+
+
+def test_rounds_affine_in_gamma_are_charged_a_fixed_overhead_and_a_per_draft_cost() -> None:
+    """Rounds cost plain * (1 + k + gamma c): gamma is chosen on that, not on a per-draft c from whole
+    rounds, which charges k to every draft (at gamma 1: c 0.25) and then prefers gamma 1 at alpha 0.5."""
+    controller = GammaController(ControllerConfig(calibrate_every=20))
+    chosen = _timed(controller, 0.5, 400, random.Random(4))
+    assert controller.cost_ratio(1) == pytest.approx(0.15, rel=0.01)
+    assert controller.overhead(1) == pytest.approx(0.1, rel=0.01)
+    settled = [g for g in chosen[200:] if g > 0]
+    assert optimal_gamma(0.5, 0.15, overhead=0.1) == 2 and optimal_gamma(0.5, 0.25) == 1
+    assert max(set(settled), key=settled.count) == 2, settled[-20:]
+
+
+def test_catch_up_after_plain_rounds_is_not_charged_to_drafting() -> None:
+    """A probe in fallback (and the round after a calibration round) pays for the draft catching up;
+    timed into c and k, that made drafting look twice as dear and kept requests in fallback."""
+    controller = GammaController(ControllerConfig(calibrate_every=20))
+    rng = random.Random(6)
+    _timed(controller, 0.5, 100, rng)
+    low = _timed(controller, 0.05, 300, rng)
+    assert controller.in_fallback("r") and 0 < sum(g > 0 for g in low[-200:]) < 100
+    assert controller.cost_ratio(1) == pytest.approx(0.15, rel=0.02)
+    assert controller.overhead(1) == pytest.approx(0.1, rel=0.05)
+    _timed(controller, 0.5, 200, rng)  # and alpha's recovery is noticed at the true costs
+    assert not controller.in_fallback("r")
 
 
 def test_new_requests_start_from_the_pooled_acceptance() -> None:

@@ -116,3 +116,61 @@ def test_quick_bench_on_tiny_models(tmp_path) -> None:
     assert [b["batch_size"] for b in results["batch_sweep"]] == [1, 4]
     assert all(0.0 <= t["p_value"] <= 1.0 for t in results["losslessness"])
     assert "## Losslessness" in (out / "results.md").read_text()
+
+
+def _noisy_runs(rng: random.Random, drafts: int, noise: float) -> list[tuple[str, float, object]]:
+    """Runs of one fixed-gamma system whose rounds cost 20 ms + 3 ms per draft + 5 ms per 1000 tokens of
+    context, times lognormal noise of mean 1; per run: its category, its noise-free seconds and its RunTiming."""
+    from specsample.bench.round_costs import RoundTiming, RunTiming
+
+    runs = []
+    for i in range(40):
+        prompt = rng.choice([50, 400, 1200])
+        rounds, true, context = [], 0.002 + 0.0001 * prompt, prompt
+        for _ in range(30):
+            d = drafts if rng.random() < 0.9 else 0
+            cost = 0.020 + 0.003 * d + 0.005 * context / 1000
+            rounds.append(RoundTiming(d, context, cost * rng.lognormvariate(-noise ** 2 / 2, noise)))
+            true += cost
+            context += 1 + d // 2
+        runs.append((f"cat{i % 4}", true, RunTiming(prompt, (0.002 + 0.0001 * prompt) * rng.lognormvariate(-noise ** 2 / 2, noise),
+                                                    tuple(rounds))))
+    return runs
+
+
+def test_modelled_time_removes_timing_noise_and_keeps_each_systems_total() -> None:
+    from specsample.bench.round_costs import CostModel
+
+    rng = random.Random(5)
+    runs = _noisy_runs(rng, drafts=2, noise=0.3)
+    model = CostModel.fit([timing for _, _, timing in runs])
+    assert model.round_seconds(2, 1000) == pytest.approx(0.020 + 0.006 + 0.005, rel=0.05)
+    # least squares with an intercept per draft count: the system's total time is its measured total
+    assert sum(model.seconds(t) for _, _, t in runs) == pytest.approx(sum(t.seconds for _, _, t in runs), rel=1e-9)
+    # per category, measured time is off by the noise of ~10 runs; modelled time by far less
+    for cat in ("cat0", "cat1"):
+        chosen = [(true, timing) for c, true, timing in runs if c == cat]
+        true = sum(x for x, _ in chosen)
+        measured = sum(t.seconds for _, t in chosen) / true
+        modelled = sum(model.seconds(t) for _, t in chosen) / true
+        assert abs(modelled - 1) < 0.01 and abs(modelled - 1) < abs(measured - 1) + 1e-3
+    with pytest.raises(ValueError, match="drafting 5 tokens"):
+        model.round_seconds(5, 100)
+    with pytest.raises(ValueError, match="without any rounds"):
+        CostModel.fit([])
+
+
+def test_ours_records_every_round_of_a_batch_one_run(tiny_target, tiny_draft) -> None:
+    from specsample.bench.systems import Ours
+    from specsample.config import SamplingParams, SpecConfig
+    from specsample.drafters.model import ModelDrafter
+
+    system = Ours("g3", tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=3, max_batch_size=1), frozenset())
+    record = system.run([[1, 2, 3, 4, 5]], SamplingParams(temperature=1.0, max_new_tokens=20, seed=1))[0]
+    timing = record.timing
+    assert timing is not None and timing.prompt_tokens == 5 and len(timing.rounds) == record.stats["rounds"]
+    assert timing.rounds[0].context == 5 and timing.rounds[-1].context < 5 + 20
+    assert sum(r.drafted for r in timing.rounds) == record.stats["drafted"]
+    assert timing.seconds == pytest.approx(record.seconds, rel=0.05) and timing.prefill_seconds > 0
+    batch = system.run([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4))
+    assert batch[0].timing is None  # rounds of a batch are shared: no per-run cost

@@ -27,7 +27,7 @@ class ControllerConfig:
     hysteresis: float = 0.03  # switch gamma only for a > 3% better predicted speedup
     fallback_below: float = 1.0  # predicted speedup under which a request stops drafting
     resume_above: float = 1.05  # ...and over which it drafts again (hysteresis against thrash)
-    probe_every: int = 16  # fewest rounds between probes while in fallback
+    probe_every: int = 4  # fewest rounds between probes while in fallback (near break-even they cost ~nothing)
     max_probe_every: int = 256  # most rounds between probes (how late a recovery can be noticed)
     probe_budget: float = 0.01  # share of decode time the expected loss of probing may cost in fallback
     gate: bool = True  # stop a round early after a low-confidence draft token
@@ -59,6 +59,7 @@ class _RequestState:
     gamma: int
     fallback: bool = False
     rounds_since_probe: int = 0
+    planned: int | None = None  # drafts planned last round (None: none planned yet)
 
     @property
     def alpha(self) -> float:
@@ -78,7 +79,7 @@ BINS = 10  # confidence bins for the gate's calibration
 
 @dataclass
 class GammaController:
-    """Per-request gamma from the theory's E(alpha, gamma) / (1 + gamma c), with fallback and a gate."""
+    """Per-request gamma from the theory's E(alpha, gamma) / (1 + k + gamma c), with fallback and a gate."""
 
     config: ControllerConfig = field(default_factory=ControllerConfig)
 
@@ -87,8 +88,9 @@ class GammaController:
         self._draft_step: dict[int, _Ewma] = {}  # batch size -> seconds per draft step
         self._target_step: dict[int, _Ewma] = {}  # batch size -> seconds per target forward
         self._plain_round: dict[int, _Ewma] = {}  # batch size -> seconds per round without drafts
-        self._per_draft: dict[int, _Ewma] = {}  # batch size -> extra round seconds per drafted position
+        self._overhead: dict[int, _Ewma] = {}  # batch size -> seconds a drafting round costs beyond plain + drafts
         self._round = 0  # rounds planned so far
+        self._catching_up = False  # this round a row drafts after a plain round: its draft first catches up
         self._last_plain: dict[int, int] = {}  # batch size -> round of the last plain round (or attempt)
         self._pooled = [0.0, 0.0]  # successes, failures over all requests (decayed): new requests' prior
         self._gate_trials = [0] * BINS
@@ -101,55 +103,68 @@ class GammaController:
         """Current acceptance-rate estimate for a request (the prior before it has drafted)."""
         return self._state(request_id).alpha
 
-    def cost_ratio(self, batch_size: int) -> float:
-        """c at the nearest batch size measured: what one more drafted position adds to a round's time,
-        over the time of a round without drafts (a prior before any measurement).
-
-        A speculative round also pays for scoring gamma + 1 tokens instead of one and for verifying
-        them, not only for the draft steps; measuring whole rounds charges c with all of it. Until a
-        plain round has been timed at that batch size, c is draft step / target forward.
-        """
+    def _nearest(self, batch_size: int) -> int | None:
         sizes = [b for b in self._target_step if self._draft_step.get(b, _Ewma()).value is not None]
-        if not sizes:
-            return self.config.prior_cost_ratio
-        nearest = min(sizes, key=lambda b: abs(b - batch_size))
-        plain, per_draft = self._plain_round.get(nearest), self._per_draft.get(nearest)
-        if plain is not None and per_draft is not None:
-            return max(per_draft.value, 0.0) / max(plain.value, 1e-9)
-        return self._draft_step[nearest].value / max(self._target_step[nearest].value, 1e-9)
+        return min(sizes, key=lambda b: abs(b - batch_size)) if sizes else None
 
-    def best_gamma(self, alpha: float, cost_ratio: float) -> tuple[int, float]:
+    def cost_ratio(self, batch_size: int) -> float:
+        """c at the nearest batch size measured: what one more draft step adds to a round's time, over
+        the time of a round without drafts (a prior before any measurement; until a plain round has
+        been timed there, draft step / target forward)."""
+        nearest = self._nearest(batch_size)
+        if nearest is None:
+            return self.config.prior_cost_ratio
+        plain = self._plain_round.get(nearest)
+        base = plain.value if plain is not None else self._target_step[nearest].value
+        return self._draft_step[nearest].value / max(base, 1e-9)
+
+    def overhead(self, batch_size: int) -> float:
+        """k at the nearest batch size measured: what a drafting round costs beyond a plain round and
+        its draft steps, whatever its gamma (scoring gamma + 1 tokens instead of one, verifying them),
+        over a plain round's time; 0 until a plain round has been timed.
+
+        Measured rounds are affine in gamma (on the shipped pair about 1.03 + 0.14 gamma plain rounds),
+        so a single per-draft c from whole rounds would charge the fixed part to every draft and make
+        long rounds look dear: it made the controller pick gamma 1 where 2-3 were faster.
+        """
+        nearest = self._nearest(batch_size)
+        plain, extra = self._plain_round.get(nearest), self._overhead.get(nearest)
+        if plain is None or extra is None:
+            return 0.0
+        return max(extra.value, 0.0) / max(plain.value, 1e-9)
+
+    def best_gamma(self, alpha: float, cost_ratio: float, overhead: float = 0.0) -> tuple[int, float]:
         """Gamma in the configured range maximising the predicted speedup, and that speedup."""
         candidates = range(self.config.min_gamma, self.config.max_gamma + 1)
-        best = max(candidates, key=lambda g: (expected_speedup(alpha, g, cost_ratio), -g))
-        return best, expected_speedup(alpha, best, cost_ratio)
+        best = max(candidates, key=lambda g: (expected_speedup(alpha, g, cost_ratio, overhead), -g))
+        return best, expected_speedup(alpha, best, cost_ratio, overhead)
 
     # ----- decisions ------------------------------------------------------------------------
 
     def plan(self, request_ids: list[str], batch_size: int) -> list[int]:
         """Drafts each request may propose this round (0 = decode without drafting)."""
         self._round += 1
-        c = self.cost_ratio(batch_size)
+        c, k = self.cost_ratio(batch_size), self.overhead(batch_size)
         if self._calibration_due(batch_size):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
             self._last_plain[batch_size] = self._round
-            return [0] * len(request_ids)
+            return self._planned(request_ids, [0] * len(request_ids))
         out = []
         for rid in request_ids:
             state = self._state(rid)
-            best, speedup = self.best_gamma(state.alpha, c)
-            current = expected_speedup(state.alpha, state.gamma, c)
+            best, speedup = self.best_gamma(state.alpha, c, k)
+            current = expected_speedup(state.alpha, state.gamma, c, k)
             if speedup > current * (1 + self.config.hysteresis):
                 state.gamma = best
             if not state.fallback and speedup < self.config.fallback_below:
                 state.fallback, state.rounds_since_probe = True, 0
-                self._switch(rid, "off", state.alpha, c, speedup)
+                self._switch(rid, "off", state.alpha, c, k, speedup)
             elif state.fallback and speedup > self.config.resume_above:
                 state.fallback = False
-                self._switch(rid, "on", state.alpha, c, speedup)
+                self._switch(rid, "on", state.alpha, c, k, speedup)
             if state.fallback:
                 state.rounds_since_probe += 1
-                probe = state.rounds_since_probe >= self.probe_interval(state.alpha, state.gamma, c)
+                probe = state.rounds_since_probe >= self.probe_interval(state.alpha, state.gamma, c, k)
                 if probe:
                     state.rounds_since_probe = 0
                 # a probe drafts the gamma the formula picks (1 at a low alpha): at the break-even alpha a
@@ -157,18 +172,29 @@ class GammaController:
                 out.append(state.gamma if probe else 0)
             else:
                 out.append(state.gamma)
-        return out
+        return self._planned(request_ids, out)
 
-    def probe_interval(self, alpha: float, gamma: int, cost_ratio: float) -> int:
+    def _planned(self, request_ids: list[str], drafts: list[int]) -> list[int]:
+        """Note which rows draft right after a plain round: a model draft then first feeds itself the
+        tokens it missed (one more forward), a cost of the plain rounds, not of drafting. Timed into c
+        and k, it doubled the draft step of every fallback probe and kept requests in fallback."""
+        self._catching_up = False
+        for rid, n in zip(request_ids, drafts):
+            state = self._state(rid)
+            self._catching_up |= n > 0 and state.planned == 0
+            state.planned = n
+        return drafts
+
+    def probe_interval(self, alpha: float, gamma: int, cost_ratio: float, overhead: float = 0.0) -> int:
         """Rounds between fallback probes: sparse enough that their expected loss stays within
         `probe_budget` of decode time, within [probe_every, max_probe_every].
 
-        A probe round takes 1 + gamma c plain rounds' time for E(alpha, gamma) tokens; a plain round
+        A probe round takes 1 + k + gamma c plain rounds' time for E(alpha, gamma) tokens; a plain round
         gives one token per unit. When verification is dear (a compiled plain step, a slow draft) a
         probe loses most of a round, so it runs rarely; near break-even it costs nothing and runs often.
         """
-        speedup = expected_speedup(alpha, max(gamma, 1), cost_ratio)
-        loss = (1 + max(gamma, 1) * cost_ratio) * max(1 - speedup, 0.0)  # in plain rounds' time
+        speedup = expected_speedup(alpha, max(gamma, 1), cost_ratio, overhead)
+        loss = (1 + overhead + max(gamma, 1) * cost_ratio) * max(1 - speedup, 0.0)  # in plain rounds' time
         interval = int(loss / self.config.probe_budget) + 1
         return min(max(interval, self.config.probe_every), self.config.max_probe_every)
 
@@ -233,11 +259,15 @@ class GammaController:
             self._plain_round.setdefault(batch_size, _Ewma()).add(total)
             self._last_plain[batch_size] = self._round
             return
-        self._draft_step.setdefault(batch_size, _Ewma()).add(draft_seconds / gamma)
+        if self._catching_up:
+            return  # the catch-up forward would be charged to drafting (see _planned)
+        step = self._draft_step.setdefault(batch_size, _Ewma())
+        step.add(draft_seconds / gamma)
         self._target_step.setdefault(batch_size, _Ewma()).add(target_seconds)
         plain = self._plain_round.get(batch_size)
         if plain is not None:
-            self._per_draft.setdefault(batch_size, _Ewma()).add((total - plain.value) / gamma, weight=0.1)
+            extra = total - plain.value - gamma * step.value
+            self._overhead.setdefault(batch_size, _Ewma()).add(extra, weight=0.1)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
@@ -255,7 +285,7 @@ class GammaController:
             self._requests[request_id] = _RequestState(successes=w * a, failures=w * (1 - a), gamma=start)
         return self._requests[request_id]
 
-    def _switch(self, rid: str, to: str, alpha: float, c: float, speedup: float) -> None:
+    def _switch(self, rid: str, to: str, alpha: float, c: float, k: float, speedup: float) -> None:
         self.switches.append((rid, to))
-        log.info("request %s: speculation %s (alpha %.2f, cost ratio %.3f, predicted speedup %.2f)",
-                 rid, to, alpha, c, speedup)
+        log.info("request %s: speculation %s (alpha %.2f, cost ratio %.3f, overhead %.3f, predicted speedup %.2f)",
+                 rid, to, alpha, c, k, speedup)

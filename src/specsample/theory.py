@@ -2,7 +2,9 @@
 
 With per-token acceptance rate `alpha` (assumed i.i.d.), `gamma` drafts per round and a draft step
 costing `cost_ratio` target steps, a round yields E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)
-tokens for the price of 1 + gamma * cost_ratio target steps.
+tokens for the price of 1 + gamma * cost_ratio target steps. An `overhead` adds what any speculative
+round costs beyond that, whatever its gamma (verification, scoring more than one token): measured
+engines are affine in gamma, not proportional.
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-    """Expected wall-clock speedup over target-only decoding: E(alpha, gamma) / (1 + gamma * c)."""
+def expected_speedup(alpha: float, gamma: int, cost_ratio: float, overhead: float = 0.0) -> float:
+    """Expected wall-clock speedup over target-only decoding: E(alpha, gamma) / (1 + k + gamma * c),
+    with k = `overhead`, the fixed cost of a speculative round in plain rounds (0 in the papers)."""
     if cost_ratio < 0:
         raise ValueError(f"cost ratio c must be >= 0, got {cost_ratio}")
-    return expected_tokens_per_round(alpha, gamma) / (1.0 + gamma * cost_ratio)
+    if overhead < 0:
+        raise ValueError(f"overhead k must be >= 0, got {overhead}")
+    return expected_tokens_per_round(alpha, gamma) / (1.0 + overhead + gamma * cost_ratio)
 
 
-def optimal_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16) -> int:
+def optimal_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16, overhead: float = 0.0) -> int:
     """The gamma in 1..max_gamma that maximises the expected speedup (smallest on ties)."""
     if max_gamma < 1:
         raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
-    speedups = [expected_speedup(alpha, g, cost_ratio) for g in range(1, max_gamma + 1)]
+    speedups = [expected_speedup(alpha, g, cost_ratio, overhead) for g in range(1, max_gamma + 1)]
     return 1 + speedups.index(max(speedups))
 
 

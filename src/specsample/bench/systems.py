@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specsample.bench.round_costs import RoundTiming, RunTiming
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.base import Drafter
@@ -16,13 +17,15 @@ from specsample.models.base import CausalLM
 
 @dataclass
 class RunRecord:
-    """One generation: tokens, wall time, first-token latency, per-token gaps, engine statistics."""
+    """One generation: tokens, wall time, first-token latency, per-token gaps, engine statistics, and
+    (batch-1 runs of our engine) every round's draft count, context and time."""
 
     tokens: list[int]
     seconds: float
     ttft: float | None
     tpots: list[float] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    timing: RunTiming | None = None
 
 
 class System(Protocol):
@@ -55,8 +58,15 @@ class Ours:
         outputs: dict[str, list[int]] = {}
         stamps: dict[str, list[float]] = {}
         ids: list[str] = []
+        rounds: list[RoundTiming] = []
+        prefill, previous, context = 0.0, started, len(prompts[0]) if prompts else 0
         for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos,
                                            self.controller):
+            seconds, previous = result.finished_at - previous, result.finished_at
+            if len(prompts) == 1 and result.stats.batch_size:  # one row: the round's cost is that row's
+                prefill += result.stats.prefill_seconds
+                rounds.append(RoundTiming(result.stats.drafted, context, seconds - result.stats.prefill_seconds))
+                context += result.stats.emitted
             if not collector.requests:
                 for rid in ids:
                     collector.request_started(rid, started)
@@ -67,11 +77,13 @@ class Ours:
                     stamps.setdefault(update.request_id, []).extend([result.finished_at] * len(update.new_tokens))
         wall = time.perf_counter() - started
         stats = collector.summary()
+        timing = RunTiming(len(prompts[0]), prefill, tuple(rounds)) if len(prompts) == 1 else None
         records = []
         for rid in ids:
             times = stamps.get(rid, [])
             gaps = [b - a for a, b in zip(times, times[1:])]
-            records.append(RunRecord(outputs.get(rid, []), wall, times[0] - started if times else None, gaps, stats))
+            records.append(RunRecord(outputs.get(rid, []), wall, times[0] - started if times else None, gaps, stats,
+                                     timing))
         return records
 
 

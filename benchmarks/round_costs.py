@@ -1,0 +1,75 @@
+"""What a decoding round costs at each fixed gamma, over a plain round, on the real pair (batch 1).
+
+The gamma controller models a drafting round as 1 + k + gamma c plain rounds (k: a fixed overhead,
+c: a draft step). This measures the rounds themselves: the first N Spec-Bench prompts (one per
+category), temperature 0, 64 new tokens, every gamma interleaved prompt by prompt, twice. Prefill
+rounds are left out. It prints, per gamma, the mean and median round time, the mean over plain
+rounds, and the draft / target / verify split the engine reports, then the least-squares line
+through the means (k + 1 and c).
+
+    python benchmarks/round_costs.py --prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import numpy as np
+
+from specsample.api import generate_stream
+from specsample.bench.run import load_prompts
+from specsample.config import SamplingParams, SpecConfig
+from specsample.drafters.model import ModelDrafter
+from specsample.pair import load_pair
+
+GAMMAS = (0, 1, 2, 3, 4, 6, 8)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default=None, help="draft model spec (default: the alias's)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    pair = load_pair(args.target, args.draft)
+    if not isinstance(pair.drafter, ModelDrafter):
+        raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
+    tokenizer, target = pair.target.tokenizer, pair.target.model
+    prompts = [tokenizer.encode(p.turns[0], chat=True) for p in load_prompts("spec-bench", 1, 0)[: args.prompts]]
+    rounds: dict[int, list[float]] = defaultdict(list)
+    parts: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+    for _ in range(args.repeats):
+        for i, prompt in enumerate(prompts):
+            for gamma in GAMMAS:
+                config = SpecConfig(gamma=max(gamma, 1), adaptive=False, speculative=gamma > 0, max_batch_size=1,
+                                    max_seq_len=len(prompt) + args.max_new_tokens + 16)
+                params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, seed=i)
+                previous = None
+                for _, result in generate_stream(target, [prompt], params, pair.drafter if gamma else None, config,
+                                                 tokenizer.eos_token_ids):
+                    s = result.stats
+                    # full rounds only: not the prefill's, nor a last one cut short by the length limit
+                    if previous is not None and s.prefill_seconds < 1e-3 and s.drafted == gamma:
+                        rounds[gamma].append(result.finished_at - previous)
+                        parts[gamma].append((s.draft_seconds, s.target_seconds, s.verify_seconds))
+                    previous = result.finished_at
+    plain = statistics.fmean(rounds[0])
+    means = []
+    for gamma in GAMMAS:
+        mean = statistics.fmean(rounds[gamma])
+        means.append(mean / plain)
+        draft, target_s, verify = (1000 * statistics.fmean(x) for x in zip(*parts[gamma]))
+        print(f"gamma {gamma}: {len(rounds[gamma])} rounds, mean {1000 * mean:.2f} ms, median "
+              f"{1000 * statistics.median(rounds[gamma]):.2f} ms, {mean / plain:.3f} plain rounds "
+              f"(draft {draft:.2f}, target {target_s:.2f}, verify {verify:.2f} ms)")
+    slope, intercept = np.polyfit(GAMMAS[1:], means[1:], 1)
+    print(f"drafting rounds ~ {intercept:.3f} + {slope:.3f} gamma plain rounds: k {intercept - 1:.3f}, c {slope:.3f}")
+
+
+if __name__ == "__main__":
+    main()
