@@ -181,6 +181,13 @@ def test_catch_up_after_plain_rounds_is_not_charged_to_drafting() -> None:
     assert controller.overhead(1) == pytest.approx(0.1, rel=0.05)
     _timed(controller, 0.5, 200, rng)  # and alpha's recovery is noticed at the true costs
     assert not controller.in_fallback("r")
+    # the mark covers one round: rounds the controller did not plan (only fixed-gamma rows) are timed
+    controller.plan(["r"], 1)
+    controller._catching_up = True
+    controller.observe_timing(1, 2, 0.006, 0.020, 0.002)
+    steps = controller._draft_step[1].value
+    controller.observe_timing(1, 2, 0.1, 0.020, 0.002)
+    assert controller._draft_step[1].value > steps
 
 
 def test_new_requests_start_from_the_pooled_acceptance() -> None:

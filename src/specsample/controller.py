@@ -255,11 +255,12 @@ class GammaController:
                        verify_seconds: float = 0.0) -> None:
         """Record one round's draft, target and verify-and-commit time at a batch size (gamma 0: a plain round)."""
         total = draft_seconds + target_seconds + verify_seconds
+        catching_up, self._catching_up = self._catching_up, False  # it describes this round only
         if gamma == 0:
             self._plain_round.setdefault(batch_size, _Ewma()).add(total)
             self._last_plain[batch_size] = self._round
             return
-        if self._catching_up:
+        if catching_up:
             return  # the catch-up forward would be charged to drafting (see _planned)
         step = self._draft_step.setdefault(batch_size, _Ewma())
         step.add(draft_seconds / gamma)

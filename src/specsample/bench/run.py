@@ -279,9 +279,8 @@ def _round_seconds(stats: list[dict]) -> float:
 
 def _cost_ratio(stats: list[dict], plain_stats: list[dict]) -> float | None:
     """Measured c from whole rounds: what each drafted position adds to a round's time, over a plain
-    (target-only) round's time; None without plain rounds to compare. For a system with one fixed gamma,
-    1 + gamma c is then its measured round-time ratio (the gamma controller, which must extrapolate to
-    other gammas, splits the same time into a fixed overhead k and a draft step c).
+    (target-only) round's time; None without plain rounds to compare. (The gamma controller, which must
+    extrapolate to other gammas, splits the same time into a fixed overhead k and a draft step c.)
 
     A draft step over a target forward alone undercounts c, because scoring and verifying gamma + 1
     tokens costs more than one (docs/adaptive.md). Divided by the gamma the prediction uses (the
