@@ -12,6 +12,7 @@ controller across the prompts, as a server does (costs and a pooled acceptance r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -25,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from specsample.bench.round_costs import CostModel
-from specsample.bench.run import BenchConfig, load_prompts
+from specsample.bench.run import load_prompts
 from specsample.bench.systems import Ours
 from specsample.config import SamplingParams, SpecConfig
 from specsample.drafters.hybrid import HybridDrafter
@@ -111,7 +112,8 @@ def modelled(runs_by_system: dict[str, list]) -> tuple[dict, dict]:
         table[name] = {cat: tokens[cat] / seconds[cat] for cat in tokens}
         ratios = [math.log(measured[c] / seconds[c]) for c in tokens if c != "overall"]
         fit[name] = {"rounds": sum(len(t.rounds) for _, _, t in runs), "overall_measured_over_modelled":
-                     measured["overall"] / seconds["overall"], "category_log_ratio_sd": statistics.pstdev(ratios)}
+                     measured["overall"] / seconds["overall"], "category_log_ratio_sd": statistics.pstdev(ratios),
+                     "cost_model": dataclasses.asdict(model)}
     return table, fit
 
 

@@ -56,13 +56,13 @@ class GateDropsToken:
     def __getattr__(self, name):  # anything else the engine asks of a model drafter
         return getattr(self.inner, name)
 
-    def propose(self, slots, gamma, max_drafts, params, generators, stop_threshold=0.0):
+    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=()):
         from specsample.drafters.base import Proposal
 
-        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_threshold)
+        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds)
         drafted = proposal.num_drafted.clone()
         for row in range(len(slots)):
             n = int(drafted[row])
-            if n and float(proposal.confidence[row, n - 1]) < stop_threshold:
+            if n and n <= len(stop_thresholds) and float(proposal.confidence[row, n - 1]) < stop_thresholds[n - 1]:
                 drafted[row] = n - 1
         return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)

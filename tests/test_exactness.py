@@ -90,11 +90,11 @@ REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # the context repeats itself, so prompt lo
 class FixedGate(GammaController):
     """The adaptive controller with its timing-dependent inputs pinned, so the gate always acts."""
 
-    def cost_ratio(self, batch_size: int) -> float:
-        return 0.05
+    def round_cost(self, batch_size: int, drafts: int) -> float:
+        return 1.0 + 0.05 * drafts
 
-    def gate_threshold(self, batch_size: int) -> float:
-        return 0.5
+    def gate_thresholds(self, batch_size: int) -> list[float]:
+        return [0.5] * self.config.max_gamma
 
 
 def _adaptive_cases(draft):

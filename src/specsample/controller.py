@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import pairwise
 
-from specsample.theory import expected_speedup
+from specsample.theory import expected_tokens_per_round
 
 log = logging.getLogger("specsample.controller")
 
@@ -23,17 +24,21 @@ class ControllerConfig:
     max_gamma: int = 8
     decay: float = 0.96  # forgetting per observed draft trial (a memory of about 25 trials)
     prior_alpha: float = 0.5
-    prior_weight: float = 2.0  # pseudo-trials behind the prior
+    prior_weight: float = 8.0  # pseudo-trials at the pooled alpha behind every request's estimate
     hysteresis: float = 0.03  # switch gamma only for a > 3% better predicted speedup
-    fallback_below: float = 1.0  # predicted speedup under which a request stops drafting
-    resume_above: float = 1.05  # ...and over which it drafts again (hysteresis against thrash)
+    fallback_below: float = 1.0  # predicted speedup under which a request stops drafting...
+    fallback_margin: float = 1.0  # ...even at alpha this many standard errors above its estimate
+    resume_above: float = 1.02  # ...and over which it drafts again (with the margin: hysteresis against thrash)
     probe_every: int = 4  # fewest rounds between probes while in fallback (near break-even they cost ~nothing)
     max_probe_every: int = 256  # most rounds between probes (how late a recovery can be noticed)
     probe_budget: float = 0.01  # share of decode time the expected loss of probing may cost in fallback
     gate: bool = True  # stop a round early after a low-confidence draft token
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
-    calibrate_every: int = 128  # rounds per batch size between plain rounds that time plain decoding
+    calibrate_every: int = 64  # rounds per batch size between plain rounds that time plain decoding
+    explore_every: int = 16  # rounds between tries of a neighbouring gamma, so round costs are measured
+    cost_min_rounds: int = 2  # rounds of a length timed before their cost replaces the affine 1 + k + gamma c
+    gate_min_rounds: int = 8  # ...and before the gate prices one more draft by it (a difference of two noisy means)
     pool_decay: float = 0.99  # forgetting of the acceptance pooled over requests (a new request's prior)
 
     def __post_init__(self) -> None:
@@ -45,6 +50,9 @@ class ControllerConfig:
             raise ValueError(f"pool_decay must be in (0, 1), got {self.pool_decay}")
         if self.calibrate_every < 1:
             raise ValueError(f"calibrate_every must be >= 1, got {self.calibrate_every}")
+        if self.explore_every < 1 or self.cost_min_rounds < 1:
+            raise ValueError(f"explore_every and cost_min_rounds must be >= 1, got {self.explore_every}, "
+                             f"{self.cost_min_rounds}")
         if not 1 <= self.probe_every <= self.max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
                              f"{self.max_probe_every}")
@@ -54,32 +62,74 @@ class ControllerConfig:
 
 @dataclass
 class _RequestState:
-    successes: float
-    failures: float
     gamma: int
+    successes: float = 0.0  # the request's own accepted drafts (decayed)
+    failures: float = 0.0  # ...and rounds ended by a rejection
     fallback: bool = False
     rounds_since_probe: int = 0
     planned: int | None = None  # drafts planned last round (None: none planned yet)
-
-    @property
-    def alpha(self) -> float:
-        return self.successes / (self.successes + self.failures)
 
 
 @dataclass
 class _Ewma:
     value: float | None = None
+    count: int = 0  # observations so far
 
-    def add(self, x: float, weight: float = 0.2) -> None:
+    def add(self, x: float, weight: float = 0.2, spike: float | None = None) -> None:
+        """Average in `x` (a plain mean of the first 1 / weight values, so the first one does not linger);
+        with `spike`, first cap it at that multiple of the current value."""
+        if self.value is not None and spike is not None:
+            x = min(x, spike * self.value)
+        self.count += 1
+        weight = max(weight, 1.0 / self.count)
         self.value = x if self.value is None else (1 - weight) * self.value + weight * x
 
 
 BINS = 10  # confidence bins for the gate's calibration
+RELATIVE_DECAY = 0.995  # forgetting of relative round costs per round timed (a memory of about 200 rounds)
+SPIKE = 1.5  # a round timed over 1.5x its running mean counts as 1.5x: on a shared box the OS stalls
+# single rounds by 2x and more, and one such stall moved a rarely timed round length's mean by ~10%
+
+
+@dataclass
+class _RoundCosts:
+    """Round times at one batch size as pace x relative cost: the pace (seconds per unit) follows the
+    box and the context quickly, every round; each round length's relative cost moves slowly. Lengths
+    timed minutes apart (a neighbour is tried every 16 rounds, a plain round every 64) are then compared
+    like with like: the box's pace drifts by 10% and more over minutes, more than what separates
+    neighbouring gammas, and comparing raw means made the cheaper length look dearer half the time."""
+
+    pace: _Ewma = field(default_factory=_Ewma)
+    relative: dict[int, _Ewma] = field(default_factory=dict)  # drafts in the round (0: plain) -> cost in pace units
+    rounds: int = 0  # rounds timed
+    last: dict[int, int] = field(default_factory=dict)  # drafts -> when such a round was last timed
+
+    def add(self, drafts: int, seconds: float) -> None:
+        if self.pace.value is None:
+            self.pace.add(seconds)  # the first round timed sets the unit
+        self.rounds += 1
+        # relative costs forget per round timed, not per observation: a length timed every round must not
+        # follow the pace (that is the pace's job), one tried every 16 rounds must not freeze
+        elapsed = self.rounds - self.last.get(drafts, self.rounds - 1)
+        self.last[drafts] = self.rounds
+        cost = self.relative.setdefault(drafts, _Ewma())
+        cost.add(seconds / self.pace.value, weight=1 - RELATIVE_DECAY**elapsed, spike=SPIKE)  # at the pace so far
+        self.pace.add(seconds / cost.value, spike=SPIKE)
+
+    def count(self, drafts: int) -> int:
+        return self.relative[drafts].count if drafts in self.relative else 0
+
+    def ratio(self, drafts: int, min_rounds: int) -> float | None:
+        """A round of `drafts` over a plain round, once `min_rounds` such rounds and a plain one were timed."""
+        if self.count(drafts) < min_rounds or self.count(0) < 1:
+            return None
+        return self.relative[drafts].value / max(self.relative[0].value, 1e-12)
 
 
 @dataclass
 class GammaController:
-    """Per-request gamma from the theory's E(alpha, gamma) / (1 + k + gamma c), with fallback and a gate."""
+    """Per-request gamma maximising the theory's E(alpha, gamma) over the measured cost of a round of
+    gamma drafts (1 + k + gamma c until rounds of that length were timed), with fallback and a gate."""
 
     config: ControllerConfig = field(default_factory=ControllerConfig)
 
@@ -89,7 +139,9 @@ class GammaController:
         self._target_step: dict[int, _Ewma] = {}  # batch size -> seconds per target forward
         self._plain_round: dict[int, _Ewma] = {}  # batch size -> seconds per round without drafts
         self._overhead: dict[int, _Ewma] = {}  # batch size -> seconds a drafting round costs beyond plain + drafts
+        self._costs: dict[int, _RoundCosts] = {}  # batch size -> round times by draft count
         self._round = 0  # rounds planned so far
+        self._exploring = False  # this round tries neighbouring gammas: no gate, so it drafts them in full
         self._catching_up = False  # this round a row drafts after a plain round: its draft first catches up
         self._last_plain: dict[int, int] = {}  # batch size -> round of the last plain round (or attempt)
         self._pooled = [0.0, 0.0]  # successes, failures over all requests (decayed): new requests' prior
@@ -100,8 +152,21 @@ class GammaController:
     # ----- estimates ------------------------------------------------------------------------
 
     def alpha(self, request_id: str) -> float:
-        """Current acceptance-rate estimate for a request (the prior before it has drafted)."""
-        return self._state(request_id).alpha
+        """Current acceptance-rate estimate for a request: its own decayed counts behind `prior_weight`
+        pseudo-trials at the acceptance pooled over requests (that alone before it has drafted).
+
+        The pooled part stays: on its own, a request's ~25 remembered trials near break-even (alpha ~0.3
+        on the shipped pair) are noisy enough to send requests that gain by drafting into fallback.
+        """
+        state = self._state(request_id)
+        weight = self.config.prior_weight
+        return (state.successes + weight * self._pooled_alpha()) / (state.successes + state.failures + weight)
+
+    def _alpha_upper(self, request_id: str) -> float:
+        """Alpha `fallback_margin` standard errors above the estimate (its trials are its sample size)."""
+        state, alpha = self._state(request_id), self.alpha(request_id)
+        trials = state.successes + state.failures + self.config.prior_weight
+        return min(alpha + self.config.fallback_margin * (alpha * (1 - alpha) / trials) ** 0.5, 1.0)
 
     def _nearest(self, batch_size: int) -> int | None:
         sizes = [b for b in self._target_step if self._draft_step.get(b, _Ewma()).value is not None]
@@ -133,46 +198,86 @@ class GammaController:
             return 0.0
         return max(extra.value, 0.0) / max(plain.value, 1e-9)
 
-    def best_gamma(self, alpha: float, cost_ratio: float, overhead: float = 0.0) -> tuple[int, float]:
+    def round_cost(self, batch_size: int, drafts: int, min_rounds: int | None = None) -> float:
+        """What a round drafting `drafts` tokens costs, in plain rounds' time, at the nearest batch size
+        measured: its measured mean once `min_rounds` (default `cost_min_rounds`) such rounds were
+        timed, else 1 + k + drafts c.
+
+        Measured rounds are affine in gamma only roughly: on this CPU the target's matrix kernels run 2
+        rows slower than 3, so a round of one draft is dear and a second draft cheap; the affine line
+        fitted where the controller drafts made gamma 2 look dear.
+        """
+        if drafts == 0:
+            return 1.0
+        nearest = self._nearest(batch_size)
+        if nearest is not None and nearest in self._costs:
+            needed = self.config.cost_min_rounds if min_rounds is None else min_rounds
+            measured = self._costs[nearest].ratio(drafts, needed)
+            if measured is not None:
+                return measured
+        return 1.0 + self.overhead(batch_size) + drafts * self.cost_ratio(batch_size)
+
+    def speedup(self, alpha: float, gamma: int, batch_size: int) -> float:
+        """Predicted speedup over plain decoding: E(alpha, gamma) tokens per round over the round's cost."""
+        return expected_tokens_per_round(alpha, gamma) / self.round_cost(batch_size, gamma)
+
+    def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
         """Gamma in the configured range maximising the predicted speedup, and that speedup."""
-        candidates = range(self.config.min_gamma, self.config.max_gamma + 1)
-        best = max(candidates, key=lambda g: (expected_speedup(alpha, g, cost_ratio, overhead), -g))
-        return best, expected_speedup(alpha, best, cost_ratio, overhead)
+        speedups = {g: self.speedup(alpha, g, batch_size)
+                    for g in range(self.config.min_gamma, self.config.max_gamma + 1)}
+        best = max(speedups, key=lambda g: (speedups[g], -g))
+        return best, speedups[best]
 
     # ----- decisions ------------------------------------------------------------------------
 
     def plan(self, request_ids: list[str], batch_size: int) -> list[int]:
         """Drafts each request may propose this round (0 = decode without drafting)."""
         self._round += 1
-        c, k = self.cost_ratio(batch_size), self.overhead(batch_size)
         if self._calibration_due(batch_size):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
             self._last_plain[batch_size] = self._round
+            self._exploring = False
             return self._planned(request_ids, [0] * len(request_ids))
+        # exploring is only worth its cost where rounds are timed (the engine reports timings)
+        exploring = self._round % self.config.explore_every == 0 and batch_size in self._target_step
+        self._exploring = False
         out = []
         for rid in request_ids:
-            state = self._state(rid)
-            best, speedup = self.best_gamma(state.alpha, c, k)
-            current = expected_speedup(state.alpha, state.gamma, c, k)
-            if speedup > current * (1 + self.config.hysteresis):
+            state, alpha = self._state(rid), self.alpha(rid)
+            best, speedup = self.best_gamma(alpha, batch_size)
+            # a new request starts at the best gamma for the pooled alpha; later, switch only for a clear gain
+            if not state.gamma or speedup > self.speedup(alpha, state.gamma, batch_size) * (1 + self.config.hysteresis):
                 state.gamma = best
-            if not state.fallback and speedup < self.config.fallback_below:
+            # stop drafting only when even a generous alpha predicts a loss: at the ~25 trials the estimate
+            # remembers, its noise near break-even (alpha ~0.3 on the shipped pair) sent requests that
+            # gained 5% by drafting into fallback, where only sparse probes can bring them back
+            if (not state.fallback and speedup < self.config.fallback_below
+                    and self.best_gamma(self._alpha_upper(rid), batch_size)[1] < self.config.fallback_below):
                 state.fallback, state.rounds_since_probe = True, 0
-                self._switch(rid, "off", state.alpha, c, k, speedup)
+                self._switch(rid, "off", alpha, batch_size, speedup)
             elif state.fallback and speedup > self.config.resume_above:
                 state.fallback = False
-                self._switch(rid, "on", state.alpha, c, k, speedup)
+                self._switch(rid, "on", alpha, batch_size, speedup)
             if state.fallback:
                 state.rounds_since_probe += 1
-                probe = state.rounds_since_probe >= self.probe_interval(state.alpha, state.gamma, c, k)
+                # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
+                cost = self.round_cost(batch_size, state.gamma)
+                probe = state.rounds_since_probe >= self.probe_interval(self._alpha_upper(rid), state.gamma, cost)
                 if probe:
                     state.rounds_since_probe = 0
-                # a probe drafts the gamma the formula picks (1 at a low alpha): at the break-even alpha a
-                # one-draft probe costs about what it returns, four drafts cost ~0.7 of a round (measured c)
+                # a probe drafts the gamma the formula picks for the current alpha (short at a low alpha)
                 out.append(state.gamma if probe else 0)
             else:
-                out.append(state.gamma)
+                out.append(self._neighbour(state.gamma, batch_size) if exploring else state.gamma)
+                self._exploring |= exploring
         return self._planned(request_ids, out)
+
+    def _neighbour(self, gamma: int, batch_size: int) -> int:
+        """The gamma next to `gamma` whose rounds were timed least (one more on ties): an exploring round
+        measures it, so a cost the affine model overstates is found (a choice from the past alone)."""
+        timed = self._costs.get(batch_size, _RoundCosts())
+        options = [g for g in (gamma + 1, gamma - 1) if self.config.min_gamma <= g <= self.config.max_gamma]
+        return min(options, key=timed.count) if options else gamma
 
     def _planned(self, request_ids: list[str], drafts: list[int]) -> list[int]:
         """Note which rows draft right after a plain round: a model draft then first feeds itself the
@@ -185,16 +290,15 @@ class GammaController:
             state.planned = n
         return drafts
 
-    def probe_interval(self, alpha: float, gamma: int, cost_ratio: float, overhead: float = 0.0) -> int:
+    def probe_interval(self, alpha: float, gamma: int, round_cost: float) -> int:
         """Rounds between fallback probes: sparse enough that their expected loss stays within
         `probe_budget` of decode time, within [probe_every, max_probe_every].
 
-        A probe round takes 1 + k + gamma c plain rounds' time for E(alpha, gamma) tokens; a plain round
+        A probe round takes `round_cost` plain rounds' time for E(alpha, gamma) tokens; a plain round
         gives one token per unit. When verification is dear (a compiled plain step, a slow draft) a
         probe loses most of a round, so it runs rarely; near break-even it costs nothing and runs often.
         """
-        speedup = expected_speedup(alpha, max(gamma, 1), cost_ratio, overhead)
-        loss = (1 + overhead + max(gamma, 1) * cost_ratio) * max(1 - speedup, 0.0)  # in plain rounds' time
+        loss = max(round_cost - expected_tokens_per_round(alpha, max(gamma, 1)), 0.0)  # in plain rounds' time
         interval = int(loss / self.config.probe_budget) + 1
         return min(max(interval, self.config.probe_every), self.config.max_probe_every)
 
@@ -206,20 +310,29 @@ class GammaController:
         last = self._last_plain.get(batch_size)
         return last is None or self._round - last >= self.config.calibrate_every
 
-    def gate_threshold(self, batch_size: int) -> float:
-        """Confidence below which a round stops after the drawn token (0 = no gate yet).
+    def gate_thresholds(self, batch_size: int) -> list[float]:
+        """Per draft position j (list index j - 1): the confidence below which a round stops after its
+        j-th draft ([] = no gate yet).
 
-        A draft token drawn with confidence q is accepted with probability a(q), estimated per bin
-        from past rounds; once the chain is that likely to break, drafting more costs c per token for
-        less than c expected gain. The threshold is the top of the highest bin where a(q) < c / a_mean.
+        A draft drawn with confidence q is accepted with probability a(q), estimated per bin from past
+        rounds. One more draft then adds about a(q) * a_mean tokens for R(j + 1) - R(j) plain rounds'
+        time (the measured round costs); that is worth it while it beats the S tokens per plain round
+        that drafting makes anyway (S: the best predicted speedup at the pooled alpha, at least 1). The
+        threshold is the top of the highest bin where a(q) < S (R(j + 1) - R(j)) / a_mean.
         """
         trials = sum(self._gate_trials)
-        if not self.config.gate or trials < self.config.gate_min_samples:
-            return 0.0
+        if not self.config.gate or trials < self.config.gate_min_samples or self._exploring:
+            return []  # an exploring round measures the cost of its gamma in full (else a gate at 1 hides it)
         mean = sum(self._gate_accepts) / trials
         if mean <= 0:
-            return 0.0
-        bar = self.cost_ratio(batch_size) / mean
+            return []
+        rate = max(self.best_gamma(self._pooled_alpha(), batch_size)[1], 1.0)
+        costs = [self.round_cost(batch_size, j, self.config.gate_min_rounds)
+                 for j in range(1, self.config.max_gamma + 1)]
+        return [self._threshold(rate * max(after - before, 0.0) / mean) for before, after in pairwise(costs)]
+
+    def _threshold(self, bar: float) -> float:
+        """Top of the highest confidence bin, counting up, whose acceptance stays under `bar`."""
         threshold = 0.0
         for b in range(BINS):
             if self._gate_trials[b] >= 10:
@@ -257,14 +370,16 @@ class GammaController:
         total = draft_seconds + target_seconds + verify_seconds
         catching_up, self._catching_up = self._catching_up, False  # it describes this round only
         if gamma == 0:
-            self._plain_round.setdefault(batch_size, _Ewma()).add(total)
+            self._plain_round.setdefault(batch_size, _Ewma()).add(total, spike=SPIKE)
+            self._costs.setdefault(batch_size, _RoundCosts()).add(0, total)
             self._last_plain[batch_size] = self._round
             return
         if catching_up:
             return  # the catch-up forward would be charged to drafting (see _planned)
+        self._costs.setdefault(batch_size, _RoundCosts()).add(gamma, total)
         step = self._draft_step.setdefault(batch_size, _Ewma())
-        step.add(draft_seconds / gamma)
-        self._target_step.setdefault(batch_size, _Ewma()).add(target_seconds)
+        step.add(draft_seconds / gamma, spike=SPIKE)
+        self._target_step.setdefault(batch_size, _Ewma()).add(target_seconds, spike=SPIKE)
         plain = self._plain_round.get(batch_size)
         if plain is not None:
             extra = total - plain.value - gamma * step.value
@@ -277,16 +392,18 @@ class GammaController:
     def in_fallback(self, request_id: str) -> bool:
         return self._state(request_id).fallback
 
+    def _pooled_alpha(self) -> float:
+        """Acceptance over earlier requests (decayed), or the prior before there is enough of it."""
+        if sum(self._pooled) >= 10:
+            return min(max(self._pooled[0] / sum(self._pooled), 0.01), 0.99)
+        return self.config.prior_alpha
+
     def _state(self, request_id: str) -> _RequestState:
         if request_id not in self._requests:
-            w, a = self.config.prior_weight, self.config.prior_alpha
-            if sum(self._pooled) >= 10:  # earlier requests' acceptance is a better start than a constant
-                a = min(max(self._pooled[0] / sum(self._pooled), 0.01), 0.99)
-            start = min(max(self.config.max_gamma // 2, self.config.min_gamma), self.config.max_gamma)
-            self._requests[request_id] = _RequestState(successes=w * a, failures=w * (1 - a), gamma=start)
+            self._requests[request_id] = _RequestState(gamma=0)  # chosen when the request is first planned
         return self._requests[request_id]
 
-    def _switch(self, rid: str, to: str, alpha: float, c: float, k: float, speedup: float) -> None:
+    def _switch(self, rid: str, to: str, alpha: float, batch_size: int, speedup: float) -> None:
         self.switches.append((rid, to))
         log.info("request %s: speculation %s (alpha %.2f, cost ratio %.3f, overhead %.3f, predicted speedup %.2f)",
-                 rid, to, alpha, c, k, speedup)
+                 rid, to, alpha, self.cost_ratio(batch_size), self.overhead(batch_size), speedup)

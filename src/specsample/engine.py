@@ -244,9 +244,9 @@ class Engine:
         if gamma == 0 or self.drafter is None:
             empty = torch.zeros(len(rows), 0, dtype=torch.long)
             return empty, None, torch.zeros(len(rows), dtype=torch.long), None
-        threshold = self.controller.gate_threshold(len(rows)) if self.controller is not None else 0.0
+        thresholds = self.controller.gate_thresholds(len(rows)) if self.controller is not None else []
         proposal = self.drafter.propose(
-            slots, gamma, max_drafts, [r.params for r in rows], [r.generator for r in rows], threshold
+            slots, gamma, max_drafts, [r.params for r in rows], [r.generator for r in rows], thresholds
         )
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(max_drafts))
         used = int(num_drafted.max())

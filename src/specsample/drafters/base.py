@@ -50,12 +50,13 @@ class Drafter(Protocol):
         max_drafts: Sequence[int],  # per row: never draft more than this (<= gamma)
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
-        stop_threshold: float = 0.0,
+        stop_thresholds: Sequence[float] = (),
     ) -> Proposal:
         """Draft up to `gamma` tokens per row, each drawn from its (warped) draft distribution.
 
         A drafter that reports confidence stops a row after a token whose confidence is below
-        `stop_threshold` (the token itself is kept, so the rule depends on past draws only).
+        `stop_thresholds[j - 1]` after its j-th token (the token itself is kept, so the rule depends on
+        past draws only; positions past the list's end never stop).
         """
         ...
 

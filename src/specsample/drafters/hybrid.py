@@ -35,7 +35,7 @@ class HybridDrafter:
         self.ngram.release_rows(slots)
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator], stop_threshold: float = 0.0) -> Proposal:
+                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = ()) -> Proposal:
         lookups = [find_continuation(self.ngram.history[s], min(gamma, m), self.ngram.min_n, self.ngram.max_n)
                    for s, m in zip(slots, max_drafts)]
         ngram_rows = [i for i, (found, n) in enumerate(lookups) if n >= self.min_match and found]
@@ -44,7 +44,7 @@ class HybridDrafter:
         if model_rows:
             parts.append((model_rows, self.model.propose(
                 [slots[i] for i in model_rows], gamma, [max_drafts[i] for i in model_rows],
-                [params[i] for i in model_rows], [generators[i] for i in model_rows], stop_threshold)))
+                [params[i] for i in model_rows], [generators[i] for i in model_rows], stop_thresholds)))
         if ngram_rows:
             tokens = torch.zeros(len(ngram_rows), gamma, dtype=torch.long)
             for j, i in enumerate(ngram_rows):

@@ -57,10 +57,10 @@ class ModelDrafter:
         max_drafts: Sequence[int],
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
-        stop_threshold: float = 0.0,
+        stop_thresholds: Sequence[float] = (),
     ) -> Proposal:
-        """Draw up to `max_drafts[i]` tokens per row; a row stops after a token it gave less than
-        `stop_threshold` probability (at temperature 1): a stopping rule on past draws only."""
+        """Draw up to `max_drafts[i]` tokens per row; a row stops after its j-th token if it gave it less
+        than `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only."""
         batch = len(slots)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self._catch_up(slots)
@@ -85,7 +85,7 @@ class ModelDrafter:
             for r in range(batch):
                 if active[r]:
                     drafted[r] = step + 1
-                    if float(own[r]) < stop_threshold:
+                    if step < len(stop_thresholds) and float(own[r]) < stop_thresholds[step]:
                         limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
             if step + 1 < gamma and any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
                 logits = self.model.forward_cached(token.unsqueeze(1), self.cache, slot_tensor)[:, 0]

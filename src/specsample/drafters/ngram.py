@@ -59,7 +59,7 @@ class NgramDrafter:
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                 params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                stop_threshold: float = 0.0) -> Proposal:
+                stop_thresholds: Sequence[float] = ()) -> Proposal:
         tokens = torch.zeros(len(slots), gamma, dtype=torch.long)
         counts = []
         for row, (slot, limit) in enumerate(zip(slots, max_drafts)):

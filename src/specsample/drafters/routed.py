@@ -59,12 +59,12 @@ class RoutedDrafter:
             self._owner.pop(slot, None)
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator], stop_threshold: float = 0.0) -> Proposal:
+                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = ()) -> Proposal:
         groups = self._groups(list(range(len(slots))), slots)
         if len(groups) == 1:
-            return groups[0][0].propose(slots, gamma, max_drafts, params, generators, stop_threshold)
+            return groups[0][0].propose(slots, gamma, max_drafts, params, generators, stop_thresholds)
         parts = [(rows, drafter.propose([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows],
-                                        [params[i] for i in rows], [generators[i] for i in rows], stop_threshold))
+                                        [params[i] for i in rows], [generators[i] for i in rows], stop_thresholds))
                  for drafter, rows in groups]
         return merge_proposals(parts, len(slots), gamma)
 
