@@ -207,6 +207,18 @@ def test_round_lengths_timed_at_different_moments_are_compared_at_one_pace() -> 
     assert controller.round_cost(1, 2) == pytest.approx(1.35, rel=0.03)
 
 
+def test_exploration_keeps_both_neighbours_fresh_and_a_frozen_clock_is_ignored() -> None:
+    controller = GammaController()
+    controller.observe_timing(1, 1, 0.0, 0.0)  # a round the clock did not see: no division by zero
+    for _ in range(20):
+        controller.observe_timing(1, 3, 0.009, 0.020)
+    for _ in range(500):  # a long stretch at gamma 1, then gamma 2 is chosen
+        controller.observe_timing(1, 1, 0.003, 0.020)
+    assert controller._neighbour(2, 1) == 3  # timed least recently, though far less often
+    controller.observe_timing(1, 3, 0.009, 0.020)
+    assert controller._neighbour(2, 1) == 1  # now gamma 1's cost is the staler one
+
+
 def test_a_stalled_round_barely_moves_the_cost_of_its_length() -> None:
     """Rounds of a length tried only now and then keep a slow mean: one round the OS stalled 5x (common
     on a shared box) would move it by 40%. It counts as at most 1.5x the mean: a 5% move."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 from specsample.theory import expected_tokens_per_round
 
@@ -105,6 +104,8 @@ class _RoundCosts:
     last: dict[int, int] = field(default_factory=dict)  # drafts -> when such a round was last timed
 
     def add(self, drafts: int, seconds: float) -> None:
+        if seconds <= 0:
+            return  # a clock that did not move says nothing about cost
         if self.pace.value is None:
             self.pace.add(seconds)  # the first round timed sets the unit
         self.rounds += 1
@@ -118,6 +119,10 @@ class _RoundCosts:
 
     def count(self, drafts: int) -> int:
         return self.relative[drafts].count if drafts in self.relative else 0
+
+    def since(self, drafts: int) -> int:
+        """Rounds timed since a round of `drafts` was (all of them if never)."""
+        return self.rounds - self.last.get(drafts, 0)
 
     def ratio(self, drafts: int, min_rounds: int) -> float | None:
         """A round of `drafts` over a plain round, once `min_rounds` such rounds and a plain one were timed."""
@@ -198,10 +203,9 @@ class GammaController:
             return 0.0
         return max(extra.value, 0.0) / max(plain.value, 1e-9)
 
-    def round_cost(self, batch_size: int, drafts: int, min_rounds: int | None = None) -> float:
+    def round_cost(self, batch_size: int, drafts: int) -> float:
         """What a round drafting `drafts` tokens costs, in plain rounds' time, at the nearest batch size
-        measured: its measured mean once `min_rounds` (default `cost_min_rounds`) such rounds were
-        timed, else 1 + k + drafts c.
+        measured: its measured mean once `cost_min_rounds` such rounds were timed, else 1 + k + drafts c.
 
         Measured rounds are affine in gamma only roughly: on this CPU the target's matrix kernels run 2
         rows slower than 3, so a round of one draft is dear and a second draft cheap; the affine line
@@ -211,8 +215,7 @@ class GammaController:
             return 1.0
         nearest = self._nearest(batch_size)
         if nearest is not None and nearest in self._costs:
-            needed = self.config.cost_min_rounds if min_rounds is None else min_rounds
-            measured = self._costs[nearest].ratio(drafts, needed)
+            measured = self._costs[nearest].ratio(drafts, self.config.cost_min_rounds)
             if measured is not None:
                 return measured
         return 1.0 + self.overhead(batch_size) + drafts * self.cost_ratio(batch_size)
@@ -273,11 +276,12 @@ class GammaController:
         return self._planned(request_ids, out)
 
     def _neighbour(self, gamma: int, batch_size: int) -> int:
-        """The gamma next to `gamma` whose rounds were timed least (one more on ties): an exploring round
-        measures it, so a cost the affine model overstates is found (a choice from the past alone)."""
+        """The gamma next to `gamma` timed least recently (one more on ties): an exploring round measures
+        it, so a cost the affine model overstates is found, and both neighbours stay fresh (a choice from
+        the past alone)."""
         timed = self._costs.get(batch_size, _RoundCosts())
         options = [g for g in (gamma + 1, gamma - 1) if self.config.min_gamma <= g <= self.config.max_gamma]
-        return min(options, key=timed.count) if options else gamma
+        return max(options, key=timed.since) if options else gamma
 
     def _planned(self, request_ids: list[str], drafts: list[int]) -> list[int]:
         """Note which rows draft right after a plain round: a model draft then first feeds itself the
@@ -320,16 +324,27 @@ class GammaController:
         that drafting makes anyway (S: the best predicted speedup at the pooled alpha, at least 1). The
         threshold is the top of the highest bin where a(q) < S (R(j + 1) - R(j)) / a_mean.
         """
+        exploring, self._exploring = self._exploring, False  # it describes this round only
         trials = sum(self._gate_trials)
-        if not self.config.gate or trials < self.config.gate_min_samples or self._exploring:
+        if not self.config.gate or trials < self.config.gate_min_samples or exploring:
             return []  # an exploring round measures the cost of its gamma in full (else a gate at 1 hides it)
         mean = sum(self._gate_accepts) / trials
         if mean <= 0:
             return []
         rate = max(self.best_gamma(self._pooled_alpha(), batch_size)[1], 1.0)
-        costs = [self.round_cost(batch_size, j, self.config.gate_min_rounds)
-                 for j in range(1, self.config.max_gamma + 1)]
-        return [self._threshold(rate * max(after - before, 0.0) / mean) for before, after in pairwise(costs)]
+        return [self._threshold(rate * self._one_more_draft(batch_size, j) / mean)
+                for j in range(1, self.config.max_gamma)]
+
+    def _one_more_draft(self, batch_size: int, drafts: int) -> float:
+        """R(drafts + 1) - R(drafts) from the timings once both lengths were timed `gate_min_rounds` times
+        (a difference of two noisy means), else a draft step c."""
+        nearest = self._nearest(batch_size)
+        costs = self._costs.get(nearest) if nearest is not None else None
+        if costs is not None:
+            before, after = (costs.ratio(d, self.config.gate_min_rounds) for d in (drafts, drafts + 1))
+            if before is not None and after is not None:
+                return max(after - before, 0.0)
+        return self.cost_ratio(batch_size)
 
     def _threshold(self, bar: float) -> float:
         """Top of the highest confidence bin, counting up, whose acceptance stays under `bar`."""
