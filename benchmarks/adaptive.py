@@ -26,28 +26,24 @@ import torch
 from tqdm import tqdm
 
 from specsample.bench.round_costs import CostModel
-from specsample.bench.run import load_prompts
+from specsample.bench.run import add_pair_options, load_model_draft_pair, load_prompts
 from specsample.bench.systems import Ours
 from specsample.config import SamplingParams, SpecConfig
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
-from specsample.pair import load_pair
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--draft", default=None, help="draft model spec (default: the alias's)")
+    add_pair_options(parser)
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
 
-    pair = load_pair(args.target, args.draft)
-    if not isinstance(pair.drafter, ModelDrafter):
-        raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
+    pair = load_model_draft_pair(args.target, args.draft)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     prompts = load_prompts("spec-bench", args.per_category, 0)
     ids = [tokenizer.encode(p.turns[0], chat=True) for p in prompts]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from specsample.bench.run import load_prompts
+from specsample.bench.run import add_pair_options, load_prompts
 from specsample.bench.systems import Ours
 from specsample.config import SamplingParams, SpecConfig
 from specsample.pair import load_pair
@@ -22,8 +22,7 @@ from specsample.pair import load_pair
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--draft", default=None, help="draft spec (default: the alias's)")
+    add_pair_options(parser)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()

@@ -19,26 +19,21 @@ from collections import defaultdict
 import numpy as np
 
 from specsample.api import generate_stream
-from specsample.bench.run import load_prompts
+from specsample.bench.run import add_pair_options, load_model_draft_pair, load_prompts
 from specsample.config import SamplingParams, SpecConfig
-from specsample.drafters.model import ModelDrafter
-from specsample.pair import load_pair
 
 GAMMAS = (0, 1, 2, 3, 4, 6, 8)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--draft", default=None, help="draft model spec (default: the alias's)")
+    add_pair_options(parser)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    pair = load_pair(args.target, args.draft)
-    if not isinstance(pair.drafter, ModelDrafter):
-        raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
+    pair = load_model_draft_pair(args.target, args.draft)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     prompts = [tokenizer.encode(p.turns[0], chat=True) for p in load_prompts("spec-bench", 1, 0)[: args.prompts]]
     rounds: dict[int, list[float]] = defaultdict(list)

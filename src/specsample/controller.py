@@ -49,9 +49,11 @@ class ControllerConfig:
             raise ValueError(f"pool_decay must be in (0, 1), got {self.pool_decay}")
         if self.calibrate_every < 1:
             raise ValueError(f"calibrate_every must be >= 1, got {self.calibrate_every}")
-        if self.explore_every < 1 or self.cost_min_rounds < 1:
-            raise ValueError(f"explore_every and cost_min_rounds must be >= 1, got {self.explore_every}, "
-                             f"{self.cost_min_rounds}")
+        if min(self.explore_every, self.cost_min_rounds, self.gate_min_rounds) < 1:
+            raise ValueError(f"explore_every, cost_min_rounds and gate_min_rounds must be >= 1, got "
+                             f"{self.explore_every}, {self.cost_min_rounds}, {self.gate_min_rounds}")
+        if self.fallback_margin < 0:
+            raise ValueError(f"fallback_margin must be >= 0 (standard errors), got {self.fallback_margin}")
         if not 1 <= self.probe_every <= self.max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
                              f"{self.max_probe_every}")
@@ -193,9 +195,8 @@ class GammaController:
         its draft steps, whatever its gamma (scoring gamma + 1 tokens instead of one, verifying them),
         over a plain round's time; 0 until a plain round has been timed.
 
-        Measured rounds are affine in gamma (on the shipped pair about 1.03 + 0.14 gamma plain rounds),
-        so a single per-draft c from whole rounds would charge the fixed part to every draft and make
-        long rounds look dear: it made the controller pick gamma 1 where 2-3 were faster.
+        With c it prices round lengths not timed yet (`round_cost`): a single per-draft c from whole
+        rounds would charge this fixed part to every draft and make long rounds look dear.
         """
         nearest = self._nearest(batch_size)
         plain, extra = self._plain_round.get(nearest), self._overhead.get(nearest)

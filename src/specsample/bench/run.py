@@ -7,6 +7,7 @@ through our own engine.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import platform
@@ -26,7 +27,7 @@ from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.drafters.model import ModelDrafter
-from specsample.pair import load_pair
+from specsample.pair import Pair, load_pair
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
 
@@ -59,6 +60,20 @@ class BenchConfig:
         base = cls(num_prompts=1, max_new_tokens=32, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
                    batch_sizes=(1, 4), sweep_prompts=4, lossless_prompts=2, lossless_samples=400)
         return dataclasses.replace(base, **overrides)
+
+
+def add_pair_options(parser: argparse.ArgumentParser) -> None:
+    """`--target` and `--draft`, as the benchmark scripts take them."""
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default=None, help="draft spec (default: the alias's)")
+
+
+def load_model_draft_pair(target: str, draft: str | None) -> Pair:
+    """The target and its drafter, for a benchmark that measures a draft model (n-gram is refused)."""
+    pair = load_pair(target, draft)
+    if not isinstance(pair.drafter, ModelDrafter):
+        raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
+    return pair
 
 
 def load_prompts(name: str, num: int | None, seed: int) -> list[Prompt]:
