@@ -32,6 +32,7 @@ from specsample.config import SamplingParams, SpecConfig
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.models.row_padding import PAD_MODES, with_target_widths
 
 
 def main() -> None:
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
+                        help="score rounds at the target's fastest width (measured once, used by every system)")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
 
@@ -51,9 +54,11 @@ def main() -> None:
     prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
     max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
     eos = tokenizer.eos_token_ids
+    widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
 
     def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True):
-        config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1, max_seq_len=max_len)
+        config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1,
+                            max_seq_len=max_len, target_widths=widths)
         return Ours(name, target, drafter, config, eos, keep_controller=keep_controller)
 
     model = pair.drafter.model
@@ -82,7 +87,8 @@ def main() -> None:
     bar.close()
     report = {"command": "python benchmarks/adaptive.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__}, "draft": pair.draft_spec, "results": {}}
+                          "torch": torch.__version__}, "draft": pair.draft_spec, "target_widths": list(widths),
+              "results": {}}
     report["modelled"], report["model_fit"] = {}, {}
     for temperature in temperatures:
         report["results"][str(temperature)] = {
@@ -127,7 +133,11 @@ def write_report(report: dict, out: Path) -> None:
     The fixed gammas are checked too: each is itself one of the "fixed gammas", so how often they fail
     the 3% criteria shows how much of a miss is measurement noise rather than a worse policy.
     """
-    lines = [f"Command: `{report['command']}`", "", f"Draft: `{report['draft']}`; tokens/s per category, batch 1.", ""]
+    widths = report.get("target_widths") or []
+    padding = (f" Target rounds scored at widths {widths} for 1..{len(widths)} tokens (measured, `--pad-rows auto`)."
+               if widths else " No row padding.")
+    lines = [f"Command: `{report['command']}`", "",
+             f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", ""]
     for temperature, table in report["results"].items():
         lines += [f"### Temperature {temperature}, measured", ""] + _goal_tables(table)
         if temperature in report.get("modelled", {}):

@@ -21,6 +21,7 @@ import numpy as np
 from specsample.api import generate_stream
 from specsample.bench.run import add_pair_options, load_model_draft_pair, load_prompts
 from specsample.config import SamplingParams, SpecConfig
+from specsample.models.row_padding import PAD_MODES, with_target_widths
 
 GAMMAS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -31,18 +32,25 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--gammas", default=",".join(map(str, GAMMAS)), help="gammas to time (plain rounds, gamma 0, are always timed: the unit)")
+    parser.add_argument("--pad-rows", choices=PAD_MODES, default="off",
+                        help="auto: score rounds at the target's fastest width (measured first, printed)")
     args = parser.parse_args()
+    gammas = sorted({int(g) for g in args.gammas.split(",")} | {0})
 
     pair = load_model_draft_pair(args.target, args.draft)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     prompts = [tokenizer.encode(p.turns[0], chat=True) for p in load_prompts("spec-bench", 1, 0)[: args.prompts]]
+    widths = with_target_widths(SpecConfig(gamma=max(gammas)), target, args.pad_rows).target_widths
+    if widths:
+        print(f"target scoring widths for 1..{len(widths)} tokens: {widths}")
     rounds: dict[int, list[float]] = defaultdict(list)
     parts: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
     for _ in range(args.repeats):
         for i, prompt in enumerate(prompts):
-            for gamma in GAMMAS:
+            for gamma in gammas:
                 config = SpecConfig(gamma=max(gamma, 1), adaptive=False, speculative=gamma > 0, max_batch_size=1,
-                                    max_seq_len=len(prompt) + args.max_new_tokens + 16)
+                                    max_seq_len=len(prompt) + args.max_new_tokens + 16, target_widths=widths)
                 params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, seed=i)
                 previous = None
                 for _, result in generate_stream(target, [prompt], params, pair.drafter if gamma else None, config,
@@ -55,14 +63,14 @@ def main() -> None:
                     previous = result.finished_at
     plain = statistics.fmean(rounds[0])
     means = []
-    for gamma in GAMMAS:
+    for gamma in gammas:
         mean = statistics.fmean(rounds[gamma])
         means.append(mean / plain)
         draft, target_s, verify = (1000 * statistics.fmean(x) for x in zip(*parts[gamma]))
         print(f"gamma {gamma}: {len(rounds[gamma])} rounds, mean {1000 * mean:.2f} ms, median "
               f"{1000 * statistics.median(rounds[gamma]):.2f} ms, {mean / plain:.3f} plain rounds "
               f"(draft {draft:.2f}, target {target_s:.2f}, verify {verify:.2f} ms)")
-    slope, intercept = np.polyfit(GAMMAS[1:], means[1:], 1)
+    slope, intercept = np.polyfit(gammas[1:], means[1:], 1) if len(gammas) > 2 else (float("nan"), float("nan"))
     print(f"drafting rounds ~ {intercept:.3f} + {slope:.3f} gamma plain rounds: k {intercept - 1:.3f}, c {slope:.3f}")
 
 

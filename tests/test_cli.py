@@ -67,6 +67,17 @@ def test_compile_flag(models) -> None:
     assert json.loads(compiled.stdout)["token_ids"] == json.loads(run_cli(*args).stdout)["token_ids"]
 
 
+def test_pad_rows_flag(models) -> None:
+    """--pad-rows auto measures the target's widths first and changes no token of a greedy generation."""
+    args = ["generate", "hello world", "--target", str(models["target"]), "--draft", str(models["draft"]),
+            "--temperature", "0", "--max-new-tokens", "16", "--no-chat", "--json", "--gamma", "2"]
+    padded = run_cli(*args, "--pad-rows", "auto")
+    assert padded.returncode == 0, padded.stderr
+    assert json.loads(padded.stdout)["token_ids"] == json.loads(run_cli(*args).stdout)["token_ids"]
+    bad = run_cli(*args, "--pad-rows", "on")
+    assert bad.returncode != 0 and "--pad-rows: invalid choice" in bad.stderr
+
+
 @pytest.mark.parametrize("case, message", [
     ("unknown", "unknown model spec"),
     ("vocab", "vocabulary"),

@@ -16,6 +16,7 @@ from specsample.config import SamplingParams, SpecConfig
 from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
+from specsample.models.row_padding import PAD_MODES, with_target_widths
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true",
                      help="compile one-token decode steps with torch.compile (our runtime only): up to 80 s once "
                           "per process on a small CPU, then ~1.5x faster decoding (docs/runtime.md)")
+    gen.add_argument("--pad-rows", choices=PAD_MODES, default="off",
+                     help="auto: first time the target's forward per number of tokens scored (~2 s) and score "
+                          "rounds at the fastest width >= what they need (on the dev CPU 2 tokens run slower "
+                          "than 3); pays off over long or many generations (default off; serve: auto)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
@@ -138,6 +143,10 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together; more wait in line")
+    serve.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
+                       help="auto (default): time the target's forward per number of tokens scored at start-up "
+                            "(a few seconds) and score single-request rounds at the fastest width >= what they "
+                            "need; off: score what is asked")
     serve.add_argument("--max-model-len", type=int, default=2048, help="context length per request (prompt + output)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also enables /admin)")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
@@ -222,6 +231,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                        f"context window ({context} tokens)")
     # caches sized to this request, not to the model's whole context window
     config = dataclasses.replace(config, max_seq_len=len(prompt_ids) + args.max_new_tokens)
+    if pair.drafter is not None:
+        config = with_target_widths(config, pair.target.model, args.pad_rows)
     engine = Engine(pair.target.model, pair.drafter, config, tokenizer.eos_token_ids)
     collector = StatsCollector()
     request_id = engine.add_request(prompt_ids, params)
@@ -331,6 +342,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     config = spec_config(args.num_speculative_tokens, args.max_gamma, True, args.max_batch_size, args.max_model_len)
     pair = load_pair(args.model, args.speculative_model, args.dtype, args.device)
+    config = with_target_widths(config, pair.target.model, args.pad_rows)  # also for a draft set later (/admin/draft)
     server = SpecServer(pair, config, ServerOptions(model_name=args.served_model_name or args.model,
                                                     api_key=args.api_key, min_acceptance=args.min_acceptance))
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
@@ -370,7 +382,8 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
     settings = ReplicaSettings(
         model=args.model, draft=args.speculative_model, gamma=str(args.num_speculative_tokens), max_gamma=args.max_gamma,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-        api_key=args.api_key, min_acceptance=args.min_acceptance, dtype=args.dtype, device=args.device)
+        api_key=args.api_key, min_acceptance=args.min_acceptance, dtype=args.dtype, device=args.device,
+        pad_rows=args.pad_rows)
     options = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
                                  args.num_gpus_per_replica, args.max_batch_size)
     ray.init(address=args.ray_address)

@@ -49,6 +49,9 @@ class SpecConfig:
     speculative: bool = True  # False: plain autoregressive decoding through the same loop
     max_batch_size: int = 16
     max_seq_len: int | None = None  # cache length per row; None = the target's context window
+    # tokens the target scores per round at batch 1 for 1, 2, ... tokens asked (extra positions are padding,
+    # never read; counts past the table are scored as asked): from row_padding.measure_target_widths
+    target_widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.gamma, int) or self.gamma < 1:
@@ -57,3 +60,7 @@ class SpecConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        for tokens, width in enumerate(self.target_widths, start=1):
+            if not isinstance(width, int) or width < tokens:
+                raise ValueError(f"target_widths[{tokens - 1}] (the width to score {tokens} tokens at) must be an "
+                                 f"integer >= {tokens}, got {width!r}")

@@ -41,6 +41,7 @@ class ReplicaSettings:
     min_acceptance: float | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    pad_rows: str = "auto"  # see `specsample serve --pad-rows`
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ReplicaSettings:
@@ -80,6 +81,7 @@ class SpecsampleReplica:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         from specsample.cli import spec_config
+        from specsample.models.row_padding import with_target_widths
         from specsample.pair import load_pair
         from specsample.server.app import ServerOptions, SpecServer
 
@@ -89,6 +91,7 @@ class SpecsampleReplica:
         gamma = s.gamma if s.gamma == "auto" else int(s.gamma)
         config = spec_config(gamma, s.max_gamma, True, s.max_batch_size, s.max_model_len)
         pair = load_pair(s.model, s.draft, s.dtype, s.device)
+        config = with_target_widths(config, pair.target.model, s.pad_rows)
         self.server = SpecServer(pair, config, ServerOptions(
             model_name=s.served_model_name or s.model, api_key=s.api_key, min_acceptance=s.min_acceptance,
             replica_id=self.replica_id))

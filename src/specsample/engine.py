@@ -21,6 +21,7 @@ from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.base import Drafter
 from specsample.models.base import CausalLM, prefill_ragged
+from specsample.models.row_padding import score_padded
 from specsample.sampling import warp_rows
 from specsample.verify import Verdict, verify, verify_greedy
 
@@ -114,7 +115,8 @@ class Engine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
         # slack past max_len: padded positions of a round may be written (never read) beyond it
-        self.cache = target.new_cache(config.max_batch_size, self.max_len + config.gamma + 2)
+        widest = max(config.gamma + 1, max(config.target_widths, default=0))
+        self.cache = target.new_cache(config.max_batch_size, self.max_len + widest + 1)
         self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.gamma + 2)
         if controller is None and config.adaptive:
             controller = GammaController(ControllerConfig(max_gamma=config.gamma))
@@ -210,7 +212,9 @@ class Engine:
         slot_tensor = torch.tensor(slots, dtype=torch.long)
         pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=device)
         target_input = torch.cat([pending, draft_tokens.to(device)], dim=1)  # [b, gamma + 1]
-        target_logits = self.target.forward_cached(target_input, self.cache, slot_tensor)  # [b, gamma + 1, vocab]
+        # scored at the width the target runs fastest (measured); the commit rolls the padding back
+        width = self._scoring_width(len(rows), target_input.shape[1])
+        target_logits = score_padded(self.target, target_input, self.cache, slot_tensor, width)  # [b, gamma + 1, vocab]
         target_done = self._now()
         verdict = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits, num_drafted.to(device))
         num_accepted = verdict.num_accepted.cpu()  # [b]; one device-to-host copy per round
@@ -224,6 +228,11 @@ class Engine:
                              prefill_done - start, draft_done - prefill_done, target_done - draft_done,
                              verify_done - target_done, fallback_rows)
         return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
+
+    def _scoring_width(self, batch_size: int, tokens: int) -> int:
+        """Tokens to score for `tokens` asked: `config.target_widths` was measured at batch 1."""
+        widths = self.config.target_widths
+        return widths[tokens - 1] if batch_size == 1 and tokens <= len(widths) else tokens
 
     def _plan(self, rows: list[_Row]) -> tuple[int, list[int], int]:
         """Drafts per row: fixed or chosen by the controller, never more than a row can use."""

@@ -1,0 +1,97 @@
+"""Score a round's tokens at the width the target runs fastest: measured per device, once, at start-up.
+
+Matrix kernels do not get dearer monotonically with the number of rows: on the 2-core AVX512-BF16 dev
+box the bfloat16 oneDNN kernels score 2 tokens ~1.5 ms (6%) slower than 3 or 4 (docs/runtime.md). A
+round of one draft scores 2 tokens (the pending token and the draft), so it pays for the slow shape.
+Scoring a wider block (the extra positions repeat the last token) and reading only the real positions'
+logits changes nothing the verifier sees: attention is causal, so padding after a position cannot
+reach it, and the commit rolls the cache back to the accepted length, so the padded entries are
+overwritten later like any rejected draft's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from specsample.config import SpecConfig
+from specsample.models.base import CausalLM, ModelCache
+
+log = logging.getLogger("specsample")
+
+PAD_MODES = ("auto", "off")  # --pad-rows
+MIN_GAIN = 0.03  # pad only where the wider block measured at least 3% faster: below that it is noise
+
+
+def score_padded(model: CausalLM, tokens: Tensor, cache: ModelCache, slots: Tensor, width: int) -> Tensor:
+    """Logits `[b, n, vocab]` of `tokens [b, n]` appended to rows `slots`, scored as a block of `width` >= n
+    tokens (the last one repeated). Each row's cache length grows by `width`: the caller rolls it back."""
+    scored = tokens.shape[1]
+    if width > scored:
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, width - scored)], dim=1)
+    return model.forward_cached(tokens, cache, slots)[:, :scored]
+
+
+def fastest_widths(seconds: Sequence[float], min_gain: float = MIN_GAIN) -> tuple[int, ...]:
+    """From the time to score 1..n tokens (`seconds[w - 1]`), the width to score for each count: the
+    cheapest width >= it when that is at least `min_gain` faster, else the count itself."""
+    widths = []
+    for tokens in range(1, len(seconds) + 1):
+        own = seconds[tokens - 1]
+        best = min(range(tokens, len(seconds) + 1), key=lambda w: (seconds[w - 1], w))
+        widths.append(best if seconds[best - 1] < (1 - min_gain) * own else tokens)
+    return tuple(widths)
+
+
+def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, repeats: int = 12,
+                          clock: Callable[[], float] = time.perf_counter) -> tuple[int, ...]:
+    """Time one row's forward over 1..`max_tokens` new tokens after `context` cached ones (interleaved,
+    median of `repeats`, after a warm-up pass) and return `fastest_widths` of it: pass the result as
+    `SpecConfig(target_widths=...)`. Takes ~`repeats` x `max_tokens` forwards (2 s for the default
+    135M target at gamma 8 on the dev box). Applies to batches of one row, where it was measured."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    context = max(1, min(context, model.max_seq_len - max_tokens))
+    cache = model.new_cache(1, context + max_tokens)
+    slot = torch.tensor([0])
+    tokens = torch.randint(0, model.vocab_size, (1, context + max_tokens), device=model.device)
+    times: dict[int, list[float]] = {w: [] for w in range(1, max_tokens + 1)}
+    with torch.inference_mode():
+        model.prefill(tokens[:, :context], cache, slot)
+        for rep in range(repeats + 1):
+            for width in times:
+                _sync(model.device)
+                start = clock()
+                model.forward_cached(tokens[:, context:context + width], cache, slot)
+                _sync(model.device)
+                if rep:  # the first pass warms kernels and allocators up
+                    times[width].append(clock() - start)
+                cache.truncate(slot, torch.tensor([context]))
+    medians = [statistics.median(times[w]) for w in times]
+    widths = fastest_widths(medians)
+    log.info("target forward by tokens scored (ms): %s; scoring widths %s",
+             ", ".join(f"{w}: {m * 1000:.2f}" for w, m in zip(times, medians)), widths)
+    return widths
+
+
+def with_target_widths(config: SpecConfig, model: CausalLM, mode: str = "auto") -> SpecConfig:
+    """`--pad-rows`: 'auto' measures the widths for rounds of up to `config.gamma` drafts (a few seconds, once:
+    worth it for a server or a benchmark, not for one short generation); 'off' scores what is asked."""
+    if mode not in PAD_MODES:
+        raise ValueError(f"pad-rows must be one of {', '.join(PAD_MODES)}, got {mode!r}")
+    if mode == "off" or not config.speculative:
+        return config  # plain decoding scores one token per round: nothing to pad
+    return dataclasses.replace(config, target_widths=measure_target_widths(model, config.gamma + 1))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

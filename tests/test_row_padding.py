@@ -1,0 +1,123 @@
+"""Scoring a round's tokens as a wider block where the target runs that faster: same output, clean caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specsample.engine as engine_module
+from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
+from specsample.models.row_padding import fastest_widths, measure_target_widths, with_target_widths
+from test_engine import PROMPTS, _fresh_cache_matches
+
+
+def test_fastest_widths_pads_to_a_cheaper_wider_block() -> None:
+    # 2 tokens dearer than 3 (the dev box's bfloat16 kernels); 4 a little dearer than 3
+    assert fastest_widths([1.00, 1.10, 1.00, 1.02]) == (1, 3, 3, 4)
+    # a gain under 3% is noise: no padding
+    assert fastest_widths([1.00, 1.02, 1.00]) == (1, 2, 3)
+    # ties go to the narrower block; monotone costs pad nothing
+    assert fastest_widths([1.0, 1.2, 1.1, 1.1]) == (1, 3, 3, 4)
+    assert fastest_widths([1.0, 1.1, 1.2]) == (1, 2, 3)
+
+
+class _Timed:
+    """A model whose forward advances a fake clock by a cost per width (the real forward still runs)."""
+
+    def __init__(self, model, cost: dict[int, float]) -> None:
+        self.model, self.cost, self.now = model, cost, 0.0
+        self.vocab_size, self.max_seq_len, self.device = model.vocab_size, model.max_seq_len, model.device
+        self.new_cache, self.prefill = model.new_cache, model.prefill
+
+    def forward_cached(self, tokens, cache, slots):
+        self.now += self.cost[tokens.shape[1]]
+        return self.model.forward_cached(tokens, cache, slots)
+
+
+def test_measure_picks_the_cheapest_width(tiny_target) -> None:
+    timed = _Timed(tiny_target, {1: 1.0, 2: 1.3, 3: 1.1, 4: 1.2, 5: 1.25})
+    assert measure_target_widths(timed, 5, context=16, repeats=3, clock=lambda: timed.now) == (1, 3, 3, 4, 5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        measure_target_widths(timed, 0)
+
+
+def test_measured_widths_fit_the_config(tiny_target) -> None:
+    widths = measure_target_widths(tiny_target, 4, context=8, repeats=2)  # real timings: any valid table
+    assert SpecConfig(gamma=3, target_widths=widths).target_widths == widths
+
+
+@pytest.mark.parametrize("widths", [(1, 1), (1, 2, 2), (0,), (1, 2.5)])
+def test_bad_widths_are_refused(widths) -> None:
+    with pytest.raises(ValueError, match=r"target_widths\[\d\] \(the width to score"):
+        SpecConfig(gamma=2, target_widths=widths)
+
+
+def test_with_target_widths_modes(tiny_target) -> None:
+    config = SpecConfig(gamma=2)
+    assert with_target_widths(config, tiny_target, "off") is config
+    assert with_target_widths(SpecConfig(speculative=False), tiny_target).target_widths == ()
+    measured = with_target_widths(config, tiny_target, "auto").target_widths
+    assert len(measured) == 3 and all(w >= n for n, w in enumerate(measured, start=1))
+    with pytest.raises(ValueError, match="pad-rows must be one of auto, off"):
+        with_target_widths(config, tiny_target, "on")
+
+
+class _Spy:
+    """Records the widths the target is asked to score."""
+
+    def __init__(self, model) -> None:
+        self.model, self.widths = model, []
+        self.vocab_size, self.max_seq_len, self.device = model.vocab_size, model.max_seq_len, model.device
+        self.new_cache, self.prefill = model.new_cache, model.prefill
+
+    def forward_cached(self, tokens, cache, slots):
+        self.widths.append(tokens.shape[1])
+        return self.model.forward_cached(tokens, cache, slots)
+
+
+def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: SamplingParams) -> list[list[int]]:
+    """Each prompt alone (padding applies at batch 1), checking the caches after every round. The cache is
+    sized to the request exactly, as `generate` sizes it, so padding in the last rounds runs into its slack."""
+    outputs = []
+    for prompt in PROMPTS:
+        drafter = ModelDrafter(draft)
+        config = SpecConfig(gamma=gamma, max_batch_size=1, max_seq_len=len(prompt) + params.max_new_tokens,
+                            target_widths=widths)
+        engine = Engine(target, drafter, config)
+        rid = engine.add_request(prompt, params)
+        tokens = list(prompt)
+        while engine.has_work():
+            for update in engine.step().rows:
+                tokens.extend(update.new_tokens)
+            for slot in engine._running:  # the padding was rolled back: the cache is every token but the last
+                assert int(engine.cache.lengths[slot]) == len(tokens) - 1
+                _fresh_cache_matches(target.model if isinstance(target, _Spy) else target, engine.cache, slot, tokens)
+        outputs.append(tokens[len(prompt):])
+        assert rid not in engine._running.values()
+    return outputs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+def test_padding_changes_no_token(tiny_target, tiny_draft, gamma: int, temperature: float) -> None:
+    params = SamplingParams(temperature=temperature, max_new_tokens=20, seed=5)
+    plain = _decode(tiny_target, tiny_draft, gamma, (), params)
+    spy = _Spy(tiny_target)
+    widest = gamma + 6  # wider than any round of this gamma: more than the gamma + 2 positions of slack
+    padded = _decode(spy, tiny_draft, gamma, (widest,) * widest, params)
+    assert padded == plain
+    assert spy.widths and set(spy.widths) == {widest}  # every round was padded (prompts prefill without logits)
+
+
+def test_reading_the_padding_is_caught(tiny_target, tiny_draft, monkeypatch) -> None:
+    """The test above has teeth: an engine that reads the logits of the padded positions changes the output."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=5)
+    plain = _decode(tiny_target, tiny_draft, 2, (), params)
+
+    def wrong_positions(model, tokens, cache, slots, width):
+        scored = tokens.shape[1]
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, width - scored)], dim=1)
+        return model.forward_cached(tokens, cache, slots)[:, -scored:]
+
+    monkeypatch.setattr(engine_module, "score_padded", wrong_positions)
+    assert _decode(tiny_target, tiny_draft, 2, (3, 3, 3), params) != plain
