@@ -73,6 +73,7 @@ def test_pad_rows_flag(models) -> None:
             "--temperature", "0", "--max-new-tokens", "16", "--no-chat", "--json", "--gamma", "2"]
     padded = run_cli(*args, "--pad-rows", "auto")
     assert padded.returncode == 0, padded.stderr
+    assert "rounds of 1..3 tokens scored as (1, " in padded.stderr  # the measured table is shown
     assert json.loads(padded.stdout)["token_ids"] == json.loads(run_cli(*args).stdout)["token_ids"]
     bad = run_cli(*args, "--pad-rows", "on")
     assert bad.returncode != 0 and "--pad-rows: invalid choice" in bad.stderr

@@ -19,6 +19,8 @@ def test_fastest_widths_pads_to_a_cheaper_wider_block() -> None:
     # ties go to the narrower block; monotone costs pad nothing
     assert fastest_widths([1.0, 1.2, 1.1, 1.1]) == (1, 3, 3, 4)
     assert fastest_widths([1.0, 1.1, 1.2]) == (1, 2, 3)
+    # one token is never padded (plain decoding is the baseline)
+    assert fastest_widths([1.1, 1.0, 1.0]) == (1, 2, 3)
 
 
 class _Timed:
@@ -39,6 +41,23 @@ def test_measure_picks_the_cheapest_width(tiny_target) -> None:
     assert measure_target_widths(timed, 5, context=16, repeats=3, clock=lambda: timed.now) == (1, 3, 3, 4, 5)
     with pytest.raises(ValueError, match="max_tokens"):
         measure_target_widths(timed, 0)
+    with pytest.raises(ValueError, match="repeats must be >= 2"):
+        measure_target_widths(timed, 3, repeats=1)
+
+
+def test_measure_pads_only_where_both_halves_agree(tiny_target) -> None:
+    """A gain seen in one half of the repeats only (a noisy pass) pads nothing."""
+    timed = _Timed(tiny_target, {1: 1.0, 2: 1.3, 3: 1.1})
+    calls = {"n": 0}
+
+    def forward(tokens, cache, slots, inner=timed.forward_cached):
+        calls["n"] += 1
+        if calls["n"] > 3 * 3:  # from the second half of the 4 repeats on (after a warm-up pass), 2 tokens are cheap
+            timed.cost[2] = 1.0
+        return inner(tokens, cache, slots)
+
+    timed.forward_cached = forward
+    assert measure_target_widths(timed, 3, context=16, repeats=4, clock=lambda: timed.now) == (1, 2, 3)
 
 
 def test_measured_widths_fit_the_config(tiny_target) -> None:
@@ -120,4 +139,14 @@ def test_reading_the_padding_is_caught(tiny_target, tiny_draft, monkeypatch) -> 
         return model.forward_cached(tokens, cache, slots)[:, -scored:]
 
     monkeypatch.setattr(engine_module, "score_padded", wrong_positions)
-    assert _decode(tiny_target, tiny_draft, 2, (3, 3, 3), params) != plain
+    assert _decode(tiny_target, tiny_draft, 2, (8,) * 8, params) != plain
+
+
+def test_batches_are_not_padded(tiny_target, tiny_draft) -> None:
+    """The widths were measured at batch 1: a batch of rows scores what it asks."""
+    spy = _Spy(tiny_target)
+    engine = Engine(spy, ModelDrafter(tiny_draft), SpecConfig(gamma=2, max_batch_size=2, target_widths=(1, 8, 8)))
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=8))
+    engine.step()
+    assert spy.widths and max(spy.widths) <= 3

@@ -71,6 +71,17 @@ def spec_config(gamma: int | str, max_gamma: int, speculative: bool, max_batch_s
     return SpecConfig(gamma=gamma, speculative=speculative, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
 
 
+def _measure_widths(config: SpecConfig, model, mode: str) -> SpecConfig:
+    """--pad-rows: measure the target's scoring widths (auto) and say what was chosen."""
+    if mode == "auto":
+        print("specsample: timing the target's forward per tokens scored (--pad-rows auto)", file=sys.stderr, flush=True)
+    config = with_target_widths(config, model, mode)
+    if config.target_widths:
+        print(f"specsample: rounds of 1..{len(config.target_widths)} tokens scored as {config.target_widths}",
+              file=sys.stderr, flush=True)
+    return config
+
+
 def build_parser() -> argparse.ArgumentParser:
     from specsample import __version__
 
@@ -126,6 +137,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--lossless-prompts", type=int, default=None)
     bench.add_argument("--dtype", default="auto")
     bench.add_argument("--device", default="cpu")
+    bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
+                       help="auto (default): score our rounds at the target's fastest width, measured at start-up")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
     bench.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -232,7 +245,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     # caches sized to this request, not to the model's whole context window
     config = dataclasses.replace(config, max_seq_len=len(prompt_ids) + args.max_new_tokens)
     if pair.drafter is not None:
-        config = with_target_widths(config, pair.target.model, args.pad_rows)
+        config = _measure_widths(config, pair.target.model, args.pad_rows)
     engine = Engine(pair.target.model, pair.drafter, config, tokenizer.eos_token_ids)
     collector = StatsCollector()
     request_id = engine.add_request(prompt_ids, params)
@@ -342,7 +355,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     config = spec_config(args.num_speculative_tokens, args.max_gamma, True, args.max_batch_size, args.max_model_len)
     pair = load_pair(args.model, args.speculative_model, args.dtype, args.device)
-    config = with_target_widths(config, pair.target.model, args.pad_rows)  # also for a draft set later (/admin/draft)
+    if pair.drafter is not None:  # a server started without a draft keeps decoding plain
+        config = _measure_widths(config, pair.target.model, args.pad_rows)
     server = SpecServer(pair, config, ServerOptions(model_name=args.served_model_name or args.model,
                                                     api_key=args.api_key, min_acceptance=args.min_acceptance))
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
@@ -361,7 +375,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "max_new_tokens": args.max_new_tokens, "gammas": args.gamma, "temperatures": args.temperature,
         "batch_sizes": args.batch_size, "compare": tuple(args.compare), "sweep_prompts": args.sweep_prompts,
         "lossless_samples": args.lossless_samples, "lossless_prompts": args.lossless_prompts,
-        "dtype": args.dtype, "device": args.device, "seed": args.seed, "out": args.out}.items() if v is not None}
+        "dtype": args.dtype, "device": args.device, "pad_rows": args.pad_rows, "seed": args.seed,
+        "out": args.out}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
     results = run(config, progress=sys.stderr.isatty())
     print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots "

@@ -21,6 +21,8 @@ from typing import Any
 
 from ray import serve
 
+from specsample.models.row_padding import PAD_MODES
+
 log = logging.getLogger("specsample.deploy")
 HUB_NAME = "specsample-metrics-hub"
 HUB_NAMESPACE = "specsample"
@@ -42,6 +44,10 @@ class ReplicaSettings:
     dtype: str = "auto"
     device: str = "cpu"
     pad_rows: str = "auto"  # see `specsample serve --pad-rows`
+
+    def __post_init__(self) -> None:
+        if self.pad_rows not in PAD_MODES:  # before any replica loads a model
+            raise ValueError(f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ReplicaSettings:
@@ -91,7 +97,8 @@ class SpecsampleReplica:
         gamma = s.gamma if s.gamma == "auto" else int(s.gamma)
         config = spec_config(gamma, s.max_gamma, True, s.max_batch_size, s.max_model_len)
         pair = load_pair(s.model, s.draft, s.dtype, s.device)
-        config = with_target_widths(config, pair.target.model, s.pad_rows)
+        if pair.drafter is not None:  # a replica started without a draft keeps decoding plain
+            config = with_target_widths(config, pair.target.model, s.pad_rows)
         self.server = SpecServer(pair, config, ServerOptions(
             model_name=s.served_model_name or s.model, api_key=s.api_key, min_acceptance=s.min_acceptance,
             replica_id=self.replica_id))

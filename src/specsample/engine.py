@@ -242,7 +242,7 @@ class Engine:
         max_drafts = []
         for row in rows:
             wanted = 0 if not row.speculative else chosen.get(row.request_id, row.gamma or self.config.gamma)
-            # the caches hold gamma + 2 positions of slack: never draft past config.gamma
+            # the draft's cache holds gamma + 2 positions of slack: never draft past config.gamma
             max_drafts.append(max(0, min(wanted, self.config.gamma, row.remaining - 1)))
         fallback = sum(1 for r in adaptive if chosen[r.request_id] == 0)
         return max(max_drafts), max_drafts, fallback

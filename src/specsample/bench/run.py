@@ -27,6 +27,7 @@ from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.drafters.model import ModelDrafter
+from specsample.models.row_padding import with_target_widths
 from specsample.pair import Pair, load_pair
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
@@ -51,6 +52,7 @@ class BenchConfig:
     lossless_tokens: int = 4
     dtype: str = "auto"
     device: str = "cpu"
+    pad_rows: str = "auto"  # score our rounds at the target's fastest width (specsample.models.row_padding)
     seed: int = 0
     out: Path = Path("bench-out")
 
@@ -119,13 +121,20 @@ class Bench:
         self.prompt_ids = [ids for _, ids in kept]
         self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens + 16
         self.peers = self._load_peers()
+        # measured once for every system of ours (batch 1 only); plain decoding is never padded
+        self.target_widths = (with_target_widths(SpecConfig(gamma=8), self.pair.target.model, config.pad_rows)
+                              .target_widths if self.pair.drafter is not None else ())
+        if self.target_widths:
+            self.notes.append(f"target rounds of 1..{len(self.target_widths)} tokens scored as {self.target_widths} "
+                              "(measured at start-up, --pad-rows auto)")
 
     # ----- systems ----------------------------------------------------------------------------
 
     def ours(self, gamma: int | str, batch: int = 1, speculative: bool = True) -> Ours:
         adaptive = gamma == "auto"
         config = SpecConfig(gamma=8 if adaptive else max(1, int(gamma)), adaptive=adaptive, speculative=speculative,
-                            max_batch_size=batch, max_seq_len=min(self.max_len, self.pair.target.model.max_seq_len))
+                            max_batch_size=batch, max_seq_len=min(self.max_len, self.pair.target.model.max_seq_len),
+                            target_widths=self.target_widths)
         name = f"specsample gamma={gamma}" if speculative else "target-only (ours)"
         if speculative and self.pair.drafter is None:
             raise ValueError(f"no draft for {self.config.target}: pass --draft")

@@ -1,12 +1,13 @@
 """Score a round's tokens at the width the target runs fastest: measured per device, once, at start-up.
 
 Matrix kernels do not get dearer monotonically with the number of rows: on the 2-core AVX512-BF16 dev
-box the bfloat16 oneDNN kernels score 2 tokens ~1.5 ms (6%) slower than 3 or 4 (docs/runtime.md). A
-round of one draft scores 2 tokens (the pending token and the draft), so it pays for the slow shape.
+box the bfloat16 oneDNN kernels score 2 tokens about 1 ms (4-6%) slower than 3 to 5 (docs/runtime.md).
+A round of one draft scores 2 tokens (the pending token and the draft), so it pays for the slow shape.
 Scoring a wider block (the extra positions repeat the last token) and reading only the real positions'
-logits changes nothing the verifier sees: attention is causal, so padding after a position cannot
-reach it, and the commit rolls the cache back to the accepted length, so the padded entries are
-overwritten later like any rejected draft's.
+logits leaves the verifier's inputs as they were: attention is causal, so padding after a position
+cannot reach it, and the commit rolls the cache back to the accepted length, so the padded entries
+are overwritten later like any rejected draft's. (As with batching, another block shape may run
+another kernel: in low precision the real positions' logits can differ in the last bits.)
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def score_padded(model: CausalLM, tokens: Tensor, cache: ModelCache, slots: Tens
 
 def fastest_widths(seconds: Sequence[float], min_gain: float = MIN_GAIN) -> tuple[int, ...]:
     """From the time to score 1..n tokens (`seconds[w - 1]`), the width to score for each count: the
-    cheapest width >= it when that is at least `min_gain` faster, else the count itself."""
-    widths = []
-    for tokens in range(1, len(seconds) + 1):
+    cheapest width >= it when that is at least `min_gain` faster, else the count itself. One token is
+    never padded: plain decoding is the baseline, and compiled runtimes take a path of their own for it."""
+    widths = [1] if seconds else []
+    for tokens in range(2, len(seconds) + 1):
         own = seconds[tokens - 1]
         best = min(range(tokens, len(seconds) + 1), key=lambda w: (seconds[w - 1], w))
         widths.append(best if seconds[best - 1] < (1 - min_gain) * own else tokens)
@@ -52,17 +54,20 @@ def fastest_widths(seconds: Sequence[float], min_gain: float = MIN_GAIN) -> tupl
 def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, repeats: int = 12,
                           clock: Callable[[], float] = time.perf_counter) -> tuple[int, ...]:
     """Time one row's forward over 1..`max_tokens` new tokens after `context` cached ones (interleaved,
-    median of `repeats`, after a warm-up pass) and return `fastest_widths` of it: pass the result as
-    `SpecConfig(target_widths=...)`. Takes ~`repeats` x `max_tokens` forwards (2 s for the default
-    135M target at gamma 8 on the dev box). Applies to batches of one row, where it was measured."""
+    after a warm-up pass) and return the width to score each count at (`fastest_widths`): pass it as
+    `SpecConfig(target_widths=...)`. A count is padded only where the medians of both halves of the
+    repeats pick the same width (on a shared box one pass can cross the 3% bar by noise). Takes
+    ~`repeats` x `max_tokens` forwards (2 s for the default 135M target at gamma 8 on the dev box).
+    Applies to batches of one row, where it was measured."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats < 2:
+        raise ValueError(f"repeats must be >= 2 (two halves must agree), got {repeats}")
     context = max(1, min(context, model.max_seq_len - max_tokens))
     cache = model.new_cache(1, context + max_tokens)
     slot = torch.tensor([0])
-    tokens = torch.randint(0, model.vocab_size, (1, context + max_tokens), device=model.device)
+    generator = torch.Generator().manual_seed(0)  # any tokens will do; leave the global random state alone
+    tokens = torch.randint(0, model.vocab_size, (1, context + max_tokens), generator=generator).to(model.device)
     times: dict[int, list[float]] = {w: [] for w in range(1, max_tokens + 1)}
     with torch.inference_mode():
         model.prefill(tokens[:, :context], cache, slot)
@@ -76,7 +81,9 @@ def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, 
                     times[width].append(clock() - start)
                 cache.truncate(slot, torch.tensor([context]))
     medians = [statistics.median(times[w]) for w in times]
-    widths = fastest_widths(medians)
+    first, second = (fastest_widths([statistics.median(times[w][part]) for w in times])
+                     for part in (slice(0, repeats // 2), slice(repeats // 2, None)))
+    widths = tuple(a if a == b else n for n, (a, b) in enumerate(zip(first, second), start=1))
     log.info("target forward by tokens scored (ms): %s; scoring widths %s",
              ", ".join(f"{w}: {m * 1000:.2f}" for w, m in zip(times, medians)), widths)
     return widths
