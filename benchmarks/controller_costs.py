@@ -34,6 +34,8 @@ def main() -> None:
     tokenizer, target, eos = pair.target.tokenizer, pair.target.model, pair.target.tokenizer.eos_token_ids
     prompts = load_prompts("spec-bench", 1, 0)[: args.prompts]
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
+    if widths:
+        print(f"target scoring widths for 1..{len(widths)} tokens: {widths}")
     auto = Ours("gamma=auto", target, pair.drafter,
                 SpecConfig(gamma=8, adaptive=True, max_batch_size=1, target_widths=widths), eos)
     plain = Ours("plain", target, None, SpecConfig(speculative=False, max_batch_size=1), eos)
