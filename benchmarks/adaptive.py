@@ -119,6 +119,14 @@ def modelled(runs_by_system: dict[str, list]) -> tuple[dict, dict]:
     return table, fit
 
 
+def _stall_note(fit: dict) -> str:
+    """Rounds each system's fit left out as stalls of the box (runs from before that rule have no count)."""
+    if not all("stalls" in f["cost_model"] for f in fit.values()):
+        return " (Fitted with the plain mean: no rounds were left out as stalls.)"
+    return (" Rounds left out of the fit as stalls of the box (over 3x their prediction): "
+            + ", ".join(f"{n} {f['cost_model']['stalls']}" for n, f in fit.items()) + ".")
+
+
 def passes(table: dict, name: str, cats: list[str]) -> tuple[int, int]:
     """Categories where `name` is within 3% of the best fixed gamma, and not over 3% slower than target-only."""
     best = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
@@ -147,7 +155,7 @@ def write_report(report: dict, out: Path) -> None:
                       "all of that system's rounds in this run (specsample.bench.round_costs). Per system, the "
                       "standard deviation over categories of log(measured / modelled time), i.e. the timing noise "
                       "the model removes: " + ", ".join(f"{n} {f['category_log_ratio_sd']:.3f}" for n, f in fit.items())
-                      + ".", ""] + _goal_tables(report["modelled"][temperature])
+                      + "." + _stall_note(fit), ""] + _goal_tables(report["modelled"][temperature])
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

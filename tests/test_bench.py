@@ -146,6 +146,7 @@ def test_modelled_time_removes_timing_noise_and_keeps_each_systems_total() -> No
     model = CostModel.fit([timing for _, _, timing in runs])
     assert model.round_seconds(2, 1000) == pytest.approx(0.020 + 0.006 + 0.005, rel=0.05)
     # least squares with an intercept per draft count: the system's total time is its measured total
+    # (this noise has no round over 3x its prediction: no stalls)
     assert sum(model.seconds(t) for _, _, t in runs) == pytest.approx(sum(t.seconds for _, _, t in runs), rel=1e-9)
     # per category, measured time is off by the noise of ~10 runs; modelled time by far less
     for cat in ("cat0", "cat1"):
@@ -156,8 +157,24 @@ def test_modelled_time_removes_timing_noise_and_keeps_each_systems_total() -> No
         assert abs(modelled - 1) < 0.01 and abs(modelled - 1) < abs(measured - 1) + 1e-3
     with pytest.raises(ValueError, match="drafting 5 tokens"):
         model.round_seconds(5, 100)
+
+
+def test_a_stall_of_the_box_does_not_spread_over_a_system(monkeypatch) -> None:
+    """One run decoded at a quarter of the box's speed (another tenant): a plain mean charges that to
+    every round of the system; the second fit leaves those rounds out."""
+    import dataclasses
+
+    import specsample.bench.round_costs as round_costs
+
+    runs = [timing for _, _, timing in _noisy_runs(random.Random(6), drafts=2, noise=0.05)]
+    runs[0] = dataclasses.replace(runs[0], rounds=tuple(dataclasses.replace(r, seconds=4 * r.seconds)
+                                                        for r in runs[0].rounds))
+    true = 0.020 + 0.006 + 0.005
+    assert round_costs.CostModel.fit(runs).round_seconds(2, 1000) == pytest.approx(true, rel=0.02)
+    monkeypatch.setattr(round_costs, "STALL", float("inf"))  # the plain mean: 1 run in 40 at 4x reads 16% dear here
+    assert round_costs.CostModel.fit(runs).round_seconds(2, 1000) > 1.05 * true
     with pytest.raises(ValueError, match="without any rounds"):
-        CostModel.fit([])
+        round_costs.CostModel.fit([])
 
 
 def test_ours_records_every_round_of_a_batch_one_run(tiny_target, tiny_draft) -> None:

@@ -8,7 +8,16 @@ u[d] + v L + w d L seconds and a prefill of P prompt tokens a + b P (least squar
 run what its rounds would cost on average. What is left between two policies on the same prompts is
 only what they chose to do (how many rounds, how many drafts each), not when the box was busy.
 Because every d has its own intercept, a system's modelled time summed over all its runs equals its
-measured time: the model moves noise between categories, never time in or out of a system.
+measured time (stalls aside, below): the model moves noise between categories, never time in or out
+of a system.
+
+Stalls: a shared box sometimes runs a few seconds at a fraction of its speed (another tenant). A
+least-squares mean charges such a stretch to every round of the system that happened to be running,
+in every category (one reasoning prompt decoded at a quarter of its neighbours' speed once made a
+whole fixed-gamma system look 10% slow). So the fit is made twice: rounds that took over `STALL`
+times what the first fit predicts for them (relative to the median such ratio) are left out of the
+second fit and charged as rounds like them cost. A system's modelled total is then its measured
+total less what its stalls cost beyond that.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+STALL = 3.0  # a round over 3x what rounds like it cost (relative to the median ratio) is a stall of the box
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class CostModel:
     draft_counts: tuple[int, ...]  # the d values with their own intercept, in column order
     round_coef: tuple[float, ...]  # [u[d] for d in draft_counts] + [v, w]
     prefill_coef: tuple[float, float]  # a, b
+    stalls: int = 0  # rounds left out of the fit as stalls of the box
 
     @classmethod
     def fit(cls, runs: Sequence[RunTiming]) -> CostModel:
@@ -57,10 +69,17 @@ class CostModel:
             raise ValueError("cannot fit round costs without any rounds")
         counts = tuple(sorted({r.drafted for r in rounds}))
         design = np.stack([cls._round_features(r.drafted, r.context, counts) for r in rounds])
-        coef = np.linalg.lstsq(design, np.array([r.seconds for r in rounds]), rcond=None)[0]
+        seconds = np.array([r.seconds for r in rounds])
+        coef = np.linalg.lstsq(design, seconds, rcond=None)[0]
+        ratio = seconds / np.maximum(design @ coef, 1e-12)
+        kept = ratio <= STALL * np.median(ratio)
+        stalls = 0
+        if not kept.all() and all(kept[[r.drafted == d for r in rounds]].any() for d in counts):
+            coef = np.linalg.lstsq(design[kept], seconds[kept], rcond=None)[0]  # again, without the stalls
+            stalls = int((~kept).sum())
         prefill = np.array([[1.0, run.prompt_tokens] for run in runs])
         prefill_coef = np.linalg.lstsq(prefill, np.array([run.prefill_seconds for run in runs]), rcond=None)[0]
-        return cls(counts, tuple(float(x) for x in coef), (float(prefill_coef[0]), float(prefill_coef[1])))
+        return cls(counts, tuple(float(x) for x in coef), (float(prefill_coef[0]), float(prefill_coef[1])), stalls)
 
     @staticmethod
     def _round_features(drafted: int, context: int, counts: tuple[int, ...]) -> np.ndarray:
