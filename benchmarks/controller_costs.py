@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-from specsample.bench.run import add_pair_options, load_prompts
+from specsample.bench.run import add_pad_rows_option, add_pair_options, load_prompts, measured_widths
 from specsample.bench.systems import Ours
 from specsample.config import SamplingParams, SpecConfig
-from specsample.models.row_padding import PAD_MODES, with_target_widths
 from specsample.pair import load_pair
 
 
@@ -26,16 +25,13 @@ def main() -> None:
     add_pair_options(parser)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--pad-rows", choices=PAD_MODES, default="off",
-                        help="auto: score rounds at the target's fastest width (measured first)")
+    add_pad_rows_option(parser)
     args = parser.parse_args()
 
     pair = load_pair(args.target, args.draft)
     tokenizer, target, eos = pair.target.tokenizer, pair.target.model, pair.target.tokenizer.eos_token_ids
     prompts = load_prompts("spec-bench", 1, 0)[: args.prompts]
-    widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
-    if widths:
-        print(f"target scoring widths for 1..{len(widths)} tokens: {widths}")
+    widths = measured_widths(target, 8, args.pad_rows)
     auto = Ours("gamma=auto", target, pair.drafter,
                 SpecConfig(gamma=8, adaptive=True, max_batch_size=1, target_widths=widths), eos)
     plain = Ours("plain", target, None, SpecConfig(speculative=False, max_batch_size=1), eos)

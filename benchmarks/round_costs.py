@@ -19,9 +19,9 @@ from collections import defaultdict
 import numpy as np
 
 from specsample.api import generate_stream
-from specsample.bench.run import add_pair_options, load_model_draft_pair, load_prompts
+from specsample.bench.run import (add_pad_rows_option, add_pair_options, load_model_draft_pair, load_prompts,
+                                  measured_widths)
 from specsample.config import SamplingParams, SpecConfig
-from specsample.models.row_padding import PAD_MODES, with_target_widths
 
 GAMMAS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -33,17 +33,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gammas", default=",".join(map(str, GAMMAS)), help="gammas to time (plain rounds, gamma 0, are always timed: the unit)")
-    parser.add_argument("--pad-rows", choices=PAD_MODES, default="off",
-                        help="auto: score rounds at the target's fastest width (measured first, printed)")
+    add_pad_rows_option(parser)
     args = parser.parse_args()
     gammas = sorted({int(g) for g in args.gammas.split(",")} | {0})
 
     pair = load_model_draft_pair(args.target, args.draft)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     prompts = [tokenizer.encode(p.turns[0], chat=True) for p in load_prompts("spec-bench", 1, 0)[: args.prompts]]
-    widths = with_target_widths(SpecConfig(gamma=max(gammas)), target, args.pad_rows).target_widths
-    if widths:
-        print(f"target scoring widths for 1..{len(widths)} tokens: {widths}")
+    widths = measured_widths(target, max(gammas), args.pad_rows)
     rounds: dict[int, list[float]] = defaultdict(list)
     parts: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
     for _ in range(args.repeats):

@@ -23,21 +23,23 @@ def test_fastest_widths_pads_to_a_cheaper_wider_block() -> None:
     assert fastest_widths([1.1, 1.0, 1.0]) == (1, 2, 3)
 
 
-class _Timed:
-    """A model whose forward advances a fake clock by a cost per width (the real forward still runs)."""
+class _Watched:
+    """A model that records the widths it is asked to score and advances a fake clock by a cost per width
+    (the real forward still runs)."""
 
-    def __init__(self, model, cost: dict[int, float]) -> None:
-        self.model, self.cost, self.now = model, cost, 0.0
+    def __init__(self, model, cost: dict[int, float] | None = None) -> None:
+        self.model, self.cost, self.now, self.widths = model, cost or {}, 0.0, []
         self.vocab_size, self.max_seq_len, self.device = model.vocab_size, model.max_seq_len, model.device
         self.new_cache, self.prefill = model.new_cache, model.prefill
 
     def forward_cached(self, tokens, cache, slots):
-        self.now += self.cost[tokens.shape[1]]
+        self.widths.append(tokens.shape[1])
+        self.now += self.cost.get(tokens.shape[1], 0.0)
         return self.model.forward_cached(tokens, cache, slots)
 
 
 def test_measure_picks_the_cheapest_width(tiny_target) -> None:
-    timed = _Timed(tiny_target, {1: 1.0, 2: 1.3, 3: 1.1, 4: 1.2, 5: 1.25})
+    timed = _Watched(tiny_target, {1: 1.0, 2: 1.3, 3: 1.1, 4: 1.2, 5: 1.25})
     assert measure_target_widths(timed, 5, context=16, repeats=3, clock=lambda: timed.now) == (1, 3, 3, 4, 5)
     with pytest.raises(ValueError, match="max_tokens"):
         measure_target_widths(timed, 0)
@@ -47,7 +49,7 @@ def test_measure_picks_the_cheapest_width(tiny_target) -> None:
 
 def test_measure_pads_only_where_both_halves_agree(tiny_target) -> None:
     """A gain seen in one half of the repeats only (a noisy pass) pads nothing."""
-    timed = _Timed(tiny_target, {1: 1.0, 2: 1.3, 3: 1.1})
+    timed = _Watched(tiny_target, {1: 1.0, 2: 1.3, 3: 1.1})
     calls = {"n": 0}
 
     def forward(tokens, cache, slots, inner=timed.forward_cached):
@@ -81,19 +83,6 @@ def test_with_target_widths_modes(tiny_target) -> None:
         with_target_widths(config, tiny_target, "on")
 
 
-class _Spy:
-    """Records the widths the target is asked to score."""
-
-    def __init__(self, model) -> None:
-        self.model, self.widths = model, []
-        self.vocab_size, self.max_seq_len, self.device = model.vocab_size, model.max_seq_len, model.device
-        self.new_cache, self.prefill = model.new_cache, model.prefill
-
-    def forward_cached(self, tokens, cache, slots):
-        self.widths.append(tokens.shape[1])
-        return self.model.forward_cached(tokens, cache, slots)
-
-
 def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: SamplingParams) -> list[list[int]]:
     """Each prompt alone (padding applies at batch 1), checking the caches after every round. The cache is
     sized to the request exactly, as `generate` sizes it, so padding in the last rounds runs into its slack."""
@@ -110,7 +99,7 @@ def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: Sampling
                 tokens.extend(update.new_tokens)
             for slot in engine._running:  # the padding was rolled back: the cache is every token but the last
                 assert int(engine.cache.lengths[slot]) == len(tokens) - 1
-                _fresh_cache_matches(target.model if isinstance(target, _Spy) else target, engine.cache, slot, tokens)
+                _fresh_cache_matches(target.model if isinstance(target, _Watched) else target, engine.cache, slot, tokens)
         outputs.append(tokens[len(prompt):])
         assert rid not in engine._running.values()
     return outputs
@@ -121,7 +110,7 @@ def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: Sampling
 def test_padding_changes_no_token(tiny_target, tiny_draft, gamma: int, temperature: float) -> None:
     params = SamplingParams(temperature=temperature, max_new_tokens=20, seed=5)
     plain = _decode(tiny_target, tiny_draft, gamma, (), params)
-    spy = _Spy(tiny_target)
+    spy = _Watched(tiny_target)
     widest = gamma + 6  # wider than any round of this gamma: more than the gamma + 2 positions of slack
     padded = _decode(spy, tiny_draft, gamma, (widest,) * widest, params)
     assert padded == plain
@@ -144,7 +133,7 @@ def test_reading_the_padding_is_caught(tiny_target, tiny_draft, monkeypatch) -> 
 
 def test_batches_are_not_padded(tiny_target, tiny_draft) -> None:
     """The widths were measured at batch 1: a batch of rows scores what it asks."""
-    spy = _Spy(tiny_target)
+    spy = _Watched(tiny_target)
     engine = Engine(spy, ModelDrafter(tiny_draft), SpecConfig(gamma=2, max_batch_size=2, target_widths=(1, 8, 8)))
     for prompt in PROMPTS[:2]:
         engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=8))

@@ -27,7 +27,8 @@ from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.drafters.model import ModelDrafter
-from specsample.models.row_padding import with_target_widths
+from specsample.models.base import CausalLM
+from specsample.models.row_padding import PAD_MODES, with_target_widths
 from specsample.pair import Pair, load_pair
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
@@ -68,6 +69,20 @@ def add_pair_options(parser: argparse.ArgumentParser) -> None:
     """`--target` and `--draft`, as the benchmark scripts take them."""
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--draft", default=None, help="draft spec (default: the alias's)")
+
+
+def add_pad_rows_option(parser: argparse.ArgumentParser) -> None:
+    """`--pad-rows` for the cost-measuring benchmark scripts (off by default: their documented runs did not pad)."""
+    parser.add_argument("--pad-rows", choices=PAD_MODES, default="off",
+                        help="auto: score rounds at the target's fastest width (measured first, printed)")
+
+
+def measured_widths(target: CausalLM, gamma: int, mode: str) -> tuple[int, ...]:
+    """The target's scoring widths for rounds of up to `gamma` drafts under `--pad-rows mode`, printed when any."""
+    widths = with_target_widths(SpecConfig(gamma=gamma), target, mode).target_widths
+    if widths:
+        print(f"target scoring widths for 1..{len(widths)} tokens: {widths}")
+    return widths
 
 
 def load_model_draft_pair(target: str, draft: str | None) -> Pair:
