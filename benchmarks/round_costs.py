@@ -40,7 +40,7 @@ def main() -> None:
     pair = load_model_draft_pair(args.target, args.draft)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     prompts = [tokenizer.encode(p.turns[0], chat=True) for p in load_prompts("spec-bench", 1, 0)[: args.prompts]]
-    widths = measured_widths(target, max(gammas), args.pad_rows)
+    widths = measured_widths(target, max(max(gammas), 1), args.pad_rows)  # gamma 0 alone: plain rounds only
     rounds: dict[int, list[float]] = defaultdict(list)
     parts: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
     for _ in range(args.repeats):
