@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specsample.bench.goals import goal_tables
 from specsample.bench.round_costs import CostModel
 from specsample.bench.run import add_pair_options, load_model_draft_pair, load_prompts
 from specsample.bench.systems import Ours
@@ -127,13 +128,6 @@ def _stall_note(fit: dict) -> str:
             + ", ".join(f"{n} {f['cost_model']['stalls']}" for n, f in fit.items()) + ".")
 
 
-def passes(table: dict, name: str, cats: list[str]) -> tuple[int, int]:
-    """Categories where `name` is within 3% of the best fixed gamma, and not over 3% slower than target-only."""
-    best = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
-    return (sum(table[name][c] >= 0.97 * best[c] for c in cats),
-            sum(table[name][c] >= 0.97 * table["target-only"][c] for c in cats))
-
-
 def write_report(report: dict, out: Path) -> None:
     """Tables per temperature, the goal check for gamma auto, and the same check for every policy; in
     measured time and, where the run recorded rounds, in modelled time (timing noise removed).
@@ -147,7 +141,7 @@ def write_report(report: dict, out: Path) -> None:
     lines = [f"Command: `{report['command']}`", "",
              f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", ""]
     for temperature, table in report["results"].items():
-        lines += [f"### Temperature {temperature}, measured", ""] + _goal_tables(table)
+        lines += [f"### Temperature {temperature}, measured", ""] + goal_tables(table)
         if temperature in report.get("modelled", {}):
             fit = report["model_fit"][temperature]
             lines += [f"### Temperature {temperature}, modelled time", "",
@@ -155,36 +149,9 @@ def write_report(report: dict, out: Path) -> None:
                       "all of that system's rounds in this run (specsample.bench.round_costs). Per system, the "
                       "standard deviation over categories of log(measured / modelled time), i.e. the timing noise "
                       "the model removes: " + ", ".join(f"{n} {f['category_log_ratio_sd']:.3f}" for n, f in fit.items())
-                      + "." + _stall_note(fit), ""] + _goal_tables(report["modelled"][temperature])
+                      + "." + _stall_note(fit), ""] + goal_tables(report["modelled"][temperature])
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def _goal_tables(table: dict) -> list[str]:
-    cats = sorted(c for c in table["target-only"] if c != "overall") + ["overall"]
-    lines = ["| system | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
-    for name in table:
-        lines.append(f"| {name} | " + " | ".join(f"{table[name][c]:.1f}" for c in cats) + " |")
-    best_fixed = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
-    auto = {c: table["gamma=auto"][c] for c in cats}
-    fresh = {c: table["gamma=auto fresh"][c] for c in cats}
-    base = {c: table["target-only"][c] for c in cats}
-    lines += ["", "| category | auto / best fixed gamma | auto / target-only | within 3% of best | never 3% slower "
-              "| fresh auto / best fixed | fresh auto / target-only |", "|---|---|---|---|---|---|---|"]
-    for c in cats:
-        lines.append(f"| {c} | {auto[c] / best_fixed[c]:.3f} | {auto[c] / base[c]:.3f} | "
-                     f"{'yes' if auto[c] >= 0.97 * best_fixed[c] else 'no'} | {'yes' if auto[c] >= 0.97 * base[c] else 'no'} "
-                     f"| {fresh[c] / best_fixed[c]:.3f} | {fresh[c] / base[c]:.3f} |")
-    per_cat = cats[:-1]
-    lines += ["", f"Every policy against the same two criteria ({len(per_cat)} categories):", "",
-              "| system | within 3% of the best fixed gamma | not over 3% slower than target-only | overall / target-only |",
-              "|---|---|---|---|"]
-    for name in table:
-        if name == "target-only":
-            continue
-        within, not_slower = passes(table, name, per_cat)
-        lines.append(f"| {name} | {within} | {not_slower} | {table[name]['overall'] / base['overall']:.3f} |")
-    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ c: a draft step). This measures the rounds themselves: the first N Spec-Bench pr
 category), temperature 0, 64 new tokens, every gamma interleaved prompt by prompt, twice. Prefill
 rounds are left out. It prints, per gamma, the mean and median round time, the mean over plain
 rounds, and the draft / target / verify split the engine reports, then the least-squares line
-through the means (k + 1 and c).
+through the means (k + 1 and c), and the draft model's forward by tokens fed at once (batch 1: what a
+lone row's backlog costs when it rides in the first draft forward, specsample.drafters.model).
 
     python benchmarks/round_costs.py --prompts 8
 """
@@ -22,6 +23,8 @@ from specsample.api import generate_stream
 from specsample.bench.run import (add_pad_rows_option, add_pair_options, load_model_draft_pair, load_prompts,
                                   measured_widths)
 from specsample.config import SamplingParams, SpecConfig
+from specsample.drafters.model import MERGED_BACKLOG
+from specsample.models.row_padding import time_forward_widths
 
 GAMMAS = (0, 1, 2, 3, 4, 6, 8)
 
@@ -69,6 +72,9 @@ def main() -> None:
               f"(draft {draft:.2f}, target {target_s:.2f}, verify {verify:.2f} ms)")
     slope, intercept = np.polyfit(gammas[1:], means[1:], 1) if len(gammas) > 2 else (float("nan"), float("nan"))
     print(f"drafting rounds ~ {intercept:.3f} + {slope:.3f} gamma plain rounds: k {intercept - 1:.3f}, c {slope:.3f}")
+    fed = time_forward_widths(pair.drafter.model, MERGED_BACKLOG + 2, context=128, repeats=24)
+    print("draft forward by tokens fed at once, batch 1, median (ms): "
+          + ", ".join(f"{w}: {1000 * statistics.median(t):.2f}" for w, t in fed.items()))
 
 
 if __name__ == "__main__":

@@ -380,3 +380,34 @@ def test_swap_from_ngram_to_a_model_draft_mid_run(tiny_target, tiny_draft) -> No
     assert routed.vocab_size == tiny_draft.vocab_size
     results = list(engine.stream())
     assert sum(len(u.new_tokens) for r in results for u in r.rows) > 0 and not engine.has_work()
+
+
+@pytest.mark.parametrize("behind", [3, 8, 10, 30])
+def test_a_lone_rows_backlog_drafts_as_from_a_fresh_prefill(tiny_draft, behind: int) -> None:
+    """At batch 1 a short backlog rides in the first draft forward (one forward fewer per probe), a long
+    one is prefilled first; either way the drafts and their probabilities are those of a fresh draft."""
+    prompt = [t % 32 for t in range(1, 12)]
+    missed = [(7 * t) % 32 for t in range(behind)]  # tokens committed by plain rounds
+    forwards = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tiny_draft, name)
+
+        def forward_cached(self, tokens, cache, slots):
+            forwards.append(tokens.shape[1])
+            return tiny_draft.forward_cached(tokens, cache, slots)
+
+    behind_drafter, fresh = ModelDrafter(Counting()), ModelDrafter(tiny_draft)
+    for drafter, rows in ((behind_drafter, prompt), (fresh, prompt + missed)):
+        drafter.allocate(1, 64)
+        drafter.add_rows([0], [rows])
+    behind_drafter.commit([0], [missed])
+    params = [SamplingParams(temperature=1.0)]
+    late = behind_drafter.propose([0], 3, [3], params, [torch.Generator().manual_seed(5)])
+    ref = fresh.propose([0], 3, [3], params, [torch.Generator().manual_seed(5)])
+    assert late.tokens.tolist() == ref.tokens.tolist()
+    assert torch.allclose(late.probs, ref.probs, atol=1e-10)
+    assert int(behind_drafter.cache.lengths[0]) == int(fresh.cache.lengths[0])
+    # the first forward carries the backlog when it is short, else only the last 2 tokens
+    assert forwards[0] == (behind + 1 if behind + 1 - 2 <= 8 else 2)

@@ -59,10 +59,24 @@ def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, 
     repeats pick the same width (on a shared box one pass can cross the 3% bar by noise). Takes
     ~`repeats` x `max_tokens` forwards (2 s for the default 135M target at gamma 8 on the dev box).
     Applies to batches of one row, where it was measured."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if repeats < 2:
         raise ValueError(f"repeats must be >= 2 (two halves must agree), got {repeats}")
+    times = time_forward_widths(model, max_tokens, context, repeats, clock)
+    medians = [statistics.median(times[w]) for w in times]
+    first, second = (fastest_widths([statistics.median(times[w][part]) for w in times])
+                     for part in (slice(0, repeats // 2), slice(repeats // 2, None)))
+    widths = tuple(a if a == b else n for n, (a, b) in enumerate(zip(first, second), start=1))
+    log.info("target forward by tokens scored (ms): %s; scoring widths %s",
+             ", ".join(f"{w}: {m * 1000:.2f}" for w, m in zip(times, medians)), widths)
+    return widths
+
+
+def time_forward_widths(model: CausalLM, max_tokens: int, context: int = 128, repeats: int = 12,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[int, list[float]]:
+    """Seconds of one row's forward over each of 1..`max_tokens` new tokens after `context` cached ones,
+    `repeats` times, interleaved by width, after a warm-up pass."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     context = max(1, min(context, model.max_seq_len - max_tokens))
     cache = model.new_cache(1, context + max_tokens)
     slot = torch.tensor([0])
@@ -80,13 +94,7 @@ def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, 
                 if rep:  # the first pass warms kernels and allocators up
                     times[width].append(clock() - start)
                 cache.truncate(slot, torch.tensor([context]))
-    medians = [statistics.median(times[w]) for w in times]
-    first, second = (fastest_widths([statistics.median(times[w][part]) for w in times])
-                     for part in (slice(0, repeats // 2), slice(repeats // 2, None)))
-    widths = tuple(a if a == b else n for n, (a, b) in enumerate(zip(first, second), start=1))
-    log.info("target forward by tokens scored (ms): %s; scoring widths %s",
-             ", ".join(f"{w}: {m * 1000:.2f}" for w, m in zip(times, medians)), widths)
-    return widths
+    return times
 
 
 def with_target_widths(config: SpecConfig, model: CausalLM, mode: str = "auto") -> SpecConfig:

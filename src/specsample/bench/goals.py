@@ -1,0 +1,41 @@
+"""Issue 7's goal check as tables: gamma auto against the best fixed gamma and target-only, per category."""
+
+from __future__ import annotations
+
+GOAL = 0.97  # within 3%
+
+
+def passes(table: dict[str, dict[str, float]], name: str, cats: list[str]) -> tuple[int, int]:
+    """Categories where `name` is within 3% of the best fixed gamma, and not over 3% slower than target-only."""
+    best = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
+    return (sum(table[name][c] >= GOAL * best[c] for c in cats),
+            sum(table[name][c] >= GOAL * table["target-only"][c] for c in cats))
+
+
+def goal_tables(table: dict[str, dict[str, float]]) -> list[str]:
+    """Markdown: tokens/s per system and category, gamma auto's ratios per category, and every policy
+    against the same two criteria (the fixed gammas too: how often they miss shows the noise)."""
+    cats = sorted(c for c in table["target-only"] if c != "overall") + ["overall"]
+    lines = ["| system | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+    for name in table:
+        lines.append(f"| {name} | " + " | ".join(f"{table[name][c]:.1f}" for c in cats) + " |")
+    best_fixed = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
+    auto = {c: table["gamma=auto"][c] for c in cats}
+    fresh = {c: table["gamma=auto fresh"][c] for c in cats}
+    base = {c: table["target-only"][c] for c in cats}
+    lines += ["", "| category | auto / best fixed gamma | auto / target-only | within 3% of best | never 3% slower "
+              "| fresh auto / best fixed | fresh auto / target-only |", "|---|---|---|---|---|---|---|"]
+    for c in cats:
+        lines.append(f"| {c} | {auto[c] / best_fixed[c]:.3f} | {auto[c] / base[c]:.3f} | "
+                     f"{'yes' if auto[c] >= GOAL * best_fixed[c] else 'no'} | {'yes' if auto[c] >= GOAL * base[c] else 'no'} "
+                     f"| {fresh[c] / best_fixed[c]:.3f} | {fresh[c] / base[c]:.3f} |")
+    per_cat = cats[:-1]
+    lines += ["", f"Every policy against the same two criteria ({len(per_cat)} categories):", "",
+              "| system | within 3% of the best fixed gamma | not over 3% slower than target-only | overall / target-only |",
+              "|---|---|---|---|"]
+    for name in table:
+        if name == "target-only":
+            continue
+        within, not_slower = passes(table, name, per_cat)
+        lines.append(f"| {name} | {within} | {not_slower} | {table[name]['overall'] / base['overall']:.3f} |")
+    return lines + [""]

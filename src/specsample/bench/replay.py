@@ -1,0 +1,219 @@
+"""Replay: compare gamma policies on the same sampled texts, so what differs is only the policy.
+
+At temperature > 0 every system samples its own text, and with a few prompts per category the
+difference between two policies is mostly the difference between their texts. But given the text,
+speculative sampling's rounds are coins with known biases: a draft drawn from q at a position whose
+output is token x was accepted with probability min(p(x), q(x)) / p(x) = min(1, q(x) / p(x)), and
+these events are independent between positions (each draft is drawn from the same context, the text
+so far). Because every lossless system outputs texts from the same distribution p, one set of texts
+sampled once from the target stands for all of them, and every policy replays its rounds on it with
+the same coins (common random numbers): per position one uniform, accepted when below that bias.
+
+A replayed round drafts what the policy asks for (the real `GammaController` for gamma auto, fed the
+replayed acceptance and timings), and is charged a round cost by draft count and context length.
+A draft after the round's first rejection is off the text, so its confidence is unknown: there the
+confidence gate never stops the round, which pays for it in full (an approximation against gamma
+auto). A drafting round whose draft model lacks more than `MERGED_BACKLOG` + 2 tokens (after a long
+stretch of plain rounds) pays one more draft step, the forward that feeds the backlog, as the real
+drafter does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specsample.bench.round_costs import CostModel
+from specsample.config import SamplingParams
+from specsample.controller import GammaController
+from specsample.drafters.model import MERGED_BACKLOG
+from specsample.models.base import CausalLM
+from specsample.sampling import warp_probs
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One reply sampled from the target, with what a draft would have done at each of its tokens."""
+
+    category: str
+    prompt_tokens: int
+    accept: tuple[float, ...]  # per reply token: P(a draft there was accepted | the text) = min(1, q(x) / p(x))
+    confidence: tuple[float, ...]  # the draft's temperature-1 probability of the reply token (an accepted draft's)
+    rejected_confidence: tuple[float, ...]  # ...of a draft drawn as rejected, from max(0, q - p) (NaN: never)
+
+    def __post_init__(self) -> None:
+        if not len(self.accept) == len(self.confidence) == len(self.rejected_confidence):
+            raise ValueError("accept, confidence and rejected_confidence need one value per reply token, got "
+                             f"{len(self.accept)}, {len(self.confidence)}, {len(self.rejected_confidence)}")
+        if not self.accept:
+            raise ValueError("a trace needs at least one reply token")
+        if any(not 0.0 <= a <= 1.0 for a in self.accept):
+            raise ValueError("accept values are probabilities and must lie in [0, 1]")
+
+
+def reply_logits(model: CausalLM, prompt: Sequence[int], reply: Sequence[int]) -> Tensor:
+    """Logits `[len(reply), vocab]` the model gives each reply token, teacher-forced in one forward."""
+    if not prompt or not reply:
+        raise ValueError("need a non-empty prompt and reply")
+    cache = model.new_cache(1, len(prompt) + len(reply) + 1)
+    slots = torch.tensor([0])
+    if len(prompt) > 1:
+        model.prefill(torch.tensor([list(prompt[:-1])], device=model.device), cache, slots)
+    tokens = torch.tensor([[prompt[-1], *reply[:-1]]], device=model.device)
+    return model.forward_cached(tokens, cache, slots)[0].float().cpu()
+
+
+def trace_from_logits(category: str, prompt_tokens: int, reply: Sequence[int], target_logits: Tensor,
+                      draft_logits: Tensor, params: SamplingParams, generator: torch.Generator) -> Trace:
+    """A trace from the target's and the draft's logits over the reply (`[len(reply), vocab]` each)."""
+    tokens = torch.tensor(list(reply)).unsqueeze(-1)  # [n, 1]
+    target_probs = warp_probs(target_logits, params)  # [n, vocab]
+    draft_probs = warp_probs(draft_logits, params)  # [n, vocab]
+    p_token = target_probs.gather(-1, tokens).squeeze(-1)  # [n]
+    q_token = draft_probs.gather(-1, tokens).squeeze(-1)  # [n]
+    # p(x) = 0 only where one batched forward's last bits disagree with incremental greedy decoding
+    accept = torch.where(p_token > 0, torch.clamp(q_token / p_token.clamp_min(1e-30), max=1.0), (q_token > 0).float())
+    own = torch.softmax(draft_logits.float(), dim=-1)  # [n, vocab]: the gate's confidence is at temperature 1
+    residual = torch.clamp(draft_probs - target_probs, min=0.0)  # [n, vocab]: where rejected drafts come from
+    mass = residual.sum(-1)  # [n]
+    drawn = torch.multinomial(torch.where(mass.unsqueeze(-1) > 1e-12, residual, torch.ones_like(residual)), 1,
+                              generator=generator)  # [n, 1]
+    rejected = torch.where(mass > 1e-12, own.gather(-1, drawn).squeeze(-1), torch.tensor(float("nan")))
+    return Trace(category, prompt_tokens, tuple(accept.tolist()), tuple(own.gather(-1, tokens).squeeze(-1).tolist()),
+                 tuple(rejected.tolist()))
+
+
+@dataclass(frozen=True)
+class RoundCostTable:
+    """Mean seconds of a round by draft count (each from the run of the system that drafted that many)."""
+
+    models: dict[int, CostModel]  # draft count -> the cost model to price such rounds (and prefills) with
+    draft_step: float  # seconds of one draft step: splits a round's time for the controller
+
+    @classmethod
+    def from_fits(cls, fits: dict[str, dict], max_gamma: int = 8) -> RoundCostTable:
+        """From a benchmarks/adaptive.py run's `model_fit` (one temperature): plain rounds at target-only's
+        costs, rounds of d drafts at fixed gamma d's (the real run's time, stalls left out)."""
+        names = {0: "target-only", **{d: f"gamma={d}" for d in range(1, max_gamma + 1)}}
+        missing = [n for n in names.values() if n not in fits]
+        if missing:
+            raise ValueError(f"the fits lack systems {missing}")
+        models = {d: CostModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in fits[n]["cost_model"].items()})
+                  for d, n in names.items()}
+        context = 300
+        step = (models[max_gamma].round_seconds(max_gamma, context) - models[2].round_seconds(2, context)) / (max_gamma - 2)
+        return cls(models, max(step, 0.0))
+
+    def round_seconds(self, drafts: int, context: int) -> float:
+        return self.models[drafts].round_seconds(drafts, context)
+
+    def prefill_seconds(self, prompt_tokens: int, drafting: bool) -> float:
+        """A prompt's prefill: the target's alone (target-only's), or with the draft's (fixed gamma 1's)."""
+        a, b = self.models[1 if drafting else 0].prefill_coef
+        return a + b * prompt_tokens
+
+
+Policy = int | str  # a fixed number of drafts per round (0: target-only), or "auto"
+
+
+@dataclass(frozen=True)
+class Replayed:
+    tokens: int
+    seconds: float  # modelled: rounds at their mean cost
+    rounds: int
+    drafted: int
+
+
+def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: RoundCostTable,
+           noise: Callable[[], float], controller: GammaController | None = None, request_id: str = "replay",
+           max_gamma: int = 8) -> Replayed:
+    """Decode `trace` once under `policy`; a draft at reply position i is accepted iff uniforms[i] < accept[i].
+
+    `noise()` multiplies the timings the controller sees (the charged time is the mean cost).
+    """
+    if policy == "auto" and controller is None:
+        raise ValueError("policy 'auto' needs a controller")
+    total = len(trace.accept)
+    if len(uniforms) < total:
+        raise ValueError(f"need a uniform per reply token ({total}), got {len(uniforms)}")
+    seconds, pos, rounds, drafted_total = costs.prefill_seconds(trace.prompt_tokens, policy != 0), 0, 0, 0
+    missing = 1  # tokens the draft model has not fed yet (the prompt's last)
+    while pos < total:
+        remaining = total - pos
+        wanted = controller.plan([request_id], 1)[0] if policy == "auto" else int(policy)
+        drafts = max(0, min(wanted, max_gamma, remaining - 1))
+        thresholds = controller.gate_thresholds(1) if policy == "auto" and drafts > 0 else []
+        drafted, accepted, rejected, confidences = 0, 0, False, []
+        for j in range(drafts):
+            i = pos + j
+            drafted += 1
+            if rejected:
+                confidence = math.nan  # off the text: unknown, so the gate cannot stop here
+            elif uniforms[i] < trace.accept[i]:
+                accepted, confidence = accepted + 1, trace.confidence[i]
+            else:
+                rejected, confidence = True, trace.rejected_confidence[i]
+            confidences.append(confidence)
+            if j < len(thresholds) and confidence < thresholds[j]:
+                break  # NaN compares False: never stops off the text
+        context = trace.prompt_tokens + pos
+        backlog_forward = drafted > 0 and missing - 2 > MERGED_BACKLOG
+        round_seconds = costs.round_seconds(drafted, context) + (costs.draft_step if backlog_forward else 0.0)
+        if controller is not None:
+            controller.observe(request_id, drafted, accepted, confidences)
+            factor = noise()
+            draft_seconds = drafted * costs.draft_step * factor
+            controller.observe_timing(1, drafted, draft_seconds, round_seconds * factor - draft_seconds)
+        seconds += round_seconds
+        pos += accepted + 1
+        rounds += 1
+        drafted_total += drafted
+        # a drafting round leaves the draft lacking the next token (and the last draft, when all passed)
+        missing = missing + 1 if drafted == 0 else 1 + (accepted == drafted)
+    if controller is not None:
+        controller.release(request_id)
+    return Replayed(total, seconds, rounds, drafted_total)
+
+
+def timing_noise(rng: random.Random, sd: float = 0.05, stall_rate: float = 0.02) -> Callable[[], float]:
+    """Multiplicative timing noise like this box's: lognormal, and now and then a round at half speed."""
+    return lambda: math.exp(rng.gauss(0.0, sd)) * (2.0 if rng.random() < stall_rate else 1.0)
+
+
+def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, seed: int = 0,
+            fixed: Sequence[int] = tuple(range(1, 9)),
+            new_controller: Callable[[], GammaController] = GammaController,
+            progress: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:
+    """Tokens per modelled second per system and category (and "overall"), summed over `replicates`
+    replays of every trace. Every system sees the same coins per replicate and trace. "gamma=auto" keeps
+    one controller through a replicate (traces in a shuffled order, as a server sees requests);
+    "gamma=auto fresh" gets a new one per trace."""
+    if replicates < 1:
+        raise ValueError(f"replicates must be >= 1, got {replicates}")
+    systems: dict[str, Policy] = {"target-only": 0, **{f"gamma={g}": g for g in fixed},
+                                  "gamma=auto": "auto", "gamma=auto fresh": "auto"}
+    sums: dict[str, dict[str, list[float]]] = {s: defaultdict(lambda: [0.0, 0.0]) for s in systems}
+    for rep in range(replicates):
+        order = list(range(len(traces)))
+        random.Random(seed * 7919 + rep).shuffle(order)
+        shared = new_controller()
+        for i in order:
+            trace = traces[i]
+            coins = random.Random(f"{seed}/{rep}/{i}")
+            uniforms = [coins.random() for _ in trace.accept]
+            for name, policy in systems.items():
+                controller = None if policy != "auto" else (shared if name == "gamma=auto" else new_controller())
+                noise = timing_noise(random.Random(f"{seed}/{rep}/{i}/noise"))
+                result = replay(trace, policy, uniforms, costs, noise, controller, f"{rep}-{i}")
+                for cat in (trace.category, "overall"):
+                    sums[name][cat][0] += result.tokens
+                    sums[name][cat][1] += result.seconds
+            if progress is not None:
+                progress(1)
+    return {name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in sums.items()}

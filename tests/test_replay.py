@@ -1,0 +1,209 @@
+"""The paired replay (specsample.bench.replay): its premise, checked on the real verifier, and the
+replay itself on hand-made traces."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specsample.bench.replay import RoundCostTable, Trace, compare, replay, trace_from_logits
+from specsample.bench.round_costs import CostModel
+from specsample.config import SamplingParams
+from specsample.controller import GammaController
+from specsample.theory import expected_tokens_per_round
+from specsample.verify import verify
+from stats_util import FALSE_ALARM, chi_square
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = 60_000
+# per position (2 draft positions, vocabulary 5): clearly different target and draft distributions
+TARGET = torch.tensor([[0.40, 0.25, 0.20, 0.10, 0.05], [0.05, 0.15, 0.30, 0.30, 0.20]], dtype=torch.float64)
+DRAFT = torch.tensor([[0.10, 0.30, 0.20, 0.25, 0.15], [0.30, 0.10, 0.20, 0.15, 0.25]], dtype=torch.float64)
+
+
+def _verify_rounds() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ROWS rounds of 2 drafts through the real verifier: drafts, accepted prefix, output tokens."""
+    generator = torch.Generator().manual_seed(0)
+    drafts = torch.stack([torch.multinomial(DRAFT[j], ROWS, replacement=True, generator=generator)
+                          for j in range(2)], dim=1)  # [rows, 2]
+    draft_probs = DRAFT.unsqueeze(0).expand(ROWS, -1, -1)  # [rows, 2, vocab]
+    target_probs = torch.cat([TARGET, TARGET[:1]]).unsqueeze(0).expand(ROWS, -1, -1)  # [rows, 3, vocab]
+    verdict = verify(drafts, draft_probs, target_probs, generator)
+    accepted = verdict.num_accepted
+    # the text: accepted drafts, then the next token at the first unaccepted position
+    output = drafts.clone()
+    rows = torch.arange(ROWS)
+    for j in range(2):
+        here = accepted == j
+        output[rows[here], j] = verdict.next_token[here]
+    return drafts, accepted, output
+
+
+def _acceptance_z(accepted_at: torch.Tensor, offered: torch.Tensor, output: torch.Tensor, bias: torch.Tensor) -> float:
+    """Largest |z| over output tokens of the accepted count among offered drafts against `bias[x]`."""
+    worst = 0.0
+    for x in range(len(bias)):
+        cell = offered & (output == x)
+        n, k, a = int(cell.sum()), int((accepted_at & cell).sum()), float(bias[x])
+        if n == 0:
+            continue
+        if a >= 1.0:
+            worst = max(worst, 0.0 if k == n else math.inf)
+            continue
+        worst = max(worst, abs(k - n * a) / math.sqrt(n * a * (1 - a)))
+    return worst
+
+
+def test_given_the_text_each_draft_was_accepted_with_probability_min_one_q_over_p():
+    """The replay's premise, on the real verifier: among rounds whose text has token x at a draft
+    position, the draft there was accepted with probability min(1, q(x) / p(x)), at the second position
+    as at the first. The unconditional acceptance, or q(x) alone, must fail the same test."""
+    drafts, accepted, output = _verify_rounds()
+    threshold = stats.norm.ppf(1 - FALSE_ALARM / 20)  # two-sided, 10 cells
+    for j in range(2):
+        offered = accepted >= j  # a second draft is only verified when the first was accepted
+        accepted_at = accepted > j
+        bias = torch.clamp(DRAFT[j] / TARGET[j], max=1.0)
+        assert _acceptance_z(accepted_at, offered, output[:, j], bias) < threshold
+        unconditional = torch.full_like(bias, float(torch.minimum(DRAFT[j], TARGET[j]).sum()))
+        assert _acceptance_z(accepted_at, offered, output[:, j], unconditional) > 2 * threshold
+        assert _acceptance_z(accepted_at, offered, output[:, j], DRAFT[j]) > 2 * threshold
+
+
+def test_a_rejected_draft_is_distributed_as_max_zero_q_minus_p():
+    """What the trace's rejected_confidence is drawn from; the draft's own distribution must fail."""
+    drafts, accepted, _ = _verify_rounds()
+    rejected = drafts[accepted == 0, 0]
+    counts = np.bincount(rejected.numpy(), minlength=5)
+    residual = torch.clamp(DRAFT[0] - TARGET[0], min=0.0)
+    statistic, threshold = chi_square(counts, (residual / residual.sum()).numpy())
+    assert statistic < threshold
+    assert chi_square(counts, DRAFT[0].numpy())[0] > threshold
+
+
+def test_trace_from_logits_sampled_and_greedy():
+    target_logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]]))
+    draft_logits = torch.log(torch.tensor([[0.25, 0.6, 0.15], [0.2, 0.3, 0.5]]))
+    sampled = trace_from_logits("c", 7, [1, 2], target_logits, draft_logits, SamplingParams(temperature=1.0),
+                                torch.Generator().manual_seed(0))
+    assert sampled.accept == pytest.approx((1.0, 1.0))  # q(x) >= p(x) at both
+    assert sampled.confidence == pytest.approx((0.6, 0.5))
+    assert sampled.rejected_confidence[0] == pytest.approx(0.6)  # only token 1 has q > p there
+    assert math.isnan(sampled.rejected_confidence[1])  # q == p: a draft there is never rejected
+    other = trace_from_logits("c", 7, [0, 2], target_logits, draft_logits, SamplingParams(temperature=1.0),
+                              torch.Generator().manual_seed(0))
+    assert other.accept[0] == pytest.approx(0.5)  # min(1, 0.25 / 0.5)
+    greedy = trace_from_logits("c", 7, [0, 2], target_logits, draft_logits, SamplingParams(temperature=0.0),
+                               torch.Generator().manual_seed(0))
+    assert greedy.accept == (0.0, 1.0)  # the draft's argmax is 1 at the first token, the text's 0
+    assert greedy.rejected_confidence[0] == pytest.approx(0.6)  # the greedy draft it would have proposed
+
+
+def _linear_costs(per_draft: float = 0.15) -> RoundCostTable:
+    """A round of d drafts costs 1 + per_draft * d seconds whatever the context; prefills cost nothing."""
+    models = {d: CostModel((d,), (1.0 + per_draft * d, 0.0, 0.0), (0.0, 0.0)) for d in range(9)}
+    return RoundCostTable(models, per_draft)
+
+
+def _constant_trace(alpha: float, length: int, category: str = "c") -> Trace:
+    return Trace(category, 10, (alpha,) * length, (0.5,) * length, (0.1,) * length)
+
+
+def test_fixed_gamma_replay_matches_theory_and_is_charged_its_rounds():
+    """Tokens per round at a constant acceptance alpha is E(alpha, gamma), within 5 standard errors."""
+    alpha, gamma, length = 0.6, 3, 4000
+    trace, rng = _constant_trace(alpha, length), random.Random(0)
+    tokens = rounds = 0
+    for _ in range(10):
+        result = replay(trace, gamma, [rng.random() for _ in range(length)], _linear_costs(), lambda: 1.0)
+        tokens, rounds = tokens + result.tokens, rounds + result.rounds
+        assert result.seconds == pytest.approx(result.rounds + 0.15 * result.drafted)
+    expected = expected_tokens_per_round(alpha, gamma)
+    # tokens per round is 1 + a truncated geometric count: its variance is below gamma^2 / 4 + 1
+    assert abs(tokens / rounds - expected) < 5 * math.sqrt((gamma**2 / 4 + 1) / rounds)
+    # a round that lost its bonus token reads about one token short and must fail that bound
+    assert abs((tokens - rounds) / rounds - expected) > 5 * math.sqrt((gamma**2 / 4 + 1) / rounds)
+
+
+def test_replay_uses_the_coins_given():
+    trace = _constant_trace(0.5, 6)
+    all_pass = replay(trace, 2, [0.0] * 6, _linear_costs(), lambda: 1.0)
+    assert all_pass.rounds == 2  # 3 tokens a round
+    none_pass = replay(trace, 2, [0.99] * 6, _linear_costs(), lambda: 1.0)
+    assert none_pass.rounds == 6 and none_pass.drafted == 9  # 2 a round, then 1 and 0 as the reply runs out
+    with pytest.raises(ValueError, match="uniform per reply token"):
+        replay(trace, 2, [0.0] * 5, _linear_costs(), lambda: 1.0)
+    with pytest.raises(ValueError, match="needs a controller"):
+        replay(trace, "auto", [0.0] * 6, _linear_costs(), lambda: 1.0)
+
+
+def test_gamma_auto_replayed_falls_back_on_a_poor_draft_and_drafts_on_a_good_one():
+    rng = random.Random(1)
+    controller = GammaController()
+    low = replay(_constant_trace(0.02, 400), "auto", [rng.random() for _ in range(400)], _linear_costs(),
+                 lambda: 1.0, controller, "low")
+    assert low.drafted / low.rounds < 0.5  # mostly plain rounds, a probe now and then
+    high = replay(_constant_trace(0.9, 400), "auto", [rng.random() for _ in range(400)], _linear_costs(),
+                  lambda: 1.0, controller, "high")
+    assert high.drafted / high.rounds > 3
+
+
+def test_compare_pairs_every_policy_on_the_same_texts():
+    traces = [_constant_trace(0.9, 64, "easy"), _constant_trace(0.05, 64, "hard")]
+    table = compare(traces, _linear_costs(), replicates=3)
+    assert set(table) == {"target-only", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh"}
+    assert table["target-only"]["easy"] == pytest.approx(1.0)  # one token per 1-second round
+    assert table["gamma=4"]["easy"] > 2 * table["target-only"]["easy"]
+    assert table["gamma=4"]["hard"] < table["target-only"]["hard"]
+    assert table == compare(traces, _linear_costs(), replicates=3)  # seeded: the same coins again
+
+
+def test_costs_from_a_benchmark_run():
+    fits = json.loads((ROOT / "docs" / "adaptive_results.json").read_text())["model_fit"]["0.0"]
+    costs = RoundCostTable.from_fits(fits)
+    assert 0 < costs.round_seconds(0, 300) < costs.round_seconds(8, 300)
+    assert costs.prefill_seconds(100, drafting=True) > costs.prefill_seconds(100, drafting=False) > 0
+    assert 0 < costs.draft_step < costs.round_seconds(0, 300)
+    with pytest.raises(ValueError, match="lack systems"):
+        RoundCostTable.from_fits({k: v for k, v in fits.items() if k != "gamma=3"})
+
+
+def test_trace_validation():
+    with pytest.raises(ValueError, match="one value per reply token"):
+        Trace("c", 1, (0.5, 0.5), (0.5,), (0.5,))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        Trace("c", 1, (1.5,), (0.5,), (0.5,))
+
+
+def test_replay_only_script(tmp_path):
+    """The script's --replay-only path: traces from a stored result, the goal tables out."""
+    traces = [{"category": cat, "prompt_tokens": 20, "accept": [a] * 32, "confidence": [0.5] * 32,
+               "rejected_confidence": [None] * 31 + [0.2]} for cat, a in (("easy", 0.8), ("hard", 0.1))]
+    stored = {"record_command": "test", "machine": {}, "draft": "test", "traces": {"0.0": traces}}
+    (tmp_path / "in.json").write_text(json.dumps(stored))
+    out = tmp_path / "out.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "adaptive_replay.py"), "--replay-only", str(tmp_path / "in.json"),
+               "--replicates", "2", "--out", str(out), "--costs", str(ROOT / "docs" / "adaptive_results.json")]
+    subprocess.run(command, check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert set(result["results"]["0.0"]["gamma=auto"]) == {"easy", "hard", "overall"}
+    assert "| category | auto / best fixed gamma |" in out.with_suffix(".md").read_text()
+    # grouped by acceptance, with a controller setting named in the report
+    subprocess.run(command + ["--by-acceptance", "--controller", "fallback_margin=0,gate=false"], check=True,
+                   capture_output=True)
+    result = json.loads(out.read_text())
+    assert set(result["results"]["0.0"]["gamma=auto"]) == {"alpha 0.0-0.2", "alpha 0.4-1.0", "overall"}
+    assert result["controller"]["fallback_margin"] == 0.0 and result["controller"]["gate"] is False
+    assert "fallback_margin" in out.with_suffix(".md").read_text()
+    for bad in ("no_such_knob=1", "decay=2"):  # an unknown field, and a value ControllerConfig refuses
+        failed = subprocess.run(command + ["--controller", bad], capture_output=True, text=True)
+        assert failed.returncode == 2 and "--controller" in failed.stderr
