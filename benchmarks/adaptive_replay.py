@@ -7,7 +7,7 @@ Samples replies from the target alone (temperature 0: one greedy reply per promp
 per prompt), scores each with the target and the draft teacher-forced, and replays fixed gamma 1..8,
 gamma auto (the real controller) and target-only on them with the same acceptance coins; rounds are
 charged the costs a benchmarks/adaptive.py run fitted (`--costs`). See specsample.bench.replay for
-why given the text this is exact, and for its two approximations (both against gamma auto).
+why given the text this is exact, and for its approximations.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ def main() -> None:
         parser.error(f"--controller: {error}")
     if min(args.per_category, args.samples, args.max_new_tokens, args.replicates) < 1:
         parser.error("--per-category, --samples, --max-new-tokens and --replicates must be >= 1")
+    fits = json.loads(args.costs.read_text())["model_fit"]
+    wanted = [str(float(t)) for t in args.temperatures.split(",")] if not args.replay_only else []
+    if any(t not in fits for t in wanted):  # before minutes of sampling, not after
+        parser.error(f"{args.costs} has fitted costs at temperatures {sorted(fits)} only")
     if args.replay_only:
         stored = json.loads(args.replay_only.read_text())
         traces = {t: [_load_trace(x) for x in rows] for t, rows in stored["traces"].items()}
@@ -67,7 +71,6 @@ def main() -> None:
         traces, report = record(args)
     replayed = traces if not args.by_acceptance else {
         t: [dataclasses.replace(x, category=acceptance_group(x)) for x in rows] for t, rows in traces.items()}
-    fits = json.loads(args.costs.read_text())["model_fit"]
     report["command"] = "python benchmarks/adaptive_replay.py " + " ".join(sys.argv[1:])
     report["costs_from"] = str(args.costs)
     report["replicates"] = args.replicates
@@ -157,7 +160,7 @@ def round_check(traces: dict[str, list[Trace]], run: dict) -> dict[str, list[int
         if seen[trace.category] <= int(match.group(1)):
             picked.append(trace)
     if sum(len(t.accept) for t in picked) != fits["target-only"]["rounds"]:
-        return None  # other prompts or reply lengths: not the run's texts
+        return None  # other prompts or reply lengths: not the run's texts (so target-only's rounds always agree)
     costs = RoundCostTable.from_fits(fits)
     return {name: [sum(replay(t, gamma, [0.5] * len(t.accept), costs, lambda: 1.0).rounds for t in picked),
                    fits[name]["rounds"]]
@@ -167,15 +170,16 @@ def round_check(traces: dict[str, list[Trace]], run: dict) -> dict[str, list[int
 def _dump_trace(trace: Trace) -> dict:
     def rounded(values: tuple[float, ...]) -> list[float | None]:
         return [None if math.isnan(v) else round(v, 5) for v in values]
-    return {"category": trace.category, "prompt_tokens": trace.prompt_tokens, "accept": rounded(trace.accept),
-            "confidence": rounded(trace.confidence), "rejected_confidence": rounded(trace.rejected_confidence)}
+    return {"category": trace.category, "prompt_tokens": trace.prompt_tokens, "max_new_tokens": trace.max_new_tokens,
+            "accept": rounded(trace.accept), "confidence": rounded(trace.confidence),
+            "rejected_confidence": rounded(trace.rejected_confidence)}
 
 
 def _load_trace(row: dict) -> Trace:
     def floats(values: list) -> tuple[float, ...]:
         return tuple(math.nan if v is None else float(v) for v in values)
     return Trace(row["category"], row["prompt_tokens"], floats(row["accept"]), floats(row["confidence"]),
-                 floats(row["rejected_confidence"]))
+                 floats(row["rejected_confidence"]), row.get("max_new_tokens"))
 
 
 def _group(row: dict, report: dict) -> str:

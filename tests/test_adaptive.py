@@ -382,7 +382,7 @@ def test_swap_from_ngram_to_a_model_draft_mid_run(tiny_target, tiny_draft) -> No
     assert sum(len(u.new_tokens) for r in results for u in r.rows) > 0 and not engine.has_work()
 
 
-@pytest.mark.parametrize("behind", [3, 8, 10, 30])
+@pytest.mark.parametrize("behind", [3, 8, 9, 10, 30])  # backlogs 2, 7, 8 (the last merged), 9, 29
 def test_a_lone_rows_backlog_drafts_as_from_a_fresh_prefill(tiny_draft, behind: int) -> None:
     """At batch 1 a short backlog rides in the first draft forward (one forward fewer per probe), a long
     one is prefilled first; either way the drafts and their probabilities are those of a fresh draft."""
@@ -411,3 +411,15 @@ def test_a_lone_rows_backlog_drafts_as_from_a_fresh_prefill(tiny_draft, behind: 
     assert int(behind_drafter.cache.lengths[0]) == int(fresh.cache.lengths[0])
     # the first forward carries the backlog when it is short, else only the last 2 tokens
     assert forwards[0] == (behind + 1 if behind + 1 - 2 <= 8 else 2)
+
+
+def test_a_short_backlog_in_a_batch_is_still_fed_on_its_own(tiny_draft) -> None:
+    """Merged into the first forward, one row's backlog would pad the other rows past their slack."""
+    drafter = ModelDrafter(tiny_draft)
+    drafter.allocate(2, 24 + 6)  # context 24 plus the engine's slack for gamma 4
+    drafter.add_rows([0, 1], [[t % 32 for t in range(1, 29)], [1, 2, 3]])  # row 0 near its end
+    drafter.commit([1], [[4, 5, 6, 7, 8, 9]])  # row 1 is 5 tokens behind
+    gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
+    proposal = drafter.propose([0, 1], 2, [2, 2], [SamplingParams(temperature=0)] * 2, gens)
+    assert proposal.num_drafted.tolist() == [2, 2]
+    assert [int(drafter.cache.lengths[s]) for s in (0, 1)] == [len(drafter.history[s]) + 1 for s in (0, 1)]

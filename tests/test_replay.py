@@ -3,6 +3,7 @@ replay itself on hand-made traces."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -15,6 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
+from specsample.bench.goals import goal_tables
 from specsample.bench.replay import RoundCostTable, Trace, compare, replay, trace_from_logits
 from specsample.bench.round_costs import CostModel
 from specsample.config import SamplingParams
@@ -207,3 +209,92 @@ def test_replay_only_script(tmp_path):
     for bad in ("no_such_knob=1", "decay=2"):  # an unknown field, and a value ControllerConfig refuses
         failed = subprocess.run(command + ["--controller", bad], capture_output=True, text=True)
         assert failed.returncode == 2 and "--controller" in failed.stderr
+
+
+class _Scripted:
+    """A stand-in controller: plans the given drafts round by round, with fixed gate thresholds."""
+
+    def __init__(self, plans: list[int], thresholds: list[float] = ()) -> None:
+        self.plans, self.thresholds, self.observed = list(plans), list(thresholds), []
+
+    def plan(self, request_ids, batch_size):
+        return [self.plans.pop(0) if self.plans else 0]
+
+    def gate_thresholds(self, batch_size):
+        return self.thresholds
+
+    def observe(self, request_id, drafted, accepted, confidences=None):
+        self.observed.append((drafted, accepted, list(confidences or [])))
+
+    def observe_timing(self, *args):
+        pass
+
+    def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("plain_rounds, charged", [(9, False), (10, True)])
+def test_a_long_draft_backlog_costs_a_forward(plain_rounds: int, charged: bool):
+    """After a rejected draft the model draft lacks 1 token, then one more per plain round; beyond the
+    2 tokens its first forward takes anyway, a backlog over MERGED_BACKLOG (8) costs a draft step, as
+    in test_adaptive.py's test of the real drafter (9 plain rounds: a backlog of 8, merged)."""
+    trace = _constant_trace(0.5, 40)
+    coins = [0.99] * 40  # every draft rejected
+    controller = _Scripted([1] + [0] * plain_rounds + [1])
+    result = replay(trace, "auto", coins, _linear_costs(), lambda: 1.0, controller)
+    plain_cost = result.rounds + 0.15 * result.drafted  # rounds at 1 + 0.15 d seconds, no prefill cost
+    assert result.seconds == pytest.approx(plain_cost + (0.15 if charged else 0.0))
+
+
+def test_the_gate_stops_on_the_text_and_never_off_it():
+    trace = Trace("c", 5, (1.0, 1.0, 0.0, 1.0), (0.9, 0.05, 0.5, 0.9), (0.3, 0.3, 0.02, 0.3))
+    stops = _Scripted([3], thresholds=[0.1, 0.1, 0.1])
+    replay(trace, "auto", [0.5] * 4, _linear_costs(), lambda: 1.0, stops)
+    assert stops.observed[0][:2] == (2, 2)  # the second draft (confidence 0.05) ended the round
+    rejected = _Scripted([3], thresholds=[0.1, 0.01, 0.01])
+    replay(trace, "auto", [0.5] * 4, _linear_costs(), lambda: 1.0, rejected)
+    assert rejected.observed[0][:2] == (3, 2)  # rejected at the third: its drawn confidence 0.02 passes
+    beyond = _Scripted([3], thresholds=[0.1, 0.01, 0.99])
+    trace_short = Trace("c", 5, (1.0, 0.0), (0.9, 0.5), (0.3, 0.3), max_new_tokens=8)
+    replay(trace_short, "auto", [0.5] * 2, _linear_costs(), lambda: 1.0, beyond)
+    drafted, accepted, confidences = beyond.observed[0]
+    assert (drafted, accepted) == (3, 1) and math.isnan(confidences[2])  # off the text: never stops there
+
+
+def test_drafts_are_clipped_to_the_budget_not_the_text():
+    """A reply that stopped at EOS: the engine drafts up to its token budget, past the EOS."""
+    ended = Trace("c", 5, (1.0, 1.0), (0.5, 0.5), (0.3, 0.3), max_new_tokens=10)
+    result = replay(ended, 4, [0.0, 0.0], _linear_costs(), lambda: 1.0)
+    assert (result.rounds, result.drafted, result.tokens) == (1, 4, 2)  # both text tokens were accepted drafts
+    cut = replay(dataclasses.replace(ended, max_new_tokens=None), 4, [0.0, 0.0], _linear_costs(), lambda: 1.0)
+    assert (cut.rounds, cut.drafted) == (1, 1)  # without a budget the text's end is the limit
+    with pytest.raises(ValueError, match="shorter than the reply"):
+        dataclasses.replace(ended, max_new_tokens=1)
+
+
+def test_bad_policies_and_tables_are_refused():
+    with pytest.raises(ValueError, match="policy must be"):
+        replay(_constant_trace(0.5, 4), "fast", [0.0] * 4, _linear_costs(), lambda: 1.0)
+    with pytest.raises(ValueError, match="policy must be"):
+        replay(_constant_trace(0.5, 4), -1, [0.0] * 4, _linear_costs(), lambda: 1.0)
+    fits = json.loads((ROOT / "docs" / "adaptive_results.json").read_text())["model_fit"]["0.0"]
+    with pytest.raises(ValueError, match="max_gamma must be >= 3"):
+        RoundCostTable.from_fits(fits, max_gamma=2)
+    table = compare([_constant_trace(0.5, 8)], _linear_costs(), replicates=1, fixed=(1, 2))
+    with pytest.raises(ValueError, match="missing"):
+        goal_tables(table)
+
+
+def test_round_check_compares_the_runs_greedy_prompts_only():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from adaptive_replay import round_check
+
+    fits = json.loads((ROOT / "docs" / "adaptive_results.json").read_text())["model_fit"]["0.0"]
+    traces = [Trace(cat, 10, (1.0, 0.0) * 5, (0.5,) * 10, (0.3,) * 10) for cat in "abc" for _ in range(3)]
+    run_fits = {name: dict(fit, rounds=1000) for name, fit in fits.items()}
+    run_fits["target-only"]["rounds"] = 60  # 2 prompts x 3 categories x 10 tokens: the run's texts
+    check = round_check({"0.0": traces}, {"command": "x --per-category 2", "model_fit": {"0.0": run_fits}})
+    assert check["target-only"] == [60, 60]
+    assert check["gamma=1"] == [6 * 5, 1000]  # drafts alternate accepted, rejected: 2 tokens a round
+    run_fits["target-only"]["rounds"] = 90  # the run decoded other texts: nothing to compare
+    assert round_check({"0.0": traces}, {"command": "x --per-category 2", "model_fit": {"0.0": run_fits}}) is None

@@ -286,8 +286,9 @@ class GammaController:
 
     def _planned(self, request_ids: list[str], drafts: list[int]) -> list[int]:
         """Note which rows draft right after a plain round: a model draft then first feeds itself the
-        tokens it missed (one more forward), a cost of the plain rounds, not of drafting. Timed into c
-        and k, it doubled the draft step of every fallback probe and kept requests in fallback."""
+        tokens it missed (one more forward, or at batch 1 a wider first forward), a cost of the plain
+        rounds, not of drafting. Timed into c and k, it doubled the draft step of every fallback probe
+        and kept requests in fallback."""
         self._catching_up = False
         for rid, n in zip(request_ids, drafts):
             state = self._state(rid)

@@ -5,8 +5,16 @@ from __future__ import annotations
 GOAL = 0.97  # within 3%
 
 
+def _check(table: dict[str, dict[str, float]]) -> None:
+    missing = [n for n in ["target-only", "gamma=auto", "gamma=auto fresh", *(f"gamma={g}" for g in range(1, 9))]
+               if n not in table]
+    if missing:
+        raise ValueError(f"the goal check needs target-only, gamma=auto (and fresh) and fixed gamma 1..8; missing {missing}")
+
+
 def passes(table: dict[str, dict[str, float]], name: str, cats: list[str]) -> tuple[int, int]:
     """Categories where `name` is within 3% of the best fixed gamma, and not over 3% slower than target-only."""
+    _check(table)
     best = {c: max(table[f"gamma={g}"][c] for g in range(1, 9)) for c in cats}
     return (sum(table[name][c] >= GOAL * best[c] for c in cats),
             sum(table[name][c] >= GOAL * table["target-only"][c] for c in cats))
@@ -15,6 +23,7 @@ def passes(table: dict[str, dict[str, float]], name: str, cats: list[str]) -> tu
 def goal_tables(table: dict[str, dict[str, float]]) -> list[str]:
     """Markdown: tokens/s per system and category, gamma auto's ratios per category, and every policy
     against the same two criteria (the fixed gammas too: how often they miss shows the noise)."""
+    _check(table)
     cats = sorted(c for c in table["target-only"] if c != "overall") + ["overall"]
     lines = ["| system | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
     for name in table:

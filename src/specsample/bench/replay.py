@@ -11,11 +11,16 @@ the same coins (common random numbers): per position one uniform, accepted when 
 
 A replayed round drafts what the policy asks for (the real `GammaController` for gamma auto, fed the
 replayed acceptance and timings), and is charged a round cost by draft count and context length.
-A draft after the round's first rejection is off the text, so its confidence is unknown: there the
-confidence gate never stops the round, which pays for it in full (an approximation against gamma
-auto). A drafting round whose draft model lacks more than `MERGED_BACKLOG` + 2 tokens (after a long
-stretch of plain rounds) pays one more draft step, the forward that feeds the backlog, as the real
-drafter does.
+A drafting round whose draft model lacks more than `MERGED_BACKLOG` + 2 tokens (after a long stretch
+of plain rounds) pays one more draft step, the forward that feeds the backlog, as the real drafter
+does; drafts are clipped to the request's token budget, as the engine clips them, so near the end of
+a reply that stopped at EOS a round may draft past the text. Approximations, and whom they favour:
+- a draft after the round's first rejection (or past the text's end) is off the text, so its
+  confidence is unknown and the confidence gate never stops the round there (against gamma auto);
+- a draft past the text's end counts as rejected (a real verifier may accept it before the EOS cut);
+- the controller's own work (about 0.04 ms a round) and the wider first draft forward that carries a
+  short backlog (about 0.4 ms) are not charged (both for gamma auto);
+- batch 1, and round costs from one run's fit.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Trace:
     accept: tuple[float, ...]  # per reply token: P(a draft there was accepted | the text) = min(1, q(x) / p(x))
     confidence: tuple[float, ...]  # the draft's temperature-1 probability of the reply token (an accepted draft's)
     rejected_confidence: tuple[float, ...]  # ...of a draft drawn as rejected, from max(0, q - p) (NaN: never)
+    max_new_tokens: int | None = None  # the request's token budget (None: the reply's length)
 
     def __post_init__(self) -> None:
         if not len(self.accept) == len(self.confidence) == len(self.rejected_confidence):
@@ -55,6 +61,8 @@ class Trace:
             raise ValueError("a trace needs at least one reply token")
         if any(not 0.0 <= a <= 1.0 for a in self.accept):
             raise ValueError("accept values are probabilities and must lie in [0, 1]")
+        if self.max_new_tokens is not None and self.max_new_tokens < len(self.accept):
+            raise ValueError(f"max_new_tokens {self.max_new_tokens} is shorter than the reply ({len(self.accept)})")
 
 
 def reply_logits(model: CausalLM, prompt: Sequence[int], reply: Sequence[int]) -> Tensor:
@@ -86,7 +94,7 @@ def trace_from_logits(category: str, prompt_tokens: int, reply: Sequence[int], t
                               generator=generator)  # [n, 1]
     rejected = torch.where(mass > 1e-12, own.gather(-1, drawn).squeeze(-1), torch.tensor(float("nan")))
     return Trace(category, prompt_tokens, tuple(accept.tolist()), tuple(own.gather(-1, tokens).squeeze(-1).tolist()),
-                 tuple(rejected.tolist()))
+                 tuple(rejected.tolist()), params.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,8 @@ class RoundCostTable:
     def from_fits(cls, fits: dict[str, dict], max_gamma: int = 8) -> RoundCostTable:
         """From a benchmarks/adaptive.py run's `model_fit` (one temperature): plain rounds at target-only's
         costs, rounds of d drafts at fixed gamma d's (the real run's time, stalls left out)."""
+        if max_gamma < 3:
+            raise ValueError(f"max_gamma must be >= 3 (the draft step is read off gamma 2 to max_gamma), got {max_gamma}")
         names = {0: "target-only", **{d: f"gamma={d}" for d in range(1, max_gamma + 1)}}
         missing = [n for n in names.values() if n not in fits]
         if missing:
@@ -139,22 +149,24 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
     """
     if policy == "auto" and controller is None:
         raise ValueError("policy 'auto' needs a controller")
+    if policy != "auto" and not (isinstance(policy, int) and policy >= 0):
+        raise ValueError(f"policy must be 'auto' or a number of drafts >= 0, got {policy!r}")
     total = len(trace.accept)
+    budget = trace.max_new_tokens or total
     if len(uniforms) < total:
         raise ValueError(f"need a uniform per reply token ({total}), got {len(uniforms)}")
     seconds, pos, rounds, drafted_total = costs.prefill_seconds(trace.prompt_tokens, policy != 0), 0, 0, 0
     missing = 1  # tokens the draft model has not fed yet (the prompt's last)
     while pos < total:
-        remaining = total - pos
-        wanted = controller.plan([request_id], 1)[0] if policy == "auto" else int(policy)
-        drafts = max(0, min(wanted, max_gamma, remaining - 1))
+        wanted = controller.plan([request_id], 1)[0] if policy == "auto" else policy
+        drafts = max(0, min(wanted, max_gamma, budget - pos - 1))  # the engine's clip: the budget, not the text
         thresholds = controller.gate_thresholds(1) if policy == "auto" and drafts > 0 else []
         drafted, accepted, rejected, confidences = 0, 0, False, []
         for j in range(drafts):
             i = pos + j
             drafted += 1
-            if rejected:
-                confidence = math.nan  # off the text: unknown, so the gate cannot stop here
+            if rejected or i >= total:
+                rejected, confidence = True, math.nan  # off the text: unknown, so the gate cannot stop here
             elif uniforms[i] < trace.accept[i]:
                 accepted, confidence = accepted + 1, trace.confidence[i]
             else:
@@ -171,7 +183,7 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
             draft_seconds = drafted * costs.draft_step * factor
             controller.observe_timing(1, drafted, draft_seconds, round_seconds * factor - draft_seconds)
         seconds += round_seconds
-        pos += accepted + 1
+        pos += min(accepted + 1, total - pos)  # a round that reaches the text's last token (its EOS) ends it
         rounds += 1
         drafted_total += drafted
         # a drafting round leaves the draft lacking the next token (and the last draft, when all passed)
