@@ -186,6 +186,15 @@ def _group(row: dict, report: dict) -> str:
     return acceptance_group(_load_trace(row)) if report.get("by_acceptance") else row["category"]
 
 
+def _acceptance_lines(rows: list[dict], report: dict) -> list[str]:
+    """Per category: the mean acceptance over its texts, and how many accept under 5% of drafts."""
+    by_cat: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        by_cat[_group(row, report)].append(sum(row["accept"]) / len(row["accept"]))
+    return ["Mean acceptance of a draft per category (texts under 0.05): " + ", ".join(
+        f"{cat} {sum(v) / len(v):.3f} ({sum(a < 0.05 for a in v)})" for cat, v in sorted(by_cat.items())) + ".", ""]
+
+
 def write_report(report: dict, out: Path) -> None:
     """Per temperature: the texts replayed, the acceptance on them, and the goal tables."""
     lines = [f"Traces recorded by: `{report['record_command']}`", f"Replayed by: `{report['command']}`", "",
@@ -206,7 +215,7 @@ def write_report(report: dict, out: Path) -> None:
                   f"{len(rows)} texts ({per} per {'acceptance group' if report.get('by_acceptance') else 'category'}), {len(accept)} tokens; mean acceptance "
                   f"of a draft at a reply token {sum(accept) / len(accept):.3f}. gamma auto: within 3% of the best fixed "
                   f"gamma in {within} of {len(cats)} categories, not over 3% slower than target-only in {not_slower}.",
-                  ""] + goal_tables(table)
+                  ""] + _acceptance_lines(rows, report) + goal_tables(table)
     check = report.get("check")
     if check:
         lines += ["### Check against the cost run", "",
