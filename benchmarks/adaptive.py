@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from specsample.bench.goals import goal_tables
 from specsample.bench.round_costs import CostModel
-from specsample.bench.run import add_pair_options, load_model_draft_pair, load_prompts
+from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
 from specsample.bench.systems import Ours
 from specsample.config import SamplingParams, SpecConfig
 from specsample.drafters.hybrid import HybridDrafter
@@ -49,10 +49,8 @@ def main() -> None:
 
     pair = load_model_draft_pair(args.target, args.draft)
     tokenizer, target = pair.target.tokenizer, pair.target.model
-    prompts = load_prompts("spec-bench", args.per_category, 0)
-    ids = [tokenizer.encode(p.turns[0], chat=True) for p in prompts]
-    keep = [i for i, x in enumerate(ids) if len(x) + args.max_new_tokens <= target.max_seq_len]
-    prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
+    prompts, ids = encode_fitting(load_prompts("spec-bench", args.per_category, 0), tokenizer, target.max_seq_len,
+                                  args.max_new_tokens)
     max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
     eos = tokenizer.eos_token_ids
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths

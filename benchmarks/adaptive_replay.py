@@ -29,7 +29,7 @@ from tqdm import tqdm
 from specsample.api import generate
 from specsample.bench.goals import goal_tables, passes
 from specsample.bench.replay import RoundCostTable, Trace, compare, replay, reply_logits, trace_from_logits
-from specsample.bench.run import add_pair_options, load_model_draft_pair, load_prompts
+from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
 
@@ -59,7 +59,8 @@ def main() -> None:
         parser.error(f"--controller: {error}")
     if min(args.per_category, args.samples, args.max_new_tokens, args.replicates) < 1:
         parser.error("--per-category, --samples, --max-new-tokens and --replicates must be >= 1")
-    fits = json.loads(args.costs.read_text())["model_fit"]
+    cost_run = json.loads(args.costs.read_text())
+    fits = cost_run["model_fit"]
     wanted = [str(float(t)) for t in args.temperatures.split(",")] if not args.replay_only else []
     if any(t not in fits for t in wanted):  # before minutes of sampling, not after
         parser.error(f"{args.costs} has fitted costs at temperatures {sorted(fits)} only")
@@ -85,7 +86,7 @@ def main() -> None:
         report["results"][temperature] = compare(rows, costs, args.replicates,
                                                  new_controller=lambda: GammaController(config), progress=bar.update)
     bar.close()
-    report["check"] = round_check(traces, json.loads(args.costs.read_text()))
+    report["check"] = round_check(traces, cost_run)
     report["traces"] = {t: [_dump_trace(x) for x in rows] for t, rows in traces.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report))
@@ -115,10 +116,8 @@ def record(args: argparse.Namespace) -> tuple[dict[str, list[Trace]], dict]:
     """Sample replies from the target alone and score them teacher-forced with both models."""
     pair = load_model_draft_pair(args.target, args.draft)
     tokenizer, target, draft = pair.target.tokenizer, pair.target.model, pair.drafter.model
-    prompts = load_prompts(args.dataset, args.per_category, 0)
-    ids = [tokenizer.encode(p.turns[0], chat=True) for p in prompts]
-    keep = [i for i, x in enumerate(ids) if len(x) + args.max_new_tokens <= target.max_seq_len]
-    prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
+    prompts, ids = encode_fitting(load_prompts(args.dataset, args.per_category, 0), tokenizer, target.max_seq_len,
+                                  args.max_new_tokens)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     traces: dict[str, list[Trace]] = {}
     bar = tqdm(total=sum(len(prompts) * (1 if t == 0 else args.samples) for t in temperatures), desc="sampling texts")

@@ -191,3 +191,19 @@ def test_ours_records_every_round_of_a_batch_one_run(tiny_target, tiny_draft) ->
     assert timing.seconds == pytest.approx(record.seconds, rel=0.05) and timing.prefill_seconds > 0
     batch = system.run([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4))
     assert batch[0].timing is None  # rounds of a batch are shared: no per-run cost
+
+
+def test_encode_fitting_keeps_prompts_that_leave_room_for_the_reply():
+    from specsample.bench.run import encode_fitting
+    from specsample.datasets import Prompt
+
+    class Words:
+        def encode(self, text, chat=True):
+            return [1] * (len(text.split()) + (2 if chat else 0))
+
+    prompts = [Prompt("a", "c", ("one two",)), Prompt("b", "c", ("one two three four five six",))]
+    kept, ids = encode_fitting(prompts, Words(), max_seq_len=10, max_new_tokens=4)
+    assert [p.id for p in kept] == ["a"] and ids == [[1] * 4]
+    assert len(encode_fitting(prompts, Words(), 10, 4, chat=False)[0]) == 2  # 6 words + 4 fit without the template
+    with pytest.raises(ValueError, match="no prompt fits"):
+        encode_fitting(prompts, Words(), max_seq_len=5, max_new_tokens=4)

@@ -18,8 +18,8 @@ a reply that stopped at EOS a round may draft past the text. Approximations, and
 - a draft after the round's first rejection (or past the text's end) is off the text, so its
   confidence is unknown and the confidence gate never stops the round there (against gamma auto);
 - a draft past the text's end counts as rejected (a real verifier may accept it before the EOS cut);
-- the controller's own work (about 0.04 ms a round) and the wider first draft forward that carries a
-  short backlog (about 0.4 ms) are not charged (both for gamma auto);
+- the controller's own Python work and the wider first draft forward that carries a short backlog
+  (about 0.4 ms, benchmarks/round_costs.py) are not charged (both for gamma auto);
 - batch 1, and round costs from one run's fit.
 """
 

@@ -93,6 +93,17 @@ def load_model_draft_pair(target: str, draft: str | None) -> Pair:
     return pair
 
 
+def encode_fitting(prompts: list[Prompt], tokenizer, max_seq_len: int, max_new_tokens: int,
+                   chat: bool = True) -> tuple[list[Prompt], list[list[int]]]:
+    """Encode each prompt's first turn and keep those that leave room for `max_new_tokens` in the
+    target's context window (an error when none does)."""
+    encoded = [(p, tokenizer.encode(p.turns[0], chat=chat)) for p in prompts]
+    kept = [(p, ids) for p, ids in encoded if len(ids) + max_new_tokens <= max_seq_len]
+    if not kept:
+        raise ValueError("no prompt fits the target's context window with --max-new-tokens")
+    return [p for p, _ in kept], [ids for _, ids in kept]
+
+
 def load_prompts(name: str, num: int | None, seed: int) -> list[Prompt]:
     """Benchmark prompts: spec-bench (or a path to a file of that format), humaneval or sharegpt."""
     if name == "humaneval":
@@ -123,17 +134,12 @@ class Bench:
         if self.tokenizer is None:
             raise ValueError(f"{config.target} has no tokenizer; benchmarks need text prompts")
         self.eos = self.tokenizer.eos_token_ids
-        self.prompts = load_prompts(config.dataset, config.num_prompts, config.seed)
+        loaded = load_prompts(config.dataset, config.num_prompts, config.seed)
         chat = self.tokenizer.has_chat_template and config.dataset != "humaneval"
-        encoded = [(p, self.tokenizer.encode(p.turns[0], chat=chat)) for p in self.prompts]
-        limit = self.pair.target.model.max_seq_len - config.max_new_tokens
-        kept = [(p, ids) for p, ids in encoded if len(ids) <= limit]
-        if len(kept) < len(encoded):
-            self.notes.append(f"{len(encoded) - len(kept)} prompts longer than the context window were skipped")
-        if not kept:
-            raise ValueError("no prompt fits the target's context window with --max-new-tokens")
-        self.prompts = [p for p, _ in kept]
-        self.prompt_ids = [ids for _, ids in kept]
+        self.prompts, self.prompt_ids = encode_fitting(loaded, self.tokenizer, self.pair.target.model.max_seq_len,
+                                                       config.max_new_tokens, chat)
+        if len(self.prompts) < len(loaded):
+            self.notes.append(f"{len(loaded) - len(self.prompts)} prompts longer than the context window were skipped")
         self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens + 16
         self.peers = self._load_peers()
         # measured once for every system of ours (batch 1 only); plain decoding is never padded
