@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from specsample.bench.goals import goal_tables
+from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel
 from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
 from specsample.bench.systems import Ours
@@ -84,7 +85,7 @@ def main() -> None:
                     totals[temperature][s.name][cat][1] += record.seconds
             bar.update(1)
     bar.close()
-    report = {"command": "python benchmarks/adaptive.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    report = {"command": command_line("benchmarks/adaptive.py", args),
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__}, "draft": pair.draft_spec, "target_widths": list(widths),
               "results": {}}

@@ -2,6 +2,7 @@
 
     python benchmarks/adaptive_replay.py --per-category 5 --samples 3 --costs docs/adaptive_results.json
     python benchmarks/adaptive_replay.py --replay-only docs/adaptive_replay.json   # again from the stored traces
+    python benchmarks/adaptive_replay.py --replay-only A.json B.json   # traces of several runs as one stream
 
 Samples replies from the target alone (temperature 0: one greedy reply per prompt; above 0: `--samples`
 per prompt), scores each with the target and the draft teacher-forced, and replays fixed gamma 1..8,
@@ -38,8 +39,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pair_options(parser)
     parser.add_argument("--dataset", default="spec-bench",
-                        help="spec-bench (the benchmark), or sharegpt (texts to tune on: never tune on spec-bench)")
-    parser.add_argument("--per-category", type=int, default=5, help="prompts per category (sharegpt: in all)")
+                        help="spec-bench (the benchmark), or sharegpt / sharegpt-hard (texts to tune on: never tune "
+                             "on spec-bench; sharegpt-hard: translation requests and long prompts)")
+    parser.add_argument("--per-category", type=int, default=5,
+                        help="prompts per category (sharegpt: in all; sharegpt-hard: of each kind)")
     parser.add_argument("--samples", type=int, default=3, help="replies sampled per prompt at temperature > 0")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", default="0,0.7")
@@ -47,7 +50,8 @@ def main() -> None:
                         help="a benchmarks/adaptive.py result whose fitted round costs price the replayed rounds")
     parser.add_argument("--replicates", type=int, default=10, help="replays of every trace (fresh coins each)")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_replay.json"))
-    parser.add_argument("--replay-only", type=Path, help="replay the traces stored in this result instead")
+    parser.add_argument("--replay-only", type=Path, nargs="+", metavar="RESULT",
+                        help="replay the traces stored in these results instead (several: one stream, shuffled)")
     parser.add_argument("--controller", default="", metavar="KEY=VALUE,...",
                         help="ControllerConfig fields for gamma auto, e.g. fallback_margin=0,prior_weight=4")
     parser.add_argument("--by-acceptance", action="store_true",
@@ -65,9 +69,7 @@ def main() -> None:
     if any(t not in fits for t in wanted):  # before minutes of sampling, not after
         parser.error(f"{args.costs} has fitted costs at temperatures {sorted(fits)} only")
     if args.replay_only:
-        stored = json.loads(args.replay_only.read_text())
-        traces = {t: [_load_trace(x) for x in rows] for t, rows in stored["traces"].items()}
-        report = {key: stored[key] for key in ("record_command", "machine", "draft")}
+        traces, report = load_stored(args.replay_only)
     else:
         traces, report = record(args)
     replayed = traces if not args.by_acceptance else {
@@ -91,6 +93,21 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report))
     write_report(report, args.out.with_suffix(".md"))
+
+
+def load_stored(paths: list[Path]) -> tuple[dict[str, list[Trace]], dict]:
+    """Traces of one or more stored results, per temperature (those every result has), and their provenance."""
+    stored = [json.loads(path.read_text()) for path in paths]
+    drafts = {s["draft"] for s in stored}
+    if len(drafts) > 1:
+        raise SystemExit(f"the results were recorded with different drafts: {sorted(drafts)}")
+    temperatures = [t for t in stored[0]["traces"] if all(t in s["traces"] for s in stored)]
+    if not temperatures:
+        raise SystemExit("the results share no temperature")
+    traces = {t: [_load_trace(x) for s in stored for x in s["traces"][t]] for t in temperatures}
+    report = {"record_command": "; ".join(s["record_command"] for s in stored), "machine": stored[0]["machine"],
+              "draft": stored[0]["draft"]}
+    return traces, report
 
 
 def acceptance_group(trace: Trace) -> str:
@@ -186,12 +203,25 @@ def _group(row: dict, report: dict) -> str:
 
 
 def _acceptance_lines(rows: list[dict], report: dict) -> list[str]:
-    """Per category: the mean acceptance over its texts, and how many accept under 5% of drafts."""
+    """Per category: the mean acceptance over its texts, how many accept under 5% of drafts, and the draft's
+    mean confidence in its own drafts (what gamma auto's confidence prior reads)."""
     by_cat: dict[str, list[float]] = defaultdict(list)
+    confidence: dict[str, list[float]] = defaultdict(list)
     for row in rows:
-        by_cat[_group(row, report)].append(sum(row["accept"]) / len(row["accept"]))
-    return ["Mean acceptance of a draft per category (texts under 0.05): " + ", ".join(
-        f"{cat} {sum(v) / len(v):.3f} ({sum(a < 0.05 for a in v)})" for cat, v in sorted(by_cat.items())) + ".", ""]
+        trace = _load_trace(row)
+        by_cat[_group(row, report)].append(sum(trace.accept) / len(trace.accept))
+        confidence[_group(row, report)].append(draft_confidence(trace))
+    return ["Mean acceptance of a draft per category (texts under 0.05; the draft's mean confidence in its drafts): "
+            + ", ".join(f"{cat} {sum(v) / len(v):.3f} ({sum(a < 0.05 for a in v)}; {sum(confidence[cat]) / len(confidence[cat]):.2f})"
+                        for cat, v in sorted(by_cat.items())) + ".", ""]
+
+
+def draft_confidence(trace: Trace) -> float:
+    """The draft's mean temperature-1 probability of the token it drafts at a reply position: an accepted
+    draft's (the reply token's) weighted by acceptance, a rejected one's by the rest."""
+    values = [a * c + (1 - a) * (r if r == r else c)  # NaN: no draft there is ever rejected
+              for a, c, r in zip(trace.accept, trace.confidence, trace.rejected_confidence)]
+    return sum(values) / len(values)
 
 
 def write_report(report: dict, out: Path) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specsample import SamplingParams, generate
+from specsample.bench.report import command_line
 from specsample.bench.systems import load_hf_peer
 from specsample.models.loader import load_model
 
@@ -155,9 +156,7 @@ def main() -> None:
             if ours in times:
                 ratios[ours] = theirs / statistics.median(times[ours])
     report = {
-        "command": "python benchmarks/runtime_speed.py " + " ".join(
-            (f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool) else f"--{k.replace('_', '-')} {v}")
-            for k, v in vars(args).items()),
+        "command": command_line("benchmarks/runtime_speed.py", args),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "copy_bandwidth_gb_s": bandwidth / 1e9,

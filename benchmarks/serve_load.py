@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from specsample.bench.report import command_line
 from specsample.datasets import sharegpt_prompts
 from specsample.metrics import percentile
 
@@ -110,7 +111,7 @@ def main() -> None:
             if next(x for x in rows if x["rate"] == r and x["mode"] == "speculative")["tpot_p50_ms"]
             < next(x for x in rows if x["rate"] == r and x["mode"] == "plain")["tpot_p50_ms"]]
     stops_paying = next((r for r in rates if r not in pays), None)
-    report = {"command": "python benchmarks/serve_load.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    report = {"command": command_line("benchmarks/serve_load.py", args),
               "cpu_count": os.cpu_count(), "rows": rows, "speculation_stops_paying_at_rate": stops_paying}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

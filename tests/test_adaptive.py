@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -259,6 +261,57 @@ def test_new_requests_start_from_the_pooled_acceptance() -> None:
     _simulate(controller, 0.2, 100, rid="first", rng=rng)
     controller.release("first")
     assert controller.alpha("second") == pytest.approx(0.2, abs=0.08)
+
+
+def _rounds_before_fallback(config: ControllerConfig, confidence: float, alpha: float = 0.02,
+                            seed: int = 0) -> int:
+    """Drafting rounds a request takes to fall back when its drafts are accepted with `alpha` and the
+    draft's confidence in each is `confidence`, after a calibration where acceptance grows with it."""
+    controller = GammaController(config)
+    _calibrate_gate(controller)
+    rng = random.Random(seed)
+    for rounds in range(1, 200):
+        gamma = controller.plan(["r"], 1)[0]
+        if gamma == 0:
+            return rounds - 1
+        accepted = 0
+        while accepted < gamma and rng.random() < alpha:
+            accepted += 1
+        controller.observe("r", gamma, accepted, [confidence] * gamma)
+    return 200
+
+
+def test_a_draft_unsure_of_its_tokens_falls_back_sooner() -> None:
+    """Drafts accepted 2% of the time: when the draft is unsure of them (confidence 0.05, a bin accepted
+    ~5% of the time in calibration) the request's prior moves to that and it falls back within a few
+    rounds; a draft confidently wrong (0.6) is caught only by its rejections, as without the prior."""
+    config = ControllerConfig(prior_cost_ratio=0.2, gate_min_samples=100)
+    unsure = [_rounds_before_fallback(config, 0.05, seed=s) for s in range(5)]
+    confident = [_rounds_before_fallback(config, 0.6, seed=s) for s in range(5)]
+    blind = [_rounds_before_fallback(dataclasses.replace(config, confidence_prior=False), 0.05, seed=s)
+             for s in range(5)]
+    assert max(unsure) <= 8 < 20 <= min(confident)
+    assert blind == confident  # without the prior, confidence does not enter
+    with pytest.raises(ValueError, match="confidence_weight"):
+        ControllerConfig(confidence_weight=0)
+
+
+def test_a_good_request_with_unsure_drafts_keeps_drafting() -> None:
+    """Acceptance 0.5 with the draft's confidence spread as in calibration: the confidence prior agrees
+    with the acceptance and the request drafts on (a prior from confidence alone is not a verdict)."""
+    controller = GammaController(ControllerConfig(prior_cost_ratio=0.2, gate_min_samples=100))
+    _calibrate_gate(controller)
+    rng = random.Random(4)
+    chosen = []
+    for _ in range(300):
+        gamma = controller.plan(["r"], 1)[0]
+        chosen.append(gamma)
+        confidences = [rng.random() for _ in range(gamma)]
+        accepted = 0
+        while accepted < gamma and rng.random() < confidences[accepted]:
+            accepted += 1
+        controller.observe("r", gamma, accepted, confidences)
+    assert chosen.count(0) < 0.05 * len(chosen)
 
 
 def _calibrate_gate(controller: GammaController) -> None:

@@ -11,7 +11,8 @@ import pytest
 
 from model_factory import make_tokenizer, write_hf_model
 from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
-from specsample.datasets import iter_sharegpt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
+from specsample.datasets import (iter_sharegpt, sharegpt_hard_prompts, sharegpt_prompts, spec_bench_prompts,
+                                 text_file_prompts)
 from specsample.theory import expected_speedup
 
 
@@ -72,6 +73,19 @@ def test_sharegpt_parser_stops_at_a_truncated_tail(tmp_path) -> None:
     prompts = list(sharegpt_prompts(path, limit=2, skip=1))
     assert [p.turns for p in prompts] == [("question 1",), ("question 2",)]
     assert prompts[0].replies == ("answer 1",)
+
+
+def test_sharegpt_hard_prompts_pick_translations_and_long_prompts(tmp_path) -> None:
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+             for i, (q, a) in enumerate([("short", "x" * 300), ("y" * 3000, "short"), ("skip", "z" * 900),
+                                         ("short", "w" * 400), ("v" * 4000, "w" * 400)])]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    prompts = sharegpt_hard_prompts(2, skip=0, path=path)
+    assert [(p.id, p.category) for p in prompts] == [("c0-translate", "translate"), ("c3-translate", "translate"),
+                                                     ("c1", "long"), ("c4", "long")]
+    assert prompts[0].turns[0].startswith("Translate the following text into French:") and "x" * 300 in prompts[0].turns[0]
+    assert "into German" in prompts[1].turns[0]
 
 
 def test_prompt_file_loaders(tmp_path) -> None:
@@ -207,3 +221,13 @@ def test_encode_fitting_keeps_prompts_that_leave_room_for_the_reply():
     assert len(encode_fitting(prompts, Words(), 10, 4, chat=False)[0]) == 2  # 6 words + 4 fit without the template
     with pytest.raises(ValueError, match="no prompt fits"):
         encode_fitting(prompts, Words(), max_seq_len=5, max_new_tokens=4)
+
+
+def test_command_line_reproduces_the_options_given() -> None:
+    import argparse
+
+    from specsample.bench.report import command_line
+    args = argparse.Namespace(target="smollm2", draft=None, compiled=False, fast=True, per_category=2)
+    line = command_line("benchmarks/x.py", args)
+    assert line == "python benchmarks/x.py --target smollm2 --no-compiled --fast --per-category 2"
+    assert "None" not in line  # a default resolved later is left out, so the line runs

@@ -96,6 +96,10 @@ class FixedGate(GammaController):
     def gate_thresholds(self, batch_size: int) -> list[float]:
         return [0.5] * self.config.max_gamma
 
+    def _prior_centre(self, state) -> float:
+        self.confidence_priors = getattr(self, "confidence_priors", 0) + (state.predicted_trials > 0)
+        return super()._prior_centre(state)
+
 
 def _adaptive_cases(draft):
     return {
@@ -113,6 +117,7 @@ def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     counts = engine_counts(target, drafter, params, gamma=3, adaptive=adaptive, controller=controller, prompt=REPEATING)
     if controller is not None:
         assert any(t > 0 for t in controller._gate_trials)  # the gate had drafts to act on
+        assert controller.confidence_priors > 0  # ...and plans used priors centred by past drafts' confidences
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic < threshold, f"{case}: chi2 {statistic:.1f} >= threshold {threshold:.1f}"
 

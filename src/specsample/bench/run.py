@@ -25,7 +25,7 @@ from tqdm import tqdm
 from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
 from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
-from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
+from specsample.datasets import Prompt, humaneval_prompts, sharegpt_hard_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.drafters.model import ModelDrafter
 from specsample.models.base import CausalLM
 from specsample.models.row_padding import PAD_MODES, with_target_widths
@@ -105,12 +105,15 @@ def encode_fitting(prompts: list[Prompt], tokenizer, max_seq_len: int, max_new_t
 
 
 def load_prompts(name: str, num: int | None, seed: int) -> list[Prompt]:
-    """Benchmark prompts: spec-bench (or a path to a file of that format), humaneval or sharegpt."""
+    """Benchmark prompts: spec-bench (or a path to a file of that format), humaneval, sharegpt or
+    sharegpt-hard (`num` of each kind)."""
     if name == "humaneval":
         prompts = humaneval_prompts()
         return prompts[:num] if num else prompts
     if name == "sharegpt":
         return list(sharegpt_prompts(skip=16000, limit=num or 200))  # far from distillation's range
+    if name == "sharegpt-hard":
+        return sharegpt_hard_prompts(num or 30)
     prompts = spec_bench_prompts(None if name == "spec-bench" else name)
     if num is None:
         return prompts
