@@ -85,6 +85,8 @@ def main() -> None:
         if temperature not in fits:
             raise SystemExit(f"{args.costs} has no fitted costs at temperature {temperature}")
         costs = RoundCostTable.from_fits(fits[temperature])
+        report.setdefault("round_costs", {})[temperature] = [  # what the verdicts hinge on, printed in the report
+            costs.round_seconds(d, COST_CONTEXT) / costs.round_seconds(0, COST_CONTEXT) for d in range(1, 9)]
         report["results"][temperature] = compare(rows, costs, args.replicates,
                                                  new_controller=lambda: GammaController(config), progress=bar.update)
     bar.close()
@@ -93,6 +95,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report))
     write_report(report, args.out.with_suffix(".md"))
+
+
+COST_CONTEXT = 300  # context length at which the report prints round costs
 
 
 def load_stored(paths: list[Path]) -> tuple[dict[str, list[Trace]], dict]:
@@ -208,12 +213,20 @@ def _acceptance_lines(rows: list[dict], report: dict) -> list[str]:
     by_cat: dict[str, list[float]] = defaultdict(list)
     confidence: dict[str, list[float]] = defaultdict(list)
     for row in rows:
-        trace = _load_trace(row)
-        by_cat[_group(row, report)].append(sum(trace.accept) / len(trace.accept))
-        confidence[_group(row, report)].append(draft_confidence(trace))
+        trace, group = _load_trace(row), _group(row, report)
+        by_cat[group].append(sum(trace.accept) / len(trace.accept))
+        confidence[group].append(draft_confidence(trace))
     return ["Mean acceptance of a draft per category (texts under 0.05; the draft's mean confidence in its drafts): "
             + ", ".join(f"{cat} {sum(v) / len(v):.3f} ({sum(a < 0.05 for a in v)}; {sum(confidence[cat]) / len(confidence[cat]):.2f})"
                         for cat, v in sorted(by_cat.items())) + ".", ""]
+
+
+def _cost_lines(report: dict, temperature: str) -> list[str]:
+    costs = report.get("round_costs", {}).get(temperature)
+    if not costs:
+        return []
+    return [f"Round costs charged, in plain rounds at context {COST_CONTEXT}, for 1-8 drafts: "
+            + ", ".join(f"{c:.3f}" for c in costs) + ".", ""]
 
 
 def draft_confidence(trace: Trace) -> float:
@@ -244,7 +257,7 @@ def write_report(report: dict, out: Path) -> None:
                   f"{len(rows)} texts ({per} per {'acceptance group' if report.get('by_acceptance') else 'category'}), {len(accept)} tokens; mean acceptance "
                   f"of a draft at a reply token {sum(accept) / len(accept):.3f}. gamma auto: within 3% of the best fixed "
                   f"gamma in {within} of {len(cats)} categories, not over 3% slower than target-only in {not_slower}.",
-                  ""] + _acceptance_lines(rows, report) + goal_tables(table)
+                  ""] + _acceptance_lines(rows, report) + _cost_lines(report, temperature) + goal_tables(table)
     check = report.get("check")
     if check:
         lines += ["### Check against the cost run", "",

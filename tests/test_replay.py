@@ -173,8 +173,12 @@ def test_costs_from_a_benchmark_run():
     fits = json.loads((ROOT / "docs" / "adaptive_results.json").read_text())["model_fit"]["0.0"]
     costs = RoundCostTable.from_fits(fits)
     assert 0 < costs.round_seconds(0, 300) < costs.round_seconds(8, 300)
-    # both positive; their order is one run's fit (the draft's prefill is ~1 ms of ~100, within its noise)
-    assert min(costs.prefill_seconds(100, drafting=True), costs.prefill_seconds(100, drafting=False)) > 0
+    # a prefill with drafting is priced by fixed gamma 1's fit, one without by target-only's (their order is
+    # one run's noise: the draft's prefill is ~1 ms of ~100)
+    for drafting, name in ((True, "gamma=1"), (False, "target-only")):
+        a, b = fits[name]["cost_model"]["prefill_coef"]
+        assert costs.prefill_seconds(100, drafting) == pytest.approx(a + 100 * b)
+        assert costs.prefill_seconds(100, drafting) > 0
     assert 0 < costs.draft_step < costs.round_seconds(0, 300)
     with pytest.raises(ValueError, match="lack systems"):
         RoundCostTable.from_fits({k: v for k, v in fits.items() if k != "gamma=3"})

@@ -95,6 +95,7 @@ class _Ewma:
 
 
 BINS = 10  # confidence bins for the gate's calibration
+BIN_MIN_TRIALS = 10  # drafts a bin needs before its acceptance is read
 RELATIVE_DECAY = 0.995  # forgetting of relative round costs per round timed (a memory of about 200 rounds)
 SPIKE = 1.5  # a round timed over 1.5x its running mean counts as 1.5x: on a shared box the OS stalls
 # single rounds by 2x and more, and one such stall moved a rarely timed round length's mean by ~10%
@@ -337,7 +338,7 @@ class GammaController:
         """
         exploring, self._exploring = self._exploring, False  # it describes this round only
         trials = sum(self._gate_trials)
-        if not self.config.gate or trials < self.config.gate_min_samples or exploring:
+        if not self.config.gate or not self._gate_calibrated() or exploring:
             return []  # an exploring round measures the cost of its gamma in full (else a gate at 1 hides it)
         mean = sum(self._gate_accepts) / trials
         if mean <= 0:
@@ -361,12 +362,22 @@ class GammaController:
         """Top of the highest confidence bin, counting up, whose acceptance stays under `bar`."""
         threshold = 0.0
         for b in range(BINS):
-            if self._gate_trials[b] >= 10:
-                if self._gate_accepts[b] / self._gate_trials[b] < bar:
+            accepted = self._bin_acceptance(b)
+            if accepted is not None:
+                if accepted < bar:
                     threshold = (b + 1) / BINS
                 else:
                     break
         return threshold
+
+    def _gate_calibrated(self) -> bool:
+        """Enough drafts binned by confidence (`gate_min_samples`) for the gate and the confidence prior."""
+        return sum(self._gate_trials) >= self.config.gate_min_samples
+
+    def _bin_acceptance(self, b: int) -> float | None:
+        """Past acceptance of drafts in confidence bin `b`, once it holds BIN_MIN_TRIALS of them."""
+        trials = self._gate_trials[b]
+        return self._gate_accepts[b] / trials if trials >= BIN_MIN_TRIALS else None
 
     # ----- observations ---------------------------------------------------------------------
 
@@ -385,13 +396,14 @@ class GammaController:
         self._pooled = [pool * self._pooled[0] + num_accepted, pool * self._pooled[1] + rejected]
         state.predicted *= factor
         state.predicted_trials *= factor
-        calibrated = sum(self._gate_trials) >= self.config.gate_min_samples
+        calibrated = self._gate_calibrated()
         for i, q in enumerate((confidences or [])[: min(num_accepted + 1, num_drafted)]):
             if q != q:  # NaN: a deterministic (n-gram) draft has no confidence to calibrate on
                 continue
             b = min(int(q * BINS), BINS - 1)
-            if calibrated and self._gate_trials[b] >= 10:
-                state.predicted += self._gate_accepts[b] / self._gate_trials[b]
+            accepted = self._bin_acceptance(b) if calibrated else None
+            if accepted is not None:
+                state.predicted += accepted
                 state.predicted_trials += 1
             self._gate_trials[b] += 1
             self._gate_accepts[b] += int(i < num_accepted)
