@@ -109,6 +109,41 @@ def test_probes_thin_out_when_they_cost_more() -> None:
         ControllerConfig(probe_every=300)
 
 
+def test_no_probes_with_too_few_tokens_left() -> None:
+    """A probe pays only through the drafting it may bring back, which takes several probes to notice:
+    with under probe_horizon tokens left in the budget a request in fallback stops probing."""
+    def probes(config: ControllerConfig, remaining: int) -> int:
+        controller = GammaController(config)
+        _simulate(controller, 0.02, 100)
+        assert controller.in_fallback("r")
+        return sum(controller.plan(["r"], 1, [remaining])[0] > 0 for _ in range(200))
+
+    config = ControllerConfig(prior_cost_ratio=0.2)
+    assert probes(config, 32) >= 5 and probes(config, 31) == 0
+    assert probes(dataclasses.replace(config, probe_horizon=0), 31) >= 5  # the broken variant probes on
+    with pytest.raises(ValueError, match="probe_horizon"):
+        ControllerConfig(probe_horizon=-1)
+
+
+def test_the_engine_tells_the_controller_each_rows_budget_left(tiny_target, tiny_draft, monkeypatch) -> None:
+    controller = GammaController()
+    seen: list[list[int] | None] = []
+    plan = controller.plan
+
+    def spy(request_ids: list[str], batch_size: int, remaining: list[int] | None = None) -> list[int]:
+        seen.append(remaining)
+        return plan(request_ids, batch_size, remaining)
+
+    monkeypatch.setattr(controller, "plan", spy)
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True), controller=controller)
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=12))
+    left, expected = 12, []
+    for result in engine.stream():
+        expected.append([left])
+        left -= sum(len(u.new_tokens) for u in result.rows)
+    assert seen == expected and left == 0
+
+
 def test_cost_ratio_is_measured_per_batch_size() -> None:
     controller = GammaController()
     assert controller.cost_ratio(1) == controller.config.prior_cost_ratio

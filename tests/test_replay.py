@@ -237,9 +237,10 @@ class _Scripted:
     """A stand-in controller: plans the given drafts round by round, with fixed gate thresholds."""
 
     def __init__(self, plans: list[int], thresholds: list[float] = ()) -> None:
-        self.plans, self.thresholds, self.observed = list(plans), list(thresholds), []
+        self.plans, self.thresholds, self.observed, self.remaining = list(plans), list(thresholds), [], []
 
-    def plan(self, request_ids, batch_size):
+    def plan(self, request_ids, batch_size, remaining=None):
+        self.remaining.append(remaining)
         return [self.plans.pop(0) if self.plans else 0]
 
     def gate_thresholds(self, batch_size):
@@ -266,6 +267,8 @@ def test_a_long_draft_backlog_costs_a_forward(plain_rounds: int, charged: bool):
     result = replay(trace, "auto", coins, _linear_costs(), lambda: 1.0, controller)
     plain_cost = result.rounds + 0.15 * result.drafted  # rounds at 1 + 0.15 d seconds, no prefill cost
     assert result.seconds == pytest.approx(plain_cost + (0.15 if charged else 0.0))
+    # the controller hears the budget left each round (one token a round, all drafts rejected), as the engine says
+    assert controller.remaining == [[40 - r] for r in range(result.rounds)]
 
 
 def test_the_gate_stops_on_the_text_and_never_off_it():

@@ -31,6 +31,7 @@ class ControllerConfig:
     probe_every: int = 4  # fewest rounds between probes while in fallback (near break-even they cost ~nothing)
     max_probe_every: int = 256  # most rounds between probes (how late a recovery can be noticed)
     probe_budget: float = 0.01  # share of decode time the expected loss of probing may cost in fallback
+    probe_horizon: int = 32  # no probes with fewer tokens left in a request's budget: a recovery then cannot pay
     gate: bool = True  # stop a round early after a low-confidence draft token
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
@@ -59,6 +60,8 @@ class ControllerConfig:
         if not 1 <= self.probe_every <= self.max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
                              f"{self.max_probe_every}")
+        if self.probe_horizon < 0:
+            raise ValueError(f"probe_horizon must be >= 0 (tokens), got {self.probe_horizon}")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
         if self.prior_weight <= 0:
@@ -244,9 +247,11 @@ class GammaController:
 
     # ----- decisions ------------------------------------------------------------------------
 
-    def plan(self, request_ids: list[str], batch_size: int) -> list[int]:
-        """Drafts each request may propose this round (0 = decode without drafting)."""
+    def plan(self, request_ids: list[str], batch_size: int, remaining: list[int] | None = None) -> list[int]:
+        """Drafts each request may propose this round (0 = decode without drafting); `remaining`: tokens
+        left in each request's budget."""
         self._round += 1
+        left = dict(zip(request_ids, remaining)) if remaining is not None else {}
         if self._calibration_due(batch_size):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
             self._last_plain[batch_size] = self._round
@@ -276,7 +281,8 @@ class GammaController:
                 state.rounds_since_probe += 1
                 # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
                 cost = self.round_cost(batch_size, state.gamma)
-                probe = state.rounds_since_probe >= self.probe_interval(self._alpha_upper(rid), state.gamma, cost)
+                probe = (state.rounds_since_probe >= self.probe_interval(self._alpha_upper(rid), state.gamma, cost)
+                         and self._worth_probing(left.get(rid)))
                 if probe:
                     state.rounds_since_probe = 0
                 # a probe drafts the gamma the formula picks for the current alpha (short at a low alpha)
@@ -317,6 +323,16 @@ class GammaController:
         loss = max(round_cost - expected_tokens_per_round(alpha, max(gamma, 1)), 0.0)  # in plain rounds' time
         interval = int(loss / self.config.probe_budget) + 1
         return min(max(interval, self.config.probe_every), self.config.max_probe_every)
+
+    def _worth_probing(self, remaining: int | None) -> bool:
+        """Whether a request with `remaining` tokens left in its budget (None: unknown) may still probe.
+
+        A probe pays only through the drafting it brings back, and a request resumes only after several
+        probes at least `probe_every` rounds apart have lifted its estimate: with under `probe_horizon`
+        tokens left, a recovery noticed comes too late to repay them. On the tuning stream's 64-token
+        replies where the draft was lost (docs/adaptive.md) probes fell from ~7 to ~3-4 per reply; a long
+        generation near break-even keeps its probes while it has tokens left."""
+        return remaining is None or remaining >= self.config.probe_horizon
 
     def _calibration_due(self, batch_size: int) -> bool:
         """A plain round is due once drafting rounds were timed at this batch size and no plain round

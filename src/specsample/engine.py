@@ -238,7 +238,8 @@ class Engine:
         """Drafts per row: fixed or chosen by the controller, never more than a row can use."""
         adaptive = [r for r in rows if r.speculative and r.gamma is None and self.controller is not None]
         chosen = dict(zip((r.request_id for r in adaptive),
-                          self.controller.plan([r.request_id for r in adaptive], len(rows)) if adaptive else []))
+                          self.controller.plan([r.request_id for r in adaptive], len(rows),
+                                               [r.remaining for r in adaptive]) if adaptive else []))
         max_drafts = []
         for row in rows:
             wanted = 0 if not row.speculative else chosen.get(row.request_id, row.gamma or self.config.gamma)

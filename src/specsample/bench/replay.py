@@ -158,7 +158,7 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
     seconds, pos, rounds, drafted_total = costs.prefill_seconds(trace.prompt_tokens, policy != 0), 0, 0, 0
     missing = 1  # tokens the draft model has not fed yet (the prompt's last)
     while pos < total:
-        wanted = controller.plan([request_id], 1)[0] if policy == "auto" else policy
+        wanted = controller.plan([request_id], 1, [budget - pos])[0] if policy == "auto" else policy
         drafts = max(0, min(wanted, max_gamma, budget - pos - 1))  # the engine's clip: the budget, not the text
         thresholds = controller.gate_thresholds(1) if policy == "auto" and drafts > 0 else []
         drafted, accepted, rejected, confidences = 0, 0, False, []
