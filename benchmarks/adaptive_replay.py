@@ -87,8 +87,10 @@ def main() -> None:
         costs = RoundCostTable.from_fits(fits[temperature])
         report.setdefault("round_costs", {})[temperature] = [  # what the verdicts hinge on, printed in the report
             costs.round_seconds(d, COST_CONTEXT) / costs.round_seconds(0, COST_CONTEXT) for d in range(1, 9)]
+        probes = report.setdefault("probes", {}).setdefault(temperature, {})
         report["results"][temperature] = compare(rows, costs, args.replicates,
-                                                 new_controller=lambda: GammaController(config), progress=bar.update)
+                                                 new_controller=lambda: GammaController(config), progress=bar.update,
+                                                 probes=probes)
     bar.close()
     report["check"] = round_check(traces, cost_run)
     report["traces"] = {t: [_dump_trace(x) for x in rows] for t, rows in traces.items()}
@@ -221,6 +223,14 @@ def _acceptance_lines(rows: list[dict], report: dict) -> list[str]:
                         for cat, v in sorted(by_cat.items())) + ".", ""]
 
 
+def _probe_lines(report: dict, temperature: str) -> list[str]:
+    probes = report.get("probes", {}).get(temperature)
+    if not probes:
+        return []
+    return ["Fallback probes per reply (gamma auto): " + ", ".join(
+        f"{cat} {n:.1f}" for cat, n in sorted(probes.items(), key=lambda kv: (kv[0] == "overall", kv[0]))) + ".", ""]
+
+
 def _cost_lines(report: dict, temperature: str) -> list[str]:
     costs = report.get("round_costs", {}).get(temperature)
     if not costs:
@@ -257,7 +267,8 @@ def write_report(report: dict, out: Path) -> None:
                   f"{len(rows)} texts ({per} per {'acceptance group' if report.get('by_acceptance') else 'category'}), {len(accept)} tokens; mean acceptance "
                   f"of a draft at a reply token {sum(accept) / len(accept):.3f}. gamma auto: within 3% of the best fixed "
                   f"gamma in {within} of {len(cats)} categories, not over 3% slower than target-only in {not_slower}.",
-                  ""] + _acceptance_lines(rows, report) + _cost_lines(report, temperature) + goal_tables(table)
+                  ""] + _acceptance_lines(rows, report) + _probe_lines(report, temperature)
+        lines += _cost_lines(report, temperature) + goal_tables(table)
     check = report.get("check")
     if check:
         lines += ["### Check against the cost run", "",

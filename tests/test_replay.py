@@ -20,7 +20,7 @@ from specsample.bench.goals import goal_tables
 from specsample.bench.replay import RoundCostTable, Trace, compare, replay, trace_from_logits
 from specsample.bench.round_costs import CostModel
 from specsample.config import SamplingParams
-from specsample.controller import GammaController
+from specsample.controller import ControllerConfig, GammaController
 from specsample.theory import expected_tokens_per_round
 from specsample.verify import verify
 from stats_util import FALSE_ALARM, chi_square
@@ -159,6 +159,20 @@ def test_gamma_auto_replayed_falls_back_on_a_poor_draft_and_drafts_on_a_good_one
     assert high.drafted / high.rounds > 3
 
 
+def test_probes_are_counted_and_stop_near_the_end_of_the_budget():
+    """A reply the draft is lost on: gamma auto falls back and probes now and then, but not in the last
+    probe_horizon tokens of the budget; without the horizon (the broken variant) it probes there too."""
+    coins = [0.99] * 200  # every draft rejected
+
+    def run(horizon: int, length: int) -> int:
+        controller = GammaController(ControllerConfig(prior_cost_ratio=0.2, probe_horizon=horizon))
+        return replay(_constant_trace(0.02, length), "auto", coins, _linear_costs(), lambda: 1.0, controller).probes
+
+    # up to its last 32 tokens a 200-token reply probes as a 168-token one without the horizon, then stops
+    assert run(32, 200) == run(0, 168) >= 3
+    assert run(0, 200) > run(32, 200)
+
+
 def test_compare_pairs_every_policy_on_the_same_texts():
     traces = [_constant_trace(0.9, 64, "easy"), _constant_trace(0.05, 64, "hard")]
     table = compare(traces, _linear_costs(), replicates=3)
@@ -204,6 +218,8 @@ def test_replay_only_script(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["results"]["0.0"]["gamma=auto"]) == {"easy", "hard", "overall"}
     assert "| category | auto / best fixed gamma |" in out.with_suffix(".md").read_text()
+    assert set(result["probes"]["0.0"]) == {"easy", "hard", "overall"}
+    assert "Fallback probes per reply (gamma auto): easy " in out.with_suffix(".md").read_text()
     # grouped by acceptance, with a controller setting named in the report
     subprocess.run(command + ["--by-acceptance", "--controller", "fallback_margin=0,gate=false"], check=True,
                    capture_output=True)
@@ -245,6 +261,9 @@ class _Scripted:
 
     def gate_thresholds(self, batch_size):
         return self.thresholds
+
+    def in_fallback(self, request_id):
+        return False
 
     def observe(self, request_id, drafted, accepted, confidences=None):
         self.observed.append((drafted, accepted, list(confidences or [])))

@@ -138,6 +138,7 @@ class Replayed:
     seconds: float  # modelled: rounds at their mean cost
     rounds: int
     drafted: int
+    probes: int = 0  # drafting rounds gamma auto ran from fallback
 
 
 def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: RoundCostTable,
@@ -155,11 +156,12 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
     budget = trace.max_new_tokens or total
     if len(uniforms) < total:
         raise ValueError(f"need a uniform per reply token ({total}), got {len(uniforms)}")
-    seconds, pos, rounds, drafted_total = costs.prefill_seconds(trace.prompt_tokens, policy != 0), 0, 0, 0
+    seconds, pos, rounds, drafted_total, probes = costs.prefill_seconds(trace.prompt_tokens, policy != 0), 0, 0, 0, 0
     missing = 1  # tokens the draft model has not fed yet (the prompt's last)
     while pos < total:
         wanted = controller.plan([request_id], 1, [budget - pos])[0] if policy == "auto" else policy
         drafts = max(0, min(wanted, max_gamma, budget - pos - 1))  # the engine's clip: the budget, not the text
+        probes += int(drafts > 0 and controller is not None and controller.in_fallback(request_id))
         thresholds = controller.gate_thresholds(1) if policy == "auto" and drafts > 0 else []
         drafted, accepted, rejected, confidences = 0, 0, False, []
         for j in range(drafts):
@@ -190,7 +192,7 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
         missing = missing + 1 if drafted == 0 else 1 + (accepted == drafted)
     if controller is not None:
         controller.release(request_id)
-    return Replayed(total, seconds, rounds, drafted_total)
+    return Replayed(total, seconds, rounds, drafted_total, probes)
 
 
 def timing_noise(rng: random.Random, sd: float = 0.05, stall_rate: float = 0.02) -> Callable[[], float]:
@@ -201,16 +203,19 @@ def timing_noise(rng: random.Random, sd: float = 0.05, stall_rate: float = 0.02)
 def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, seed: int = 0,
             fixed: Sequence[int] = tuple(range(1, 9)),
             new_controller: Callable[[], GammaController] = GammaController,
-            progress: Callable[[int], None] | None = None) -> dict[str, dict[str, float]]:
+            progress: Callable[[int], None] | None = None,
+            probes: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Tokens per modelled second per system and category (and "overall"), summed over `replicates`
     replays of every trace. Every system sees the same coins per replicate and trace. "gamma=auto" keeps
     one controller through a replicate (traces in a shuffled order, as a server sees requests);
-    "gamma=auto fresh" gets a new one per trace."""
+    "gamma=auto fresh" gets a new one per trace. `probes`, if given, receives gamma auto's mean number
+    of fallback probes per reply, per category."""
     if replicates < 1:
         raise ValueError(f"replicates must be >= 1, got {replicates}")
     systems: dict[str, Policy] = {"target-only": 0, **{f"gamma={g}": g for g in fixed},
                                   "gamma=auto": "auto", "gamma=auto fresh": "auto"}
     sums: dict[str, dict[str, list[float]]] = {s: defaultdict(lambda: [0.0, 0.0]) for s in systems}
+    probed: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> replies, probes (gamma auto)
     for rep in range(replicates):
         order = list(range(len(traces)))
         random.Random(seed * 7919 + rep).shuffle(order)
@@ -226,6 +231,11 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
                 for cat in (trace.category, "overall"):
                     sums[name][cat][0] += result.tokens
                     sums[name][cat][1] += result.seconds
+                    if name == "gamma=auto":
+                        probed[cat][0] += 1
+                        probed[cat][1] += result.probes
             if progress is not None:
                 progress(1)
+    if probes is not None:
+        probes.update({cat: n / replies for cat, (replies, n) in probed.items()})
     return {name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in sums.items()}
