@@ -126,22 +126,31 @@ def test_no_probes_with_too_few_tokens_left() -> None:
 
 
 def test_the_engine_tells_the_controller_each_rows_budget_left(tiny_target, tiny_draft, monkeypatch) -> None:
+    """Beside a fixed-gamma row and a plain one with other budgets, the adaptive rows' budgets left
+    reach the controller, each beside its own request id."""
     controller = GammaController()
-    seen: list[list[int] | None] = []
+    seen: list[dict[str, int]] = []
     plan = controller.plan
 
     def spy(request_ids: list[str], batch_size: int, remaining: list[int] | None = None) -> list[int]:
-        seen.append(remaining)
+        seen.append(dict(zip(request_ids, remaining or [])))
         return plan(request_ids, batch_size, remaining)
 
     monkeypatch.setattr(controller, "plan", spy)
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True), controller=controller)
-    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=12))
-    left, expected = 12, []
+    config = SpecConfig(gamma=4, adaptive=True, max_batch_size=4)
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), config, controller=controller)
+    budgets = {"auto-a": 12, "fixed": 20, "plain": 7, "auto-b": 9}
+    for rid, budget in budgets.items():
+        engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=budget), request_id=rid,
+                           speculative=rid != "plain", gamma=2 if rid == "fixed" else None)
+    left, expected = dict(budgets), []
     for result in engine.stream():
-        expected.append([left])
-        left -= sum(len(u.new_tokens) for u in result.rows)
-    assert seen == expected and left == 0
+        running = {rid: n for rid, n in left.items() if rid.startswith("auto") and n > 0}
+        if running:
+            expected.append(running)
+        for update in result.rows:
+            left[update.request_id] -= len(update.new_tokens)
+    assert seen == expected and not any(left.values())
 
 
 def test_cost_ratio_is_measured_per_batch_size() -> None:

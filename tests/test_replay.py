@@ -160,17 +160,29 @@ def test_gamma_auto_replayed_falls_back_on_a_poor_draft_and_drafts_on_a_good_one
 
 
 def test_probes_are_counted_and_stop_near_the_end_of_the_budget():
-    """A reply the draft is lost on: gamma auto falls back and probes now and then, but not in the last
-    probe_horizon tokens of the budget; without the horizon (the broken variant) it probes there too."""
-    coins = [0.99] * 200  # every draft rejected
+    """A reply the draft is lost on: gamma auto falls back and probes now and then, but not with under
+    probe_horizon tokens left in the budget (the budget, not the text: this text stops at 150 tokens of
+    200); without the horizon (the broken variant) it probes there too. Replayed.probes counts them."""
+    coins = [0.99] * 150  # every draft rejected
+    trace = dataclasses.replace(_constant_trace(0.02, 150), max_new_tokens=200)
 
-    def run(horizon: int, length: int) -> int:
+    def probes_left(horizon: int) -> tuple[list[int], int]:
         controller = GammaController(ControllerConfig(prior_cost_ratio=0.2, probe_horizon=horizon))
-        return replay(_constant_trace(0.02, length), "auto", coins, _linear_costs(), lambda: 1.0, controller).probes
+        plan, seen = controller.plan, []
 
-    # up to its last 32 tokens a 200-token reply probes as a 168-token one without the horizon, then stops
-    assert run(32, 200) == run(0, 168) >= 3
-    assert run(0, 200) > run(32, 200)
+        def spy(request_ids, batch_size, remaining=None):
+            drafts = plan(request_ids, batch_size, remaining)
+            if drafts[0] > 0 and controller.in_fallback(request_ids[0]):
+                seen.append(remaining[0])
+            return drafts
+
+        controller.plan = spy
+        return seen, replay(trace, "auto", coins, _linear_costs(), lambda: 1.0, controller).probes
+
+    left, counted = probes_left(horizon=80)
+    assert counted == len(left) >= 3 and min(left) >= 80 and max(left) > 150  # the budget left, not the text
+    left, counted = probes_left(horizon=0)
+    assert counted == len(left) and min(left) < 80
 
 
 def test_compare_pairs_every_policy_on_the_same_texts():

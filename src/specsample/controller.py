@@ -251,7 +251,7 @@ class GammaController:
         """Drafts each request may propose this round (0 = decode without drafting); `remaining`: tokens
         left in each request's budget."""
         self._round += 1
-        left = dict(zip(request_ids, remaining)) if remaining is not None else {}
+        left = dict(zip(request_ids, remaining, strict=True)) if remaining is not None else {}
         if self._calibration_due(batch_size):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
             self._last_plain[batch_size] = self._round
@@ -329,8 +329,8 @@ class GammaController:
 
         A probe pays only through the drafting it brings back, and a request resumes only after several
         probes at least `probe_every` rounds apart have lifted its estimate: with under `probe_horizon`
-        tokens left, a recovery noticed comes too late to repay them. On the tuning stream's 64-token
-        replies where the draft was lost (docs/adaptive.md) probes fell from ~7 to ~3-4 per reply; a long
+        tokens left, a recovery noticed comes too late to repay them. On the tuning set's 64-token
+        translation requests (docs/adaptive.md) probes fell from 6-7 per reply to about 3; a long
         generation near break-even keeps its probes while it has tokens left."""
         return remaining is None or remaining >= self.config.probe_horizon
 
