@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
 
-    pair = load_model_draft_pair(args.target, args.draft)
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     prompts, ids = encode_fitting(load_prompts("spec-bench", args.per_category, 0), tokenizer, target.max_seq_len,
                                   args.max_new_tokens)
@@ -87,7 +87,9 @@ def main() -> None:
     bar.close()
     report = {"command": command_line("benchmarks/adaptive.py", args),
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__}, "draft": pair.draft_spec, "target_widths": list(widths),
+                          "torch": torch.__version__}, "draft": pair.draft_spec,
+              "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
+              "target_widths": list(widths),
               "results": {}}
     report["modelled"], report["model_fit"] = {}, {}
     for temperature in temperatures:

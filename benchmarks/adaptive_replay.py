@@ -138,7 +138,7 @@ def controller_config(spec: str) -> ControllerConfig:
 
 def record(args: argparse.Namespace) -> tuple[dict[str, list[Trace]], dict]:
     """Sample replies from the target alone and score them teacher-forced with both models."""
-    pair = load_model_draft_pair(args.target, args.draft)
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
     tokenizer, target, draft = pair.target.tokenizer, pair.target.model, pair.drafter.model
     prompts, ids = encode_fitting(load_prompts(args.dataset, args.per_category, 0), tokenizer, target.max_seq_len,
                                   args.max_new_tokens)
@@ -156,7 +156,7 @@ def record(args: argparse.Namespace) -> tuple[dict[str, list[Trace]], dict]:
                 reply = result.completions[0].token_ids
                 with torch.inference_mode():
                     target_logits = reply_logits(target, prompt_ids, reply)
-                    draft_logits = reply_logits(draft, prompt_ids, reply)
+                    draft_logits = reply_logits(draft, prompt_ids, reply, pair.drafter.window)
                 generator = torch.Generator().manual_seed(params.seed)
                 rows.append(trace_from_logits(prompt.category, len(prompt_ids), reply, target_logits, draft_logits,
                                               params, generator))
@@ -164,7 +164,8 @@ def record(args: argparse.Namespace) -> tuple[dict[str, list[Trace]], dict]:
     bar.close()
     report = {"record_command": "python benchmarks/adaptive_replay.py " + " ".join(sys.argv[1:]),
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__}, "draft": pair.draft_spec}
+                          "torch": torch.__version__}, "draft": pair.draft_spec,
+              "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None}
     return traces, report
 
 

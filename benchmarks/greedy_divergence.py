@@ -38,7 +38,7 @@ def main() -> None:
     gammas = [int(g) for g in args.gammas.split(",")]
     if min(gammas) < 1 or args.per_category < 1:
         parser.error("--gammas must be >= 1 and --per-category >= 1")
-    pair = load_pair(args.target, args.draft, args.dtype)
+    pair = load_pair(args.target, args.draft, args.dtype, draft_window=args.draft_window)
     if pair.drafter is None:
         raise SystemExit(f"{args.target} has no draft to speculate with; pass --draft")
     tokenizer, target = pair.target.tokenizer, pair.target.model

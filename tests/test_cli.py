@@ -106,3 +106,22 @@ def test_defaults_run_the_embedded_models() -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["stats"]["target"] == "smollm2-135m-instruct" and out["text"]
+
+
+def test_draft_window_flag(models, tmp_path) -> None:
+    """A draft folder's draft_window.json is used by default (auto) or ignored (off); greedy text never changes."""
+    import shutil
+
+    draft = tmp_path / "windowed"
+    shutil.copytree(models["draft"], draft)
+    (draft / "draft_window.json").write_text(json.dumps({"sink": 2, "recent": 4, "limit": 12}))
+    args = ["generate", "the quick brown fox jumps over the lazy dog " * 2, "--target", str(models["target"]),
+            "--temperature", "0", "--max-new-tokens", "16", "--no-chat", "--json", "--gamma", "2"]
+    plain = json.loads(run_cli(*args, "--no-speculation").stdout)["token_ids"]
+    for mode in ("auto", "off"):
+        done = run_cli(*args, "--draft", str(draft), "--draft-window", mode)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        assert out["token_ids"] == plain and out["stats"]["drafted"] > 0
+    bad = run_cli(*args, "--draft", str(draft), "--draft-window", "on")
+    assert bad.returncode != 0 and "--draft-window: invalid choice" in bad.stderr

@@ -7,13 +7,25 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from model_factory import make_tokenizer, write_hf_model
-from specsample.distill.collect import CollectConfig, collect_on_policy, collect_teacher_forced
-from specsample.distill.data import DataReader, DataWriter, Sequence_
-from specsample.distill.train import (Batches, DraftShape, TrainConfig, choose_output_subset, heldout_metrics,
-                                      init_draft, train)
+
 from specsample.datasets import Prompt
+from specsample.distill.collect import (
+    CollectConfig,
+    collect_on_policy,
+    collect_teacher_forced,
+)
+from specsample.distill.data import DataReader, DataWriter, Sequence_
+from specsample.distill.train import (
+    Batches,
+    DraftShape,
+    TrainConfig,
+    choose_output_subset,
+    heldout_metrics,
+    init_draft,
+    train,
+)
+from specsample.drafters.model import DraftWindow
 from specsample.models.loader import load_model
 
 K = 8
@@ -135,8 +147,9 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "draft_vocab.json", "README.md", "eval.json",
-                 "training_curve.png"):
+                 "training_curve.png", "draft_window.json"):
         assert (out / name).exists(), name
+    assert DraftWindow.from_folder(out) == DraftWindow(sink=4, recent=32, limit=64)  # trained on --max-len 64
     ours = load_model(str(out), dtype="float32")
     subset = torch.tensor(json.loads((out / "draft_vocab.json").read_text())["token_ids"])
     ids = torch.tensor([[5, 17, 42, 7, 99]])
@@ -150,3 +163,4 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     overall = json.loads((out / "eval.json").read_text())["categories"]["overall"]
     assert f"{overall['agree']:.3f}" in card
     assert f"specsample distill --target {target} --out {out}" in card  # the command that made it
+    assert "drafts from the first 4 and the latest 32 tokens" in card  # its window, from --max-len 64

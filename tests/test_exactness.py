@@ -20,6 +20,7 @@ from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
 from specsample.sampling import warp_probs
 from stats_util import chi_square
@@ -106,10 +107,14 @@ def _adaptive_cases(draft):
         "ngram": (NgramDrafter(min_n=1, max_n=2), False, None),
         "hybrid": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), False, None),
         "auto_gamma_with_gate": (ModelDrafter(draft), True, FixedGate(ControllerConfig(max_gamma=4))),
+        # the draft sees 3 of the prompt's 7 fed tokens (a re-windowed row is a fresh draft on another
+        # view: tests/test_draft_window.py; 3 new tokens are too few to reach a limit)
+        "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True,
+                         FixedGate(ControllerConfig(max_gamma=3))),
     }
 
 
-@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate"])
+@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "draft_window"])
 def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
     drafter, adaptive, controller = _adaptive_cases(draft)[case]

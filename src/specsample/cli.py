@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specsample.config import SamplingParams, SpecConfig
+from specsample.drafters.model import WINDOW_MODES
 from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
@@ -32,8 +33,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None,
                         help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt lookup), "
                              "'hybrid[:MODEL]' (n-gram where the context repeats, the model elsewhere) or 'none'. "
-                             "Default: the target alias's draft; for smollm2-135m-instruct that is 'ngram' until "
-                             "a distilled draft ships (the best draft we have: no small model shares its tokenizer)")
+                             "Default: the target alias's draft (smollm2-135m-instruct: the distilled draft shipped "
+                             "in the package; gemma3-270m: ngram)")
+    parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
+                        help="what a draft model attends to: auto (the window saved with the draft, for the shipped "
+                             "one its first 32 and latest 256 tokens: it was trained on 512) or off (the whole "
+                             "context); never changes the output's distribution (default auto)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively), float32, bfloat16")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--runtime", default="auto", choices=("auto", "ours", "hf"),
@@ -150,6 +155,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--model", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
     serve.add_argument("--speculative-model", default=None,
                        help="draft spec (model, 'ngram', 'hybrid[:MODEL]', 'none'); default: the target alias's draft")
+    serve.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
+                       help="what a draft model attends to: auto (the window saved with the draft) or off (the whole "
+                            "context); see generate --help")
     serve.add_argument("--num-speculative-tokens", type=_gamma_arg, default="auto",
                        help="gamma, or 'auto' (default): chosen per request online, up to --max-gamma")
     serve.add_argument("--max-gamma", type=int, default=8)
@@ -232,7 +240,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print("specsample: compiling the decode steps after loading (20-80 s on a small CPU, once per process)",
               file=sys.stderr, flush=True)
     pair = load_pair(args.target, "none" if args.no_speculation else args.draft, args.dtype, args.device,
-                     args.runtime, compile_decode=args.compile)
+                     args.runtime, compile_decode=args.compile, draft_window=args.draft_window)
     tokenizer = pair.target.tokenizer
     if tokenizer is None:
         raise CliError(f"{args.target} has no tokenizer files; text generation needs one")
@@ -354,7 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from specsample.server.app import ServerOptions, SpecServer, build_app
 
     config = spec_config(args.num_speculative_tokens, args.max_gamma, True, args.max_batch_size, args.max_model_len)
-    pair = load_pair(args.model, args.speculative_model, args.dtype, args.device)
+    pair = load_pair(args.model, args.speculative_model, args.dtype, args.device, draft_window=args.draft_window)
     if pair.drafter is not None:  # a server started without a draft keeps decoding plain
         config = _measure_widths(config, pair.target.model, args.pad_rows)
     server = SpecServer(pair, config, ServerOptions(model_name=args.served_model_name or args.model,
@@ -398,7 +406,7 @@ def _serve_on_ray(args: argparse.Namespace) -> None:
         model=args.model, draft=args.speculative_model, gamma=str(args.num_speculative_tokens), max_gamma=args.max_gamma,
         max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
         api_key=args.api_key, min_acceptance=args.min_acceptance, dtype=args.dtype, device=args.device,
-        pad_rows=args.pad_rows)
+        pad_rows=args.pad_rows, draft_window=args.draft_window)
     options = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
                                  args.num_gpus_per_replica, args.max_batch_size)
     ray.init(address=args.ray_address)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ray import serve
 
+from specsample.drafters.model import WINDOW_MODES
 from specsample.models.row_padding import PAD_MODES
 
 log = logging.getLogger("specsample.deploy")
@@ -44,10 +45,13 @@ class ReplicaSettings:
     dtype: str = "auto"
     device: str = "cpu"
     pad_rows: str = "auto"  # see `specsample serve --pad-rows`
+    draft_window: str = "auto"  # see `specsample serve --draft-window`
 
     def __post_init__(self) -> None:
         if self.pad_rows not in PAD_MODES:  # before any replica loads a model
             raise ValueError(f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
+        if self.draft_window not in WINDOW_MODES:
+            raise ValueError(f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ReplicaSettings:
@@ -96,7 +100,7 @@ class SpecsampleReplica:
         self.replica_id = context.replica_id.unique_id if context is not None else "local"
         gamma = s.gamma if s.gamma == "auto" else int(s.gamma)
         config = spec_config(gamma, s.max_gamma, True, s.max_batch_size, s.max_model_len)
-        pair = load_pair(s.model, s.draft, s.dtype, s.device)
+        pair = load_pair(s.model, s.draft, s.dtype, s.device, draft_window=s.draft_window)
         if pair.drafter is not None:  # a replica started without a draft keeps decoding plain
             config = with_target_widths(config, pair.target.model, s.pad_rows)
         self.server = SpecServer(pair, config, ServerOptions(

@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 
 from specsample.drafters.base import Drafter
 from specsample.drafters.hybrid import HybridDrafter
-from specsample.drafters.model import ModelDrafter
+from specsample.drafters.model import WINDOW_MODES, DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.hub import ALIASES, FetchError
 from specsample.models.loader import LoadedModel, load_model
@@ -27,6 +27,14 @@ class Pair:
     target: LoadedModel
     drafter: Drafter | None
     draft_spec: str
+    # how the draft was loaded, so a draft swapped in later (the server's /admin/draft) loads the same way
+    dtype: str | torch.dtype = "auto"
+    device: str | torch.device = "cpu"
+    draft_window: str | DraftWindow = "auto"
+
+    def load_draft(self, spec: str) -> Drafter | None:
+        """Another drafter for this target, loaded as this pair's was (dtype, device, window)."""
+        return load_drafter(spec, self.target, self.dtype, self.device, window=self.draft_window)
 
 
 def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
@@ -37,21 +45,26 @@ def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
 
 
 def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu", compile_decode: bool = False) -> Drafter | None:
+                 device: str | torch.device = "cpu", compile_decode: bool = False,
+                 window: str | DraftWindow = "auto") -> Drafter | None:
     """Build the drafter for `spec`: 'ngram', 'none', 'hybrid[:MODEL]' (n-gram where the context
     repeats, the model elsewhere), or any model spec sharing the target's tokenizer. `compile_decode`
-    compiles a draft model's one-token steps (see `load_model`).
+    compiles a draft model's one-token steps (see `load_model`). `window`: what a draft model attends
+    to, 'auto' (the `DraftWindow` saved in its folder, else the whole context), 'off' (the whole
+    context) or a `DraftWindow`.
 
     A draft that exists but cannot be loaded (out of memory, unreadable files) is not fatal: we
     decode without speculation and say so loudly.
     """
+    if isinstance(window, str) and window not in WINDOW_MODES:
+        raise ValueError(f"draft window must be one of {', '.join(WINDOW_MODES)} or a DraftWindow, got {window!r}")
     if spec in NO_DRAFT:
         return None
     if spec == "ngram":
         return NgramDrafter()
     if spec == "hybrid" or spec.startswith("hybrid:"):
         model_spec = spec.partition(":")[2] or _model_draft_default(target)
-        model = load_drafter(model_spec, target, dtype, device, compile_decode)
+        model = load_drafter(model_spec, target, dtype, device, compile_decode, window)
         if model is None:  # the model failed to load (already logged): keep prompt lookup at least
             log.warning("hybrid drafting continues with n-gram lookup only")
             return NgramDrafter()
@@ -72,7 +85,9 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         if target.tokenizer.hf.get_vocab() != draft.tokenizer.hf.get_vocab():
             raise ValueError("draft tokenizer maps tokens to different ids than the target's; pick a draft "
                              "trained with the target's tokenizer, or use --draft ngram")
-    return ModelDrafter(draft.model, draft.folder)
+    if window == "auto":
+        window = DraftWindow.from_folder(draft.folder)
+    return ModelDrafter(draft.model, draft.folder, window if isinstance(window, DraftWindow) else None)
 
 
 def _model_draft_default(target: LoadedModel) -> str:
@@ -83,8 +98,11 @@ def _model_draft_default(target: LoadedModel) -> str:
 
 
 def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype = "auto",
-              device: str | torch.device = "cpu", runtime: str = "auto", compile_decode: bool = False) -> Pair:
-    """Load the target and its drafter from specs (`compile_decode`: see `load_model`)."""
+              device: str | torch.device = "cpu", runtime: str = "auto", compile_decode: bool = False,
+              draft_window: str | DraftWindow = "auto") -> Pair:
+    """Load the target and its drafter from specs (`compile_decode`: see `load_model`; `draft_window`:
+    see `load_drafter`)."""
     target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime, compile_decode=compile_decode)
     spec = resolve_draft_spec(target, draft_spec)
-    return Pair(target, load_drafter(spec, target, dtype, device, compile_decode), spec)
+    drafter = load_drafter(spec, target, dtype, device, compile_decode, draft_window)
+    return Pair(target, drafter, spec, dtype, device, draft_window)

@@ -37,7 +37,7 @@ from torch import Tensor
 from specsample.bench.round_costs import CostModel
 from specsample.config import SamplingParams
 from specsample.controller import GammaController
-from specsample.drafters.model import MERGED_BACKLOG
+from specsample.drafters.model import MERGED_BACKLOG, DraftWindow
 from specsample.models.base import CausalLM
 from specsample.sampling import warp_probs
 
@@ -65,16 +65,26 @@ class Trace:
             raise ValueError(f"max_new_tokens {self.max_new_tokens} is shorter than the reply ({len(self.accept)})")
 
 
-def reply_logits(model: CausalLM, prompt: Sequence[int], reply: Sequence[int]) -> Tensor:
-    """Logits `[len(reply), vocab]` the model gives each reply token, teacher-forced in one forward."""
+def reply_logits(model: CausalLM, prompt: Sequence[int], reply: Sequence[int],
+                 window: DraftWindow | None = None) -> Tensor:
+    """Logits `[len(reply), vocab]` the model gives each reply token, teacher-forced (one forward per
+    window: with a `DraftWindow` the model sees the window's view of the context, as a windowed
+    `ModelDrafter` does, re-windowed whenever its positions reach the limit; the drafter re-windows a
+    round or so earlier, which this does not follow)."""
     if not prompt or not reply:
         raise ValueError("need a non-empty prompt and reply")
-    cache = model.new_cache(1, len(prompt) + len(reply) + 1)
-    slots = torch.tensor([0])
-    if len(prompt) > 1:
-        model.prefill(torch.tensor([list(prompt[:-1])], device=model.device), cache, slots)
-    tokens = torch.tensor([[prompt[-1], *reply[:-1]]], device=model.device)
-    return model.forward_cached(tokens, cache, slots)[0].float().cpu()
+    slots, parts, done = torch.tensor([0]), [], 0
+    while done < len(reply):
+        context = [*prompt, *reply[:done]]
+        kept = window.view(context[:-1])[0] if window is not None else context[:-1]
+        take = len(reply) - done if window is None else min(len(reply) - done, window.limit - len(kept))
+        cache = model.new_cache(1, len(kept) + take + 1)
+        if kept:
+            model.prefill(torch.tensor([kept], device=model.device), cache, slots)
+        tokens = torch.tensor([[context[-1], *reply[done:done + take - 1]]], device=model.device)
+        parts.append(model.forward_cached(tokens, cache, slots)[0].float().cpu())
+        done += take
+    return torch.cat(parts)
 
 
 def trace_from_logits(category: str, prompt_tokens: int, reply: Sequence[int], target_logits: Tensor,

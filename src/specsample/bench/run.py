@@ -26,7 +26,7 @@ from specsample.bench.stats import acceptance_summary, percentile, predicted_spe
 from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_hard_prompts, sharegpt_prompts, spec_bench_prompts
-from specsample.drafters.model import ModelDrafter
+from specsample.drafters.model import WINDOW_MODES, ModelDrafter
 from specsample.models.base import CausalLM
 from specsample.models.row_padding import PAD_MODES, with_target_widths
 from specsample.pair import Pair, load_pair
@@ -66,9 +66,11 @@ class BenchConfig:
 
 
 def add_pair_options(parser: argparse.ArgumentParser) -> None:
-    """`--target` and `--draft`, as the benchmark scripts take them."""
+    """`--target`, `--draft` and `--draft-window`, as the benchmark scripts take them."""
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--draft", default=None, help="draft spec (default: the alias's)")
+    parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
+                        help="auto: the window saved with the draft; off: the draft sees the whole context")
 
 
 def add_pad_rows_option(parser: argparse.ArgumentParser) -> None:
@@ -85,9 +87,9 @@ def measured_widths(target: CausalLM, gamma: int, mode: str) -> tuple[int, ...]:
     return widths
 
 
-def load_model_draft_pair(target: str, draft: str | None) -> Pair:
+def load_model_draft_pair(target: str, draft: str | None, window: str = "auto") -> Pair:
     """The target and its drafter, for a benchmark that measures a draft model (n-gram is refused)."""
-    pair = load_pair(target, draft)
+    pair = load_pair(target, draft, draft_window=window)
     if not isinstance(pair.drafter, ModelDrafter):
         raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
     return pair

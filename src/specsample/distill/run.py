@@ -12,11 +12,27 @@ from typing import Any
 
 import torch
 
-from specsample.datasets import Prompt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
-from specsample.distill.collect import CollectConfig, collect_on_policy, collect_teacher_forced
+from specsample.datasets import (
+    Prompt,
+    sharegpt_prompts,
+    spec_bench_prompts,
+    text_file_prompts,
+)
+from specsample.distill.collect import (
+    CollectConfig,
+    collect_on_policy,
+    collect_teacher_forced,
+)
 from specsample.distill.data import DataReader, DataWriter
 from specsample.distill.evaluate import evaluate
-from specsample.distill.train import DraftShape, TrainConfig, choose_output_subset, init_draft, train
+from specsample.distill.train import (
+    DraftShape,
+    TrainConfig,
+    choose_output_subset,
+    init_draft,
+    train,
+)
+from specsample.drafters.model import DraftWindow
 from specsample.models.convert import save_hf_folder
 from specsample.models.hf_names import export_hf_state_dict
 from specsample.models.llama import LlamaModel
@@ -137,7 +153,7 @@ def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: f
     if record["step"] < config.steps:
         _log(f"stopped at step {record['step']}/{config.steps}; rerun with --resume to continue")
         return {"finished": False, "step": record["step"]}
-    export(draft, target, plan.out, stores, record)
+    export(draft, target, plan.out, stores, record, plan.collect.max_len)
     exported = load_model(str(plan.out), dtype="float32", device=plan.device)
     report = evaluate(fp32_target, exported.model, target.tokenizer, _eval_prompts(plan),
                       plan.eval_max_new_tokens, progress=progress)
@@ -162,8 +178,10 @@ def _plan_dict(plan: DistillPlan) -> dict[str, Any]:
     return out
 
 
-def export(draft: LlamaModel, target: LoadedModel, out: Path, stores: list[DataReader], record: dict[str, Any]) -> None:
-    """Write the draft as a standard HF Llama folder (bf16), its output subset and its tokenizer."""
+def export(draft: LlamaModel, target: LoadedModel, out: Path, stores: list[DataReader], record: dict[str, Any],
+           trained_len: int) -> None:
+    """Write the draft as a standard HF Llama folder (bf16), its output subset, its tokenizer and the
+    context window it drafts from (it saw sequences of at most `trained_len` tokens)."""
     config = draft.config.to_hf()
     config["torch_dtype"] = "bfloat16"
     tensors = export_hf_state_dict(draft)
@@ -174,6 +192,10 @@ def export(draft: LlamaModel, target: LoadedModel, out: Path, stores: list[DataR
             "note": "specsample restricts this draft's output to these token ids (FR-Spec); other tokens get "
                     "probability 0. transformers ignores this file and uses the full tied vocabulary, so its "
                     "logits equal ours on these ids."}))
+    window = DraftWindow.trained_on(trained_len)
+    if window is not None:
+        window.save(out, f"trained on sequences of at most {trained_len} tokens: specsample drafts from the first "
+                         f"{window.sink} and latest {window.recent}, re-windowed at {window.limit} positions")
     (out / "training_curve.json").write_text(json.dumps(record["curve"], indent=1))
     _plot_curve(record["curve"], out / "training_curve.png")
 
@@ -213,6 +235,13 @@ def write_model_card(plan: DistillPlan, stores: list[DataReader], record: dict[s
     lines += ["## Data", ""]
     for store in stores:
         lines.append(f"- {store.index['kind']}: {len(store)} sequences, {store.num_tokens} tokens, top-{store.k}")
+    window = DraftWindow.trained_on(plan.collect.max_len)
+    if window is not None:
+        lines += ["", "## Context window", "",
+                  f"Trained on sequences of at most {plan.collect.max_len} tokens, so specsample drafts from the first "
+                  f"{window.sink} and the latest {window.recent} tokens of a longer context, re-windowed at "
+                  f"{window.limit} positions (`draft_window.json`; `--draft-window off` gives it the whole context). "
+                  "The evaluation below scores the whole context."]
     lines += ["", "## Training", "",
               f"{record['step']} steps, {record['tokens_seen']} scored tokens seen; settings: `{json.dumps(record['config'])}`",
               "", "![training curve](training_curve.png)", "", "| step | tokens | train loss | held-out loss | held-out alpha | agreement |",

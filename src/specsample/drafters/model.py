@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +15,62 @@ from specsample.models.base import CausalLM, ModelCache, pad_right, prefill_ragg
 from specsample.sampling import sample, warp_rows
 
 MERGED_BACKLOG = 8  # a lone row's backlog up to this long goes into its first draft forward (logits for each)
+WINDOW_FILE = "draft_window.json"  # in a draft's folder: the DraftWindow it drafts best with
+WINDOW_MODES = ("auto", "off")  # --draft-window: the draft folder's DraftWindow (if any), or the whole context
+
+
+@dataclass(frozen=True)
+class DraftWindow:
+    """The part of a long context a draft model attends to: its first `sink` tokens and its last `recent`.
+
+    A small draft trained on short sequences drafts worse from a context longer than it learnt: the
+    shipped draft saw at most 512 tokens, and on long ShareGPT prompts (800-1500 tokens) its greedy
+    agreement with the target falls from 0.35 with this window to 0.19 with the whole prompt
+    (docs/draft.md). Keeping the first tokens (the chat template's system block) and the latest ones
+    holds its positions within what it was trained on; when a generation grows a row's cache to
+    `limit` positions, the row is re-windowed on its latest tokens (one prefill of sink + recent).
+    What the draft sees changes only its proposals, never the output's distribution: the verifier
+    checks every draft against the target, which always sees the whole context.
+    """
+
+    sink: int = 32
+    recent: int = 256
+    limit: int = 512
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.recent < 1:
+            raise ValueError(f"need sink >= 0 and recent >= 1, got {self.sink}, {self.recent}")
+        if self.limit < self.sink + self.recent + 4:  # a re-windowed row feeds 2 tokens, drafts 1, may pad 1
+            raise ValueError(f"limit ({self.limit}) must exceed sink + recent ({self.sink + self.recent}) by at least 4")
+
+    def view(self, tokens: Sequence[int]) -> tuple[list[int], int]:
+        """The tokens of `tokens` a draft attends to, and how many it skips (those between sink and recent)."""
+        skipped = max(len(tokens) - self.sink - self.recent, 0)
+        return list(tokens[: self.sink]) + list(tokens[self.sink + skipped:]), skipped
+
+    @classmethod
+    def trained_on(cls, max_len: int) -> DraftWindow | None:
+        """The window for a draft trained on sequences of at most `max_len` tokens: re-windowed at `max_len`
+        positions to its first max_len / 16 (up to 32) and latest max_len / 2 tokens; None when too short."""
+        sink, recent = min(32, max_len // 16), max_len // 2
+        return cls(sink=sink, recent=recent, limit=max_len) if recent >= 1 and max_len >= sink + recent + 4 else None
+
+    def save(self, folder: Path, why: str) -> None:
+        """Write the window beside a draft's weights (`draft_window.json`), where `from_folder` finds it."""
+        fields = {"sink": self.sink, "recent": self.recent, "limit": self.limit, "why": why}
+        (Path(folder) / WINDOW_FILE).write_text(json.dumps(fields, indent=2) + "\n")
+
+    @classmethod
+    def from_folder(cls, folder: Path | None) -> DraftWindow | None:
+        """The window saved beside a draft's weights (`draft_window.json`), or None (the whole context)."""
+        path = None if folder is None else Path(folder) / WINDOW_FILE
+        if path is None or not path.exists():
+            return None
+        fields = json.loads(path.read_text())
+        try:
+            return cls(sink=int(fields["sink"]), recent=int(fields["recent"]), limit=int(fields["limit"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: expected integer sink, recent and limit ({exc})") from exc
 
 
 class ModelDrafter:
@@ -20,37 +78,50 @@ class ModelDrafter:
 
     Per slot it keeps the full token history and how much of it sits in its KV cache; each round
     first feeds what the cache lacks (the last committed token, and the last draft when every draft
-    was accepted), then samples one token per step.
+    was accepted), then samples one token per step. With a `window` the cache holds only the
+    window's view of the history: `_skipped[slot]` history tokens are left out after the sink.
     """
 
-    def __init__(self, model: CausalLM, folder: Path | None = None) -> None:
+    def __init__(self, model: CausalLM, folder: Path | None = None, window: DraftWindow | None = None) -> None:
         self.model = model
         self.folder = folder  # where the draft was loaded from (peers like transformers can load it too)
+        self.window = window  # None: the draft attends to the whole context
         self.vocab_size = model.vocab_size
         self.cache: ModelCache | None = None
         self.history: dict[int, list[int]] = {}
         self._drafted: dict[int, list[int]] = {}  # last round's drafts per slot, to find what stays valid
+        self._skipped: dict[int, int] = {}  # history tokens per slot the window leaves out of the cache
 
     def allocate(self, num_slots: int, max_len: int) -> None:
-        """(Re)allocate the draft cache; called by the engine that owns the slots."""
-        self.cache = self.model.new_cache(num_slots, max_len)
+        """(Re)allocate the draft cache; called by the engine that owns the slots. A window bounds a
+        row's cache at its `limit` positions, however long the requests may be."""
+        self.cache = self.model.new_cache(num_slots, max_len if self.window is None else min(max_len, self.window.limit))
         self.history.clear()
         self._drafted.clear()
+        self._skipped.clear()
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Prefill each new row's prompt except its last token."""
+        """Prefill each new row's prompt except its last token (the window's view of it, with one)."""
+        fed = []
         for slot, prompt in zip(slots, prompts):
             self.history[slot] = list(prompt)
             self._drafted[slot] = []
+            kept, self._skipped[slot] = self.window.view(prompt[:-1]) if self.window else (list(prompt[:-1]), 0)
+            fed.append(kept)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self.cache.reset(slot_tensor)
-        prefill_ragged(self.model, self.cache, slot_tensor, [list(p[:-1]) for p in prompts])
+        prefill_ragged(self.model, self.cache, slot_tensor, fed)
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self.history.pop(slot, None)
             self._drafted.pop(slot, None)
+            self._skipped.pop(slot, None)
         self.cache.reset(torch.tensor(list(slots), dtype=torch.long))
+
+    def _fed(self, slot: int) -> int:
+        """History tokens the row's cache accounts for (held, or skipped by the window)."""
+        return int(self.cache.lengths[slot]) + self._skipped[slot]
 
     def propose(
         self,
@@ -65,8 +136,8 @@ class ModelDrafter:
         than `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only."""
         batch = len(slots)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
-        self._catch_up(slots)
-        pending = [self.history[s][int(self.cache.lengths[s]):] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
+        self._catch_up(slots, gamma)
+        pending = [self.history[s][self._fed(s):] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
         inputs, last = pad_right(pending, self.model.device)
         logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, pending, vocab]
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
@@ -106,16 +177,35 @@ class ModelDrafter:
         return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
                         confidence=draft_conf)
 
-    def _catch_up(self, slots: Sequence[int]) -> None:
+    def _catch_up(self, slots: Sequence[int], gamma: int) -> None:
         """Rows lacking more than two tokens (after an n-gram streak or plain rounds) are fed their
         backlog row by row, so a long backlog never pads into another row's cache; what is left is
         at most one pad position per row, within the cache's slack. A lone row with a short backlog
         keeps it for the round's first forward: there is no other row to pad, and at batch 1 a draft
-        forward costs about the same for 1 token as for 8, so this saves a forward per probe from fallback."""
+        forward costs about the same for 1 token as for 8, so this saves a forward per probe from fallback.
+        With a window, a row whose round would pass the window's limit is re-windowed first."""
         for slot in slots:
-            backlog = self.history[slot][int(self.cache.lengths[slot]):-2]
+            if self.window is not None and len(self.history[slot]) - self._skipped[slot] + gamma + 1 > self.window.limit:
+                self._rewindow(slot, gamma)
+            backlog = self.history[slot][self._fed(slot):-2]
             if backlog and (len(slots) > 1 or len(backlog) > MERGED_BACKLOG):
                 prefill_ragged(self.model, self.cache, torch.tensor([slot]), [backlog])
+
+    def _rewindow(self, slot: int, gamma: int) -> None:
+        """Rebuild a row's cache from the window's view of its history but the last two tokens (which the
+        round's first forward feeds, as after any accepted round). Where the window leaves too little
+        room for this round's drafts, the recent part shrinks to fit."""
+        window = self.window
+        room = window.limit - window.sink - 2 - gamma - 1  # recent tokens that leave room for the round
+        if room < 1:
+            raise ValueError(f"gamma {gamma} does not fit the draft window (limit {window.limit}, sink {window.sink})")
+        if room < window.recent:
+            window = DraftWindow(window.sink, room, window.limit)
+        kept, skipped = window.view(self.history[slot][:-2])
+        slot_tensor = torch.tensor([slot])
+        self.cache.reset(slot_tensor)
+        prefill_ragged(self.model, self.cache, slot_tensor, [kept])
+        self._skipped[slot] = skipped
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         """Keep cached drafts that were committed; drop the rest by lowering the cache length."""
@@ -127,8 +217,7 @@ class ModelDrafter:
             matched = 0
             while matched < min(len(drafted) - 1, len(new)) and drafted[matched] == new[matched]:
                 matched += 1
-            cached = int(self.cache.lengths[slot])
-            keep.append(min(cached, base + matched))
+            keep.append(min(self._fed(slot), base + matched) - self._skipped[slot])
             self.history[slot].extend(new)
             self._drafted[slot] = []
         self.cache.truncate(torch.tensor(list(slots), dtype=torch.long), torch.tensor(keep, dtype=torch.long))

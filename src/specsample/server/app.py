@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from specsample.config import SamplingParams, SpecConfig
 from specsample.drafters.routed import RoutedDrafter
 from specsample.engine import Engine, RowUpdate
-from specsample.pair import Pair, load_drafter
+from specsample.pair import Pair
 from specsample.server.metrics import ServerMetrics
 from specsample.server.protocol import ChatRequest, CompletionRequest, ProtocolError, TextAssembler
 from specsample.server.runner import EngineRunner, RequestHandle
@@ -140,7 +140,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
             spec = body.get("draft") if isinstance(body, dict) else None
             if not isinstance(spec, str) or not spec:
                 raise ProtocolError("give the new draft as {\"draft\": \"SPEC\"}", "draft")
-            drafter = await asyncio.to_thread(load_drafter, spec, srv.pair.target)
+            drafter = await asyncio.to_thread(srv.pair.load_draft, spec)
             if drafter is None:
                 raise ProtocolError(f"draft {spec!r} could not be loaded", "draft")
             if drafter.vocab_size is not None and drafter.vocab_size != srv.pair.target.model.vocab_size:
