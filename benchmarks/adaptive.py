@@ -45,8 +45,17 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
                         help="score rounds at the target's fastest width (measured once, used by every system)")
+    parser.add_argument("--systems", default="all",
+                        help="comma-separated systems to run (default all: " + ", ".join(SYSTEMS) + "); the goal check "
+                             "needs target-only, gamma=auto and a fixed gamma, and compares with the fixed gammas run")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
+    chosen = list(SYSTEMS) if args.systems == "all" else [n.strip() for n in args.systems.split(",")]
+    unknown = [n for n in chosen if n not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    if not {"target-only", "gamma=auto"} <= set(chosen) or not any(n.startswith("gamma=") and n[6:].isdigit() for n in chosen):
+        parser.error("--systems must include target-only, gamma=auto and at least one fixed gamma (the goal check)")
 
     pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
     tokenizer, target = pair.target.tokenizer, pair.target.model
@@ -61,14 +70,18 @@ def main() -> None:
                             max_seq_len=max_len, target_widths=widths)
         return Ours(name, target, drafter, config, eos, keep_controller=keep_controller)
 
-    model = pair.drafter.model
-    systems = [system("target-only", None, 1, speculative=False)]
-    systems += [system(f"gamma={g}", ModelDrafter(model), g) for g in range(1, 9)]
-    systems += [system("gamma=auto", ModelDrafter(model), 8, adaptive=True),
-                system("gamma=auto fresh", ModelDrafter(model), 8, adaptive=True, keep_controller=False),
-                system("ngram", NgramDrafter(), 5),
-                system("hybrid", HybridDrafter(ModelDrafter(model)), 5),
-                system("hybrid auto", HybridDrafter(ModelDrafter(model)), 8, adaptive=True)]
+    model, window = pair.drafter.model, pair.drafter.window
+    builders = {
+        "target-only": lambda: system("target-only", None, 1, speculative=False),
+        **{f"gamma={g}": (lambda g=g: system(f"gamma={g}", ModelDrafter(model, window=window), g)) for g in range(1, 9)},
+        "gamma=auto": lambda: system("gamma=auto", ModelDrafter(model, window=window), 8, adaptive=True),
+        "gamma=auto fresh": lambda: system("gamma=auto fresh", ModelDrafter(model, window=window), 8, adaptive=True,
+                                           keep_controller=False),
+        "ngram": lambda: system("ngram", NgramDrafter(), 5),
+        "hybrid": lambda: system("hybrid", HybridDrafter(ModelDrafter(model, window=window)), 5),
+        "hybrid auto": lambda: system("hybrid auto", HybridDrafter(ModelDrafter(model, window=window)), 8, adaptive=True),
+    }
+    systems = [builders[name]() for name in SYSTEMS if name in chosen]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
     timings = {t: defaultdict(list) for t in temperatures}  # system -> [(category, tokens, RunTiming)]
@@ -99,6 +112,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     write_report(report, args.out.with_suffix(".md"))
+
+
+SYSTEMS = ("target-only", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram", "hybrid",
+           "hybrid auto")
 
 
 def modelled(runs_by_system: dict[str, list]) -> tuple[dict, dict]:

@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from specsample.api import generate
 from specsample.bench.goals import goal_tables, passes
-from specsample.bench.replay import RoundCostTable, Trace, compare, replay, reply_logits, trace_from_logits
+from specsample.bench.replay import (DraftPrefill, RoundCostTable, Trace, compare, replay, reply_logits,
+                                     trace_from_logits)
 from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
@@ -54,6 +55,10 @@ def main() -> None:
                         help="replay the traces stored in these results instead (several: one stream, shuffled)")
     parser.add_argument("--controller", default="", metavar="KEY=VALUE,...",
                         help="ControllerConfig fields for gamma auto, e.g. fallback_margin=0,prior_weight=4")
+    parser.add_argument("--draft-prefill", type=Path, default=None, metavar="RESULT",
+                        help="a benchmarks/draft_window.py result: price a drafting policy's prefill as target-only's "
+                             "plus the draft's own timed prefill of what its window feeds it (default: fixed gamma 1's "
+                             "fit, a line in the prompt's length)")
     parser.add_argument("--by-acceptance", action="store_true",
                         help="group the texts by their mean acceptance instead of by category (e.g. for sharegpt)")
     args = parser.parse_args()
@@ -79,12 +84,14 @@ def main() -> None:
     report["replicates"] = args.replicates
     report["controller"] = dataclasses.asdict(config)
     report["by_acceptance"] = args.by_acceptance
+    report["draft_prefill_from"] = str(args.draft_prefill) if args.draft_prefill else None
+    draft_prefill = load_draft_prefill(args.draft_prefill, report.get("draft_window")) if args.draft_prefill else None
     report["results"] = {}
     bar = tqdm(total=args.replicates * sum(len(rows) for rows in replayed.values()), desc="replay")
     for temperature, rows in replayed.items():
         if temperature not in fits:
             raise SystemExit(f"{args.costs} has no fitted costs at temperature {temperature}")
-        costs = RoundCostTable.from_fits(fits[temperature])
+        costs = RoundCostTable.from_fits(fits[temperature], draft_prefill=draft_prefill)
         report.setdefault("round_costs", {})[temperature] = [  # what the verdicts hinge on, printed in the report
             costs.round_seconds(d, COST_CONTEXT) / costs.round_seconds(0, COST_CONTEXT) for d in range(1, 9)]
         probes = report.setdefault("probes", {}).setdefault(temperature, {})
@@ -108,12 +115,15 @@ def load_stored(paths: list[Path]) -> tuple[dict[str, list[Trace]], dict]:
     drafts = {s["draft"] for s in stored}
     if len(drafts) > 1:
         raise SystemExit(f"the results were recorded with different drafts: {sorted(drafts)}")
+    windows = {json.dumps(s.get("draft_window")) for s in stored}  # absent: recorded before windows (whole context)
+    if len(windows) > 1:
+        raise SystemExit(f"the results were recorded with different draft windows: {sorted(windows)}")
     temperatures = [t for t in stored[0]["traces"] if all(t in s["traces"] for s in stored)]
     if not temperatures:
         raise SystemExit("the results share no temperature")
     traces = {t: [_load_trace(x) for s in stored for x in s["traces"][t]] for t in temperatures}
     report = {"record_command": "; ".join(s["record_command"] for s in stored), "machine": stored[0]["machine"],
-              "draft": stored[0]["draft"]}
+              "draft": stored[0]["draft"], "draft_window": stored[0].get("draft_window")}
     return traces, report
 
 
@@ -248,11 +258,22 @@ def draft_confidence(trace: Trace) -> float:
     return sum(values) / len(values)
 
 
+def load_draft_prefill(path: Path, window: dict | None) -> DraftPrefill:
+    """The draft's timed prefill from a benchmarks/draft_window.py result, fed what the traces' window keeps."""
+    timed = json.loads(path.read_text()).get("prefill_seconds", {}).get("draft")
+    if not timed:
+        raise SystemExit(f"{path} has no draft prefill times (prefill_seconds.draft): run benchmarks/draft_window.py")
+    keeps = window["sink"] + window["recent"] if window else None
+    return DraftPrefill(tuple(sorted((int(n), float(s)) for n, s in timed.items())), keeps)
+
+
 def write_report(report: dict, out: Path) -> None:
     """Per temperature: the texts replayed, the acceptance on them, and the goal tables."""
     lines = [f"Traces recorded by: `{report['record_command']}`", f"Replayed by: `{report['command']}`", "",
-             f"Draft: `{report['draft']}`. Round costs: the fits of `{report['costs_from']}`. "
-             f"{report['replicates']} replays of every text; tokens per modelled second.", ""]
+             f"Draft: `{report['draft']}`. Round costs: the fits of `{report['costs_from']}`"
+             + (f"; a drafting prefill: target-only's plus the draft's prefill timed in `{report['draft_prefill_from']}`"
+                if report.get("draft_prefill_from") else "") + f". {report['replicates']} replays of every text; "
+             "tokens per modelled second.", ""]
     changed = {k: v for k, v in report.get("controller", {}).items() if getattr(ControllerConfig(), k) != v}
     if changed:
         lines += [f"gamma auto with ControllerConfig changes: {changed}.", ""]

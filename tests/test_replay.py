@@ -17,7 +17,7 @@ import torch
 from scipy import stats
 
 from specsample.bench.goals import goal_tables
-from specsample.bench.replay import RoundCostTable, Trace, compare, replay, trace_from_logits
+from specsample.bench.replay import DraftPrefill, RoundCostTable, Trace, compare, replay, trace_from_logits
 from specsample.bench.round_costs import CostModel
 from specsample.config import SamplingParams
 from specsample.controller import ControllerConfig, GammaController
@@ -337,8 +337,10 @@ def test_bad_policies_and_tables_are_refused():
     with pytest.raises(ValueError, match="max_gamma must be >= 3"):
         RoundCostTable.from_fits(fits, max_gamma=2)
     table = compare([_constant_trace(0.5, 8)], _linear_costs(), replicates=1, fixed=(1, 2))
-    with pytest.raises(ValueError, match="missing"):
-        goal_tables(table)
+    assert "Fixed gammas in this run: 1, 2 (the best fixed gamma below is the best of these)." in goal_tables(table)
+    for dropped in (["gamma=1", "gamma=2"], ["gamma=auto"], ["target-only"]):
+        with pytest.raises(ValueError, match="missing"):
+            goal_tables({k: v for k, v in table.items() if k not in dropped})
 
 
 def test_round_check_compares_the_runs_greedy_prompts_only():
@@ -354,3 +356,20 @@ def test_round_check_compares_the_runs_greedy_prompts_only():
     assert check["gamma=1"] == [6 * 5, 1000]  # drafts alternate accepted, rejected: 2 tokens a round
     run_fits["target-only"]["rounds"] = 90  # the run decoded other texts: nothing to compare
     assert round_check({"0.0": traces}, {"command": "x --per-category 2", "model_fit": {"0.0": run_fits}}) is None
+
+
+def test_a_drafting_prefill_priced_by_the_drafts_own_timing():
+    """With the draft's prefill timed apart, a drafting policy pays target-only's prefill plus the draft's
+    prefill of what its window feeds it (interpolated), not fixed gamma 1's line in the whole prompt."""
+    fits = json.loads((ROOT / "docs" / "adaptive_results.json").read_text())["model_fit"]["0.0"]
+    timed = DraftPrefill(((64, 0.002), (288, 0.006), (512, 0.012)), keeps=288)
+    costs = RoundCostTable.from_fits(fits, draft_prefill=timed)
+    a, b = fits["target-only"]["cost_model"]["prefill_coef"]
+    assert costs.prefill_seconds(700, False) == pytest.approx(a + 700 * b)
+    assert costs.prefill_seconds(700, True) == pytest.approx(a + 700 * b + 0.006)  # the window feeds 288
+    assert costs.prefill_seconds(177, True) == pytest.approx(a + 177 * b + 0.004)  # 176 fed: halfway
+    whole = DraftPrefill(timed.seconds, keeps=None)
+    assert whole(1025) == pytest.approx(0.012 + 0.006 * (1024 - 512) / 224)  # past the last point: the last slope
+    assert whole(1) == 0.0  # a one-token prompt feeds the draft nothing
+    with pytest.raises(ValueError, match="two or more"):
+        DraftPrefill(((64, 0.002),))

@@ -108,14 +108,38 @@ def trace_from_logits(category: str, prompt_tokens: int, reply: Sequence[int], t
 
 
 @dataclass(frozen=True)
+class DraftPrefill:
+    """The draft model's own prefill, timed apart (benchmarks/draft_window.py): seconds by tokens fed, and how
+    many of a prompt's tokens the drafter feeds it (sink + recent of its window; None: all but the last)."""
+
+    seconds: tuple[tuple[int, float], ...]  # (tokens, seconds), by tokens ascending
+    keeps: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.seconds) < 2 or [n for n, _ in self.seconds] != sorted({n for n, _ in self.seconds}):
+            raise ValueError("need draft prefill times at two or more distinct token counts, ascending")
+
+    def __call__(self, prompt_tokens: int) -> float:
+        """Seconds to prefill what the drafter feeds of a prompt (linear between the timed counts and past them)."""
+        fed = prompt_tokens - 1 if self.keeps is None else min(prompt_tokens - 1, self.keeps)
+        if fed <= 0:
+            return 0.0
+        points = self.seconds
+        i = next((k for k in range(1, len(points) - 1) if fed <= points[k][0]), len(points) - 1)
+        (n0, s0), (n1, s1) = points[i - 1], points[i]
+        return max(s0 + (s1 - s0) * (fed - n0) / (n1 - n0), 0.0)
+
+
+@dataclass(frozen=True)
 class RoundCostTable:
     """Mean seconds of a round by draft count (each from the run of the system that drafted that many)."""
 
     models: dict[int, CostModel]  # draft count -> the cost model to price such rounds (and prefills) with
     draft_step: float  # seconds of one draft step: splits a round's time for the controller
+    draft_prefill: DraftPrefill | None = None  # None: a drafting prefill at fixed gamma 1's fit
 
     @classmethod
-    def from_fits(cls, fits: dict[str, dict], max_gamma: int = 8) -> RoundCostTable:
+    def from_fits(cls, fits: dict[str, dict], max_gamma: int = 8, draft_prefill: DraftPrefill | None = None) -> RoundCostTable:
         """From a benchmarks/adaptive.py run's `model_fit` (one temperature): plain rounds at target-only's
         costs, rounds of d drafts at fixed gamma d's (the real run's time, stalls left out)."""
         if max_gamma < 3:
@@ -128,13 +152,19 @@ class RoundCostTable:
                   for d, n in names.items()}
         context = 300
         step = (models[max_gamma].round_seconds(max_gamma, context) - models[2].round_seconds(2, context)) / (max_gamma - 2)
-        return cls(models, max(step, 0.0))
+        return cls(models, max(step, 0.0), draft_prefill)
 
     def round_seconds(self, drafts: int, context: int) -> float:
         return self.models[drafts].round_seconds(drafts, context)
 
     def prefill_seconds(self, prompt_tokens: int, drafting: bool) -> float:
-        """A prompt's prefill: the target's alone (target-only's), or with the draft's (fixed gamma 1's)."""
+        """A prompt's prefill: the target's alone (target-only's fit), or with the draft's: target-only's plus
+        the draft's timed prefill of what it is fed when `draft_prefill` is set, else fixed gamma 1's fit (a
+        line in the prompt's length, which charges a windowed draft, fed at most sink + recent tokens, for
+        the whole prompt)."""
+        if drafting and self.draft_prefill is not None:
+            a, b = self.models[0].prefill_coef
+            return a + b * prompt_tokens + self.draft_prefill(prompt_tokens)
         a, b = self.models[1 if drafting else 0].prefill_coef
         return a + b * prompt_tokens
 
