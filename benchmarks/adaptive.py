@@ -65,23 +65,7 @@ def main() -> None:
     eos = tokenizer.eos_token_ids
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
 
-    def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True):
-        config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1,
-                            max_seq_len=max_len, target_widths=widths)
-        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller)
-
-    model, window = pair.drafter.model, pair.drafter.window
-    builders = {
-        "target-only": lambda: system("target-only", None, 1, speculative=False),
-        **{f"gamma={g}": (lambda g=g: system(f"gamma={g}", ModelDrafter(model, window=window), g)) for g in range(1, 9)},
-        "gamma=auto": lambda: system("gamma=auto", ModelDrafter(model, window=window), 8, adaptive=True),
-        "gamma=auto fresh": lambda: system("gamma=auto fresh", ModelDrafter(model, window=window), 8, adaptive=True,
-                                           keep_controller=False),
-        "ngram": lambda: system("ngram", NgramDrafter(), 5),
-        "hybrid": lambda: system("hybrid", HybridDrafter(ModelDrafter(model, window=window)), 5),
-        "hybrid auto": lambda: system("hybrid auto", HybridDrafter(ModelDrafter(model, window=window)), 8, adaptive=True),
-    }
-    systems = [builders[name]() for name in SYSTEMS if name in chosen]
+    systems = make_systems(chosen, target, pair.drafter, eos, max_len, widths)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
     timings = {t: defaultdict(list) for t in temperatures}  # system -> [(category, tokens, RunTiming)]
@@ -116,6 +100,32 @@ def main() -> None:
 
 SYSTEMS = ("target-only", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram", "hybrid",
            "hybrid auto")
+
+
+def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[int], max_len: int,
+                 widths: tuple[int, ...]) -> list[Ours]:
+    """The systems named in `chosen`, in SYSTEMS order. Each model-drafting system gets its own drafter (its
+    own cache and history) with the loaded draft's model and window: built from the model alone, the
+    drafters of session 19's first full run drafted from the whole context."""
+
+    def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True):
+        config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1,
+                            max_seq_len=max_len, target_widths=widths)
+        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller)
+
+    def model() -> ModelDrafter:
+        return ModelDrafter(draft.model, draft.folder, draft.window)
+
+    builders = {
+        "target-only": lambda: system("target-only", None, 1, speculative=False),
+        **{f"gamma={g}": (lambda g=g: system(f"gamma={g}", model(), g)) for g in range(1, 9)},
+        "gamma=auto": lambda: system("gamma=auto", model(), 8, adaptive=True),
+        "gamma=auto fresh": lambda: system("gamma=auto fresh", model(), 8, adaptive=True, keep_controller=False),
+        "ngram": lambda: system("ngram", NgramDrafter(), 5),
+        "hybrid": lambda: system("hybrid", HybridDrafter(model()), 5),
+        "hybrid auto": lambda: system("hybrid auto", HybridDrafter(model()), 8, adaptive=True),
+    }
+    return [builders[name]() for name in SYSTEMS if name in chosen]
 
 
 def modelled(runs_by_system: dict[str, list]) -> tuple[dict, dict]:

@@ -184,3 +184,23 @@ def test_a_swapped_draft_loads_like_the_first(tmp_path) -> None:
     swapped = pair.load_draft(str(folder))
     assert swapped.window is None and swapped.model.dtype == torch.float32
     assert load_pair(str(target), str(folder), dtype="float32").load_draft(str(folder)).window is not None
+
+
+def test_the_adaptive_benchmark_drafts_with_the_loaded_window(tiny_target, tiny_draft) -> None:
+    """Every model drafter of benchmarks/adaptive.py carries the loaded draft's window (its first full run
+    in session 19 built them from the model alone and drafted from the whole context), each its own."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from adaptive import SYSTEMS, make_systems
+
+    window = DraftWindow(sink=2, recent=6, limit=16)
+    systems = make_systems(list(SYSTEMS), tiny_target, ModelDrafter(tiny_draft, window=window), frozenset(), 64, ())
+    assert [s.name for s in systems] == list(SYSTEMS)
+    drafters = [s.drafter.model if isinstance(s.drafter, HybridDrafter) else s.drafter for s in systems]
+    models = [d for d in drafters if isinstance(d, ModelDrafter)]
+    assert len(models) == 8 + 2 + 2 and all(d.window == window for d in models)
+    assert len({id(d) for d in models}) == len(models)  # each system keeps its own cache and history
+    assert [s.name for s in make_systems(["gamma=auto", "target-only", "gamma=1"], tiny_target, models[0],
+                                         frozenset(), 64, ())] == ["target-only", "gamma=1", "gamma=auto"]
