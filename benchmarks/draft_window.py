@@ -14,7 +14,6 @@ on sequences of at most 512 tokens (docs/draft.md), so long prompts are where a 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics
@@ -66,10 +65,11 @@ def main() -> None:
     tokenizer, target, draft = pair.target.tokenizer, pair.target.model, pair.drafter.model
     prompts, ids = encode_fitting(load_prompts("sharegpt-hard", 30, 0) + load_prompts("sharegpt", args.sharegpt, 0),
                                   tokenizer, target.max_seq_len, args.max_new_tokens)
-    greedy, warm = SamplingParams(temperature=0), SamplingParams(temperature=0.7)
+    greedy = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
+    warm = SamplingParams(temperature=0.7)
     rows = []
     for prompt, prompt_ids in tqdm(list(zip(prompts, ids)), desc="replies"):
-        result = generate(target, [prompt_ids], dataclasses.replace(greedy, max_new_tokens=args.max_new_tokens),
+        result = generate(target, [prompt_ids], greedy,
                           config=SpecConfig(speculative=False), eos_token_ids=tokenizer.eos_token_ids)
         reply = result.completions[0].token_ids
         if len(reply) < 8:

@@ -7,24 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from model_factory import make_tokenizer, write_hf_model
 
-from specsample.datasets import Prompt
-from specsample.distill.collect import (
-    CollectConfig,
-    collect_on_policy,
-    collect_teacher_forced,
-)
+from model_factory import make_tokenizer, write_hf_model
+from specsample.distill.collect import CollectConfig, collect_on_policy, collect_teacher_forced
 from specsample.distill.data import DataReader, DataWriter, Sequence_
-from specsample.distill.train import (
-    Batches,
-    DraftShape,
-    TrainConfig,
-    choose_output_subset,
-    heldout_metrics,
-    init_draft,
-    train,
-)
+from specsample.distill.train import (Batches, DraftShape, TrainConfig, choose_output_subset, heldout_metrics,
+                                      init_draft, train)
+from specsample.datasets import Prompt
 from specsample.drafters.model import DraftWindow
 from specsample.models.loader import load_model
 

@@ -12,26 +12,11 @@ from typing import Any
 
 import torch
 
-from specsample.datasets import (
-    Prompt,
-    sharegpt_prompts,
-    spec_bench_prompts,
-    text_file_prompts,
-)
-from specsample.distill.collect import (
-    CollectConfig,
-    collect_on_policy,
-    collect_teacher_forced,
-)
+from specsample.datasets import Prompt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
+from specsample.distill.collect import CollectConfig, collect_on_policy, collect_teacher_forced
 from specsample.distill.data import DataReader, DataWriter
 from specsample.distill.evaluate import evaluate
-from specsample.distill.train import (
-    DraftShape,
-    TrainConfig,
-    choose_output_subset,
-    init_draft,
-    train,
-)
+from specsample.distill.train import DraftShape, TrainConfig, choose_output_subset, init_draft, train
 from specsample.drafters.model import DraftWindow
 from specsample.models.convert import save_hf_folder
 from specsample.models.hf_names import export_hf_state_dict
