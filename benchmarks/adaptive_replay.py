@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from specsample.api import generate
 from specsample.bench.goals import goal_tables, passes
-from specsample.bench.replay import (DraftPrefill, RoundCostTable, Trace, compare, replay, reply_logits,
+from specsample.bench.replay import (ORDERS, DraftPrefill, RoundCostTable, Trace, compare, replay, reply_logits,
                                      trace_from_logits)
 from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
 from specsample.config import SamplingParams, SpecConfig
@@ -59,6 +59,10 @@ def main() -> None:
                         help="a benchmarks/draft_window.py result: price a drafting policy's prefill as target-only's "
                              "plus the draft's own timed prefill of what its window feeds it (default: fixed gamma 1's "
                              "fit, a line in the prompt's length)")
+    parser.add_argument("--order", choices=ORDERS, default="shuffled",
+                        help="the order gamma auto's one controller sees the texts in: shuffled per replicate (as a "
+                             "server sees requests), or given (as recorded: benchmarks/adaptive.py runs Spec-Bench "
+                             "category by category)")
     parser.add_argument("--by-acceptance", action="store_true",
                         help="group the texts by their mean acceptance instead of by category (e.g. for sharegpt)")
     args = parser.parse_args()
@@ -84,6 +88,7 @@ def main() -> None:
     report["replicates"] = args.replicates
     report["controller"] = dataclasses.asdict(config)
     report["by_acceptance"] = args.by_acceptance
+    report["order"] = args.order
     report["draft_prefill_from"] = str(args.draft_prefill) if args.draft_prefill else None
     draft_prefill = load_draft_prefill(args.draft_prefill, report.get("draft_window")) if args.draft_prefill else None
     report["results"] = {}
@@ -97,7 +102,7 @@ def main() -> None:
         probes = report.setdefault("probes", {}).setdefault(temperature, {})
         report["results"][temperature] = compare(rows, costs, args.replicates,
                                                  new_controller=lambda: GammaController(config), progress=bar.update,
-                                                 probes=probes)
+                                                 probes=probes, order=args.order)
     bar.close()
     report["check"] = round_check(traces, cost_run)
     report["traces"] = {t: [_dump_trace(x) for x in rows] for t, rows in traces.items()}
@@ -273,7 +278,9 @@ def write_report(report: dict, out: Path) -> None:
              f"Draft: `{report['draft']}`. Round costs: the fits of `{report['costs_from']}`"
              + (f"; a drafting prefill: target-only's plus the draft's prefill timed in `{report['draft_prefill_from']}`"
                 if report.get("draft_prefill_from") else "") + f". {report['replicates']} replays of every text; "
-             "tokens per modelled second.", ""]
+             "tokens per modelled second." + (" gamma auto's controller sees the texts in the order recorded (as "
+                                              "benchmarks/adaptive.py runs them)." if report.get("order") == "given" else ""),
+             ""]
     changed = {k: v for k, v in report.get("controller", {}).items() if getattr(ControllerConfig(), k) != v}
     if changed:
         lines += [f"gamma auto with ControllerConfig changes: {changed}.", ""]

@@ -195,6 +195,34 @@ def test_compare_pairs_every_policy_on_the_same_texts():
     assert table == compare(traces, _linear_costs(), replicates=3)  # seeded: the same coins again
 
 
+def test_compare_replays_in_the_order_given_or_shuffled():
+    """benchmarks/adaptive.py runs Spec-Bench category by category, so a category's requests start from the
+    acceptance pooled over the categories before it; order="given" replays that, "shuffled" a server's mix."""
+    seen: list[list[str]] = []
+
+    class Recording(GammaController):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self.ids: list[str] = []  # requests in the order first planned
+            seen.append(self.ids)
+
+        def plan(self, request_ids, batch_size, remaining=None):
+            if request_ids[0] not in self.ids:
+                self.ids.append(request_ids[0])
+            return super().plan(request_ids, batch_size, remaining)
+
+    traces = [_constant_trace(0.9 if i < 4 else 0.05, 16, "easy" if i < 4 else "hard") for i in range(8)]
+    for order, expect_sorted in (("given", True), ("shuffled", False)):
+        seen.clear()
+        compare(traces, _linear_costs(), replicates=2, new_controller=Recording, order=order)
+        shared = [ids for ids in seen if len(ids) == len(traces)]  # gamma auto's; "fresh" ones see one request
+        assert len(shared) == 2
+        for ids in shared:
+            assert ([int(i.split("-")[1]) for i in ids] == list(range(8))) == expect_sorted
+    with pytest.raises(ValueError, match="order"):
+        compare(traces, _linear_costs(), replicates=1, order="sorted")
+
+
 def test_costs_from_a_benchmark_run():
     fits = json.loads((ROOT / "docs" / "adaptive_results.json").read_text())["model_fit"]["0.0"]
     costs = RoundCostTable.from_fits(fits)

@@ -32,6 +32,8 @@ class ControllerConfig:
     max_probe_every: int = 256  # most rounds between probes (how late a recovery can be noticed)
     probe_budget: float = 0.01  # share of decode time the expected loss of probing may cost in fallback
     probe_horizon: int = 32  # no probes with fewer tokens left in a request's budget: a recovery then cannot pay
+    probe_backoff: float = 1.0  # each probe in a row with nothing accepted multiplies the next interval by this (1: off;
+    # 2 cut probes on unhelpable requests by half, but a request near break-even that fell back then rarely returns)
     gate: bool = True  # stop a round early after a low-confidence draft token
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
@@ -60,6 +62,8 @@ class ControllerConfig:
         if not 1 <= self.probe_every <= self.max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
                              f"{self.max_probe_every}")
+        if self.probe_backoff < 1:
+            raise ValueError(f"probe_backoff must be >= 1 (1: no backoff), got {self.probe_backoff}")
         if self.probe_horizon < 0:
             raise ValueError(f"probe_horizon must be >= 0 (tokens), got {self.probe_horizon}")
         if not 0 < self.probe_budget <= 1:
@@ -77,6 +81,7 @@ class _RequestState:
     failures: float = 0.0  # ...and rounds ended by a rejection
     fallback: bool = False
     rounds_since_probe: int = 0
+    failed_probes: int = 0  # probes in a row, since it last fell back, whose drafts were all rejected
     planned: int | None = None  # drafts planned last round (None: none planned yet)
     predicted: float = 0.0  # acceptance its drafts' confidences predict, summed over its trials (decayed)...
     predicted_trials: float = 0.0  # ...over this many of them (those with a confidence in a calibrated bin)
@@ -100,6 +105,9 @@ class _Ewma:
 BINS = 10  # confidence bins for the gate's calibration
 BIN_MIN_TRIALS = 10  # drafts a bin needs before its acceptance is read
 RELATIVE_DECAY = 0.995  # forgetting of relative round costs per round timed (a memory of about 200 rounds)
+RELATIVE_WEIGHT = 0.1  # most weight one timed round has in its length's relative cost...
+RELATIVE_SPIKE = 1.2  # ...counted at most 1.2x that cost: a 2x stall of a length timed once in 64 rounds, at
+# 1 - 0.995^64 = 0.27 and 1.5x, moved the plain round's cost 13% and with it every drafting round's ratio
 SPIKE = 1.5  # a round timed over 1.5x its running mean counts as 1.5x: on a shared box the OS stalls
 # single rounds by 2x and more, and one such stall moved a rarely timed round length's mean by ~10%
 
@@ -117,9 +125,19 @@ class _RoundCosts:
     rounds: int = 0  # rounds timed
     last: dict[int, int] = field(default_factory=dict)  # drafts -> when such a round was last timed
 
-    def add(self, drafts: int, seconds: float) -> None:
+    def add(self, drafts: int, seconds: float, new_batch: bool = False) -> None:
+        """Time one round of `drafts` drafts. `new_batch`: the rows changed since the last round timed (at
+        batch 1, a new request): its context may be far from the last one's, so this round only re-seeds
+        the pace. Timed against the last request's pace, the first round of a length seldom timed carried
+        a weight of up to ~0.6 and a long prompt's pace with it: the controller's gamma-1 cost wandered
+        from 1.26 down to 1.10 plain rounds on the tuning stream, and requests the draft barely helps
+        drafted on at acceptance 0.1."""
         if seconds <= 0:
             return  # a clock that did not move says nothing about cost
+        if new_batch and drafts in self.relative:
+            self.pace = _Ewma()
+            self.pace.add(seconds / self.relative[drafts].value)
+            return
         if self.pace.value is None:
             self.pace.add(seconds)  # the first round timed sets the unit
         self.rounds += 1
@@ -128,8 +146,9 @@ class _RoundCosts:
         elapsed = self.rounds - self.last.get(drafts, self.rounds - 1)
         self.last[drafts] = self.rounds
         cost = self.relative.setdefault(drafts, _Ewma())
-        cost.add(seconds / self.pace.value, weight=1 - RELATIVE_DECAY**elapsed, spike=SPIKE)  # at the pace so far
-        self.pace.add(seconds / cost.value, spike=SPIKE)
+        weight = min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT)
+        cost.add(seconds / self.pace.value, weight=weight, spike=RELATIVE_SPIKE)  # at the pace so far
+        self.pace.add(seconds / cost.value, spike=RELATIVE_SPIKE)
 
     def count(self, drafts: int) -> int:
         return self.relative[drafts].count if drafts in self.relative else 0
@@ -163,6 +182,8 @@ class GammaController:
         self._exploring = False  # this round tries neighbouring gammas: no gate, so it drafts them in full
         self._catching_up = False  # this round a row drafts after a plain round: its draft first catches up
         self._last_plain: dict[int, int] = {}  # batch size -> round of the last plain round (or attempt)
+        self._rows: dict[int, tuple[str, ...]] = {}  # batch size -> the requests of the last round timed there
+        self._planned_rows: tuple[str, ...] = ()  # the requests planned this round
         self._pooled = [0.0, 0.0]  # successes, failures over all requests (decayed): new requests' prior
         self._gate_trials = [0] * BINS
         self._gate_accepts = [0] * BINS
@@ -251,6 +272,7 @@ class GammaController:
         """Drafts each request may propose this round (0 = decode without drafting); `remaining`: tokens
         left in each request's budget."""
         self._round += 1
+        self._planned_rows = tuple(request_ids)
         left = dict(zip(request_ids, remaining, strict=True)) if remaining is not None else {}
         if self._calibration_due(batch_size):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
@@ -272,7 +294,7 @@ class GammaController:
             # gained 5% by drafting into fallback, where only sparse probes can bring them back
             if (not state.fallback and speedup < self.config.fallback_below
                     and self.best_gamma(self._alpha_upper(rid), batch_size)[1] < self.config.fallback_below):
-                state.fallback, state.rounds_since_probe = True, 0
+                state.fallback, state.rounds_since_probe, state.failed_probes = True, 0, 0
                 self._switch(rid, "off", alpha, batch_size, speedup)
             elif state.fallback and speedup > self.config.resume_above:
                 state.fallback = False
@@ -281,8 +303,8 @@ class GammaController:
                 state.rounds_since_probe += 1
                 # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
                 cost = self.round_cost(batch_size, state.gamma)
-                probe = (state.rounds_since_probe >= self.probe_interval(self._alpha_upper(rid), state.gamma, cost)
-                         and self._worth_probing(left.get(rid)))
+                interval = self.probe_interval(self._alpha_upper(rid), state.gamma, cost, state.failed_probes)
+                probe = state.rounds_since_probe >= interval and self._worth_probing(left.get(rid))
                 if probe:
                     state.rounds_since_probe = 0
                 # a probe drafts the gamma the formula picks for the current alpha (short at a low alpha)
@@ -312,17 +334,22 @@ class GammaController:
             state.planned = n
         return drafts
 
-    def probe_interval(self, alpha: float, gamma: int, round_cost: float) -> int:
+    def probe_interval(self, alpha: float, gamma: int, round_cost: float, failed: int = 0) -> int:
         """Rounds between fallback probes: sparse enough that their expected loss stays within
-        `probe_budget` of decode time, within [probe_every, max_probe_every].
+        `probe_budget` of decode time, at least `probe_every` times `probe_backoff` to the power of
+        `failed` (probes in a row that had nothing accepted), at most `max_probe_every`.
 
         A probe round takes `round_cost` plain rounds' time for E(alpha, gamma) tokens; a plain round
         gives one token per unit. When verification is dear (a compiled plain step, a slow draft) a
         probe loses most of a round, so it runs rarely; near break-even it costs nothing and runs often.
+        The loss is priced at a generous alpha, which near break-even says probes are free: on requests
+        the draft cannot help (alpha ~0.05) probes every 4 rounds cost ~0.3 rounds each, 3-4% of a
+        64-token reply. The backoff spaces them out while they keep failing; one accepted draft resets it.
         """
         loss = max(round_cost - expected_tokens_per_round(alpha, max(gamma, 1)), 0.0)  # in plain rounds' time
         interval = int(loss / self.config.probe_budget) + 1
-        return min(max(interval, self.config.probe_every), self.config.max_probe_every)
+        floor = self.config.probe_every * self.config.probe_backoff ** min(failed, 32)
+        return int(min(max(interval, floor), self.config.max_probe_every))
 
     def _worth_probing(self, remaining: int | None) -> bool:
         """Whether a request with `remaining` tokens left in its budget (None: unknown) may still probe.
@@ -403,6 +430,8 @@ class GammaController:
         if num_drafted <= 0:
             return
         state = self._state(request_id)
+        if state.fallback:  # a probe: the backoff grows while probes find nothing
+            state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
         rejected = int(num_accepted < num_drafted)
         # forget per trial, not per round: a long round must not outweigh many short ones
         factor = self.config.decay ** (num_accepted + rejected)
@@ -429,14 +458,18 @@ class GammaController:
         """Record one round's draft, target and verify-and-commit time at a batch size (gamma 0: a plain round)."""
         total = draft_seconds + target_seconds + verify_seconds
         catching_up, self._catching_up = self._catching_up, False  # it describes this round only
+        rows, self._planned_rows = self._planned_rows, ()
+        new_batch = bool(rows) and self._rows.get(batch_size) != rows
+        if rows:
+            self._rows[batch_size] = rows
         if gamma == 0:
             self._plain_round.setdefault(batch_size, _Ewma()).add(total, spike=SPIKE)
-            self._costs.setdefault(batch_size, _RoundCosts()).add(0, total)
+            self._costs.setdefault(batch_size, _RoundCosts()).add(0, total, new_batch)
             self._last_plain[batch_size] = self._round
             return
         if catching_up:
             return  # the catch-up forward would be charged to drafting (see _planned)
-        self._costs.setdefault(batch_size, _RoundCosts()).add(gamma, total)
+        self._costs.setdefault(batch_size, _RoundCosts()).add(gamma, total, new_batch)
         step = self._draft_step.setdefault(batch_size, _Ewma())
         step.add(draft_seconds / gamma, spike=SPIKE)
         self._target_step.setdefault(batch_size, _Ewma()).add(target_seconds, spike=SPIKE)

@@ -240,27 +240,35 @@ def timing_noise(rng: random.Random, sd: float = 0.05, stall_rate: float = 0.02)
     return lambda: math.exp(rng.gauss(0.0, sd)) * (2.0 if rng.random() < stall_rate else 1.0)
 
 
+ORDERS = ("shuffled", "given")  # the order gamma auto's shared controller sees the traces in
+
+
 def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, seed: int = 0,
             fixed: Sequence[int] = tuple(range(1, 9)),
             new_controller: Callable[[], GammaController] = GammaController,
             progress: Callable[[int], None] | None = None,
-            probes: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+            probes: dict[str, float] | None = None, order: str = "shuffled") -> dict[str, dict[str, float]]:
     """Tokens per modelled second per system and category (and "overall"), summed over `replicates`
     replays of every trace. Every system sees the same coins per replicate and trace. "gamma=auto" keeps
-    one controller through a replicate (traces in a shuffled order, as a server sees requests);
-    "gamma=auto fresh" gets a new one per trace. `probes`, if given, receives gamma auto's mean number
+    one controller through a replicate, the traces in `order`: "shuffled" (as a server sees requests) or
+    "given" (as listed: benchmarks/adaptive.py runs Spec-Bench category by category, so a category's
+    requests start from acceptance pooled over the categories before it); "gamma=auto fresh" gets a new
+    one per trace. `probes`, if given, receives gamma auto's mean number
     of fallback probes per reply, per category."""
     if replicates < 1:
         raise ValueError(f"replicates must be >= 1, got {replicates}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     systems: dict[str, Policy] = {"target-only": 0, **{f"gamma={g}": g for g in fixed},
                                   "gamma=auto": "auto", "gamma=auto fresh": "auto"}
     sums: dict[str, dict[str, list[float]]] = {s: defaultdict(lambda: [0.0, 0.0]) for s in systems}
     probed: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> replies, probes (gamma auto)
     for rep in range(replicates):
-        order = list(range(len(traces)))
-        random.Random(seed * 7919 + rep).shuffle(order)
+        sequence = list(range(len(traces)))
+        if order == "shuffled":
+            random.Random(seed * 7919 + rep).shuffle(sequence)
         shared = new_controller()
-        for i in order:
+        for i in sequence:
             trace = traces[i]
             coins = random.Random(f"{seed}/{rep}/{i}")
             uniforms = [coins.random() for _ in trace.accept]
