@@ -167,9 +167,10 @@ def test_the_engine_tells_the_controller_each_rows_budget_left(tiny_target, tiny
     seen: list[dict[str, int]] = []
     plan = controller.plan
 
-    def spy(request_ids: list[str], batch_size: int, remaining: list[int] | None = None) -> list[int]:
+    def spy(request_ids: list[str], batch_size: int, remaining: list[int] | None = None,
+            scorable: list[int] | None = None) -> list[int]:
         seen.append(dict(zip(request_ids, remaining or [])))
-        return plan(request_ids, batch_size, remaining)
+        return plan(request_ids, batch_size, remaining, scorable)
 
     monkeypatch.setattr(controller, "plan", spy)
     config = SpecConfig(gamma=4, adaptive=True, max_batch_size=4)

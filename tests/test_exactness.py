@@ -102,6 +102,17 @@ class FixedGate(GammaController):
         return super()._prior_centre(state)
 
 
+class ScoresThenDrafts(FixedGate):
+    """A plain round, then rounds whose rows first have their draft score the token it missed, then draft:
+    a draft caught up by scoring must go on to propose from exactly the committed text."""
+
+    def plan(self, request_ids, batch_size, remaining=None, scorable=None):
+        self._round += 1
+        self._planned_rows = tuple(request_ids)
+        self._scores = {rid: n for rid, n in zip(request_ids, scorable or []) if n > 0}
+        return [0 if self._round == 1 else 2] * len(request_ids)
+
+
 def _adaptive_cases(draft):
     return {
         "ngram": (NgramDrafter(min_n=1, max_n=2), False, None),
@@ -111,16 +122,19 @@ def _adaptive_cases(draft):
         # view: tests/test_draft_window.py; 3 new tokens are too few to reach a limit)
         "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True,
                          FixedGate(ControllerConfig(max_gamma=3))),
+        "backlog_scoring": (ModelDrafter(draft), True, ScoresThenDrafts(ControllerConfig(max_gamma=3))),
     }
 
 
-@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "draft_window"])
+@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "draft_window", "backlog_scoring"])
 def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
     drafter, adaptive, controller = _adaptive_cases(draft)[case]
     params = WARPS["temperature_1"]
     counts = engine_counts(target, drafter, params, gamma=3, adaptive=adaptive, controller=controller, prompt=REPEATING)
-    if controller is not None:
+    if case == "backlog_scoring":
+        assert controller.scored >= SAMPLES  # every row's draft scored the token of its plain round
+    elif controller is not None:
         assert any(t > 0 for t in controller._gate_trials)  # the gate had drafts to act on
         assert controller.confidence_priors > 0  # ...and plans used priors centred by past drafts' confidences
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))

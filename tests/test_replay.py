@@ -167,11 +167,13 @@ def test_probes_are_counted_and_stop_near_the_end_of_the_budget():
     trace = dataclasses.replace(_constant_trace(0.02, 150), max_new_tokens=200)
 
     def probes_left(horizon: int) -> tuple[list[int], int]:
-        controller = GammaController(ControllerConfig(prior_cost_ratio=0.2, probe_horizon=horizon))
+        # drafting probes (a draft that scores its backlog instead is tested in test_adaptive.py)
+        config = ControllerConfig(prior_cost_ratio=0.2, probe_horizon=horizon, score_backlog=False)
+        controller = GammaController(config)
         plan, seen = controller.plan, []
 
-        def spy(request_ids, batch_size, remaining=None):
-            drafts = plan(request_ids, batch_size, remaining)
+        def spy(request_ids, batch_size, remaining=None, scorable=None):
+            drafts = plan(request_ids, batch_size, remaining, scorable)
             if drafts[0] > 0 and controller.in_fallback(request_ids[0]):
                 seen.append(remaining[0])
             return drafts
@@ -195,6 +197,23 @@ def test_compare_pairs_every_policy_on_the_same_texts():
     assert table == compare(traces, _linear_costs(), replicates=3)  # seeded: the same coins again
 
 
+def test_replay_scores_the_backlog_in_fallback_instead_of_probing():
+    """A text the draft cannot help: in fallback the replay has the draft score what it missed (the trace's
+    acceptance at each position, one draft step charged per scoring) rather than draft probes."""
+    trace, rng = _constant_trace(0.02, 600), random.Random(1)
+    coins = [rng.random() for _ in range(600)]
+    runs = {}
+    for scoring in (True, False):
+        controller = GammaController(ControllerConfig(prior_cost_ratio=0.2, score_backlog=scoring))
+        runs[scoring] = replay(trace, "auto", coins, _linear_costs(0.2), lambda: 1.0, controller)
+    scored, probed = runs[True], runs[False]
+    assert scored.scorings >= 10 and scored.probes == 0
+    assert probed.scorings == 0 and probed.probes >= 10
+    assert scored.drafted < probed.drafted
+    # every round is charged 1 + 0.2 per draft, a scoring one draft step (0.2) more
+    assert scored.seconds == pytest.approx(scored.rounds + 0.2 * scored.drafted + 0.2 * scored.scorings)
+
+
 def test_compare_replays_in_the_order_given_or_shuffled():
     """benchmarks/adaptive.py runs Spec-Bench category by category, so a category's requests start from the
     acceptance pooled over the categories before it; order="given" replays that, "shuffled" a server's mix."""
@@ -206,10 +225,10 @@ def test_compare_replays_in_the_order_given_or_shuffled():
             self.ids: list[str] = []  # requests in the order first planned
             seen.append(self.ids)
 
-        def plan(self, request_ids, batch_size, remaining=None):
+        def plan(self, request_ids, batch_size, remaining=None, scorable=None):
             if request_ids[0] not in self.ids:
                 self.ids.append(request_ids[0])
-            return super().plan(request_ids, batch_size, remaining)
+            return super().plan(request_ids, batch_size, remaining, scorable)
 
     traces = [_constant_trace(0.9 if i < 4 else 0.05, 16, "easy" if i < 4 else "hard") for i in range(8)]
     for order, expect_sorted in (("given", True), ("shuffled", False)):
@@ -295,9 +314,12 @@ class _Scripted:
     def __init__(self, plans: list[int], thresholds: list[float] = ()) -> None:
         self.plans, self.thresholds, self.observed, self.remaining = list(plans), list(thresholds), [], []
 
-    def plan(self, request_ids, batch_size, remaining=None):
+    def plan(self, request_ids, batch_size, remaining=None, scorable=None):
         self.remaining.append(remaining)
         return [self.plans.pop(0) if self.plans else 0]
+
+    def scores_planned(self):
+        return {}
 
     def gate_thresholds(self, batch_size):
         return self.thresholds

@@ -26,7 +26,8 @@ class ControllerConfig:
     prior_weight: float = 8.0  # pseudo-trials at the pooled alpha behind every request's estimate
     hysteresis: float = 0.03  # switch gamma only for a > 3% better predicted speedup
     fallback_below: float = 1.0  # predicted speedup under which a request stops drafting...
-    fallback_margin: float = 1.0  # ...even at alpha this many standard errors above its estimate
+    fallback_margin: float = 1.0  # ...even at alpha this many standard errors above its estimate...
+    scored_fallback_margin: float = 0.5  # ...or this many where its draft can score what it missed (`plan`'s scorable)
     resume_above: float = 1.02  # ...and over which it drafts again (with the margin: hysteresis against thrash)
     probe_every: int = 4  # fewest rounds between probes while in fallback (near break-even they cost ~nothing)
     max_probe_every: int = 256  # most rounds between probes (how late a recovery can be noticed)
@@ -34,6 +35,8 @@ class ControllerConfig:
     probe_horizon: int = 32  # no probes with fewer tokens left in a request's budget: a recovery then cannot pay
     probe_backoff: float = 1.0  # each probe in a row with nothing accepted multiplies the next interval by this (1: off;
     # 2 cut probes on unhelpable requests by half, but a request near break-even that fell back then rarely returns)
+    score_backlog: bool = True  # in fallback, learn alpha by having the draft score the tokens it missed...
+    score_min_tokens: int = 4  # ...once this many (where the drafter can: a model draft), instead of drafting
     gate: bool = True  # stop a round early after a low-confidence draft token
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
@@ -57,13 +60,16 @@ class ControllerConfig:
         if min(self.explore_every, self.cost_min_rounds, self.gate_min_rounds) < 1:
             raise ValueError(f"explore_every, cost_min_rounds and gate_min_rounds must be >= 1, got "
                              f"{self.explore_every}, {self.cost_min_rounds}, {self.gate_min_rounds}")
-        if self.fallback_margin < 0:
-            raise ValueError(f"fallback_margin must be >= 0 (standard errors), got {self.fallback_margin}")
+        if min(self.fallback_margin, self.scored_fallback_margin) < 0:
+            raise ValueError(f"fallback_margin and scored_fallback_margin must be >= 0 (standard errors), got "
+                             f"{self.fallback_margin}, {self.scored_fallback_margin}")
         if not 1 <= self.probe_every <= self.max_probe_every:
             raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
                              f"{self.max_probe_every}")
         if self.probe_backoff < 1:
             raise ValueError(f"probe_backoff must be >= 1 (1: no backoff), got {self.probe_backoff}")
+        if self.score_min_tokens < 1:
+            raise ValueError(f"score_min_tokens must be >= 1, got {self.score_min_tokens}")
         if self.probe_horizon < 0:
             raise ValueError(f"probe_horizon must be >= 0 (tokens), got {self.probe_horizon}")
         if not 0 < self.probe_budget <= 1:
@@ -82,6 +88,7 @@ class _RequestState:
     fallback: bool = False
     rounds_since_probe: int = 0
     failed_probes: int = 0  # probes in a row, since it last fell back, whose drafts were all rejected
+    scorings: int = 0  # backlog scorings since it last fell back
     planned: int | None = None  # drafts planned last round (None: none planned yet)
     predicted: float = 0.0  # acceptance its drafts' confidences predict, summed over its trials (decayed)...
     predicted_trials: float = 0.0  # ...over this many of them (those with a confidence in a calibrated bin)
@@ -184,6 +191,8 @@ class GammaController:
         self._last_plain: dict[int, int] = {}  # batch size -> round of the last plain round (or attempt)
         self._rows: dict[int, tuple[str, ...]] = {}  # batch size -> the requests of the last round timed there
         self._planned_rows: tuple[str, ...] = ()  # the requests planned this round
+        self._scores: dict[str, int] = {}  # request id -> backlog tokens the draft scores this round
+        self.scored = 0  # backlog scorings run (fallback probes that drafted nothing), for stats and tests
         self._pooled = [0.0, 0.0]  # successes, failures over all requests (decayed): new requests' prior
         self._gate_trials = [0] * BINS
         self._gate_accepts = [0] * BINS
@@ -203,11 +212,13 @@ class GammaController:
         weight = self.config.prior_weight
         return (state.successes + weight * self._prior_centre(state)) / (state.successes + state.failures + weight)
 
-    def _alpha_upper(self, request_id: str) -> float:
-        """Alpha `fallback_margin` standard errors above the estimate (its trials are its sample size)."""
+    def _alpha_upper(self, request_id: str, margin: float | None = None) -> float:
+        """Alpha `margin` (default `fallback_margin`) standard errors above the estimate (its trials are its
+        sample size)."""
         state, alpha = self._state(request_id), self.alpha(request_id)
         trials = state.successes + state.failures + self.config.prior_weight
-        return min(alpha + self.config.fallback_margin * (alpha * (1 - alpha) / trials) ** 0.5, 1.0)
+        margin = self.config.fallback_margin if margin is None else margin
+        return min(alpha + margin * (alpha * (1 - alpha) / trials) ** 0.5, 1.0)
 
     def _nearest(self, batch_size: int) -> int | None:
         sizes = [b for b in self._target_step if self._draft_step.get(b, _Ewma()).value is not None]
@@ -268,12 +279,21 @@ class GammaController:
 
     # ----- decisions ------------------------------------------------------------------------
 
-    def plan(self, request_ids: list[str], batch_size: int, remaining: list[int] | None = None) -> list[int]:
+    def plan(self, request_ids: list[str], batch_size: int, remaining: list[int] | None = None,
+             scorable: list[int] | None = None) -> list[int]:
         """Drafts each request may propose this round (0 = decode without drafting); `remaining`: tokens
-        left in each request's budget."""
+        left in each request's budget; `scorable`: tokens each could have its draft score teacher-forced
+        (committed by plain rounds since it last drafted; None or 0: it cannot). Requests whose scoring is
+        due are in `scores_planned()`."""
         self._round += 1
         self._planned_rows = tuple(request_ids)
+        self._scores = {}
         left = dict(zip(request_ids, remaining, strict=True)) if remaining is not None else {}
+        backlog = dict(zip(request_ids, scorable, strict=True)) if scorable is not None else {}
+        # where the draft can score the tokens it misses, fallback is cheap to leave (a draft forward now and
+        # then measures alpha on every token): fall back on less evidence
+        can_score = scorable is not None and self.config.score_backlog
+        margin = self.config.scored_fallback_margin if can_score else self.config.fallback_margin
         if self._calibration_due(batch_size):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
             self._last_plain[batch_size] = self._round
@@ -293,22 +313,30 @@ class GammaController:
             # remembers, its noise near break-even (alpha ~0.3 on the shipped pair) sent requests that
             # gained 5% by drafting into fallback, where only sparse probes can bring them back
             if (not state.fallback and speedup < self.config.fallback_below
-                    and self.best_gamma(self._alpha_upper(rid), batch_size)[1] < self.config.fallback_below):
-                state.fallback, state.rounds_since_probe, state.failed_probes = True, 0, 0
+                    and self.best_gamma(self._alpha_upper(rid, margin), batch_size)[1] < self.config.fallback_below):
+                state.fallback, state.rounds_since_probe, state.failed_probes, state.scorings = True, 0, 0, 0
                 self._switch(rid, "off", alpha, batch_size, speedup)
             elif state.fallback and speedup > self.config.resume_above:
                 state.fallback = False
                 self._switch(rid, "on", alpha, batch_size, speedup)
             if state.fallback:
                 state.rounds_since_probe += 1
-                # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
-                cost = self.round_cost(batch_size, state.gamma)
-                interval = self.probe_interval(self._alpha_upper(rid), state.gamma, cost, state.failed_probes)
+                scoring = can_score  # the draft scores its backlog (once it holds score_min_tokens) instead of drafting
+                if scoring:
+                    interval = self.score_interval(batch_size, state.scorings)
+                    if backlog.get(rid, 0) < self.config.score_min_tokens:
+                        interval = max(interval, state.rounds_since_probe + 1)  # not yet: wait for a backlog
+                else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
+                    cost = self.round_cost(batch_size, state.gamma)
+                    interval = self.probe_interval(self._alpha_upper(rid), state.gamma, cost, state.failed_probes)
                 probe = state.rounds_since_probe >= interval and self._worth_probing(left.get(rid))
                 if probe:
                     state.rounds_since_probe = 0
+                    if scoring:
+                        self._scores[rid] = backlog[rid]
+                        state.scorings += 1
                 # a probe drafts the gamma the formula picks for the current alpha (short at a low alpha)
-                out.append(state.gamma if probe else 0)
+                out.append(state.gamma if probe and not scoring else 0)
             else:
                 out.append(self._neighbour(state.gamma, batch_size) if exploring else state.gamma)
                 self._exploring |= exploring
@@ -350,6 +378,22 @@ class GammaController:
         interval = int(loss / self.config.probe_budget) + 1
         floor = self.config.probe_every * self.config.probe_backoff ** min(failed, 32)
         return int(min(max(interval, floor), self.config.max_probe_every))
+
+    def score_interval(self, batch_size: int, done: int = 0) -> int:
+        """Rounds between backlog scorings in fallback: one draft forward (about a draft step, c plain
+        rounds) within `probe_budget` of decode time, within [probe_every, max_probe_every]; the first
+        (`done` 0) after at most 2 probe_every rounds. Unlike a probe it drafts nothing, so it costs the same
+        whatever alpha is, and it measures every token it scores. The first comes early because a request
+        falls back on a few rounds' evidence: one the draft helps (a math reply after two early rejections)
+        otherwise waited ~17 rounds for it, and past the probe horizon never drafted again."""
+        interval = int(self.cost_ratio(batch_size) / self.config.probe_budget) + 1
+        if done == 0:
+            interval = min(interval, 2 * self.config.probe_every)
+        return min(max(interval, self.config.probe_every), self.config.max_probe_every)
+
+    def scores_planned(self) -> dict[str, int]:
+        """Requests whose draft scores its backlog this round (see `plan`), and how many tokens."""
+        return dict(self._scores)
 
     def _worth_probing(self, remaining: int | None) -> bool:
         """Whether a request with `remaining` tokens left in its budget (None: unknown) may still probe.
@@ -453,15 +497,34 @@ class GammaController:
             self._gate_trials[b] += 1
             self._gate_accepts[b] += int(i < num_accepted)
 
+    def observe_scores(self, request_id: str, acceptance: list[float]) -> None:
+        """Record a backlog scoring: per token the target committed in plain rounds, the probability that a
+        draft there would have been accepted (min(1, q / p) of the committed token: unbiased for it, since
+        the token was drawn from p). Counted as trials of the request's acceptance, not the pool's: they
+        are ungated (every position, where drafting trials stop at a low-confidence draft) and come from
+        requests in fallback, so pooled they pulled new requests' prior down (0.3 -> 0.14 over twelve
+        translation requests) and sent requests the draft helps into fallback after two rejections."""
+        state = self._state(request_id)
+        self.scored += 1
+        for accepted in acceptance:
+            accepted = min(max(float(accepted), 0.0), 1.0)
+            state.successes = self.config.decay * state.successes + accepted
+            state.failures = self.config.decay * state.failures + 1.0 - accepted
+            state.predicted *= self.config.decay
+            state.predicted_trials *= self.config.decay
+
     def observe_timing(self, batch_size: int, gamma: int, draft_seconds: float, target_seconds: float,
                        verify_seconds: float = 0.0) -> None:
         """Record one round's draft, target and verify-and-commit time at a batch size (gamma 0: a plain round)."""
         total = draft_seconds + target_seconds + verify_seconds
         catching_up, self._catching_up = self._catching_up, False  # it describes this round only
         rows, self._planned_rows = self._planned_rows, ()
+        scoring, self._scores = bool(self._scores), {}
         new_batch = bool(rows) and self._rows.get(batch_size) != rows
         if rows:
             self._rows[batch_size] = rows
+        if scoring:
+            return  # the round also ran a draft forward over a backlog: neither a plain round's time nor a drafting one's
         if gamma == 0:
             self._plain_round.setdefault(batch_size, _Ewma()).add(total, spike=SPIKE)
             self._costs.setdefault(batch_size, _RoundCosts()).add(0, total, new_batch)

@@ -19,13 +19,15 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
-from specsample.drafters.base import Drafter
+from specsample.drafters.base import BacklogScorer, Drafter
 from specsample.models.base import CausalLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.sampling import warp_rows
 from specsample.verify import Verdict, verify, verify_greedy
 
 log = logging.getLogger("specsample.engine")
+
+BACKLOG_KEPT = 64  # most plain-round tokens a row keeps for its draft to score (the controller remembers ~25 trials)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class RoundStats:
     target_seconds: float
     verify_seconds: float
     fallback_rows: int = 0  # rows the gamma controller kept from drafting this round
+    scored_rows: int = 0  # rows whose draft scored the tokens it missed (the controller's probes in fallback)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ class _Row:
     gamma: int | None
     slot: int = -1
     output: list[int] = field(default_factory=list)
+    # the target's probability of each token plain rounds committed since the row last drafted (newest
+    # last, at most BACKLOG_KEPT): with the draft's, what a draft there would have been accepted with
+    plain_probs: list[float] = field(default_factory=list)
 
     @property
     def remaining(self) -> int:
@@ -205,6 +211,7 @@ class Engine:
             return RoundResult(tuple(cancelled_updates), stats, time.perf_counter())
         gamma, max_drafts, fallback_rows = self._plan(rows)
         slots = [r.slot for r in rows]
+        scored_rows = self._score_backlogs(rows)
         draft_tokens, draft_probs, num_drafted, confidence = self._draft(rows, slots, gamma, max_drafts)
         gamma = draft_tokens.shape[1]  # the drafter may have stopped every row early
         draft_done = self._now()
@@ -216,8 +223,10 @@ class Engine:
         width = self._scoring_width(len(rows), target_input.shape[1])
         target_logits = score_padded(self.target, target_input, self.cache, slot_tensor, width)  # [b, gamma + 1, vocab]
         target_done = self._now()
-        verdict = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits, num_drafted.to(device))
+        verdict, target_probs = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits,
+                                             num_drafted.to(device))
         num_accepted = verdict.num_accepted.cpu()  # [b]; one device-to-host copy per round
+        self._note_plain_tokens(rows, num_drafted, verdict, target_probs)
         self._observe(rows, num_drafted, num_accepted, confidence)
         updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted, num_accepted)
         verify_done = self._now()
@@ -226,7 +235,7 @@ class Engine:
                                            verify_done - target_done)
         stats = _round_stats(len(rows), gamma, num_drafted, num_accepted, updates,
                              prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                             verify_done - target_done, fallback_rows)
+                             verify_done - target_done, fallback_rows, scored_rows)
         return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
 
     def _scoring_width(self, batch_size: int, tokens: int) -> int:
@@ -237,9 +246,10 @@ class Engine:
     def _plan(self, rows: list[_Row]) -> tuple[int, list[int], int]:
         """Drafts per row: fixed or chosen by the controller, never more than a row can use."""
         adaptive = [r for r in rows if r.speculative and r.gamma is None and self.controller is not None]
+        scorable = [len(r.plain_probs) for r in adaptive] if isinstance(self.drafter, BacklogScorer) else None
         chosen = dict(zip((r.request_id for r in adaptive),
                           self.controller.plan([r.request_id for r in adaptive], len(rows),
-                                               [r.remaining for r in adaptive]) if adaptive else []))
+                                               [r.remaining for r in adaptive], scorable) if adaptive else []))
         max_drafts = []
         for row in rows:
             wanted = 0 if not row.speculative else chosen.get(row.request_id, row.gamma or self.config.gamma)
@@ -247,6 +257,47 @@ class Engine:
             max_drafts.append(max(0, min(wanted, self.config.gamma, row.remaining - 1)))
         fallback = sum(1 for r in adaptive if chosen[r.request_id] == 0)
         return max(max_drafts), max_drafts, fallback
+
+    def _score_backlogs(self, rows: list[_Row]) -> int:
+        """Rows in fallback whose scoring the controller planned: the draft scores the tokens plain rounds
+        committed, teacher-forced, and the controller learns from min(1, q / p) of each: what drafting there
+        would have been accepted with, without drafting. Only the past is read, so sampling stays exact."""
+        wanted = self.controller.scores_planned() if self.controller is not None else {}
+        chosen = [r for r in rows if wanted.get(r.request_id, 0) > 0 and r.plain_probs]
+        if not chosen or not isinstance(self.drafter, BacklogScorer):
+            return 0
+        counts = [min(wanted[r.request_id], len(r.plain_probs)) for r in chosen]
+        scored = self.drafter.score_backlog([r.slot for r in chosen], counts, [r.params for r in chosen])
+        for row, draft_probs in zip(chosen, scored):
+            target_probs = row.plain_probs[len(row.plain_probs) - len(draft_probs):]
+            self.controller.observe_scores(
+                row.request_id, [min(1.0, q / p) if p > 0 else 0.0 for q, p in zip(draft_probs, target_probs)])
+            row.plain_probs.clear()
+        return len(chosen)
+
+    def _note_plain_tokens(self, rows: list[_Row], num_drafted: Tensor, verdict: Verdict,
+                           target_probs: Tensor | None) -> None:
+        """Keep, for adaptive rows decoded plain this round, the target's probability of the token it
+        committed (1 under greedy); a row that drafted has fed its draft everything before."""
+        if self.controller is None or not isinstance(self.drafter, BacklogScorer):
+            return
+        drafted = num_drafted.tolist()
+        plain = [i for i, r in enumerate(rows) if drafted[i] == 0 and r.speculative and r.gamma is None]
+        for i, row in enumerate(rows):
+            if drafted[i] > 0:
+                row.plain_probs.clear()
+        if not plain:
+            return
+        if target_probs is None:  # every row greedy: the target's token had probability 1
+            chosen = [1.0] * len(plain)
+        else:
+            index = torch.tensor(plain, device=target_probs.device)
+            tokens = verdict.next_token[index].unsqueeze(-1)
+            chosen = target_probs[index, 0].gather(-1, tokens).squeeze(-1).float().cpu().tolist()
+        for i, p in zip(plain, chosen):
+            row = rows[i]
+            row.plain_probs.append(p)
+            del row.plain_probs[:-BACKLOG_KEPT]
 
     def _draft(self, rows: list[_Row], slots: list[int], gamma: int,
                max_drafts: list[int]) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
@@ -272,12 +323,14 @@ class Engine:
             self.controller.observe(row.request_id, int(num_drafted[i]), int(num_accepted[i]), conf)
 
     def _verify(self, rows: list[_Row], draft_tokens: Tensor, draft_probs: Tensor | None,
-                target_logits: Tensor, num_drafted: Tensor) -> Verdict:
+                target_logits: Tensor, num_drafted: Tensor) -> tuple[Verdict, Tensor | None]:
+        """The verdict, and the warped target probabilities it sampled from (None: every row greedy)."""
         params = [r.params for r in rows]
         if all(p.greedy for p in params):
-            return verify_greedy(draft_tokens, target_logits, num_drafted)
+            return verify_greedy(draft_tokens, target_logits, num_drafted), None
         target_probs = warp_rows(target_logits, params)  # [b, gamma + 1, vocab]
-        return verify(draft_tokens, draft_probs, target_probs, [r.generator for r in rows], num_drafted)
+        verdict = verify(draft_tokens, draft_probs, target_probs, [r.generator for r in rows], num_drafted)
+        return verdict, target_probs
 
     def _commit(self, rows: list[_Row], slot_tensor: Tensor, draft_tokens: Tensor, verdict: Verdict,
                 num_drafted: Tensor, num_accepted: Tensor) -> list[RowUpdate]:
@@ -384,7 +437,7 @@ def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Draf
 
 def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tensor, updates: list[RowUpdate],
                  prefill_s: float, draft_s: float, target_s: float, verify_s: float,
-                 fallback_rows: int) -> RoundStats:
+                 fallback_rows: int, scored_rows: int = 0) -> RoundStats:
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]
     drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
     accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
@@ -394,5 +447,5 @@ def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tens
         emitted=sum(len(u.new_tokens) for u in updates),
         drafted_per_position=tuple(drafted_at.tolist()), accepted_per_position=tuple(accepted_at.tolist()),
         prefill_seconds=prefill_s, draft_seconds=draft_s, target_seconds=target_s, verify_seconds=verify_s,
-        fallback_rows=fallback_rows,
+        fallback_rows=fallback_rows, scored_rows=scored_rows,
     )

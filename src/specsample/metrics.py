@@ -51,6 +51,7 @@ class StatsCollector:
     drafted_per_draft: list[int] = field(default_factory=list)
     gammas: list[int] = field(default_factory=list)
     fallback_row_rounds: int = 0
+    backlog_scorings: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -73,6 +74,7 @@ class StatsCollector:
         self.emitted += s.emitted
         self.gammas.append(s.gamma)
         self.fallback_row_rounds += s.fallback_rows
+        self.backlog_scorings += s.scored_rows
         _add_into(self.drafted_per_position, s.drafted_per_position)
         _add_into(self.accepted_per_position, s.accepted_per_position)
         self.prefill_seconds += s.prefill_seconds
@@ -131,6 +133,7 @@ class StatsCollector:
             "gamma_mean": statistics.fmean(self.gammas) if self.gammas else 0.0,
             "gamma_history": _run_lengths(self.gammas),
             "fallback_row_rounds": self.fallback_row_rounds,
+            "backlog_scorings": self.backlog_scorings,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

@@ -179,6 +179,7 @@ class Replayed:
     rounds: int
     drafted: int
     probes: int = 0  # drafting rounds gamma auto ran from fallback
+    scorings: int = 0  # backlog scorings gamma auto ran in fallback (a draft forward, no drafts)
 
 
 def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: RoundCostTable,
@@ -198,8 +199,17 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
         raise ValueError(f"need a uniform per reply token ({total}), got {len(uniforms)}")
     seconds, pos, rounds, drafted_total, probes = costs.prefill_seconds(trace.prompt_tokens, policy != 0), 0, 0, 0, 0
     missing = 1  # tokens the draft model has not fed yet (the prompt's last)
+    plain_run: list[int] = []  # reply positions plain rounds committed since the draft last fed
+    scorings = 0
     while pos < total:
-        wanted = controller.plan([request_id], 1, [budget - pos])[0] if policy == "auto" else policy
+        wanted = controller.plan([request_id], 1, [budget - pos], [len(plain_run)])[0] if policy == "auto" else policy
+        scoring = controller.scores_planned().get(request_id, 0) if policy == "auto" else 0
+        if scoring and plain_run:
+            # the draft scores the tokens it missed in one forward: each position's acceptance probability
+            # (the engine estimates it unbiasedly by min(1, q / p) of the committed token; here its mean)
+            controller.observe_scores(request_id, [trace.accept[i] for i in plain_run[-scoring:]])
+            seconds += costs.draft_step
+            scorings, missing, plain_run = scorings + 1, 1, []
         drafts = max(0, min(wanted, max_gamma, budget - pos - 1))  # the engine's clip: the budget, not the text
         probes += int(drafts > 0 and controller is not None and controller.in_fallback(request_id))
         thresholds = controller.gate_thresholds(1) if policy == "auto" and drafts > 0 else []
@@ -225,6 +235,7 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
             draft_seconds = drafted * costs.draft_step * factor
             controller.observe_timing(1, drafted, draft_seconds, round_seconds * factor - draft_seconds)
         seconds += round_seconds
+        plain_run = plain_run + [pos] if drafted == 0 else []
         pos += min(accepted + 1, total - pos)  # a round that reaches the text's last token (its EOS) ends it
         rounds += 1
         drafted_total += drafted
@@ -232,7 +243,7 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
         missing = missing + 1 if drafted == 0 else 1 + (accepted == drafted)
     if controller is not None:
         controller.release(request_id)
-    return Replayed(total, seconds, rounds, drafted_total, probes)
+    return Replayed(total, seconds, rounds, drafted_total, probes, scorings)
 
 
 def timing_noise(rng: random.Random, sd: float = 0.05, stall_rate: float = 0.02) -> Callable[[], float]:

@@ -65,6 +65,18 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class BacklogScorer(Protocol):
+    """A drafter that can score, teacher-forced, tokens the target committed without it (plain rounds):
+    the gamma controller learns a request's acceptance in fallback from them instead of drafting."""
+
+    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
+                      params: Sequence[SamplingParams]) -> list[list[float]]:
+        """Per row, the warped draft probability of each of its last `counts[i]` committed tokens (fewer
+        where the drafter already fed them), oldest first; afterwards the row lacks only its last token."""
+        ...
+
+
 def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int) -> Proposal:
     """Combine proposals made for disjoint rows of one batch.
 

@@ -193,19 +193,53 @@ class ModelDrafter:
 
     def _rewindow(self, slot: int, gamma: int) -> None:
         """Rebuild a row's cache from the window's view of its history but the last two tokens (which the
-        round's first forward feeds, as after any accepted round). Where the window leaves too little
-        room for this round's drafts, the recent part shrinks to fit."""
+        round's first forward feeds, as after any accepted round), with room for this round's drafts."""
+        self._rebuild(slot, len(self.history[slot]) - 2, 2 + gamma + 1)
+
+    def _rebuild(self, slot: int, upto: int, room_after: int) -> None:
+        """Reset a row's cache to the window's view of history[:upto], leaving `room_after` positions free
+        under the window's limit; where the window leaves too little room, its recent part shrinks to fit."""
         window = self.window
-        room = window.limit - window.sink - 2 - gamma - 1  # recent tokens that leave room for the round
+        room = window.limit - window.sink - room_after  # recent tokens that leave room_after free
         if room < 1:
-            raise ValueError(f"gamma {gamma} does not fit the draft window (limit {window.limit}, sink {window.sink})")
+            raise ValueError(f"a round of {room_after - 3} drafts does not fit the draft window (limit "
+                             f"{window.limit}, sink {window.sink})")
         if room < window.recent:
             window = DraftWindow(window.sink, room, window.limit)
-        kept, skipped = window.view(self.history[slot][:-2])
+        kept, skipped = window.view(self.history[slot][:upto])
         slot_tensor = torch.tensor([slot])
         self.cache.reset(slot_tensor)
         prefill_ragged(self.model, self.cache, slot_tensor, [kept])
         self._skipped[slot] = skipped
+
+    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
+                      params: Sequence[SamplingParams]) -> list[list[float]]:
+        """Per row, the warped draft probability of each of its last `counts[i]` committed tokens that the
+        cache has not fed yet, oldest first (one forward per row; the tokens before them are fed first).
+        The row then lacks only its last token, as after a round with a rejection."""
+        out = []
+        for slot, count, row_params in zip(slots, counts, params):
+            history = self.history[slot]
+            end = len(history) - 1  # history[start:end] predict history[start + 1:end + 1]
+            count = min(count, end - self._fed(slot))
+            if self.window is not None:
+                count = min(count, self.window.limit - self.window.sink - 2)
+            if count <= 0:
+                out.append([])
+                continue
+            start = end - count
+            slot_tensor = torch.tensor([slot])
+            if self.window is not None and end - self._skipped[slot] > self.window.limit:
+                self._rebuild(slot, start, count + 1)
+            else:
+                prefill_ragged(self.model, self.cache, slot_tensor, [history[self._fed(slot):start]])
+            inputs = torch.tensor([history[start:end]], dtype=torch.long, device=self.model.device)
+            logits = self.model.forward_cached(inputs, self.cache, slot_tensor)[0]  # [count, vocab]
+            probs = warp_rows(logits, [row_params] * count)  # [count, vocab]
+            committed = torch.tensor(history[start + 1:end + 1], device=probs.device)
+            out.append(probs.gather(-1, committed.unsqueeze(-1)).squeeze(-1).float().cpu().tolist())
+            self._drafted[slot] = []
+        return out
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         """Keep cached drafts that were committed; drop the rest by lowering the cache length."""

@@ -1,0 +1,196 @@
+"""Backlog scoring: in fallback the draft scores, teacher-forced, the tokens plain rounds committed, and the
+gamma controller learns a request's acceptance from them instead of drafting probes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specsample import Engine, SamplingParams, SpecConfig, generate
+from specsample.controller import ControllerConfig, GammaController
+from specsample.drafters.base import BacklogScorer
+from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.model import DraftWindow, ModelDrafter
+from specsample.drafters.ngram import NgramDrafter
+from specsample.sampling import warp_probs
+
+HISTORY = [(7 * t + 3) % 32 for t in range(60)]
+
+
+def _expected(tiny_draft, context: list[int], scored: list[int], params: SamplingParams) -> list[float]:
+    """The warped probability a whole-context draft on `context + scored[:-1]` gives each scored token."""
+    with torch.no_grad():
+        logits = tiny_draft(torch.tensor([context + scored[:-1]], device=tiny_draft.device))[0]
+    probs = warp_probs(logits[len(context) - 1:], params)  # predicts scored[0], scored[1], ...
+    return probs.gather(-1, torch.tensor(scored, device=probs.device).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_scores_are_the_drafts_teacher_forced_probabilities(tiny_draft, temperature: float) -> None:
+    params = SamplingParams(temperature=temperature)
+    drafter = ModelDrafter(tiny_draft)
+    drafter.allocate(1, 128)
+    drafter.add_rows([0], [HISTORY[:20]])
+    drafter.commit([0], [HISTORY[20:32]])  # twelve tokens committed without the draft
+    scores = drafter.score_backlog([0], [5], [params])[0]  # the last five (the seven before: fed, unscored)
+    assert scores == pytest.approx(_expected(tiny_draft, HISTORY[:27], HISTORY[27:32], params), abs=1e-9)
+    assert int(drafter.cache.lengths[0]) == 31  # it lacks only the last committed token, as after a round
+    assert drafter.score_backlog([0], [5], [params]) == [[]]  # nothing left that it has not fed
+    drafter.commit([0], [HISTORY[32:35]])
+    assert len(drafter.score_backlog([0], [50], [params])[0]) == 3  # at most what it missed
+
+
+def test_a_windowed_draft_scores_on_its_view(tiny_draft) -> None:
+    """A backlog that would carry the cache past the window's limit: the row is re-windowed on the history
+    before the scored tokens, which it then sees after the window's view."""
+    window = DraftWindow(sink=2, recent=6, limit=24)
+    drafter = ModelDrafter(tiny_draft, window=window)
+    drafter.allocate(1, 128)
+    drafter.add_rows([0], [HISTORY[:20]])
+    drafter.commit([0], [HISTORY[20:40]])
+    params = SamplingParams(temperature=0.8)
+    scores = drafter.score_backlog([0], [8], [params])[0]
+    view, _ = window.view(HISTORY[:31])
+    assert scores == pytest.approx(_expected(tiny_draft, view, HISTORY[31:40], params)[1:], abs=1e-9)
+    assert int(drafter.cache.lengths[0]) <= window.limit
+
+
+def test_after_scoring_the_draft_drafts_as_a_fresh_one(tiny_draft) -> None:
+    drafter, fresh = ModelDrafter(tiny_draft), ModelDrafter(tiny_draft)
+    for d in (drafter, fresh):
+        d.allocate(1, 128)
+    drafter.add_rows([0], [HISTORY[:10]])
+    drafter.commit([0], [HISTORY[10:25]])
+    drafter.score_backlog([0], [6], [SamplingParams(temperature=0)])
+    fresh.add_rows([0], [HISTORY[:25]])
+    params = [SamplingParams(temperature=0.8)]
+    ours = drafter.propose([0], 3, [3], params, [torch.Generator().manual_seed(5)])
+    theirs = fresh.propose([0], 3, [3], params, [torch.Generator().manual_seed(5)])
+    assert torch.equal(ours.tokens, theirs.tokens)
+    assert torch.allclose(ours.probs, theirs.probs, atol=1e-9)
+
+
+def test_only_model_drafts_score() -> None:
+    assert isinstance(ModelDrafter.__new__(ModelDrafter), BacklogScorer)
+    assert not isinstance(NgramDrafter(), BacklogScorer)  # deterministic drafts: probes instead
+    assert not isinstance(HybridDrafter.__new__(HybridDrafter), BacklogScorer)
+
+
+class _Unhelpful(GammaController):
+    """The controller with drafting priced as a loss at any alpha below 0.9, so requests fall back."""
+
+    def round_cost(self, batch_size: int, drafts: int) -> float:
+        return 1.0 if drafts == 0 else 1.9 + 0.1 * drafts
+
+    def observe_scores(self, request_id: str, acceptance: list[float]) -> None:
+        self.seen = getattr(self, "seen", []) + list(acceptance)
+        super().observe_scores(request_id, acceptance)
+
+
+class _Recording(ModelDrafter):
+    """Notes which reply positions each scoring covered."""
+
+    def score_backlog(self, slots, counts, params):
+        out = super().score_backlog(slots, counts, params)
+        for slot, scores in zip(slots, out):
+            end = len(self.history[slot])  # scored: history[end - len(scores):end]
+            self.scored = getattr(self, "scored", []) + list(range(end - len(scores), end))
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_request_in_fallback_learns_from_scores_not_probes(tiny_target, tiny_draft, temperature: float) -> None:
+    """The acceptances the controller is told are, per token plain rounds committed, min(1, q / p) of the
+    draft's and the target's probabilities of it (greedy: their agreement); no drafting probe runs; greedy,
+    the reply is the target's."""
+    prompt, budget = [3, 1, 4, 1, 5], 60
+    params = SamplingParams(temperature=temperature, max_new_tokens=budget, seed=3)
+    controller = _Unhelpful(ControllerConfig(max_gamma=4, probe_horizon=0))
+    drafter = _Recording(tiny_draft)
+    engine = Engine(tiny_target, drafter, SpecConfig(gamma=4, adaptive=True, max_batch_size=1), controller=controller)
+    engine.add_request(prompt, params, request_id="r")
+    drafted, reply, scored_rows = [], [], 0
+    for result in engine.stream():
+        drafted += [u.num_drafted for u in result.rows]
+        reply += [t for u in result.rows for t in u.new_tokens]
+        scored_rows += result.stats.scored_rows
+    assert scored_rows == controller.scored  # the statistics report them (backlog_scorings)
+    assert 0 in drafted and sum(drafted[drafted.index(0):]) == 0  # once in fallback, no drafting probes
+    assert controller.scored >= 3 and len(controller.seen) == len(drafter.scored) >= 20
+    text = prompt + reply
+    with torch.no_grad():
+        inputs = torch.tensor([text], device=tiny_draft.device)
+        draft_probs = warp_probs(tiny_draft(inputs)[0], params)  # [len, vocab]: row i predicts text[i + 1]
+        target_probs = warp_probs(tiny_target(inputs)[0], params)
+    expected = [min(1.0, float(draft_probs[i - 1, text[i]]) / float(target_probs[i - 1, text[i]]))
+                for i in drafter.scored]
+    assert controller.seen == pytest.approx(expected, abs=1e-6)
+    if temperature == 0:
+        assert set(controller.seen) == {0.0, 1.0}
+        reference = generate(tiny_target, [prompt], params, config=SpecConfig(speculative=False))
+        assert reply == list(reference.completions[0].token_ids)
+
+
+def _fall_back(config: ControllerConfig, scorable: list[int] | None) -> tuple[GammaController, int]:
+    """A controller whose request saw only rejections until it fell back (after earlier requests pooled an
+    acceptance of 0.4), and the rounds that took."""
+    controller, rounds = GammaController(config), 0
+    for i in range(100):
+        controller.observe("w", 1, int(i % 5 < 2))
+    controller.release("w")
+    while not controller.in_fallback("r"):
+        controller.observe("r", controller.plan(["r"], 1, None, scorable)[0], 0)
+        rounds += 1
+    return controller, rounds
+
+
+def _fallback_rounds(controller: GammaController, rounds: int, acceptance: float) -> list[int]:
+    """Rounds in which the request's draft scored its backlog (each token at `acceptance`); drafts planned."""
+    scored_at, backlog, planned = [], 0, []
+    for i in range(rounds):
+        backlog += 1
+        planned.append(controller.plan(["r"], 1, [1000], [backlog])[0])
+        wanted = controller.scores_planned().get("r", 0)
+        if wanted:
+            controller.observe_scores("r", [acceptance] * min(wanted, backlog))
+            scored_at.append(i)
+            backlog = 0
+        if planned[-1]:
+            controller.observe("r", planned[-1], planned[-1])
+            backlog = 0
+    return scored_at if acceptance < 0.5 else planned
+
+
+def test_in_fallback_the_controller_scores_instead_of_probing() -> None:
+    """The first scoring comes after 2 probe_every rounds (the fallback rested on a few rounds), the next
+    ones when a draft forward (c = 0.2 plain rounds) fits probe_budget (1%): every 21 rounds."""
+    config = ControllerConfig(prior_cost_ratio=0.2)
+    controller, _ = _fall_back(config, [0])
+    scored_at = _fallback_rounds(controller, 80, 0.0)
+    assert scored_at[0] in (6, 7) and {b - a for a, b in zip(scored_at, scored_at[1:])} == {21}
+    controller.observe_timing(1, 0, 0.0, 0.02)
+    assert controller.scores_planned() == {}
+
+
+def test_scores_that_recover_bring_drafting_back() -> None:
+    controller, _ = _fall_back(ControllerConfig(prior_cost_ratio=0.2), [0])
+    planned = _fallback_rounds(controller, 40, 0.9)
+    assert not controller.in_fallback("r") and sum(planned) > 0
+    assert [to for _, to in controller.switches] == ["off", "on"]
+
+
+def test_a_scoring_draft_falls_back_on_less_evidence() -> None:
+    """Fallback is cheap to leave where the draft scores what it missed: a margin of 0.5 standard errors
+    (scored_fallback_margin) instead of 1 (fallback_margin)."""
+    config = ControllerConfig(prior_cost_ratio=0.2)
+    scoring = _fall_back(config, [0])[1]
+    probing = _fall_back(config, None)[1]
+    assert scoring < probing
+    assert _fall_back(dataclasses.replace(config, scored_fallback_margin=1.0), [0])[1] == probing
+    assert _fall_back(dataclasses.replace(config, score_backlog=False), [0])[1] == probing
+    with pytest.raises(ValueError, match="score_min_tokens"):
+        ControllerConfig(score_min_tokens=0)
+    with pytest.raises(ValueError, match="scored_fallback_margin"):
+        ControllerConfig(scored_fallback_margin=-1)
