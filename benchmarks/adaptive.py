@@ -28,9 +28,11 @@ from tqdm import tqdm
 from specsample.bench.goals import goal_tables
 from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel
-from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
+from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
+                                  load_prompts)
 from specsample.bench.systems import Ours
 from specsample.config import SamplingParams, SpecConfig
+from specsample.controller import ControllerConfig
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
@@ -48,8 +50,14 @@ def main() -> None:
     parser.add_argument("--systems", default="all",
                         help="comma-separated systems to run (default all: " + ", ".join(SYSTEMS) + "); the goal check "
                              "needs target-only, gamma=auto and a fixed gamma, and compares with the fixed gammas run")
+    parser.add_argument("--controller", default="", metavar="KEY=VALUE,...",
+                        help="ControllerConfig fields for the gamma auto systems, e.g. scored_fallback_margin=0.5")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
+    try:
+        controller = controller_config(args.controller)
+    except ValueError as error:
+        parser.error(f"--controller: {error}")
     chosen = list(SYSTEMS) if args.systems == "all" else [n.strip() for n in args.systems.split(",")]
     unknown = [n for n in chosen if n not in SYSTEMS]
     if unknown:
@@ -65,7 +73,7 @@ def main() -> None:
     eos = tokenizer.eos_token_ids
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
 
-    systems = make_systems(chosen, target, pair.drafter, eos, max_len, widths)
+    systems = make_systems(chosen, target, pair.drafter, eos, max_len, widths, controller)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
     timings = {t: defaultdict(list) for t in temperatures}  # system -> [(category, tokens, RunTiming)]
@@ -87,6 +95,8 @@ def main() -> None:
                           "torch": torch.__version__}, "draft": pair.draft_spec,
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
               "target_widths": list(widths),
+              "controller": {k: v for k, v in dataclasses.asdict(controller).items()
+                             if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}
     report["modelled"], report["model_fit"] = {}, {}
     for temperature in temperatures:
@@ -103,15 +113,16 @@ SYSTEMS = ("target-only", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "g
 
 
 def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[int], max_len: int,
-                 widths: tuple[int, ...]) -> list[Ours]:
+                 widths: tuple[int, ...], controller: ControllerConfig | None = None) -> list[Ours]:
     """The systems named in `chosen`, in SYSTEMS order. Each model-drafting system gets its own drafter (its
     own cache and history) with the loaded draft's model and window: built from the model alone, the
-    drafters of session 19's first full run drafted from the whole context."""
+    drafters of session 19's first full run drafted from the whole context. `controller`: the knobs of the
+    gamma auto systems (default ControllerConfig's)."""
 
     def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True):
         config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1,
                             max_seq_len=max_len, target_widths=widths)
-        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller)
+        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller, controller_config=controller)
 
     def model() -> ModelDrafter:
         return ModelDrafter(draft.model, draft.folder, draft.window)
@@ -168,6 +179,8 @@ def write_report(report: dict, out: Path) -> None:
                if widths else " No row padding.")
     lines = [f"Command: `{report['command']}`", "",
              f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", ""]
+    if report.get("controller"):
+        lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():
         lines += [f"### Temperature {temperature}, measured", ""] + goal_tables(table)
         if temperature in report.get("modelled", {}):

@@ -31,7 +31,8 @@ from specsample.api import generate
 from specsample.bench.goals import goal_tables, passes
 from specsample.bench.replay import (ORDERS, DraftPrefill, RoundCostTable, Trace, compare, replay, reply_logits,
                                      trace_from_logits)
-from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
+from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
+                                  load_prompts)
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
 
@@ -137,18 +138,6 @@ def acceptance_group(trace: Trace) -> str:
     mean = sum(trace.accept) / len(trace.accept)
     bands = ((0.2, "alpha 0.0-0.2"), (0.3, "alpha 0.2-0.3"), (0.4, "alpha 0.3-0.4"))
     return next((label for top, label in bands if mean < top), "alpha 0.4-1.0")
-
-
-def controller_config(spec: str) -> ControllerConfig:
-    """ControllerConfig from "key=value,..." (values parsed as the field's default's type)."""
-    defaults, changes = ControllerConfig(), {}
-    for item in filter(None, spec.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not hasattr(defaults, key):
-            raise ValueError(f"expected KEY=VALUE with KEY a ControllerConfig field, got {item!r}")
-        kind = type(getattr(defaults, key))
-        changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    return dataclasses.replace(defaults, **changes)
 
 
 def record(args: argparse.Namespace) -> tuple[dict[str, list[Trace]], dict]:

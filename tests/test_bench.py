@@ -227,7 +227,7 @@ def test_command_line_reproduces_the_options_given() -> None:
     import argparse
 
     from specsample.bench.report import command_line
-    args = argparse.Namespace(target="smollm2", draft=None, compiled=False, fast=True, per_category=2)
+    args = argparse.Namespace(target="smollm2", draft=None, compiled=False, fast=True, per_category=2, controller="")
     line = command_line("benchmarks/x.py", args)
     assert line == "python benchmarks/x.py --target smollm2 --no-compiled --fast --per-category 2"
-    assert "None" not in line  # a default resolved later is left out, so the line runs
+    assert "None" not in line  # a default resolved later is left out, so the line runs (and an empty one)

@@ -204,3 +204,27 @@ def test_the_adaptive_benchmark_drafts_with_the_loaded_window(tiny_target, tiny_
     assert len({id(d) for d in models}) == len(models)  # each system keeps its own cache and history
     assert [s.name for s in make_systems(["gamma=auto", "target-only", "gamma=1"], tiny_target, models[0],
                                          frozenset(), 64, ())] == ["target-only", "gamma=1", "gamma=auto"]
+
+
+def test_the_adaptive_benchmark_passes_controller_knobs_to_gamma_auto(tiny_target, tiny_draft) -> None:
+    """benchmarks/adaptive.py --controller: both gamma auto systems (the kept controller and the fresh one
+    each run starts) get the knobs, with max_gamma the system's gamma; fixed gammas have no controller."""
+    import sys
+    from pathlib import Path
+
+    from specsample.bench.run import controller_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from adaptive import make_systems
+
+    knobs = controller_config("scored_fallback_margin=0.5,score_backlog=false")
+    systems = {s.name: s for s in make_systems(["gamma=1", "gamma=auto", "gamma=auto fresh"], tiny_target,
+                                               ModelDrafter(tiny_draft), frozenset(), 64, (), knobs)}
+    kept = systems["gamma=auto"].controller
+    assert kept.config.scored_fallback_margin == 0.5 and not kept.config.score_backlog and kept.config.max_gamma == 8
+    assert systems["gamma=auto fresh"].controller is None and systems["gamma=1"].controller is None
+    assert systems["gamma=auto fresh"].controller_config == kept.config
+    record = systems["gamma=auto fresh"].run([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4))[0]
+    assert len(record.tokens) == 4
+    with pytest.raises(ValueError, match="ControllerConfig field"):
+        controller_config("no_such_knob=1")

@@ -9,13 +9,13 @@ from typing import Any
 
 def command_line(script: str, args: argparse.Namespace) -> str:
     """The command that reproduces a run: every option spelled out, booleans as --x / --no-x, and options
-    left at None (a default resolved later, such as the target's own draft) left out so the line runs."""
+    left at None (a default resolved later, such as the target's own draft) or empty left out so the line runs."""
     parts = []
     for key, value in vars(args).items():
         flag = key.replace("_", "-")
         if isinstance(value, bool):
             parts.append(f"--{'' if value else 'no-'}{flag}")
-        elif value is not None:
+        elif value is not None and value != "":
             parts.append(f"--{flag} {value}")
     return f"python {script} " + " ".join(parts)
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
 from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
+from specsample.controller import ControllerConfig
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_hard_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.drafters.model import WINDOW_MODES, ModelDrafter
 from specsample.models.base import CausalLM
@@ -63,6 +64,18 @@ class BenchConfig:
         base = cls(num_prompts=1, max_new_tokens=32, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
                    batch_sizes=(1, 4), sweep_prompts=4, lossless_prompts=2, lossless_samples=400)
         return dataclasses.replace(base, **overrides)
+
+
+def controller_config(spec: str) -> ControllerConfig:
+    """ControllerConfig from "key=value,..." (values parsed as the field's default's type)."""
+    defaults, changes = ControllerConfig(), {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not hasattr(defaults, key):
+            raise ValueError(f"expected KEY=VALUE with KEY a ControllerConfig field, got {item!r}")
+        kind = type(getattr(defaults, key))
+        changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return dataclasses.replace(defaults, **changes)
 
 
 def add_pair_options(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,13 +41,17 @@ class Ours:
     """specsample's engine: target-only (drafter None) or speculative. The engine re-allocates the
     drafter's state for every run, so one drafter serves all runs. With gamma auto, one controller
     also serves all runs (as in a server, it keeps the costs and acceptance it measured) unless
-    `keep_controller` is False, when every run's engine starts its own from the priors."""
+    `keep_controller` is False, when every run starts a new one from the priors. `controller_config`: its
+    knobs (default ControllerConfig's; max_gamma is always the config's gamma)."""
 
     def __init__(self, name: str, target: CausalLM, drafter: Drafter | None, config: SpecConfig,
-                 eos: frozenset[int], keep_controller: bool = True) -> None:
+                 eos: frozenset[int], keep_controller: bool = True,
+                 controller_config: ControllerConfig | None = None) -> None:
         self.name, self.target, self.drafter, self.config, self.eos = name, target, drafter, config, eos
+        self.controller_config = dataclasses.replace(controller_config or ControllerConfig(), max_gamma=config.gamma)
+        self.keep_controller = keep_controller
         kept = config.adaptive and keep_controller
-        self.controller = GammaController(ControllerConfig(max_gamma=config.gamma)) if kept else None
+        self.controller = GammaController(self.controller_config) if kept else None
 
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
         from specsample.api import generate_stream
@@ -60,8 +65,10 @@ class Ours:
         ids: list[str] = []
         rounds: list[RoundTiming] = []
         prefill, previous, context = 0.0, started, len(prompts[0]) if prompts else 0
-        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos,
-                                           self.controller):
+        controller = self.controller
+        if controller is None and self.config.adaptive:  # a fresh controller per run, with the same knobs
+            controller = GammaController(self.controller_config)
+        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos, controller):
             seconds, previous = result.finished_at - previous, result.finished_at
             if len(prompts) == 1 and result.stats.batch_size:  # one row: the round's cost is that row's
                 prefill += result.stats.prefill_seconds
