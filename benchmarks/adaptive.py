@@ -167,6 +167,27 @@ def _stall_note(fit: dict) -> str:
             + ", ".join(f"{n} {f['cost_model']['stalls']}" for n, f in fit.items()) + ".")
 
 
+FIT_CONTEXT = 300  # context length at which the report prints each system's fitted round costs
+
+
+def _fitted_costs(fit: dict) -> list[str]:
+    """Each system's fitted round costs at FIT_CONTEXT, in target-only's plain rounds: what the modelled
+    tables charge. A plain round is the same computation in every system, so where a system's plain
+    round reads dearer than target-only's, that is the fit's noise (or work the system adds, such as a
+    draft forward that scores a backlog) and it weighs most in categories decoded mostly plain."""
+    models = {name: CostModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in f["cost_model"].items()})
+              for name, f in fit.items()}
+    if "target-only" not in models:
+        return []
+    plain = models["target-only"].round_seconds(0, FIT_CONTEXT)
+    rows = []
+    for name, model in models.items():
+        costs = [f"{d} drafts {model.round_seconds(d, FIT_CONTEXT) / plain:.3f}" for d in model.draft_counts]
+        rows.append(f"{name}: " + ", ".join(costs))
+    return [f"Fitted round costs at context {FIT_CONTEXT}, in target-only plain rounds ({plain * 1000:.1f} ms): "
+            + "; ".join(rows) + ".", ""]
+
+
 def write_report(report: dict, out: Path) -> None:
     """Tables per temperature, the goal check for gamma auto, and the same check for every policy; in
     measured time and, where the run recorded rounds, in modelled time (timing noise removed).
@@ -190,7 +211,7 @@ def write_report(report: dict, out: Path) -> None:
                       "all of that system's rounds in this run (specsample.bench.round_costs). Per system, the "
                       "standard deviation over categories of log(measured / modelled time), i.e. the timing noise "
                       "the model removes: " + ", ".join(f"{n} {f['category_log_ratio_sd']:.3f}" for n, f in fit.items())
-                      + "." + _stall_note(fit), ""] + goal_tables(report["modelled"][temperature])
+                      + "." + _stall_note(fit), ""] + _fitted_costs(fit) + goal_tables(report["modelled"][temperature])
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
