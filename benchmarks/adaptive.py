@@ -175,8 +175,7 @@ def _fitted_costs(fit: dict) -> list[str]:
     tables charge. A plain round is the same computation in every system, so where a system's plain
     round reads dearer than target-only's, that is the fit's noise (or work the system adds, such as a
     draft forward that scores a backlog) and it weighs most in categories decoded mostly plain."""
-    models = {name: CostModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in f["cost_model"].items()})
-              for name, f in fit.items()}
+    models = {name: CostModel.from_dict(f["cost_model"]) for name, f in fit.items()}
     if "target-only" not in models:
         return []
     plain = models["target-only"].round_seconds(0, FIT_CONTEXT)

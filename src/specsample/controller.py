@@ -137,9 +137,8 @@ class _RoundCosts:
         """Time one round of `drafts` drafts. `new_batch`: the rows changed since the last round timed (at
         batch 1, a new request): its context may be far from the last one's, so this round only re-seeds
         the pace. Timed against the last request's pace, the first round of a length seldom timed carried
-        a weight of up to ~0.6 and a long prompt's pace with it: the controller's gamma-1 cost wandered
-        from 1.26 down to 1.10 plain rounds on the tuning stream, and requests the draft barely helps
-        drafted on at acceptance 0.1."""
+        that request's context into its cost (tests/test_adaptive.py: alternating long and short requests
+        bias gamma 1's cost by over 5% without this)."""
         if seconds <= 0:
             return  # a clock that did not move says nothing about cost
         if new_batch and drafts in self.relative:
@@ -322,8 +321,7 @@ class GammaController:
                 self._switch(rid, "on", alpha, batch_size, speedup)
             if state.fallback:
                 state.rounds_since_probe += 1
-                scoring = can_score  # the draft scores its backlog (once it holds score_min_tokens) instead of drafting
-                if scoring:
+                if can_score:  # the draft scores its backlog (once it holds score_min_tokens) instead of drafting
                     interval = self.score_interval(batch_size, state.scorings)
                     if backlog.get(rid, 0) < self.config.score_min_tokens:
                         interval = max(interval, state.rounds_since_probe + 1)  # not yet: wait for a backlog
@@ -333,11 +331,11 @@ class GammaController:
                 probe = state.rounds_since_probe >= interval and self._worth_probing(left.get(rid))
                 if probe:
                     state.rounds_since_probe = 0
-                    if scoring:
+                    if can_score:
                         self._scores[rid] = backlog[rid]
                         state.scorings += 1
                 # a probe drafts the gamma the formula picks for the current alpha (short at a low alpha)
-                out.append(state.gamma if probe and not scoring else 0)
+                out.append(state.gamma if probe and not can_score else 0)
             else:
                 out.append(self._neighbour(state.gamma, batch_size) if exploring else state.gamma)
                 self._exploring |= exploring
@@ -503,16 +501,17 @@ class GammaController:
         draft there would have been accepted (min(1, q / p) of the committed token: unbiased for it, since
         the token was drawn from p). Counted as trials of the request's acceptance, not the pool's: they
         are ungated (every position, where drafting trials stop at a low-confidence draft) and come from
-        requests in fallback, so pooled they pulled new requests' prior down (0.3 -> 0.14 over twelve
-        translation requests) and sent requests the draft helps into fallback after two rejections."""
+        requests in fallback, so pooled they pulled the prior of the requests after a run of translations
+        down and sent requests the draft helps into fallback after two rejections."""
         state = self._state(request_id)
         self.scored += 1
-        for accepted in acceptance:
+        for accepted in acceptance:  # forget per trial, as `observe` does
             accepted = min(max(float(accepted), 0.0), 1.0)
             state.successes = self.config.decay * state.successes + accepted
             state.failures = self.config.decay * state.failures + 1.0 - accepted
-            state.predicted *= self.config.decay
-            state.predicted_trials *= self.config.decay
+        factor = self.config.decay ** len(acceptance)
+        state.predicted *= factor
+        state.predicted_trials *= factor
 
     def observe_timing(self, batch_size: int, gamma: int, draft_seconds: float, target_seconds: float,
                        verify_seconds: float = 0.0) -> None:

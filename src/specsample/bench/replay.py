@@ -148,7 +148,7 @@ class RoundCostTable:
         missing = [n for n in names.values() if n not in fits]
         if missing:
             raise ValueError(f"the fits lack systems {missing}")
-        models = {d: CostModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in fits[n]["cost_model"].items()})
+        models = {d: CostModel.from_dict(fits[n]["cost_model"])
                   for d, n in names.items()}
         context = 300
         step = (models[max_gamma].round_seconds(max_gamma, context) - models[2].round_seconds(2, context)) / (max_gamma - 2)

@@ -62,6 +62,11 @@ class CostModel:
     stalls: int = 0  # rounds left out of the fit as stalls of the box
 
     @classmethod
+    def from_dict(cls, stored: dict) -> CostModel:
+        """A model as a result file stores it (`dataclasses.asdict`: tuples read back as lists)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()})
+
+    @classmethod
     def fit(cls, runs: Sequence[RunTiming]) -> CostModel:
         """Least-squares costs over every round and prefill of `runs` (one system's)."""
         rounds = [r for run in runs for r in run.rounds]
