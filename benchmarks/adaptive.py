@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from specsample.bench.goals import goal_tables
 from specsample.bench.report import command_line
-from specsample.bench.round_costs import CostModel
+from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
                                   load_prompts)
 from specsample.bench.systems import Ours
@@ -45,6 +45,9 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="replies sampled per prompt at temperature > 0 (each system samples its own texts, so a "
+                             "category's figure there varies with them; MT-bench categories have 5 prompts)")
     parser.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
                         help="score rounds at the target's fastest width (measured once, used by every system)")
     parser.add_argument("--systems", default="all",
@@ -52,8 +55,20 @@ def main() -> None:
                              "needs target-only, gamma=auto and a fixed gamma, and compares with the fixed gammas run")
     parser.add_argument("--controller", default="", metavar="KEY=VALUE,...",
                         help="ControllerConfig fields for the gamma auto systems, e.g. scored_fallback_margin=0.5")
+    parser.add_argument("--box-speed", choices=BOX_SPEED, default="shared",
+                        help="modelled time: factor out the box's slowdown per prompt, shared by every system "
+                             "(default), or fit each system alone (none)")
+    parser.add_argument("--remodel", type=Path, metavar="RESULT",
+                        help="recompute a stored result's modelled tables from its recorded rounds (with --box-speed) "
+                             "into --out, decoding nothing")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
+    if args.samples < 1:
+        parser.error(f"--samples must be >= 1, got {args.samples}")
+    if args.remodel:
+        remodel(args.remodel, args.box_speed, args.out,
+                f"python benchmarks/adaptive.py --remodel {args.remodel} --box-speed {args.box_speed} --out {args.out}")
+        return
     try:
         controller = controller_config(args.controller)
     except ValueError as error:
@@ -76,15 +91,18 @@ def main() -> None:
     systems = make_systems(chosen, target, pair.drafter, eos, max_len, widths, controller)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
-    timings = {t: defaultdict(list) for t in temperatures}  # system -> [(category, tokens, RunTiming)]
-    bar = tqdm(total=len(temperatures) * len(prompts), desc="adaptive benchmark")
+    timings = {t: defaultdict(list) for t in temperatures}  # system -> [(prompt, category, tokens, RunTiming)]
+    bar = tqdm(total=sum(len(prompts) * (args.samples if t > 0 else 1) for t in temperatures), desc="adaptive benchmark")
     for temperature in temperatures:
-        for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+        # at temperature > 0 each prompt is sampled --samples times (its seeds i, i + n, ...), prompt by prompt
+        replies = [(i + k * len(prompts), prompt, prompt_ids) for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids))
+                   for k in range(args.samples if temperature > 0 else 1)]
+        for i, prompt, prompt_ids in replies:
             order = systems[i % len(systems):] + systems[: i % len(systems)]
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=i)
             for s in order:
                 record = s.run([prompt_ids], params)[0]
-                timings[temperature][s.name].append((prompt.category, len(record.tokens), record.timing))
+                timings[temperature][s.name].append((i, prompt.category, len(record.tokens), record.timing))
                 for cat in (prompt.category, "overall"):
                     totals[temperature][s.name][cat][0] += len(record.tokens)
                     totals[temperature][s.name][cat][1] += record.seconds
@@ -98,14 +116,54 @@ def main() -> None:
               "controller": {k: v for k, v in dataclasses.asdict(controller).items()
                              if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}
-    report["modelled"], report["model_fit"] = {}, {}
     for temperature in temperatures:
         report["results"][str(temperature)] = {
             name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in totals[temperature].items()}
-        report["modelled"][str(temperature)], report["model_fit"][str(temperature)] = modelled(timings[temperature])
+    report["rounds"] = {str(t): {name: [_dump_run(*run) for run in runs] for name, runs in timings[t].items()}
+                        for t in temperatures}
+    add_modelled(report, args.box_speed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    args.out.write_text(json.dumps(report))
     write_report(report, args.out.with_suffix(".md"))
+
+
+def remodel(source: Path, box_speed: str, out: Path, command: str) -> None:
+    """Rewrite a stored result's modelled tables from its rounds (recorded since session 21)."""
+    report = json.loads(source.read_text())
+    if "rounds" not in report:
+        raise SystemExit(f"{source} has no recorded rounds (runs before session 21 did not store them)")
+    report["remodel_command"] = command
+    add_modelled(report, box_speed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report))
+    write_report(report, out.with_suffix(".md"))
+
+
+BOX_SPEED = ("shared", "none")  # modelled time: one box slowdown per prompt shared by the systems, or none
+
+
+def add_modelled(report: dict, box_speed: str) -> None:
+    """Fill the report's modelled tables and fits from its stored rounds."""
+    report["box_speed"] = box_speed
+    report["modelled"], report["model_fit"], report["box_slowdown"] = {}, {}, {}
+    for temperature, by_system in report["rounds"].items():
+        runs = {name: [_load_run(row) for row in rows] for name, rows in by_system.items()}
+        (report["modelled"][temperature], report["model_fit"][temperature],
+         report["box_slowdown"][temperature]) = modelled(runs, box_speed)
+
+
+def _dump_run(prompt: int, category: str, tokens: int, timing: RunTiming) -> list:
+    """One generation's rounds, compactly: [prompt, category, tokens, prompt tokens, prefill ms,
+    [[drafted, context, ms, scored (0 or 1)], ...]] (times rounded to a microsecond)."""
+    return [prompt, category, tokens, timing.prompt_tokens, round(timing.prefill_seconds * 1000, 3),
+            [[r.drafted, r.context, round(r.seconds * 1000, 3), int(r.scored)] for r in timing.rounds]]
+
+
+def _load_run(row: list) -> tuple[int, str, int, RunTiming]:
+    prompt, category, tokens, prompt_tokens, prefill_ms, rounds = row
+    return prompt, category, tokens, RunTiming(prompt_tokens, prefill_ms / 1000,
+                                               tuple(RoundTiming(d, c, ms / 1000, bool(rest and rest[0]))
+                                                     for d, c, ms, *rest in rounds))
 
 
 SYSTEMS = ("target-only", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram", "hybrid",
@@ -139,24 +197,45 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
     return [builders[name]() for name in SYSTEMS if name in chosen]
 
 
-def modelled(runs_by_system: dict[str, list]) -> tuple[dict, dict]:
-    """Tokens/s per category in modelled time (each round at its system's mean cost; see
-    specsample.bench.round_costs), and per system how far measured and modelled categories differ."""
-    table, fit = {}, {}
+def modelled(runs_by_system: dict[str, list], box_speed: str = "shared") -> tuple[dict, dict, dict | None]:
+    """Tokens/s per category in modelled time (each round at its system's mean cost, with the box's
+    slowdown per prompt shared by all systems unless `box_speed` is "none"; see
+    specsample.bench.round_costs), per system how far measured and modelled categories differ, and the
+    spread of the prompts' slowdowns (None without)."""
+    if box_speed not in BOX_SPEED:
+        raise ValueError(f"box_speed must be one of {BOX_SPEED}, got {box_speed!r}")
+    table, fit, spread = {}, {}, None
+    if box_speed == "shared":
+        shared = fit_shared_speed({name: [(prompt, timing) for prompt, _, _, timing in runs]
+                                   for name, runs in runs_by_system.items()})
+        models, slowdown = shared.models, sorted(shared.slowdown.values())
+        spread = {"p05": slowdown[len(slowdown) // 20], "median": slowdown[len(slowdown) // 2],
+                  "p95": slowdown[-1 - len(slowdown) // 20]}
+    else:
+        models = {name: CostModel.fit([timing for _, _, _, timing in runs]) for name, runs in runs_by_system.items()}
     for name, runs in runs_by_system.items():
-        model = CostModel.fit([timing for _, _, timing in runs])
+        model = models[name]
         tokens, seconds, measured = defaultdict(int), defaultdict(float), defaultdict(float)
-        for category, count, timing in runs:
+        for _, category, count, timing in runs:
             for cat in (category, "overall"):
                 tokens[cat] += count
                 seconds[cat] += model.seconds(timing)
                 measured[cat] += timing.seconds
         table[name] = {cat: tokens[cat] / seconds[cat] for cat in tokens}
         ratios = [math.log(measured[c] / seconds[c]) for c in tokens if c != "overall"]
-        fit[name] = {"rounds": sum(len(t.rounds) for _, _, t in runs), "overall_measured_over_modelled":
+        fit[name] = {"rounds": sum(len(t.rounds) for *_, t in runs), "overall_measured_over_modelled":
                      measured["overall"] / seconds["overall"], "category_log_ratio_sd": statistics.pstdev(ratios),
                      "cost_model": dataclasses.asdict(model)}
-    return table, fit
+    return table, fit, spread
+
+
+def _speed_note(spread: dict | None) -> str:
+    """How the fit treated the box's speed (results from before the shared fit have no spread)."""
+    if spread is None:
+        return ", with no correction for the box's speed"
+    return (", with the box's slowdown while each prompt ran shared by every system (they decode it back to back) "
+            f"and factored out: prompts' slowdowns {spread['p05']:.3f} (5th percentile), {spread['median']:.3f} "
+            f"(median), {spread['p95']:.3f} (95th) of the run's mean")
 
 
 def _stall_note(fit: dict) -> str:
@@ -182,6 +261,8 @@ def _fitted_costs(fit: dict) -> list[str]:
     rows = []
     for name, model in models.items():
         costs = [f"{d} drafts {model.round_seconds(d, FIT_CONTEXT) / plain:.3f}" for d in model.draft_counts]
+        if model.scored_coef:  # gamma auto's rounds that scored a backlog, fitted apart from its plain rounds
+            costs.append(f"scoring a backlog +{model.scored_coef / plain:.3f}")
         rows.append(f"{name}: " + ", ".join(costs))
     return [f"Fitted round costs at context {FIT_CONTEXT}, in target-only plain rounds ({plain * 1000:.1f} ms): "
             + "; ".join(rows) + ".", ""]
@@ -197,8 +278,10 @@ def write_report(report: dict, out: Path) -> None:
     widths = report.get("target_widths") or []
     padding = (f" Target rounds scored at widths {widths} for 1..{len(widths)} tokens (measured, `--pad-rows auto`)."
                if widths else " No row padding.")
-    lines = [f"Command: `{report['command']}`", "",
-             f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", ""]
+    lines = [f"Command: `{report['command']}`", ""]
+    if report.get("remodel_command"):
+        lines += [f"Modelled tables recomputed by: `{report['remodel_command']}`", ""]
+    lines += [f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", ""]
     if report.get("controller"):
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():
@@ -207,7 +290,8 @@ def write_report(report: dict, out: Path) -> None:
             fit = report["model_fit"][temperature]
             lines += [f"### Temperature {temperature}, modelled time", "",
                       "Each round charged its system's mean cost for its draft count and context length, fitted over "
-                      "all of that system's rounds in this run (specsample.bench.round_costs). Per system, the "
+                      "all of that system's rounds in this run (specsample.bench.round_costs)"
+                      + _speed_note(report.get("box_slowdown", {}).get(temperature)) + ". Per system, the "
                       "standard deviation over categories of log(measured / modelled time), i.e. the timing noise "
                       "the model removes: " + ", ".join(f"{n} {f['category_log_ratio_sd']:.3f}" for n, f in fit.items())
                       + "." + _stall_note(fit), ""] + _fitted_costs(fit) + goal_tables(report["modelled"][temperature])

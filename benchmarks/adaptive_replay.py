@@ -64,6 +64,10 @@ def main() -> None:
                         help="the order gamma auto's one controller sees the texts in: shuffled per replicate (as a "
                              "server sees requests), or given (as recorded: benchmarks/adaptive.py runs Spec-Bench "
                              "category by category)")
+    parser.add_argument("--scoring-cost", type=float, default=None, metavar="PLAIN_ROUNDS",
+                        help="what a backlog scoring adds to a plain round (default: gamma auto's fitted cost where "
+                             "--costs has one, else a draft step; benchmarks/adaptive.py prints it as 'scoring a "
+                             "backlog')")
     parser.add_argument("--by-acceptance", action="store_true",
                         help="group the texts by their mean acceptance instead of by category (e.g. for sharegpt)")
     args = parser.parse_args()
@@ -71,6 +75,8 @@ def main() -> None:
         config = controller_config(args.controller)
     except ValueError as error:
         parser.error(f"--controller: {error}")
+    if args.scoring_cost is not None and args.scoring_cost < 0:
+        parser.error(f"--scoring-cost must be >= 0, got {args.scoring_cost}")
     if min(args.per_category, args.samples, args.max_new_tokens, args.replicates) < 1:
         parser.error("--per-category, --samples, --max-new-tokens and --replicates must be >= 1")
     cost_run = json.loads(args.costs.read_text())
@@ -90,6 +96,7 @@ def main() -> None:
     report["controller"] = dataclasses.asdict(config)
     report["by_acceptance"] = args.by_acceptance
     report["order"] = args.order
+    report["scoring_cost"] = args.scoring_cost
     report["draft_prefill_from"] = str(args.draft_prefill) if args.draft_prefill else None
     draft_prefill = load_draft_prefill(args.draft_prefill, report.get("draft_window")) if args.draft_prefill else None
     report["results"] = {}
@@ -97,7 +104,8 @@ def main() -> None:
     for temperature, rows in replayed.items():
         if temperature not in fits:
             raise SystemExit(f"{args.costs} has no fitted costs at temperature {temperature}")
-        costs = RoundCostTable.from_fits(fits[temperature], draft_prefill=draft_prefill)
+        costs = RoundCostTable.from_fits(fits[temperature], draft_prefill=draft_prefill, scoring=args.scoring_cost)
+        report.setdefault("scoring_costs", {})[temperature] = costs.scoring_seconds / costs.round_seconds(0, COST_CONTEXT)
         report.setdefault("round_costs", {})[temperature] = [  # what the verdicts hinge on, printed in the report
             costs.round_seconds(d, COST_CONTEXT) / costs.round_seconds(0, COST_CONTEXT) for d in range(1, 9)]
         probes = report.setdefault("probes", {}).setdefault(temperature, {})
@@ -240,8 +248,10 @@ def _cost_lines(report: dict, temperature: str) -> list[str]:
     costs = report.get("round_costs", {}).get(temperature)
     if not costs:
         return []
+    scoring = report.get("scoring_costs", {}).get(temperature)
     return [f"Round costs charged, in plain rounds at context {COST_CONTEXT}, for 1-8 drafts: "
-            + ", ".join(f"{c:.3f}" for c in costs) + ".", ""]
+            + ", ".join(f"{c:.3f}" for c in costs) + "." + ("" if scoring is None else
+                                                             f" A backlog scoring adds {scoring:.3f}."), ""]
 
 
 def draft_confidence(trace: Trace) -> float:

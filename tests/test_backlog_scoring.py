@@ -180,6 +180,32 @@ def test_in_fallback_the_controller_scores_instead_of_probing() -> None:
     assert controller.scores_planned() == {}
 
 
+def test_scorings_are_spaced_by_what_they_were_timed_to_cost() -> None:
+    """A scoring forward feeds many tokens and costs more than a draft step: timed at 0.4 plain rounds over
+    plain rounds of 20 ms (c is 0.2), the next scorings come every 40-41 rounds instead of 21. A scoring round
+    in which drafting rows ran (gamma > 0) says nothing about it."""
+    controller, _ = _fall_back(ControllerConfig(prior_cost_ratio=0.2), [0])
+    for _ in range(10):
+        controller.observe_timing(1, 0, 0.0, 0.02)
+    assert controller.scoring_cost(1) == pytest.approx(0.2)  # c until a scoring was timed
+    scored_at, backlog = [], 0
+    for i in range(150):
+        backlog += 1
+        assert controller.plan(["r"], 1, [1000], [backlog]) == [0]
+        wanted = controller.scores_planned().get("r", 0)
+        if wanted:
+            controller.observe_scores("r", [0.0] * min(wanted, backlog))
+            scored_at.append(i)
+            backlog = 0
+        controller.observe_timing(1, 0, 0.0, 0.028 if wanted else 0.02)
+    assert controller.scoring_cost(1) == pytest.approx(0.4, rel=0.01)
+    assert {b - a for a, b in zip(scored_at[1:], scored_at[2:])} <= {40, 41}  # 0.4 / 1% + 1, as it rounds
+    controller.plan(["r", "s"], 2, [1000, 1000], [backlog, 0])
+    controller._scores = {"r": 4}  # a scoring planned in a round where another row drafted
+    controller.observe_timing(2, 1, 0.005, 0.03)
+    assert 2 not in controller._scoring
+
+
 def test_scores_that_recover_bring_drafting_back() -> None:
     controller, _ = _fall_back(ControllerConfig(prior_cost_ratio=0.2), [0])
     planned = _fallback_rounds(controller, 40, 0.9)

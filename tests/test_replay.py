@@ -212,6 +212,14 @@ def test_replay_scores_the_backlog_in_fallback_instead_of_probing():
     assert scored.drafted < probed.drafted
     # every round is charged 1 + 0.2 per draft, a scoring one draft step (0.2) more
     assert scored.seconds == pytest.approx(scored.rounds + 0.2 * scored.drafted + 0.2 * scored.scorings)
+    # a scoring priced apart (as benchmarks/adaptive.py fits it) is charged so, and the controller, timing
+    # the whole round as the engine does, spaces its scorings by that price: fewer of them
+    dear = dataclasses.replace(_linear_costs(0.2), scoring=0.5)
+    controller = GammaController(ControllerConfig(prior_cost_ratio=0.2))
+    spaced = replay(trace, "auto", coins, dear, lambda: 1.0, controller)
+    assert controller.scoring_cost(1) == pytest.approx(0.5, rel=0.01)
+    assert spaced.seconds == pytest.approx(spaced.rounds + 0.2 * spaced.drafted + 0.5 * spaced.scorings)
+    assert 3 <= spaced.scorings < 0.6 * scored.scorings
 
 
 def test_compare_replays_in_the_order_given_or_shuffled():

@@ -184,7 +184,9 @@ class GammaController:
         self._target_step: dict[int, _Ewma] = {}  # batch size -> seconds per target forward
         self._plain_round: dict[int, _Ewma] = {}  # batch size -> seconds per round without drafts
         self._overhead: dict[int, _Ewma] = {}  # batch size -> seconds a drafting round costs beyond plain + drafts
+        self._scoring: dict[int, _Ewma] = {}  # batch size -> what a backlog scoring adds to a plain round (plain rounds)
         self._costs: dict[int, _RoundCosts] = {}  # batch size -> round times by draft count
+        self._cost_memo: dict[tuple[int, int], float] = {}  # (batch size, drafts) -> round_cost, within one plan
         self._round = 0  # rounds planned so far
         self._exploring = False  # this round tries neighbouring gammas: no gate, so it drafts them in full
         self._catching_up = False  # this round a row drafts after a plain round: its draft first catches up
@@ -259,12 +261,14 @@ class GammaController:
         """
         if drafts == 0:
             return 1.0
+        memo = self._cost_memo.get((batch_size, drafts))
+        if memo is not None:
+            return memo
         nearest = self._nearest(batch_size)
-        if nearest is not None and nearest in self._costs:
-            measured = self._costs[nearest].ratio(drafts, self.config.cost_min_rounds)
-            if measured is not None:
-                return measured
-        return 1.0 + self.overhead(batch_size) + drafts * self.cost_ratio(batch_size)
+        measured = self._costs[nearest].ratio(drafts, self.config.cost_min_rounds) if nearest in self._costs else None
+        cost = measured if measured is not None else 1.0 + self.overhead(batch_size) + drafts * self.cost_ratio(batch_size)
+        self._cost_memo[(batch_size, drafts)] = cost
+        return cost
 
     def speedup(self, alpha: float, gamma: int, batch_size: int) -> float:
         """Predicted speedup over plain decoding: E(alpha, gamma) tokens per round over the round's cost."""
@@ -286,6 +290,7 @@ class GammaController:
         (committed by plain rounds since it last drafted; None or 0: it cannot). Requests whose scoring is
         due are in `scores_planned()`."""
         self._round += 1
+        self._cost_memo = {}  # costs move only with timings (between plans); a plan prices each length once
         self._planned_rows = tuple(request_ids)
         self._scores = {}
         left = dict(zip(request_ids, remaining, strict=True)) if remaining is not None else {}
@@ -378,14 +383,23 @@ class GammaController:
         floor = self.config.probe_every * self.config.probe_backoff ** min(failed, 32)
         return int(min(max(interval, floor), self.config.max_probe_every))
 
+    def scoring_cost(self, batch_size: int) -> float:
+        """What a backlog scoring adds to a plain round, in plain rounds, at the nearest batch size where
+        one was timed; c (one draft step) before. A scoring forward feeds 8-20 tokens: on the shipped pair at
+        batch 1 it added 0.22-0.24 plain rounds where a draft step costs 0.16 (session 21)."""
+        sizes = [b for b, e in self._scoring.items() if e.value is not None]
+        if not sizes:
+            return self.cost_ratio(batch_size)
+        return self._scoring[min(sizes, key=lambda b: abs(b - batch_size))].value
+
     def score_interval(self, batch_size: int, done: int = 0) -> int:
-        """Rounds between backlog scorings in fallback: one draft forward (about a draft step, c plain
-        rounds) within `probe_budget` of decode time, within [probe_every, max_probe_every]; the first
+        """Rounds between backlog scorings in fallback: one draft forward (`scoring_cost` plain rounds)
+        within `probe_budget` of decode time, within [probe_every, max_probe_every]; the first
         (`done` 0) after at most 2 probe_every rounds. Unlike a probe it drafts nothing, so it costs the same
         whatever alpha is, and it measures every token it scores. The first comes early because a request
         falls back on a few rounds' evidence: one the draft helps (a math reply after two early rejections)
         otherwise waited ~17 rounds for it, and past the probe horizon never drafted again."""
-        interval = int(self.cost_ratio(batch_size) / self.config.probe_budget) + 1
+        interval = int(self.scoring_cost(batch_size) / self.config.probe_budget) + 1
         if done == 0:
             interval = min(interval, 2 * self.config.probe_every)
         return min(max(interval, self.config.probe_every), self.config.max_probe_every)
@@ -517,14 +531,18 @@ class GammaController:
                        verify_seconds: float = 0.0) -> None:
         """Record one round's draft, target and verify-and-commit time at a batch size (gamma 0: a plain round)."""
         total = draft_seconds + target_seconds + verify_seconds
+        self._cost_memo = {}
         catching_up, self._catching_up = self._catching_up, False  # it describes this round only
         rows, self._planned_rows = self._planned_rows, ()
         scoring, self._scores = bool(self._scores), {}
         new_batch = bool(rows) and self._rows.get(batch_size) != rows
         if rows:
             self._rows[batch_size] = rows
-        if scoring:
-            return  # the round also ran a draft forward over a backlog: neither a plain round's time nor a drafting one's
+        if scoring:  # the round also ran a draft forward over a backlog: neither a plain round's time nor a drafting one's
+            plain = self._plain_round.get(batch_size)
+            if gamma == 0 and plain is not None:  # but what it adds to a plain round prices the next scorings
+                self._scoring.setdefault(batch_size, _Ewma()).add(max(total / plain.value - 1.0, 0.0), spike=SPIKE)
+            return
         if gamma == 0:
             self._plain_round.setdefault(batch_size, _Ewma()).add(total, spike=SPIKE)
             self._costs.setdefault(batch_size, _RoundCosts()).add(0, total, new_batch)

@@ -137,11 +137,15 @@ class RoundCostTable:
     models: dict[int, CostModel]  # draft count -> the cost model to price such rounds (and prefills) with
     draft_step: float  # seconds of one draft step: splits a round's time for the controller
     draft_prefill: DraftPrefill | None = None  # None: a drafting prefill at fixed gamma 1's fit
+    scoring: float | None = None  # seconds a backlog scoring adds to a plain round (None: one draft step)
 
     @classmethod
-    def from_fits(cls, fits: dict[str, dict], max_gamma: int = 8, draft_prefill: DraftPrefill | None = None) -> RoundCostTable:
+    def from_fits(cls, fits: dict[str, dict], max_gamma: int = 8, draft_prefill: DraftPrefill | None = None,
+                  scoring: float | None = None) -> RoundCostTable:
         """From a benchmarks/adaptive.py run's `model_fit` (one temperature): plain rounds at target-only's
-        costs, rounds of d drafts at fixed gamma d's (the real run's time, stalls left out)."""
+        costs, rounds of d drafts at fixed gamma d's (the real run's time, stalls left out); a backlog
+        scoring at `scoring` plain rounds, else at gamma auto's fitted cost of one where the run has it, else
+        at a draft step."""
         if max_gamma < 3:
             raise ValueError(f"max_gamma must be >= 3 (the draft step is read off gamma 2 to max_gamma), got {max_gamma}")
         names = {0: "target-only", **{d: f"gamma={d}" for d in range(1, max_gamma + 1)}}
@@ -152,7 +156,15 @@ class RoundCostTable:
                   for d, n in names.items()}
         context = 300
         step = (models[max_gamma].round_seconds(max_gamma, context) - models[2].round_seconds(2, context)) / (max_gamma - 2)
-        return cls(models, max(step, 0.0), draft_prefill)
+        plain = models[0].round_seconds(0, context)
+        fitted = CostModel.from_dict(fits["gamma=auto"]["cost_model"]).scored_coef if "gamma=auto" in fits else 0.0
+        seconds = scoring * plain if scoring is not None else (fitted or None)
+        return cls(models, max(step, 0.0), draft_prefill, seconds)
+
+    @property
+    def scoring_seconds(self) -> float:
+        """What a backlog scoring adds to a round."""
+        return self.scoring if self.scoring is not None else self.draft_step
 
     def round_seconds(self, drafts: int, context: int) -> float:
         return self.models[drafts].round_seconds(drafts, context)
@@ -204,11 +216,11 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
     while pos < total:
         wanted = controller.plan([request_id], 1, [budget - pos], [len(plain_run)])[0] if policy == "auto" else policy
         scoring = controller.scores_planned().get(request_id, 0) if policy == "auto" else 0
-        if scoring and plain_run:
+        scored = bool(scoring and plain_run)
+        if scored:
             # the draft scores the tokens it missed in one forward: each position's acceptance probability
             # (the engine estimates it unbiasedly by min(1, q / p) of the committed token; here its mean)
             controller.observe_scores(request_id, [trace.accept[i] for i in plain_run[-scoring:]])
-            seconds += costs.draft_step
             scorings, missing, plain_run = scorings + 1, 1, []
         drafts = max(0, min(wanted, max_gamma, budget - pos - 1))  # the engine's clip: the budget, not the text
         probes += int(drafts > 0 and controller is not None and controller.in_fallback(request_id))
@@ -228,7 +240,8 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
                 break  # NaN compares False: never stops off the text
         context = trace.prompt_tokens + pos
         backlog_forward = drafted > 0 and missing - 2 > MERGED_BACKLOG
-        round_seconds = costs.round_seconds(drafted, context) + (costs.draft_step if backlog_forward else 0.0)
+        round_seconds = (costs.round_seconds(drafted, context) + (costs.draft_step if backlog_forward else 0.0)
+                         + (costs.scoring_seconds if scored else 0.0))  # the controller times the whole round
         if controller is not None:
             controller.observe(request_id, drafted, accepted, confidences)
             factor = noise()

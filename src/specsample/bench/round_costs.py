@@ -18,12 +18,24 @@ whole fixed-gamma system look 10% slow). So the fit is made twice: rounds that t
 times what the first fit predicts for them (relative to the median such ratio) are left out of the
 second fit and charged as rounds like them cost. A system's modelled total is then its measured
 total less what its stalls cost beyond that.
+
+Box speed (`fit_shared_speed`): the box also drifts, by several percent over minutes. An interleaved
+run decodes each prompt with every system back to back, but a policy's rounds of one kind can sit in a
+few stretches of the run: gamma auto decodes plain mostly in the categories where its draft fails, and
+the benchmark runs Spec-Bench category by category. Fitted per system alone, its plain round is then
+priced at the box's speed during those categories, while target-only's is priced at the run's mean,
+and that difference lands on exactly the categories the policy decodes plain. So the shared fit
+models a round's time as slowdown[prompt] x the system's cost: one factor per prompt for every system
+(they decoded it within seconds of each other), the median ratio of its rounds' times to their
+systems' costs, alternated with the systems' fits. Since the factor is shared, it cannot favour one
+system on a prompt; the modelled times are at the run's mean speed (all systems' modelled total
+equals their measured total).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,6 +49,7 @@ class RoundTiming:
     drafted: int  # tokens drafted this round (0: plain decoding)
     context: int  # tokens the target had seen before the round
     seconds: float  # wall time of the round, prefill excluded
+    scored: bool = False  # the draft also scored its backlog (gamma auto in fallback: one more draft forward)
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,7 @@ class CostModel:
     round_coef: tuple[float, ...]  # [u[d] for d in draft_counts] + [v, w]
     prefill_coef: tuple[float, float]  # a, b
     stalls: int = 0  # rounds left out of the fit as stalls of the box
+    scored_coef: float = 0.0  # what a round that scored a backlog costs beyond one that did not (0: none did)
 
     @classmethod
     def from_dict(cls, stored: dict) -> CostModel:
@@ -73,7 +87,9 @@ class CostModel:
         if not rounds:
             raise ValueError("cannot fit round costs without any rounds")
         counts = tuple(sorted({r.drafted for r in rounds}))
-        design = np.stack([cls._round_features(r.drafted, r.context, counts) for r in rounds])
+        # a scoring round gets its own term, so the draft forward it adds is not spread over plain rounds
+        design = np.stack([np.append(cls._round_features(r.drafted, r.context, counts), float(r.scored))
+                           for r in rounds])
         seconds = np.array([r.seconds for r in rounds])
         coef = np.linalg.lstsq(design, seconds, rcond=None)[0]
         ratio = seconds / np.maximum(design @ coef, 1e-12)
@@ -84,20 +100,70 @@ class CostModel:
             stalls = int((~kept).sum())
         prefill = np.array([[1.0, run.prompt_tokens] for run in runs])
         prefill_coef = np.linalg.lstsq(prefill, np.array([run.prefill_seconds for run in runs]), rcond=None)[0]
-        return cls(counts, tuple(float(x) for x in coef), (float(prefill_coef[0]), float(prefill_coef[1])), stalls)
+        return cls(counts, tuple(float(x) for x in coef[:-1]), (float(prefill_coef[0]), float(prefill_coef[1])), stalls,
+                   float(coef[-1]))
 
     @staticmethod
     def _round_features(drafted: int, context: int, counts: tuple[int, ...]) -> np.ndarray:
         onehot = [float(drafted == d) for d in counts]
         return np.array(onehot + [context / 1000.0, drafted * context / 1000.0])
 
-    def round_seconds(self, drafted: int, context: int) -> float:
-        """Mean cost of a round that drafts `drafted` tokens at a context of `context` tokens."""
+    def round_seconds(self, drafted: int, context: int, scored: bool = False) -> float:
+        """Mean cost of a round that drafts `drafted` tokens at a context of `context` tokens (and scored a
+        backlog, if `scored`)."""
         if drafted not in self.draft_counts:
             raise ValueError(f"no fitted cost for rounds drafting {drafted} tokens (have {self.draft_counts})")
-        return float(self._round_features(drafted, context, self.draft_counts) @ np.array(self.round_coef))
+        extra = self.scored_coef if scored else 0.0
+        return float(self._round_features(drafted, context, self.draft_counts) @ np.array(self.round_coef)) + extra
 
     def seconds(self, run: RunTiming) -> float:
         """Modelled wall time of a run: its prefill and each of its rounds at their mean cost."""
         prefill = self.prefill_coef[0] + self.prefill_coef[1] * run.prompt_tokens
-        return prefill + sum(self.round_seconds(r.drafted, r.context) for r in run.rounds)
+        return prefill + sum(self.round_seconds(r.drafted, r.context, r.scored) for r in run.rounds)
+
+    def scaled(self, factor: float) -> CostModel:
+        """The same model with every cost multiplied by `factor` (the fit is linear in the times)."""
+        return replace(self, round_coef=tuple(c * factor for c in self.round_coef),
+                       prefill_coef=(self.prefill_coef[0] * factor, self.prefill_coef[1] * factor),
+                       scored_coef=self.scored_coef * factor)
+
+
+def slowed(run: RunTiming, factor: float) -> RunTiming:
+    """`run` with every time divided by `factor` (what it would have taken at speed 1)."""
+    return RunTiming(run.prompt_tokens, run.prefill_seconds / factor,
+                     tuple(replace(r, seconds=r.seconds / factor) for r in run.rounds))
+
+
+@dataclass(frozen=True)
+class SharedSpeedFit:
+    """Per-system cost models at the run's mean speed, and the box's slowdown while each prompt ran."""
+
+    models: dict[str, CostModel]
+    slowdown: dict[Hashable, float]  # prompt -> its rounds' time over their systems' costs (1: the run's mean)
+
+
+def fit_shared_speed(runs: Mapping[str, Sequence[tuple[Hashable, RunTiming]]], iterations: int = 5) -> SharedSpeedFit:
+    """Fit every system's `CostModel` and one slowdown per prompt shared by all systems (module docstring).
+
+    `runs`: system -> [(prompt key, its run)]; every system's runs should cover the same prompts.
+    """
+    if not runs or not all(runs.values()):
+        raise ValueError("need at least one run of every system")
+    keys = {key for rows in runs.values() for key, _ in rows}
+    slowdown = dict.fromkeys(keys, 1.0)
+    for _ in range(iterations):
+        models = {name: CostModel.fit([slowed(run, slowdown[key]) for key, run in rows]) for name, rows in runs.items()}
+        ratios: dict[Hashable, list[float]] = {key: [] for key in keys}
+        for name, rows in runs.items():
+            model = models[name]
+            for key, run in rows:
+                ratios[key] += [r.seconds / model.round_seconds(r.drafted, r.context, r.scored) for r in run.rounds]
+        # the models price rounds at speed 1, so a prompt's ratios read its slowdown directly (median: stalls);
+        # a prompt with no rounds (every reply one token) keeps its factor
+        slowdown = {key: float(np.median(ratios[key])) if ratios[key] else slowdown[key] for key in keys}
+    models = {name: CostModel.fit([slowed(run, slowdown[key]) for key, run in rows]) for name, rows in runs.items()}
+    measured = sum(run.seconds for rows in runs.values() for _, run in rows)
+    modelled = sum(models[name].seconds(run) for name, rows in runs.items() for _, run in rows)
+    scale = measured / modelled  # put the costs at the run's mean speed
+    return SharedSpeedFit({name: model.scaled(scale) for name, model in models.items()},
+                          {key: value / scale for key, value in slowdown.items()})

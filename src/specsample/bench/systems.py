@@ -72,7 +72,8 @@ class Ours:
             seconds, previous = result.finished_at - previous, result.finished_at
             if len(prompts) == 1 and result.stats.batch_size:  # one row: the round's cost is that row's
                 prefill += result.stats.prefill_seconds
-                rounds.append(RoundTiming(result.stats.drafted, context, seconds - result.stats.prefill_seconds))
+                rounds.append(RoundTiming(result.stats.drafted, context, seconds - result.stats.prefill_seconds,
+                                          result.stats.scored_rows > 0))
                 context += result.stats.emitted
             if not collector.requests:
                 for rid in ids:

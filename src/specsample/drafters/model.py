@@ -243,16 +243,19 @@ class ModelDrafter:
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         """Keep cached drafts that were committed; drop the rest by lowering the cache length."""
-        keep = []
+        rolled, keep = [], []
         for slot, new in zip(slots, committed):
             base = len(self.history[slot])
             drafted = self._drafted.get(slot, [])
-            # the cache holds history + drafts[:-1]; entries stay valid while drafts match what was kept
-            matched = 0
-            while matched < min(len(drafted) - 1, len(new)) and drafted[matched] == new[matched]:
-                matched += 1
-            keep.append(min(self._fed(slot), base + matched) - self._skipped[slot])
+            if drafted:  # without drafts the cache holds history only (at most all of it): nothing to roll back
+                # the cache holds history + drafts[:-1]; entries stay valid while drafts match what was kept
+                matched = 0
+                while matched < min(len(drafted) - 1, len(new)) and drafted[matched] == new[matched]:
+                    matched += 1
+                rolled.append(slot)
+                keep.append(min(self._fed(slot), base + matched) - self._skipped[slot])
             self.history[slot].extend(new)
             self._drafted[slot] = []
-        self.cache.truncate(torch.tensor(list(slots), dtype=torch.long), torch.tensor(keep, dtype=torch.long))
+        if rolled:
+            self.cache.truncate(torch.tensor(rolled, dtype=torch.long), torch.tensor(keep, dtype=torch.long))
 
