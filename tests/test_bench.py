@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from model_factory import make_tokenizer, write_hf_model
@@ -161,9 +162,12 @@ def test_modelled_time_removes_timing_noise_and_keeps_each_systems_total() -> No
     runs = _noisy_runs(rng, drafts=2, noise=0.3)
     model = CostModel.fit([timing for _, _, timing in runs])
     assert model.round_seconds(2, 1000) == pytest.approx(0.020 + 0.006 + 0.005, rel=0.05)
-    # least squares with an intercept per draft count: the system's total time is its measured total
-    # (this noise has no round over 3x its prediction: no stalls)
-    assert sum(model.seconds(t) for _, _, t in runs) == pytest.approx(sum(t.seconds for _, _, t in runs), rel=1e-9)
+    # least squares with an intercept per draft count: the rounds' modelled total is their measured total
+    # (this noise puts no round over 3x its prediction); prefills over 1.5x (lognormal 0.3: a few) are stalls
+    rounds = [r for _, _, t in runs for r in t.rounds]
+    assert sum(model.round_seconds(r.drafted, r.context) for r in rounds) == pytest.approx(
+        sum(r.seconds for r in rounds), rel=1e-9)
+    assert 0 < model.stalls < 0.2 * len(runs)
     # per category, measured time is off by the noise of ~10 runs; modelled time by far less
     for cat in ("cat0", "cat1"):
         chosen = [(true, timing) for c, true, timing in runs if c == cat]
@@ -314,3 +318,44 @@ def test_the_adaptive_benchmark_remodels_a_stored_run(tmp_path) -> None:
     old.write_text(json.dumps({k: v for k, v in stored.items() if k != "rounds"}))
     with pytest.raises(SystemExit, match="no recorded rounds"):
         adaptive.remodel(old, "shared", tmp_path / "x.json", "cmd")
+
+
+def test_rounds_that_scored_a_backlog_are_priced_apart() -> None:
+    """One plain round in 10 also runs a draft forward over the backlog (+4 ms on 15): with the flag it
+    has its own term and the plain round keeps its 15 ms; without it, every plain round reads 0.4 ms dear."""
+    import dataclasses
+
+    from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming
+
+    rng = random.Random(8)
+    rounds = tuple(RoundTiming(0, 100 + k, (0.015 + (0.004 if k % 10 == 0 else 0.0)) * rng.lognormvariate(0, 0.02),
+                               scored=k % 10 == 0) for k in range(400))
+    run = RunTiming(100, 0.01, rounds)
+    model = CostModel.fit([run])
+    assert model.round_seconds(0, 300) == pytest.approx(0.015, rel=0.01)
+    assert model.scored_coef == pytest.approx(0.004, rel=0.05)
+    assert model.round_seconds(0, 300, scored=True) == pytest.approx(0.019, rel=0.01)
+    unmarked = CostModel.fit([RunTiming(100, 0.01, tuple(dataclasses.replace(r, scored=False) for r in rounds))])
+    assert unmarked.round_seconds(0, 300) > 1.02 * model.round_seconds(0, 300) and unmarked.scored_coef == 0.0
+    # stored models from before the term read back with none
+    stored = dataclasses.asdict(model)
+    del stored["scored_coef"]
+    assert CostModel.from_dict(stored).scored_coef == 0.0
+
+
+def test_a_stalled_prefill_does_not_bend_the_prefill_line() -> None:
+    """A one-second stall during the longest prompt's prefill (4.2 s where 1.5 s is usual) pulled the
+    least-squares prefill line so far that short prompts' predictions went negative and long ones read
+    30% dear; stalls judged against a robust line are left out."""
+    from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming
+
+    rng = random.Random(9)
+    runs = []
+    for i in range(60):
+        prompt = 1376 if i == 0 else rng.choice([40, 60, 90, 300, 500, 700, 800])
+        seconds = (0.002 + 0.001 * prompt) * rng.lognormvariate(0, 0.08) * (2.8 if i == 0 else 1.0)
+        runs.append(RunTiming(prompt, seconds, (RoundTiming(0, prompt, 0.015),)))
+    model = CostModel.fit(runs)
+    assert model.prefill_coef[1] == pytest.approx(0.001, rel=0.05) and model.stalls >= 1
+    line = np.polyfit([r.prompt_tokens for r in runs], [r.prefill_seconds for r in runs], 1)
+    assert line[0] > 1.1 * 0.001  # plain least squares: the stall steepens the line (the test can fail)

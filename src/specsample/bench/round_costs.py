@@ -16,8 +16,9 @@ least-squares mean charges such a stretch to every round of the system that happ
 in every category (one reasoning prompt decoded at a quarter of its neighbours' speed once made a
 whole fixed-gamma system look 10% slow). So the fit is made twice: rounds that took over `STALL`
 times what the first fit predicts for them (relative to the median such ratio) are left out of the
-second fit and charged as rounds like them cost. A system's modelled total is then its measured
-total less what its stalls cost beyond that.
+second fit and charged as rounds like them cost. Prefills likewise, over `PREFILL_STALL` times (a
+prefill is one long timing per reply, and one stalled for a second moves the whole prefill line). A
+system's modelled total is then its measured total less what its stalls cost beyond that.
 
 Box speed (`fit_shared_speed`): the box also drifts, by several percent over minutes. An interleaved
 run decodes each prompt with every system back to back, but a policy's rounds of one kind can sit in a
@@ -40,6 +41,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 STALL = 3.0  # a round over 3x what rounds like it cost (relative to the median ratio) is a stall of the box
+PREFILL_STALL = 1.5  # ...and a prefill over 1.5x: every prefill of a system is the same work, and between
+# systems on one prompt of 300+ tokens they differ by 0.84-1.26x, but a one-second stall once put one at
+# 2.8x; fitted in, it made that system's long prompts 0.24 s dear (10% of a RAG reply; session 21)
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class CostModel:
     draft_counts: tuple[int, ...]  # the d values with their own intercept, in column order
     round_coef: tuple[float, ...]  # [u[d] for d in draft_counts] + [v, w]
     prefill_coef: tuple[float, float]  # a, b
-    stalls: int = 0  # rounds left out of the fit as stalls of the box
+    stalls: int = 0  # rounds and prefills left out of the fit as stalls of the box
     scored_coef: float = 0.0  # what a round that scored a backlog costs beyond one that did not (0: none did)
 
     @classmethod
@@ -99,7 +103,13 @@ class CostModel:
             coef = np.linalg.lstsq(design[kept], seconds[kept], rcond=None)[0]  # again, without the stalls
             stalls = int((~kept).sum())
         prefill = np.array([[1.0, run.prompt_tokens] for run in runs])
-        prefill_coef = np.linalg.lstsq(prefill, np.array([run.prefill_seconds for run in runs]), rcond=None)[0]
+        prefill_seconds = np.array([run.prefill_seconds for run in runs])
+        # stalls are judged against a line fitted by relative error: one stalled long prompt pulled a
+        # least-squares line so far that short prompts' predictions went negative
+        ratio = prefill_seconds / np.maximum(_reference_line(prefill[:, 1], np.maximum(prefill_seconds, 1e-12)), 1e-12)
+        usual = ratio <= PREFILL_STALL * np.median(ratio)
+        prefill_coef = np.linalg.lstsq(prefill[usual], prefill_seconds[usual], rcond=None)[0]
+        stalls += int((~usual).sum())
         return cls(counts, tuple(float(x) for x in coef[:-1]), (float(prefill_coef[0]), float(prefill_coef[1])), stalls,
                    float(coef[-1]))
 
@@ -126,6 +136,15 @@ class CostModel:
         return replace(self, round_coef=tuple(c * factor for c in self.round_coef),
                        prefill_coef=(self.prefill_coef[0] * factor, self.prefill_coef[1] * factor),
                        scored_coef=self.scored_coef * factor)
+
+
+def _reference_line(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """y's line in x fitted by relative error (least squares of (y - line) / y): a stalled point's weight
+    falls as it grows, and short prompts count as much as long ones, so one stalled long prefill cannot
+    bend it (the plain least-squares line it bent predicted negative times for short prompts)."""
+    design = np.stack([np.ones_like(x), x], axis=1) / y[:, None]
+    coef = np.linalg.lstsq(design, np.ones_like(y), rcond=None)[0]
+    return coef[0] + coef[1] * x
 
 
 def slowed(run: RunTiming, factor: float) -> RunTiming:
