@@ -109,9 +109,10 @@ def main() -> None:
         report.setdefault("round_costs", {})[temperature] = [  # what the verdicts hinge on, printed in the report
             costs.round_seconds(d, COST_CONTEXT) / costs.round_seconds(0, COST_CONTEXT) for d in range(1, 9)]
         probes = report.setdefault("probes", {}).setdefault(temperature, {})
+        breakdown = report.setdefault("breakdown", {}).setdefault(temperature, {})
         report["results"][temperature] = compare(rows, costs, args.replicates,
                                                  new_controller=lambda: GammaController(config), progress=bar.update,
-                                                 probes=probes, order=args.order)
+                                                 probes=probes, order=args.order, breakdown=breakdown)
     bar.close()
     report["check"] = round_check(traces, cost_run)
     report["traces"] = {t: [_dump_trace(x) for x in rows] for t, rows in traces.items()}
@@ -244,6 +245,17 @@ def _probe_lines(report: dict, temperature: str) -> list[str]:
         f"{cat} {n:.1f}" for cat, n in sorted(probes.items(), key=lambda kv: (kv[0] == "overall", kv[0]))) + ".", ""]
 
 
+def _breakdown_lines(report: dict, temperature: str) -> list[str]:
+    """Where gamma auto's time beyond target-only's went, per category (results from before session 21 lack it)."""
+    parts = report.get("breakdown", {}).get(temperature)
+    if not parts:
+        return []
+    return ["gamma auto's time beyond target-only's, in % of target-only's (the draft's prefill + backlog "
+            "scorings + drafting rounds' cost less the rounds they saved): " + ", ".join(
+                f"{cat} {100 * p['prefill']:+.1f} {100 * p['scoring']:+.1f} {100 * p['drafting']:+.1f}"
+                for cat, p in sorted(parts.items(), key=lambda kv: (kv[0] == "overall", kv[0]))) + ".", ""]
+
+
 def _cost_lines(report: dict, temperature: str) -> list[str]:
     costs = report.get("round_costs", {}).get(temperature)
     if not costs:
@@ -296,7 +308,7 @@ def write_report(report: dict, out: Path) -> None:
                   f"of a draft at a reply token {sum(accept) / len(accept):.3f}. gamma auto: within 3% of the best fixed "
                   f"gamma in {within} of {len(cats)} categories, not over 3% slower than target-only in {not_slower}.",
                   ""] + _acceptance_lines(rows, report) + _probe_lines(report, temperature)
-        lines += _cost_lines(report, temperature) + goal_tables(table)
+        lines += _breakdown_lines(report, temperature) + _cost_lines(report, temperature) + goal_tables(table)
     check = report.get("check")
     if check:
         lines += ["### Check against the cost run", "",

@@ -197,6 +197,20 @@ def test_compare_pairs_every_policy_on_the_same_texts():
     assert table == compare(traces, _linear_costs(), replicates=3)  # seeded: the same coins again
 
 
+def test_compare_breaks_gamma_autos_extra_time_down():
+    """The breakdown's parts add up to gamma auto's time over target-only's, less 1, and its scoring part is
+    the scorings' price: a text the draft cannot help, with prefills free (no prefill part)."""
+    traces = [_constant_trace(0.02, 300, "hard"), _constant_trace(0.9, 64, "easy")]
+    parts: dict = {}
+    table = compare(traces, dataclasses.replace(_linear_costs(0.2), scoring=0.5), replicates=2, breakdown=parts)
+    for cat in ("hard", "easy", "overall"):
+        extra = table["target-only"][cat] / table["gamma=auto"][cat] - 1  # the same tokens: time over time
+        assert sum(parts[cat].values()) == pytest.approx(extra)
+        assert parts[cat]["prefill"] == 0.0
+    assert parts["hard"]["scoring"] > 2 * parts["easy"]["scoring"] and parts["hard"]["scoring"] > 0.005
+    assert parts["easy"]["drafting"] < -0.3  # drafting there saves rounds
+
+
 def test_replay_scores_the_backlog_in_fallback_instead_of_probing():
     """A text the draft cannot help: in fallback the replay has the draft score what it missed (the trace's
     acceptance at each position, one draft step charged per scoring) rather than draft probes."""

@@ -192,6 +192,8 @@ class Replayed:
     drafted: int
     probes: int = 0  # drafting rounds gamma auto ran from fallback
     scorings: int = 0  # backlog scorings gamma auto ran in fallback (a draft forward, no drafts)
+    draft_prefill: float = 0.0  # seconds the draft's prefill added to the target's
+    scoring_seconds: float = 0.0  # seconds the scorings added to their rounds
 
 
 def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: RoundCostTable,
@@ -210,6 +212,7 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
     if len(uniforms) < total:
         raise ValueError(f"need a uniform per reply token ({total}), got {len(uniforms)}")
     seconds, pos, rounds, drafted_total, probes = costs.prefill_seconds(trace.prompt_tokens, policy != 0), 0, 0, 0, 0
+    draft_prefill = seconds - costs.prefill_seconds(trace.prompt_tokens, False)
     missing = 1  # tokens the draft model has not fed yet (the prompt's last)
     plain_run: list[int] = []  # reply positions plain rounds committed since the draft last fed
     scorings = 0
@@ -256,7 +259,8 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
         missing = missing + 1 if drafted == 0 else 1 + (accepted == drafted)
     if controller is not None:
         controller.release(request_id)
-    return Replayed(total, seconds, rounds, drafted_total, probes, scorings)
+    return Replayed(total, seconds, rounds, drafted_total, probes, scorings, draft_prefill,
+                    scorings * costs.scoring_seconds)
 
 
 def timing_noise(rng: random.Random, sd: float = 0.05, stall_rate: float = 0.02) -> Callable[[], float]:
@@ -271,14 +275,17 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
             fixed: Sequence[int] = tuple(range(1, 9)),
             new_controller: Callable[[], GammaController] = GammaController,
             progress: Callable[[int], None] | None = None,
-            probes: dict[str, float] | None = None, order: str = "shuffled") -> dict[str, dict[str, float]]:
+            probes: dict[str, float] | None = None, order: str = "shuffled",
+            breakdown: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
     """Tokens per modelled second per system and category (and "overall"), summed over `replicates`
     replays of every trace. Every system sees the same coins per replicate and trace. "gamma=auto" keeps
     one controller through a replicate, the traces in `order`: "shuffled" (as a server sees requests) or
     "given" (as listed: benchmarks/adaptive.py runs Spec-Bench category by category, so a category's
     requests start from acceptance pooled over the categories before it); "gamma=auto fresh" gets a new
     one per trace. `probes`, if given, receives gamma auto's mean number
-    of fallback probes per reply, per category."""
+    of fallback probes per reply, per category. `breakdown`, if given, receives per category where gamma
+    auto's time beyond target-only's went, as shares of target-only's time: "prefill" (the draft's),
+    "scoring" (backlog scorings) and "drafting" (the rest: drafting rounds' cost less the rounds they saved)."""
     if replicates < 1:
         raise ValueError(f"replicates must be >= 1, got {replicates}")
     if order not in ORDERS:
@@ -287,6 +294,7 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
                                   "gamma=auto": "auto", "gamma=auto fresh": "auto"}
     sums: dict[str, dict[str, list[float]]] = {s: defaultdict(lambda: [0.0, 0.0]) for s in systems}
     probed: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> replies, probes (gamma auto)
+    spent: dict[str, list[float]] = defaultdict(lambda: [0.0] * 4)  # category -> target-only, extra, prefill, scoring
     for rep in range(replicates):
         sequence = list(range(len(traces)))
         if order == "shuffled":
@@ -300,14 +308,25 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
                 controller = None if policy != "auto" else (shared if name == "gamma=auto" else new_controller())
                 noise = timing_noise(random.Random(f"{seed}/{rep}/{i}/noise"))
                 result = replay(trace, policy, uniforms, costs, noise, controller, f"{rep}-{i}")
+                if name == "target-only":
+                    baseline = result.seconds
                 for cat in (trace.category, "overall"):
                     sums[name][cat][0] += result.tokens
                     sums[name][cat][1] += result.seconds
                     if name == "gamma=auto":
                         probed[cat][0] += 1
                         probed[cat][1] += result.probes
+                        totals = spent[cat]
+                        totals[0] += baseline
+                        totals[1] += result.seconds - baseline
+                        totals[2] += result.draft_prefill
+                        totals[3] += result.scoring_seconds
             if progress is not None:
                 progress(1)
     if probes is not None:
         probes.update({cat: n / replies for cat, (replies, n) in probed.items()})
+    if breakdown is not None:
+        breakdown.update({cat: {"prefill": prefill / base, "scoring": scoring / base,
+                                "drafting": (extra - prefill - scoring) / base}
+                          for cat, (base, extra, prefill, scoring) in spent.items()})
     return {name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in sums.items()}
