@@ -122,9 +122,14 @@ def main() -> None:
     report["rounds"] = {str(t): {name: [_dump_run(*run) for run in runs] for name, runs in timings[t].items()}
                         for t in temperatures}
     add_modelled(report, args.box_speed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report))
-    write_report(report, args.out.with_suffix(".md"))
+    save(report, args.out)
+
+
+def save(report: dict, out: Path) -> None:
+    """Write a result (.json) and its report (.md beside it)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report))
+    write_report(report, out.with_suffix(".md"))
 
 
 def remodel(source: Path, box_speed: str, out: Path, command: str) -> None:
@@ -134,9 +139,7 @@ def remodel(source: Path, box_speed: str, out: Path, command: str) -> None:
         raise SystemExit(f"{source} has no recorded rounds (runs before session 21 did not store them)")
     report["remodel_command"] = command
     add_modelled(report, box_speed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report))
-    write_report(report, out.with_suffix(".md"))
+    save(report, out)
 
 
 BOX_SPEED = ("shared", "none")  # modelled time: one box slowdown per prompt shared by the systems, or none

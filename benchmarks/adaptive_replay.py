@@ -237,12 +237,17 @@ def _acceptance_lines(rows: list[dict], report: dict) -> list[str]:
                         for cat, v in sorted(by_cat.items())) + ".", ""]
 
 
+def _by_category(per_category: dict) -> list[tuple]:
+    """(category, value) pairs by category name, "overall" last."""
+    return sorted(per_category.items(), key=lambda kv: (kv[0] == "overall", kv[0]))
+
+
 def _probe_lines(report: dict, temperature: str) -> list[str]:
     probes = report.get("probes", {}).get(temperature)
     if not probes:
         return []
     return ["Fallback probes per reply (gamma auto): " + ", ".join(
-        f"{cat} {n:.1f}" for cat, n in sorted(probes.items(), key=lambda kv: (kv[0] == "overall", kv[0]))) + ".", ""]
+        f"{cat} {n:.1f}" for cat, n in _by_category(probes)) + ".", ""]
 
 
 def _breakdown_lines(report: dict, temperature: str) -> list[str]:
@@ -253,7 +258,7 @@ def _breakdown_lines(report: dict, temperature: str) -> list[str]:
     return ["gamma auto's time beyond target-only's, in % of target-only's (the draft's prefill + backlog "
             "scorings + drafting rounds' cost less the rounds they saved): " + ", ".join(
                 f"{cat} {100 * p['prefill']:+.1f} {100 * p['scoring']:+.1f} {100 * p['drafting']:+.1f}"
-                for cat, p in sorted(parts.items(), key=lambda kv: (kv[0] == "overall", kv[0]))) + ".", ""]
+                for cat, p in _by_category(parts)) + ".", ""]
 
 
 def _cost_lines(report: dict, temperature: str) -> list[str]:

@@ -95,6 +95,11 @@ class _RequestState:
     predicted_trials: float = 0.0  # ...over this many of them (those with a confidence in a calibrated bin)
 
 
+def _closest(sizes: list[int], batch_size: int) -> int | None:
+    """The batch size in `sizes` nearest `batch_size` (None if there is none): it stands in for one not measured."""
+    return min(sizes, key=lambda b: abs(b - batch_size)) if sizes else None
+
+
 @dataclass
 class _Ewma:
     value: float | None = None
@@ -223,8 +228,8 @@ class GammaController:
         return min(alpha + margin * (alpha * (1 - alpha) / trials) ** 0.5, 1.0)
 
     def _nearest(self, batch_size: int) -> int | None:
-        sizes = [b for b in self._target_step if self._draft_step.get(b, _Ewma()).value is not None]
-        return min(sizes, key=lambda b: abs(b - batch_size)) if sizes else None
+        return _closest([b for b in self._target_step if self._draft_step.get(b, _Ewma()).value is not None],
+                        batch_size)
 
     def cost_ratio(self, batch_size: int) -> float:
         """c at the nearest batch size measured: what one more draft step adds to a round's time, over
@@ -387,10 +392,8 @@ class GammaController:
         """What a backlog scoring adds to a plain round, in plain rounds, at the nearest batch size where
         one was timed; c (one draft step) before. A scoring forward feeds 8-20 tokens: on the shipped pair at
         batch 1 it added 0.21-0.25 plain rounds where a draft step costs 0.16 (docs/adaptive.md, session 21)."""
-        sizes = [b for b, e in self._scoring.items() if e.value is not None]
-        if not sizes:
-            return self.cost_ratio(batch_size)
-        return self._scoring[min(sizes, key=lambda b: abs(b - batch_size))].value
+        nearest = _closest([b for b, e in self._scoring.items() if e.value is not None], batch_size)
+        return self.cost_ratio(batch_size) if nearest is None else self._scoring[nearest].value
 
     def score_interval(self, batch_size: int, done: int = 0) -> int:
         """Rounds between backlog scorings in fallback: one draft forward (`scoring_cost` plain rounds)

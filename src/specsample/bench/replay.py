@@ -193,7 +193,6 @@ class Replayed:
     probes: int = 0  # drafting rounds gamma auto ran from fallback
     scorings: int = 0  # backlog scorings gamma auto ran in fallback (a draft forward, no drafts)
     draft_prefill: float = 0.0  # seconds the draft's prefill added to the target's
-    scoring_seconds: float = 0.0  # seconds the scorings added to their rounds
 
 
 def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: RoundCostTable,
@@ -259,8 +258,7 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
         missing = missing + 1 if drafted == 0 else 1 + (accepted == drafted)
     if controller is not None:
         controller.release(request_id)
-    return Replayed(total, seconds, rounds, drafted_total, probes, scorings, draft_prefill,
-                    scorings * costs.scoring_seconds)
+    return Replayed(total, seconds, rounds, drafted_total, probes, scorings, draft_prefill)
 
 
 def timing_noise(rng: random.Random, sd: float = 0.05, stall_rate: float = 0.02) -> Callable[[], float]:
@@ -320,7 +318,7 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
                         totals[0] += baseline
                         totals[1] += result.seconds - baseline
                         totals[2] += result.draft_prefill
-                        totals[3] += result.scoring_seconds
+                        totals[3] += result.scorings * costs.scoring_seconds
             if progress is not None:
                 progress(1)
     if probes is not None:

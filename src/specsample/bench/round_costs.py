@@ -43,7 +43,7 @@ import numpy as np
 STALL = 3.0  # a round over 3x what rounds like it cost (relative to the median ratio) is a stall of the box
 PREFILL_STALL = 1.5  # ...and a prefill over 1.5x: every prefill of a system is the same work, and between
 # systems on one prompt of 300+ tokens they differ by 0.84-1.26x, but a one-second stall once put one at
-# 2.8x; fitted in, it made that system's long prompts 0.24 s dear (10% of a RAG reply; session 21)
+# 2.8x and, fitted in, bent that system's whole prefill line (tests/test_bench.py has the case)
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,13 @@ def fit_shared_speed(runs: Mapping[str, Sequence[tuple[Hashable, RunTiming]]], i
     if not runs or not all(runs.values()):
         raise ValueError("need at least one run of every system")
     keys = {key for rows in runs.values() for key, _ in rows}
+
+    def fit(slowdown: dict[Hashable, float]) -> dict[str, CostModel]:
+        return {name: CostModel.fit([slowed(run, slowdown[key]) for key, run in rows]) for name, rows in runs.items()}
+
     slowdown = dict.fromkeys(keys, 1.0)
+    models = fit(slowdown)
     for _ in range(iterations):
-        models = {name: CostModel.fit([slowed(run, slowdown[key]) for key, run in rows]) for name, rows in runs.items()}
         ratios: dict[Hashable, list[float]] = {key: [] for key in keys}
         for name, rows in runs.items():
             model = models[name]
@@ -180,7 +184,7 @@ def fit_shared_speed(runs: Mapping[str, Sequence[tuple[Hashable, RunTiming]]], i
         # the models price rounds at speed 1, so a prompt's ratios read its slowdown directly (median: stalls);
         # a prompt with no rounds (every reply one token) keeps its factor
         slowdown = {key: float(np.median(ratios[key])) if ratios[key] else slowdown[key] for key in keys}
-    models = {name: CostModel.fit([slowed(run, slowdown[key]) for key, run in rows]) for name, rows in runs.items()}
+        models = fit(slowdown)
     measured = sum(run.seconds for rows in runs.values() for _, run in rows)
     modelled = sum(models[name].seconds(run) for name, rows in runs.items() for _, run in rows)
     scale = measured / modelled  # put the costs at the run's mean speed
