@@ -391,7 +391,7 @@ class GammaController:
     def scoring_cost(self, batch_size: int) -> float:
         """What a backlog scoring adds to a plain round, in plain rounds, at the nearest batch size where
         one was timed; c (one draft step) before. A scoring forward feeds 8-20 tokens: on the shipped pair at
-        batch 1 it added 0.21-0.25 plain rounds where a draft step costs 0.16 (docs/adaptive.md, session 21)."""
+        batch 1 it added 0.19-0.26 plain rounds where a draft step costs 0.16 (docs/adaptive.md, session 21)."""
         nearest = _closest([b for b, e in self._scoring.items() if e.value is not None], batch_size)
         return self.cost_ratio(batch_size) if nearest is None else self._scoring[nearest].value
 
