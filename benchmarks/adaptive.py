@@ -30,7 +30,7 @@ from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
                                   load_prompts)
-from specsample.bench.systems import Ours
+from specsample.bench.systems import Ours, run_lockstep
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig
 from specsample.drafters.hybrid import HybridDrafter
@@ -58,6 +58,10 @@ def main() -> None:
     parser.add_argument("--box-speed", choices=BOX_SPEED, default="shared",
                         help="modelled time: factor out the box's slowdown per prompt, shared by every system "
                              "(default), or fit each system alone (none)")
+    parser.add_argument("--interleave", choices=INTERLEAVE, default="round",
+                        help="round: the systems take turns round by round on each prompt, so the box's slow stretches "
+                             "hit them alike (default); prompt: each decodes the whole prompt in turn (runs before "
+                             "session 22)")
     parser.add_argument("--remodel", type=Path, metavar="RESULT",
                         help="recompute a stored result's modelled tables from its recorded rounds (with --box-speed) "
                              "into --out, decoding nothing")
@@ -100,8 +104,11 @@ def main() -> None:
         for i, prompt, prompt_ids in replies:
             order = systems[i % len(systems):] + systems[: i % len(systems)]
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=i)
-            for s in order:
-                record = s.run([prompt_ids], params)[0]
+            if args.interleave == "round":
+                records = [r[0] for r in run_lockstep(order, [prompt_ids], params)]
+            else:
+                records = [s.run([prompt_ids], params)[0] for s in order]
+            for s, record in zip(order, records):
                 timings[temperature][s.name].append((i, prompt.category, len(record.tokens), record.timing))
                 for cat in (prompt.category, "overall"):
                     totals[temperature][s.name][cat][0] += len(record.tokens)
@@ -112,7 +119,7 @@ def main() -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__}, "draft": pair.draft_spec,
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
-              "target_widths": list(widths),
+              "target_widths": list(widths), "interleave": args.interleave,
               "controller": {k: v for k, v in dataclasses.asdict(controller).items()
                              if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}
@@ -169,7 +176,9 @@ def _load_run(row: list) -> tuple[int, str, int, RunTiming]:
                                                      for d, c, ms, *rest in rounds))
 
 
-SYSTEMS = ("target-only", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram", "hybrid",
+INTERLEAVE = ("round", "prompt")  # systems take turns per round of a prompt, or decode whole prompts in turn
+
+SYSTEMS = ("target-only", "target-only again", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram", "hybrid",
            "hybrid auto")
 
 
@@ -190,6 +199,8 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
 
     builders = {
         "target-only": lambda: system("target-only", None, 1, speculative=False),
+        # the same system twice: how far its ratio to target-only strays from 1 is the run's timing noise
+        "target-only again": lambda: system("target-only again", None, 1, speculative=False),
         **{f"gamma={g}": (lambda g=g: system(f"gamma={g}", model(), g)) for g in range(1, 9)},
         "gamma=auto": lambda: system("gamma=auto", model(), 8, adaptive=True),
         "gamma=auto fresh": lambda: system("gamma=auto fresh", model(), 8, adaptive=True, keep_controller=False),
@@ -271,6 +282,14 @@ def _fitted_costs(fit: dict) -> list[str]:
             + "; ".join(rows) + ".", ""]
 
 
+def _interleave_note(report: dict) -> str:
+    """How the systems shared the box (results from before session 22 took turns prompt by prompt)."""
+    if report.get("interleave", "prompt") == "round":
+        return ("Interleaved round by round: on each prompt the systems took turns, one round each, and a system's "
+                "time counts its own rounds only (`--interleave round`).")
+    return "Interleaved prompt by prompt: each system decoded the whole prompt in turn (`--interleave prompt`)."
+
+
 def write_report(report: dict, out: Path) -> None:
     """Tables per temperature, the goal check for gamma auto, and the same check for every policy; in
     measured time and, where the run recorded rounds, in modelled time (timing noise removed).
@@ -284,7 +303,7 @@ def write_report(report: dict, out: Path) -> None:
     lines = [f"Command: `{report['command']}`", ""]
     if report.get("remodel_command"):
         lines += [f"Modelled tables recomputed by: `{report['remodel_command']}`", ""]
-    lines += [f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", ""]
+    lines += [f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", "", _interleave_note(report), ""]
     if report.get("controller"):
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():

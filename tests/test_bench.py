@@ -7,6 +7,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,48 @@ def test_ours_records_every_round_of_a_batch_one_run(tiny_target, tiny_draft) ->
     assert timing.seconds == pytest.approx(record.seconds, rel=0.05) and timing.prefill_seconds > 0
     batch = system.run([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4))
     assert batch[0].timing is None  # rounds of a batch are shared: no per-run cost
+
+
+def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_target, tiny_draft) -> None:
+    """Systems taking turns round by round (the adaptive benchmark's default) produce the texts they produce
+    alone, and each system's time is its own rounds': a system whose every draft sleeps 10 ms does not slow
+    the others' clocks."""
+    from specsample.bench.systems import Ours, run_lockstep
+    from specsample.config import SamplingParams, SpecConfig
+    from specsample.drafters.model import ModelDrafter
+
+    class SleepyDrafter(ModelDrafter):
+        def propose(self, *args, **kwargs):
+            time.sleep(0.01)
+            return super().propose(*args, **kwargs)
+
+    def systems(slow: bool = False) -> list[Ours]:
+        config = SpecConfig(gamma=3, max_batch_size=1)
+        return [Ours("plain", tiny_target, None, SpecConfig(speculative=False, max_batch_size=1), frozenset()),
+                Ours("g3", tiny_target, (SleepyDrafter if slow else ModelDrafter)(tiny_draft), config, frozenset()),
+                Ours("auto", tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True, max_batch_size=1),
+                     frozenset(), keep_controller=False)]
+
+    prompt = [1, 2, 3, 4, 5]
+    for params in (SamplingParams(temperature=0.0, max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24,
+                                                                                        seed=3)):
+        alone = [s.run([prompt], params)[0] for s in systems()]
+        together = [r[0] for r in run_lockstep(systems(), [prompt], params)]
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+        assert [r.stats["rounds"] for r in together] == [r.stats["rounds"] for r in alone]
+    begin = time.perf_counter()
+    plain, slow, auto = (r[0] for r in run_lockstep(systems(slow=True), [prompt], SamplingParams(max_new_tokens=24)))
+    elapsed = time.perf_counter() - begin
+    assert slow.seconds > 0.01 * len(slow.timing.rounds)  # it slept in every drafting round
+    assert plain.seconds + slow.seconds + auto.seconds <= elapsed
+    assert plain.seconds < 0.5 * slow.seconds and auto.seconds < 0.5 * slow.seconds
+    for record in (plain, slow, auto):  # the own clock: rounds and prefill make up the system's time
+        assert record.timing.seconds == pytest.approx(record.seconds, rel=0.2)
+        assert 0 < record.ttft <= record.seconds
+    shared = ModelDrafter(tiny_draft)
+    with pytest.raises(ValueError, match="a drafter each"):
+        run_lockstep([Ours(n, tiny_target, shared, SpecConfig(gamma=2, max_batch_size=1), frozenset()) for n in "ab"],
+                     [prompt], SamplingParams(max_new_tokens=4))
 
 
 def test_encode_fitting_keeps_prompts_that_leave_room_for_the_reply():

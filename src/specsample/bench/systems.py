@@ -54,45 +54,103 @@ class Ours:
         self.controller = GammaController(self.controller_config) if kept else None
 
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
-        from specsample.api import generate_stream
-        from specsample.metrics import StatsCollector
+        run = self.start(prompts, params)
+        while run.step():
+            pass
+        return run.records()
 
-        drafter = self.drafter
-        collector = StatsCollector()
-        started = time.perf_counter()
-        outputs: dict[str, list[int]] = {}
-        stamps: dict[str, list[float]] = {}
-        ids: list[str] = []
-        rounds: list[RoundTiming] = []
-        prefill, previous, context = 0.0, started, len(prompts[0]) if prompts else 0
+    def start(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> OursRun:
+        """A generation advanced one round per `step()`, so several systems can take turns (`run_lockstep`)."""
         controller = self.controller
         if controller is None and self.config.adaptive:  # a fresh controller per run, with the same knobs
             controller = GammaController(self.controller_config)
-        for ids, result in generate_stream(self.target, prompts, params, drafter, self.config, self.eos, controller):
-            seconds, previous = result.finished_at - previous, result.finished_at
-            if len(prompts) == 1 and result.stats.batch_size:  # one row: the round's cost is that row's
-                prefill += result.stats.prefill_seconds
-                rounds.append(RoundTiming(result.stats.drafted, context, seconds - result.stats.prefill_seconds,
-                                          result.stats.scored_rows > 0))
-                context += result.stats.emitted
-            if not collector.requests:
-                for rid in ids:
-                    collector.request_started(rid, started)
-            collector.observe(result)
-            for update in result.rows:
-                if update.new_tokens:
-                    outputs.setdefault(update.request_id, []).extend(update.new_tokens)
-                    stamps.setdefault(update.request_id, []).extend([result.finished_at] * len(update.new_tokens))
-        wall = time.perf_counter() - started
-        stats = collector.summary()
-        timing = RunTiming(len(prompts[0]), prefill, tuple(rounds)) if len(prompts) == 1 else None
+        return OursRun(self, prompts, params, controller)
+
+
+class OursRun:
+    """One generation of `Ours`, advanced a round at a time. Its clock runs only inside `step()`: the
+    wall time, first-token latency and token gaps it reports are its own rounds' time, not that of
+    other generations stepped in between."""
+
+    def __init__(self, system: Ours, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 controller: GammaController | None) -> None:
+        from specsample.api import generate_stream
+        from specsample.metrics import StatsCollector
+
+        self.single = len(prompts) == 1
+        self._stream = generate_stream(system.target, prompts, params, system.drafter, system.config, system.eos,
+                                       controller)
+        self._collector = StatsCollector()
+        self._own = 0.0  # seconds spent inside step() so far: this generation's clock
+        self._outputs: dict[str, list[int]] = {}
+        self._stamps: dict[str, list[float]] = {}  # request id -> own-clock time of each token
+        self._ids: list[str] = []
+        self._rounds: list[RoundTiming] = []
+        self._prefill, self._context = 0.0, len(prompts[0]) if prompts else 0
+        self._prompt_tokens = self._context
+        self._started: float | None = None  # wall clock at the first step (the engine statistics' TTFT origin)
+        self.done = False
+
+    def step(self) -> bool:
+        """Run the next round; False once the generation has finished (nothing was run)."""
+        if self.done:
+            return False
+        begin = time.perf_counter()
+        if self._started is None:
+            self._started = begin
+        try:
+            self._ids, result = next(self._stream)
+        except StopIteration:
+            self._own += time.perf_counter() - begin  # the engine's last check is the generation's time too
+            self.done = True
+            return False
+        seconds = result.finished_at - begin
+        self._own += time.perf_counter() - begin
+        if self.single and result.stats.batch_size:  # one row: the round's cost is that row's
+            self._prefill += result.stats.prefill_seconds
+            self._rounds.append(RoundTiming(result.stats.drafted, self._context,
+                                            seconds - result.stats.prefill_seconds, result.stats.scored_rows > 0))
+            self._context += result.stats.emitted
+        if not self._collector.requests:
+            for rid in self._ids:
+                self._collector.request_started(rid, self._started)
+        self._collector.observe(result)
+        stamp = self._own - (time.perf_counter() - result.finished_at)  # when the round committed, on the own clock
+        for update in result.rows:
+            if update.new_tokens:
+                self._outputs.setdefault(update.request_id, []).extend(update.new_tokens)
+                self._stamps.setdefault(update.request_id, []).extend([stamp] * len(update.new_tokens))
+        return True
+
+    def records(self) -> list[RunRecord]:
+        """One record per prompt, once `step()` has returned False."""
+        if not self.done:
+            raise RuntimeError("the generation has not finished: step() until it returns False")
+        stats = self._collector.summary()
+        timing = RunTiming(self._prompt_tokens, self._prefill, tuple(self._rounds)) if self.single else None
         records = []
-        for rid in ids:
-            times = stamps.get(rid, [])
+        for rid in self._ids:
+            times = self._stamps.get(rid, [])
             gaps = [b - a for a, b in zip(times, times[1:])]
-            records.append(RunRecord(outputs.get(rid, []), wall, times[0] - started if times else None, gaps, stats,
+            records.append(RunRecord(self._outputs.get(rid, []), self._own, times[0] if times else None, gaps, stats,
                                      timing))
         return records
+
+
+def run_lockstep(systems: list[Ours], prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[RunRecord]]:
+    """Generate the same prompts with every system, taking turns round by round (in the order given), and
+    return each system's records. Each system's time counts only its own rounds, so a slow stretch of the
+    box lands on all of them alike, within tens of milliseconds, where back-to-back runs are a second or
+    more apart. The systems must not share a drafter (each holds its own draft cache)."""
+    drafters = [id(s.drafter) for s in systems if s.drafter is not None]
+    if len(drafters) != len(set(drafters)):
+        raise ValueError("systems run in lockstep need a drafter each (one drafter keeps one cache)")
+    runs = [s.start(prompts, params) for s in systems]
+    active = list(runs)
+    while active:
+        active = [run for run in active if run.step()]
+    return [run.records() for run in runs]
 
 
 class _HFStreamer:
