@@ -178,8 +178,9 @@ def _load_run(row: list) -> tuple[int, str, int, RunTiming]:
 
 INTERLEAVE = ("round", "prompt")  # systems take turns per round of a prompt, or decode whole prompts in turn
 
-SYSTEMS = ("target-only", "target-only again", *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram", "hybrid",
-           "hybrid auto")
+AGAIN = "target-only again"  # target-only run a second time: the run's own timing noise
+SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram",
+           "hybrid", "hybrid auto")
 
 
 def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[int], max_len: int,
@@ -200,7 +201,7 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
     builders = {
         "target-only": lambda: system("target-only", None, 1, speculative=False),
         # the same system twice: how far its ratio to target-only strays from 1 is the run's timing noise
-        "target-only again": lambda: system("target-only again", None, 1, speculative=False),
+        AGAIN: lambda: system(AGAIN, None, 1, speculative=False),
         **{f"gamma={g}": (lambda g=g: system(f"gamma={g}", model(), g)) for g in range(1, 9)},
         "gamma=auto": lambda: system("gamma=auto", model(), 8, adaptive=True),
         "gamma=auto fresh": lambda: system("gamma=auto fresh", model(), 8, adaptive=True, keep_controller=False),
@@ -290,6 +291,18 @@ def _interleave_note(report: dict) -> str:
     return "Interleaved prompt by prompt: each system decoded the whole prompt in turn (`--interleave prompt`)."
 
 
+def _noise_note(report: dict, temperature: str) -> list[str]:
+    """With target-only run twice: the spread of the two's per-reply time ratio, the run's own timing noise."""
+    rounds = report.get("rounds", {}).get(temperature, {})
+    if AGAIN not in rounds or "target-only" not in rounds:
+        return []
+    base = {row[0]: _load_run(row)[3].seconds for row in rounds["target-only"]}
+    logs = [math.log(_load_run(row)[3].seconds / base[row[0]]) for row in rounds[AGAIN] if row[0] in base]
+    return [f"Timing noise: `{AGAIN}` is target-only decoding every reply a second time; the standard deviation of "
+            f"log(its time / target-only's) per reply is {statistics.pstdev(logs):.3f} over {len(logs)} replies "
+            "(a category's figure averages that over its replies).", ""]
+
+
 def write_report(report: dict, out: Path) -> None:
     """Tables per temperature, the goal check for gamma auto, and the same check for every policy; in
     measured time and, where the run recorded rounds, in modelled time (timing noise removed).
@@ -307,7 +320,7 @@ def write_report(report: dict, out: Path) -> None:
     if report.get("controller"):
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():
-        lines += [f"### Temperature {temperature}, measured", ""] + goal_tables(table)
+        lines += [f"### Temperature {temperature}, measured", "", *_noise_note(report, temperature)] + goal_tables(table)
         if temperature in report.get("modelled", {}):
             fit = report["model_fit"][temperature]
             lines += [f"### Temperature {temperature}, modelled time", "",

@@ -177,6 +177,16 @@ class _RoundCosts:
 
 
 @dataclass
+class _Memo:
+    """What a plan computes from the timings, kept until the next timing or plan: a plan prices every round
+    length for every row, and in fallback that arithmetic was most of gamma auto's own work in a plain round."""
+
+    nearest: dict[int, int | None] = field(default_factory=dict)  # batch size -> _nearest
+    costs: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch size, drafts) -> round_cost
+    affine: dict[int, tuple[float, float]] = field(default_factory=dict)  # batch size -> (overhead k, cost ratio c)
+
+
+@dataclass
 class GammaController:
     """Per-request gamma maximising the theory's E(alpha, gamma) over the measured cost of a round of
     gamma drafts (1 + k + gamma c until rounds of that length were timed), with fallback and a gate."""
@@ -191,7 +201,7 @@ class GammaController:
         self._overhead: dict[int, _Ewma] = {}  # batch size -> seconds a drafting round costs beyond plain + drafts
         self._scoring: dict[int, _Ewma] = {}  # batch size -> what a backlog scoring adds to a plain round (plain rounds)
         self._costs: dict[int, _RoundCosts] = {}  # batch size -> round times by draft count
-        self._cost_memo: dict[tuple[int, int], float] = {}  # (batch size, drafts) -> round_cost, within one plan
+        self._memo = _Memo()  # costs move only with timings: between two, a plan prices each length once
         self._round = 0  # rounds planned so far
         self._exploring = False  # this round tries neighbouring gammas: no gate, so it drafts them in full
         self._catching_up = False  # this round a row drafts after a plain round: its draft first catches up
@@ -228,8 +238,12 @@ class GammaController:
         return min(alpha + margin * (alpha * (1 - alpha) / trials) ** 0.5, 1.0)
 
     def _nearest(self, batch_size: int) -> int | None:
-        return _closest([b for b in self._target_step if self._draft_step.get(b, _Ewma()).value is not None],
-                        batch_size)
+        """The batch size nearest `batch_size` where drafting rounds were timed."""
+        if batch_size not in self._memo.nearest:
+            self._memo.nearest[batch_size] = _closest(
+                [b for b, step in self._draft_step.items() if step.value is not None and b in self._target_step],
+                batch_size)
+        return self._memo.nearest[batch_size]
 
     def cost_ratio(self, batch_size: int) -> float:
         """c at the nearest batch size measured: what one more draft step adds to a round's time, over
@@ -266,13 +280,17 @@ class GammaController:
         """
         if drafts == 0:
             return 1.0
-        memo = self._cost_memo.get((batch_size, drafts))
+        memo = self._memo.costs.get((batch_size, drafts))
         if memo is not None:
             return memo
         nearest = self._nearest(batch_size)
-        measured = self._costs[nearest].ratio(drafts, self.config.cost_min_rounds) if nearest in self._costs else None
-        cost = measured if measured is not None else 1.0 + self.overhead(batch_size) + drafts * self.cost_ratio(batch_size)
-        self._cost_memo[(batch_size, drafts)] = cost
+        cost = self._costs[nearest].ratio(drafts, self.config.cost_min_rounds) if nearest in self._costs else None
+        if cost is None:
+            if batch_size not in self._memo.affine:
+                self._memo.affine[batch_size] = (self.overhead(batch_size), self.cost_ratio(batch_size))
+            overhead, ratio = self._memo.affine[batch_size]
+            cost = 1.0 + overhead + drafts * ratio
+        self._memo.costs[(batch_size, drafts)] = cost
         return cost
 
     def speedup(self, alpha: float, gamma: int, batch_size: int) -> float:
@@ -281,10 +299,12 @@ class GammaController:
 
     def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
         """Gamma in the configured range maximising the predicted speedup, and that speedup."""
-        speedups = {g: self.speedup(alpha, g, batch_size)
-                    for g in range(self.config.min_gamma, self.config.max_gamma + 1)}
-        best = max(speedups, key=lambda g: (speedups[g], -g))
-        return best, speedups[best]
+        best, best_speedup = self.config.min_gamma, -1.0
+        for gamma in range(self.config.min_gamma, self.config.max_gamma + 1):
+            speedup = self.speedup(alpha, gamma, batch_size)
+            if speedup > best_speedup:  # strictly: on a tie the shorter round wins
+                best, best_speedup = gamma, speedup
+        return best, best_speedup
 
     # ----- decisions ------------------------------------------------------------------------
 
@@ -295,7 +315,7 @@ class GammaController:
         (committed by plain rounds since it last drafted; None or 0: it cannot). Requests whose scoring is
         due are in `scores_planned()`."""
         self._round += 1
-        self._cost_memo = {}  # costs move only with timings (between plans); a plan prices each length once
+        self._memo = _Memo()
         self._planned_rows = tuple(request_ids)
         self._scores = {}
         left = dict(zip(request_ids, remaining, strict=True)) if remaining is not None else {}
@@ -534,7 +554,7 @@ class GammaController:
                        verify_seconds: float = 0.0) -> None:
         """Record one round's draft, target and verify-and-commit time at a batch size (gamma 0: a plain round)."""
         total = draft_seconds + target_seconds + verify_seconds
-        self._cost_memo = {}
+        self._memo = _Memo()
         catching_up, self._catching_up = self._catching_up, False  # it describes this round only
         rows, self._planned_rows = self._planned_rows, ()
         scoring, self._scores = bool(self._scores), {}

@@ -124,6 +124,7 @@ class Engine:
         widest = max(config.gamma + 1, max(config.target_widths, default=0))
         self.cache = target.new_cache(config.max_batch_size, self.max_len + widest + 1)
         self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.gamma + 2)
+        self._scorer: tuple[Drafter | None, bool] = (None, False)  # (drafter, whether it scores backlogs), see _can_score
         if controller is None and config.adaptive:
             controller = GammaController(ControllerConfig(max_gamma=config.gamma))
         self.controller = controller
@@ -246,7 +247,7 @@ class Engine:
     def _plan(self, rows: list[_Row]) -> tuple[int, list[int], int]:
         """Drafts per row: fixed or chosen by the controller, never more than a row can use."""
         adaptive = [r for r in rows if r.speculative and r.gamma is None and self.controller is not None]
-        scorable = [len(r.plain_probs) for r in adaptive] if isinstance(self.drafter, BacklogScorer) else None
+        scorable = [len(r.plain_probs) for r in adaptive] if self._can_score() else None
         chosen = dict(zip((r.request_id for r in adaptive),
                           self.controller.plan([r.request_id for r in adaptive], len(rows),
                                                [r.remaining for r in adaptive], scorable) if adaptive else []))
@@ -258,13 +259,20 @@ class Engine:
         fallback = sum(1 for r in adaptive if chosen[r.request_id] == 0)
         return max(max_drafts), max_drafts, fallback
 
+    def _can_score(self) -> bool:
+        """Whether the drafter scores backlogs: a runtime protocol check inspects every member, a visible part of
+        a plain round's own work, so it runs once per drafter (the engine's drafter may be replaced)."""
+        if self._scorer[0] is not self.drafter:
+            self._scorer = (self.drafter, isinstance(self.drafter, BacklogScorer))
+        return self._scorer[1]
+
     def _score_backlogs(self, rows: list[_Row]) -> int:
         """Rows in fallback whose scoring the controller planned: the draft scores the tokens plain rounds
         committed, teacher-forced, and the controller learns from min(1, q / p) of each: what drafting there
         would have been accepted with, without drafting. Only the past is read, so sampling stays exact."""
         wanted = self.controller.scores_planned() if self.controller is not None else {}
         chosen = [r for r in rows if wanted.get(r.request_id, 0) > 0 and r.plain_probs]
-        if not chosen or not isinstance(self.drafter, BacklogScorer):
+        if not chosen or not self._can_score():
             return 0
         counts = [min(wanted[r.request_id], len(r.plain_probs)) for r in chosen]
         scored = self.drafter.score_backlog([r.slot for r in chosen], counts, [r.params for r in chosen])
@@ -279,7 +287,7 @@ class Engine:
                            target_probs: Tensor | None) -> None:
         """Keep, for adaptive rows decoded plain this round, the target's probability of the token it
         committed (1 under greedy); a row that drafted has fed its draft everything before."""
-        if self.controller is None or not isinstance(self.drafter, BacklogScorer):
+        if self.controller is None or not self._can_score():
             return
         drafted = num_drafted.tolist()
         plain = [i for i, r in enumerate(rows) if drafted[i] == 0 and r.speculative and r.gamma is None]
@@ -317,9 +325,12 @@ class Engine:
     def _observe(self, rows: list[_Row], num_drafted: Tensor, num_accepted: Tensor, confidence: Tensor | None) -> None:
         if self.controller is None:
             return
+        drafted, accepted = num_drafted.tolist(), num_accepted.tolist()  # one copy each, not one per row
         for i, row in enumerate(rows):
-            conf = confidence[i, : int(num_drafted[i])].tolist() if confidence is not None else None
-            self.controller.observe(row.request_id, int(num_drafted[i]), int(num_accepted[i]), conf)
+            if drafted[i] == 0:
+                continue  # nothing to observe: a plain round
+            conf = confidence[i, : drafted[i]].tolist() if confidence is not None else None
+            self.controller.observe(row.request_id, drafted[i], accepted[i], conf)
 
     def _verify(self, rows: list[_Row], draft_tokens: Tensor, draft_probs: Tensor | None,
                 target_logits: Tensor, num_drafted: Tensor) -> tuple[Verdict, Tensor | None]:
