@@ -303,6 +303,46 @@ def _noise_note(report: dict, temperature: str) -> list[str]:
             "(a category's figure averages that over its replies).", ""]
 
 
+def measured_split(report: dict, temperature: str) -> dict[str, dict[str, float]]:
+    """Per category, where gamma auto's measured time beyond target-only's went, as shares of target-only's
+    time, reply by reply (each prompt's rounds paired with target-only's on it): its prefill beyond
+    target-only's; its plain rounds and its scoring rounds beyond as many of target-only's plain rounds (at
+    that reply's mean); and the rest, its drafting rounds less the rounds they saved (at T > 0 also the
+    texts' different lengths). The parts add up to gamma auto's time over target-only's, less 1."""
+    rounds = report.get("rounds", {}).get(temperature, {})
+    if "gamma=auto" not in rounds or "target-only" not in rounds:
+        return {}
+    base = {row[0]: _load_run(row)[3] for row in rounds["target-only"]}
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * 5)  # target-only, extra, prefill, plain, scoring
+    for row in rounds["gamma=auto"]:
+        _, category, _, timing = _load_run(row)
+        paired = base.get(row[0])
+        if paired is None or not paired.rounds:
+            continue
+        plain = statistics.fmean(r.seconds for r in paired.rounds)  # target-only decodes plain throughout
+        parts = [paired.seconds, timing.seconds - paired.seconds, timing.prefill_seconds - paired.prefill_seconds,
+                 sum(r.seconds - plain for r in timing.rounds if r.drafted == 0 and not r.scored),
+                 sum(r.seconds - plain for r in timing.rounds if r.scored)]
+        for cat in (category, "overall"):
+            sums[cat] = [a + b for a, b in zip(sums[cat], parts)]
+    return {cat: {"prefill": pre / t, "plain": plain / t, "scoring": scored / t,
+                  "drafting": (extra - pre - plain - scored) / t}
+            for cat, (t, extra, pre, plain, scored) in sums.items()}
+
+
+def _split_lines(report: dict, temperature: str) -> list[str]:
+    split = measured_split(report, temperature)
+    if not split:
+        return []
+    cats = sorted(c for c in split if c != "overall") + ["overall"]
+    return ["Where gamma auto's measured time beyond target-only's went, in % of target-only's (reply by reply; "
+            "`measured_split`): its prefill, its plain rounds and scoring rounds beyond target-only's plain rounds, "
+            "and the rest (drafting rounds less the rounds they saved):", "",
+            "| category | prefill | plain rounds | scorings | drafting | total |", "|---|---|---|---|---|---|"] + [
+            f"| {c} | " + " | ".join(f"{100 * split[c][k]:+.1f}" for k in ("prefill", "plain", "scoring", "drafting"))
+            + f" | {100 * sum(split[c].values()):+.1f} |" for c in cats] + [""]
+
+
 def write_report(report: dict, out: Path) -> None:
     """Tables per temperature, the goal check for gamma auto, and the same check for every policy; in
     measured time and, where the run recorded rounds, in modelled time (timing noise removed).
@@ -320,7 +360,8 @@ def write_report(report: dict, out: Path) -> None:
     if report.get("controller"):
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():
-        lines += [f"### Temperature {temperature}, measured", "", *_noise_note(report, temperature)] + goal_tables(table)
+        lines += ([f"### Temperature {temperature}, measured", "", *_noise_note(report, temperature)] + goal_tables(table)
+                  + _split_lines(report, temperature))
         if temperature in report.get("modelled", {}):
             fit = report["model_fit"][temperature]
             lines += [f"### Temperature {temperature}, modelled time", "",

@@ -68,6 +68,10 @@ def main() -> None:
                         help="what a backlog scoring adds to a plain round (default: gamma auto's fitted cost where "
                              "--costs has one, else a draft step; benchmarks/adaptive.py prints it as 'scoring a "
                              "backlog')")
+    parser.add_argument("--controller-overhead", type=float, default=0.0, metavar="PLAIN_ROUNDS",
+                        help="what gamma auto's own work (controller, backlog bookkeeping) adds to each of its rounds, "
+                             "in plain rounds: benchmarks/plain_round_overhead.py measures it (median ratio - 1); "
+                             "default 0, as replays before session 22")
     parser.add_argument("--by-acceptance", action="store_true",
                         help="group the texts by their mean acceptance instead of by category (e.g. for sharegpt)")
     args = parser.parse_args()
@@ -77,6 +81,8 @@ def main() -> None:
         parser.error(f"--controller: {error}")
     if args.scoring_cost is not None and args.scoring_cost < 0:
         parser.error(f"--scoring-cost must be >= 0, got {args.scoring_cost}")
+    if args.controller_overhead < 0:
+        parser.error(f"--controller-overhead must be >= 0, got {args.controller_overhead}")
     if min(args.per_category, args.samples, args.max_new_tokens, args.replicates) < 1:
         parser.error("--per-category, --samples, --max-new-tokens and --replicates must be >= 1")
     cost_run = json.loads(args.costs.read_text())
@@ -97,6 +103,7 @@ def main() -> None:
     report["by_acceptance"] = args.by_acceptance
     report["order"] = args.order
     report["scoring_cost"] = args.scoring_cost
+    report["controller_overhead"] = args.controller_overhead
     report["draft_prefill_from"] = str(args.draft_prefill) if args.draft_prefill else None
     draft_prefill = load_draft_prefill(args.draft_prefill, report.get("draft_window")) if args.draft_prefill else None
     report["results"] = {}
@@ -104,7 +111,8 @@ def main() -> None:
     for temperature, rows in replayed.items():
         if temperature not in fits:
             raise SystemExit(f"{args.costs} has no fitted costs at temperature {temperature}")
-        costs = RoundCostTable.from_fits(fits[temperature], draft_prefill=draft_prefill, scoring=args.scoring_cost)
+        costs = RoundCostTable.from_fits(fits[temperature], draft_prefill=draft_prefill, scoring=args.scoring_cost,
+                                         controller=args.controller_overhead)
         report.setdefault("scoring_costs", {})[temperature] = costs.scoring_seconds / costs.round_seconds(0, COST_CONTEXT)
         report.setdefault("round_costs", {})[temperature] = [  # what the verdicts hinge on, printed in the report
             costs.round_seconds(d, COST_CONTEXT) / costs.round_seconds(0, COST_CONTEXT) for d in range(1, 9)]
@@ -255,9 +263,12 @@ def _breakdown_lines(report: dict, temperature: str) -> list[str]:
     parts = report.get("breakdown", {}).get(temperature)
     if not parts:
         return []
+    own = any(p.get("controller") for p in parts.values())  # charged since session 22 (--controller-overhead)
     return ["gamma auto's time beyond target-only's, in % of target-only's (the draft's prefill + backlog "
-            "scorings + drafting rounds' cost less the rounds they saved): " + ", ".join(
-                f"{cat} {100 * p['prefill']:+.1f} {100 * p['scoring']:+.1f} {100 * p['drafting']:+.1f}"
+            "scorings" + (" + its own work per round" if own else "") + " + drafting rounds' cost less the rounds "
+            "they saved): " + ", ".join(
+                f"{cat} {100 * p['prefill']:+.1f} {100 * p['scoring']:+.1f}"
+                + (f" {100 * p.get('controller', 0.0):+.1f}" if own else "") + f" {100 * p['drafting']:+.1f}"
                 for cat, p in _by_category(parts)) + ".", ""]
 
 

@@ -211,6 +211,30 @@ def test_compare_breaks_gamma_autos_extra_time_down():
     assert parts["easy"]["drafting"] < -0.3  # drafting there saves rounds
 
 
+def test_gamma_autos_own_work_is_charged_to_its_rounds_only():
+    """--controller-overhead: every round of gamma auto (and only gamma auto's) costs that many plain rounds
+    more, the breakdown reports it as its own part, and a negative price is refused."""
+    traces = [_constant_trace(0.02, 200, "hard"), _constant_trace(0.9, 64, "easy")]
+    plain, parts = compare(traces, _linear_costs(0.2), replicates=2), {}
+    own = compare(traces, dataclasses.replace(_linear_costs(0.2), controller=0.01), replicates=2, breakdown=parts)
+    assert all(own[name] == plain[name] for name in plain if not name.startswith("gamma=auto"))
+    assert own["gamma=auto"] != plain["gamma=auto"]
+    trace, rng = traces[0], random.Random(2)
+    result = replay(trace, "auto", [rng.random() for _ in trace.accept],
+                    dataclasses.replace(_linear_costs(0.2), controller=0.01), lambda: 1.0,
+                    GammaController(ControllerConfig(prior_cost_ratio=0.2)))
+    # every round 1 s + 0.2 per draft (and per scoring), and 0.01 s of gamma auto's own work
+    assert result.seconds == pytest.approx(1.01 * result.rounds + 0.2 * result.drafted + 0.2 * result.scorings)
+    assert parts["hard"]["controller"] == pytest.approx(0.01, rel=0.05)  # nearly all its rounds are plain
+    for cat in ("hard", "easy", "overall"):
+        assert sum(parts[cat].values()) == pytest.approx(own["target-only"][cat] / own["gamma=auto"][cat] - 1)
+    fits = {n: {"cost_model": dataclasses.asdict(m)} for n, m in zip(
+        ["target-only", *(f"gamma={d}" for d in range(1, 9))], _linear_costs(0.2).models.values())}
+    assert RoundCostTable.from_fits(fits, controller=0.01).controller == pytest.approx(0.01)  # plain rounds of 1 s
+    with pytest.raises(ValueError, match="controller overhead"):
+        RoundCostTable.from_fits(fits, controller=-0.1)
+
+
 def test_replay_scores_the_backlog_in_fallback_instead_of_probing():
     """A text the draft cannot help: in fallback the replay has the draft score what it missed (the trace's
     acceptance at each position, one draft step charged per scoring) rather than draft probes."""

@@ -138,14 +138,18 @@ class RoundCostTable:
     draft_step: float  # seconds of one draft step: splits a round's time for the controller
     draft_prefill: DraftPrefill | None = None  # None: a drafting prefill at fixed gamma 1's fit
     scoring: float | None = None  # seconds a backlog scoring adds to a plain round (None: one draft step)
+    controller: float = 0.0  # seconds gamma auto's own work (controller, backlog bookkeeping) adds to each round
 
     @classmethod
     def from_fits(cls, fits: dict[str, dict], max_gamma: int = 8, draft_prefill: DraftPrefill | None = None,
-                  scoring: float | None = None) -> RoundCostTable:
+                  scoring: float | None = None, controller: float = 0.0) -> RoundCostTable:
         """From a benchmarks/adaptive.py run's `model_fit` (one temperature): plain rounds at target-only's
         costs, rounds of d drafts at fixed gamma d's (the real run's time, stalls left out); a backlog
         scoring at `scoring` plain rounds, else at gamma auto's fitted cost of one where the run has it, else
-        at a draft step."""
+        at a draft step; gamma auto's own work at `controller` plain rounds a round (the fixed systems' fits
+        hold none of it; benchmarks/plain_round_overhead.py measures it)."""
+        if controller < 0:
+            raise ValueError(f"controller overhead must be >= 0 plain rounds, got {controller}")
         if max_gamma < 3:
             raise ValueError(f"max_gamma must be >= 3 (the draft step is read off gamma 2 to max_gamma), got {max_gamma}")
         names = {0: "target-only", **{d: f"gamma={d}" for d in range(1, max_gamma + 1)}}
@@ -159,7 +163,7 @@ class RoundCostTable:
         plain = models[0].round_seconds(0, context)
         fitted = CostModel.from_dict(fits["gamma=auto"]["cost_model"]).scored_coef if "gamma=auto" in fits else 0.0
         seconds = scoring * plain if scoring is not None else (fitted or None)
-        return cls(models, max(step, 0.0), draft_prefill, seconds)
+        return cls(models, max(step, 0.0), draft_prefill, seconds, controller * plain)
 
     @property
     def scoring_seconds(self) -> float:
@@ -243,7 +247,8 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
         context = trace.prompt_tokens + pos
         backlog_forward = drafted > 0 and missing - 2 > MERGED_BACKLOG
         round_seconds = (costs.round_seconds(drafted, context) + (costs.draft_step if backlog_forward else 0.0)
-                         + (costs.scoring_seconds if scored else 0.0))  # the controller times the whole round
+                         + (costs.scoring_seconds if scored else 0.0)
+                         + (costs.controller if policy == "auto" else 0.0))  # the controller times the whole round
         if controller is not None:
             controller.observe(request_id, drafted, accepted, confidences)
             factor = noise()
@@ -283,7 +288,8 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
     one per trace. `probes`, if given, receives gamma auto's mean number
     of fallback probes per reply, per category. `breakdown`, if given, receives per category where gamma
     auto's time beyond target-only's went, as shares of target-only's time: "prefill" (the draft's),
-    "scoring" (backlog scorings) and "drafting" (the rest: drafting rounds' cost less the rounds they saved)."""
+    "scoring" (backlog scorings), "controller" (its own work in every round, `RoundCostTable.controller`) and
+    "drafting" (the rest: drafting rounds' cost less the rounds they saved)."""
     if replicates < 1:
         raise ValueError(f"replicates must be >= 1, got {replicates}")
     if order not in ORDERS:
@@ -292,7 +298,8 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
                                   "gamma=auto": "auto", "gamma=auto fresh": "auto"}
     sums: dict[str, dict[str, list[float]]] = {s: defaultdict(lambda: [0.0, 0.0]) for s in systems}
     probed: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> replies, probes (gamma auto)
-    spent: dict[str, list[float]] = defaultdict(lambda: [0.0] * 4)  # category -> target-only, extra, prefill, scoring
+    spent: dict[str, list[float]] = defaultdict(lambda: [0.0] * 5)  # category -> target-only, extra, prefill, scoring,
+    # controller
     for rep in range(replicates):
         sequence = list(range(len(traces)))
         if order == "shuffled":
@@ -319,12 +326,13 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
                         totals[1] += result.seconds - baseline
                         totals[2] += result.draft_prefill
                         totals[3] += result.scorings * costs.scoring_seconds
+                        totals[4] += result.rounds * costs.controller
             if progress is not None:
                 progress(1)
     if probes is not None:
         probes.update({cat: n / replies for cat, (replies, n) in probed.items()})
     if breakdown is not None:
-        breakdown.update({cat: {"prefill": prefill / base, "scoring": scoring / base,
-                                "drafting": (extra - prefill - scoring) / base}
-                          for cat, (base, extra, prefill, scoring) in spent.items()})
+        breakdown.update({cat: {"prefill": prefill / base, "scoring": scoring / base, "controller": own / base,
+                                "drafting": (extra - prefill - scoring - own) / base}
+                          for cat, (base, extra, prefill, scoring, own) in spent.items()})
     return {name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in sums.items()}
