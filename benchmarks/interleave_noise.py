@@ -72,7 +72,7 @@ def main() -> None:
              "system's time over target-only's; the standard deviation of log(ratio) is the noise of one reply's "
              "comparison.", "",
              "| interleave | A/A: sd of log ratio | A/A: median ratio | gamma auto: sd of log ratio | "
-             "gamma auto: time over target-only's (sum) |", "|---|---|---|---|---|"]
+             "gamma auto: time over target-only's (mean per reply) |", "|---|---|---|---|---|"]
     for mode, s in report["summary"].items():
         lines.append(f"| {mode} | {s['A/A']['sd']:.4f} | {s['A/A']['median']:.4f} | {s['gamma=auto']['sd']:.4f} | "
                      f"{s['gamma=auto']['mean']:.4f} |")
