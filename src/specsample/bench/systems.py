@@ -54,6 +54,7 @@ class Ours:
         self.controller = GammaController(self.controller_config) if kept else None
 
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RunRecord]:
+        """Generate for a batch of prompts alone, start to finish."""
         run = self.start(prompts, params)
         while run.step():
             pass
@@ -70,7 +71,7 @@ class Ours:
 class OursRun:
     """One generation of `Ours`, advanced a round at a time. Its clock runs only inside `step()`: the
     wall time, first-token latency and token gaps it reports are its own rounds' time, not that of
-    other generations stepped in between."""
+    other generations stepped in between (the engine statistics in `stats` keep wall-clock times)."""
 
     def __init__(self, system: Ours, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  controller: GammaController | None) -> None:
