@@ -31,12 +31,14 @@ from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
                                   load_prompts)
 from specsample.bench.systems import Ours, run_lockstep
+from specsample.datasets import Prompt
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.row_padding import PAD_MODES, with_target_widths
+from specsample.pair import Pair
 
 
 def main() -> None:
@@ -84,11 +86,8 @@ def main() -> None:
     if not {"target-only", "gamma=auto"} <= set(chosen) or not any(n.startswith("gamma=") and n[6:].isdigit() for n in chosen):
         parser.error("--systems must include target-only, gamma=auto and at least one fixed gamma (the goal check)")
 
-    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
+    pair, prompts, ids, max_len = load_spec_bench(args)
     tokenizer, target = pair.target.tokenizer, pair.target.model
-    prompts, ids = encode_fitting(load_prompts("spec-bench", args.per_category, 0), tokenizer, target.max_seq_len,
-                                  args.max_new_tokens)
-    max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
     eos = tokenizer.eos_token_ids
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
 
@@ -130,6 +129,15 @@ def main() -> None:
                         for t in temperatures}
     add_modelled(report, args.box_speed)
     save(report, args.out)
+
+
+def load_spec_bench(args: argparse.Namespace) -> tuple[Pair, list[Prompt], list[list[int]], int]:
+    """The pair (`--target`, `--draft`, `--draft-window`), the first `--per-category` Spec-Bench prompts of each
+    category that leave room for `--max-new-tokens`, their token ids, and the engine's max length for them."""
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
+    prompts, ids = encode_fitting(load_prompts("spec-bench", args.per_category, 0), pair.target.tokenizer,
+                                  pair.target.model.max_seq_len, args.max_new_tokens)
+    return pair, prompts, ids, max(len(x) for x in ids) + args.max_new_tokens + 16
 
 
 def save(report: dict, out: Path) -> None:
@@ -291,13 +299,18 @@ def _interleave_note(report: dict) -> str:
     return "Interleaved prompt by prompt: each system decoded the whole prompt in turn (`--interleave prompt`)."
 
 
+def _by_prompt(rows: list) -> dict[int, RunTiming]:
+    """A system's stored runs of one temperature by prompt key (the key pairs replies across systems)."""
+    return {row[0]: _load_run(row)[3] for row in rows}
+
+
 def _noise_note(report: dict, temperature: str) -> list[str]:
     """With target-only run twice: the spread of the two's per-reply time ratio, the run's own timing noise."""
     rounds = report.get("rounds", {}).get(temperature, {})
     if AGAIN not in rounds or "target-only" not in rounds:
         return []
-    base = {row[0]: _load_run(row)[3].seconds for row in rounds["target-only"]}
-    logs = [math.log(_load_run(row)[3].seconds / base[row[0]]) for row in rounds[AGAIN] if row[0] in base]
+    base = _by_prompt(rounds["target-only"])
+    logs = [math.log(run.seconds / base[key].seconds) for key, run in _by_prompt(rounds[AGAIN]).items() if key in base]
     return [f"Timing noise: `{AGAIN}` is target-only decoding every reply a second time; the standard deviation of "
             f"log(its time / target-only's) per reply is {statistics.pstdev(logs):.3f} over {len(logs)} replies "
             "(a category's figure averages that over its replies).", ""]
@@ -312,7 +325,7 @@ def measured_split(report: dict, temperature: str) -> dict[str, dict[str, float]
     rounds = report.get("rounds", {}).get(temperature, {})
     if "gamma=auto" not in rounds or "target-only" not in rounds:
         return {}
-    base = {row[0]: _load_run(row)[3] for row in rounds["target-only"]}
+    base = _by_prompt(rounds["target-only"])
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * 5)  # target-only, extra, prefill, plain, scoring
     for row in rounds["gamma=auto"]:
         _, category, _, timing = _load_run(row)

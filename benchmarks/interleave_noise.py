@@ -23,12 +23,12 @@ import torch
 from tqdm import tqdm
 
 from specsample.bench.report import command_line
-from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
+from specsample.bench.run import add_pair_options
 from specsample.bench.systems import run_lockstep
 from specsample.config import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adaptive import make_systems  # noqa: E402  (a sibling script: the systems exactly as the benchmark builds them)
+from adaptive import AGAIN, load_spec_bench, make_systems  # noqa: E402  (a sibling script: its systems and prompts)
 
 MODES = ("prompt", "round")
 
@@ -42,13 +42,9 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.per_category, args.max_new_tokens) < 1:
         parser.error("--per-category and --max-new-tokens must be >= 1")
-    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
-    tokenizer, target = pair.target.tokenizer, pair.target.model
-    prompts, ids = encode_fitting(load_prompts("spec-bench", args.per_category, 0), tokenizer, target.max_seq_len,
-                                  args.max_new_tokens)
-    max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
-    systems = make_systems(["target-only", "target-only again", "gamma=auto"], target, pair.drafter,
-                           tokenizer.eos_token_ids, max_len, ())
+    pair, _, ids, max_len = load_spec_bench(args)
+    systems = make_systems(["target-only", AGAIN, "gamma=auto"], pair.target.model, pair.drafter,
+                           pair.target.tokenizer.eos_token_ids, max_len, ())
     ratios: dict[str, dict[str, list[float]]] = {m: {"A/A": [], "gamma=auto": []} for m in MODES}
     for i, prompt_ids in enumerate(tqdm(ids, desc="A/A")):
         params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, seed=i)
@@ -59,7 +55,7 @@ def main() -> None:
             else:
                 records = [s.run([prompt_ids], params)[0] for s in order]
             seconds = {s.name: r.seconds for s, r in zip(order, records)}
-            ratios[mode]["A/A"].append(seconds["target-only again"] / seconds["target-only"])
+            ratios[mode]["A/A"].append(seconds[AGAIN] / seconds["target-only"])
             ratios[mode]["gamma=auto"].append(seconds["gamma=auto"] / seconds["target-only"])
     report = {"command": command_line("benchmarks/interleave_noise.py", args),
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
