@@ -66,3 +66,35 @@ class GateDropsToken:
             if n and n <= len(stop_thresholds) and float(proposal.confidence[row, n - 1]) < stop_thresholds[n - 1]:
                 drafted[row] = n - 1
         return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)
+
+
+class SubsetProbsUnmapped:
+    """A draft with an output subset (FR-Spec) that reports its probabilities in the subset's column order
+    instead of at the tokens' vocabulary ids: the tokens are right, the q the verifier reads is not.
+    Wraps a ModelDrafter whose model has an output subset."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+
+    def allocate(self, num_slots, max_len):
+        self.inner.allocate(num_slots, max_len)
+
+    def add_rows(self, slots, prompts):
+        self.inner.add_rows(slots, prompts)
+
+    def release_rows(self, slots):
+        self.inner.release_rows(slots)
+
+    def commit(self, slots, committed):
+        self.inner.commit(slots, committed)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=()):
+        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds)
+        subset = self.inner.model.output_subset.cpu()
+        unmapped = torch.zeros_like(proposal.probs)
+        unmapped[..., : len(subset)] = proposal.probs[..., subset]  # column j holds token subset[j]'s q
+        return type(proposal)(proposal.tokens, unmapped, proposal.num_drafted, proposal.confidence)

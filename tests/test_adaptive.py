@@ -566,6 +566,10 @@ def test_a_lone_rows_backlog_drafts_as_from_a_fresh_prefill(tiny_draft, behind: 
             forwards.append(tokens.shape[1])
             return tiny_draft.forward_cached(tokens, cache, slots)
 
+        def forward_cached_last(self, tokens, cache, slots, last):
+            forwards.append(tokens.shape[1])
+            return tiny_draft.forward_cached_last(tokens, cache, slots, last)
+
     behind_drafter, fresh = ModelDrafter(Counting()), ModelDrafter(tiny_draft)
     for drafter, rows in ((behind_drafter, prompt), (fresh, prompt + missed)):
         drafter.allocate(1, 64)

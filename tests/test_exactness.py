@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import specsample.engine as engine_module
-from broken import BROKEN, GateDropsToken
+from broken import BROKEN, GateDropsToken, SubsetProbsUnmapped
 from devices import DEVICE
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
@@ -113,6 +113,16 @@ class ScoresThenDrafts(FixedGate):
         return [0 if self._round == 1 else 2] * len(request_ids)
 
 
+SUBSET = [6, 0, 3, 2, 5]  # the draft's output tokens (FR-Spec), in no particular order; 1, 4, 7 get q = 0
+
+
+def subset_draft():
+    """The pair's draft with an output subset: it samples among SUBSET's tokens, scoring only the last position."""
+    draft = tiny_lm(VOCAB, seed=20, init_scale=0.2, num_layers=1, dtype=torch.float64, device=DEVICE)
+    draft.set_output_subset(torch.tensor(SUBSET))
+    return draft
+
+
 def _adaptive_cases(draft):
     return {
         "ngram": (NgramDrafter(min_n=1, max_n=2), False, None),
@@ -123,10 +133,12 @@ def _adaptive_cases(draft):
         "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True,
                          FixedGate(ControllerConfig(max_gamma=3))),
         "backlog_scoring": (ModelDrafter(draft), True, ScoresThenDrafts(ControllerConfig(max_gamma=3))),
+        "output_subset": (ModelDrafter(subset_draft()), False, None),
     }
 
 
-@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "draft_window", "backlog_scoring"])
+@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "draft_window", "backlog_scoring",
+                                  "output_subset"])
 def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
     drafter, adaptive, controller = _adaptive_cases(draft)[case]
@@ -148,3 +160,11 @@ def test_gate_that_drops_the_token_fails(pair) -> None:
                            controller=FixedGate(ControllerConfig(max_gamma=4)), prompt=REPEATING)
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic > threshold, f"the broken gate was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+def test_subset_draft_probabilities_at_the_wrong_ids_fail(pair) -> None:
+    target, _ = pair
+    params = WARPS["temperature_1"]
+    counts = engine_counts(target, SubsetProbsUnmapped(ModelDrafter(subset_draft())), params, gamma=3, prompt=REPEATING)
+    statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
+    assert statistic > threshold, f"unmapped subset probabilities were not detected: chi2 {statistic:.1f} < {threshold:.1f}"

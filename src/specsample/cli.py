@@ -39,7 +39,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="what a draft model attends to: auto (the window saved with the draft, for the shipped "
                              "one its first 32 and latest 256 tokens: it was trained on 512) or off (the whole "
                              "context); never changes the output's distribution (default auto)")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively), float32, bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in float32 on a CPU), float32, bfloat16")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--runtime", default="auto", choices=("auto", "ours", "hf"),
                         help="model runtime: ours for Llama-family, transformers otherwise (default auto)")

@@ -13,11 +13,15 @@ from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import WINDOW_MODES, DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.hub import ALIASES, FetchError
+from specsample.models.llama import LlamaModel
 from specsample.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("specsample")
 
 NO_DRAFT = ("none", "off")
+# a draft this narrow runs in float32 on a CPU when the dtype is "auto": per-op cost, not reading weights, sets
+# its step time there, and float32 ops on its small matrices run faster than bfloat16 ones (docs/draft.md)
+SMALL_DRAFT_HIDDEN = 256
 
 
 @dataclass
@@ -54,7 +58,8 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
     context) or a `DraftWindow`.
 
     A draft that exists but cannot be loaded (out of memory, unreadable files) is not fatal: we
-    decode without speculation and say so loudly.
+    decode without speculation and say so loudly. Under dtype 'auto' a narrow draft on a CPU (hidden size
+    up to SMALL_DRAFT_HIDDEN, on our runtime, not compiled) runs in float32, whatever the target's dtype.
     """
     if isinstance(window, str) and window not in WINDOW_MODES:
         raise ValueError(f"draft window must be one of {', '.join(WINDOW_MODES)} or a DraftWindow, got {window!r}")
@@ -73,6 +78,9 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         return HybridDrafter(model)
     try:
         draft = load_model(spec, dtype=dtype, device=device, compile_decode=compile_decode)
+        if dtype == "auto" and not compile_decode and _small_on_cpu(draft.model):
+            draft = load_model(spec, dtype=torch.float32, device=device)  # again: from the stored weights
+            log.info("draft %s runs in float32: a small draft steps faster in float32 on a CPU", spec)
     except (OSError, RuntimeError, MemoryError, FetchError, SafetensorError) as exc:
         log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
         return None
@@ -88,6 +96,12 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
     if window == "auto":
         window = DraftWindow.from_folder(draft.folder)
     return ModelDrafter(draft.model, draft.folder, window if isinstance(window, DraftWindow) else None)
+
+
+def _small_on_cpu(model: object) -> bool:
+    """A draft on our runtime on a CPU, narrow enough to step faster in float32 (SMALL_DRAFT_HIDDEN)."""
+    return (isinstance(model, LlamaModel) and model.device.type == "cpu" and model.dtype != torch.float32
+            and model.config.hidden_size <= SMALL_DRAFT_HIDDEN)
 
 
 def _model_draft_default(target: LoadedModel) -> str:

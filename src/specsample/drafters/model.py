@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from specsample.config import SamplingParams
 from specsample.drafters.base import Proposal
-from specsample.models.base import CausalLM, ModelCache, pad_right, prefill_ragged
+from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import sample, warp_rows
 
 MERGED_BACKLOG = 8  # a lone row's backlog up to this long goes into its first draft forward (logits for each)
@@ -87,6 +88,9 @@ class ModelDrafter:
         self.folder = folder  # where the draft was loaded from (peers like transformers can load it too)
         self.window = window  # None: the draft attends to the whole context
         self.vocab_size = model.vocab_size
+        # sample among the draft's own output tokens, scoring only the last fed position (checked once: a
+        # runtime protocol check inspects every member)
+        self._last_only = isinstance(model, LastPositionLM)
         self.cache: ModelCache | None = None
         self.history: dict[int, list[int]] = {}
         self._drafted: dict[int, list[int]] = {}  # last round's drafts per slot, to find what stays valid
@@ -139,9 +143,8 @@ class ModelDrafter:
         self._catch_up(slots, gamma)
         pending = [self.history[s][self._fed(s):] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
         inputs, last = pad_right(pending, self.model.device)
-        logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, pending, vocab]
+        logits, subset = self._logits(inputs, slot_tensor, last)  # [b, K]: K the draft's output tokens
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
-        logits = logits[torch.arange(batch, device=logits.device), last]  # [b, vocab]
         limits = [min(gamma, m) for m in max_drafts]
         drafted = [0] * batch
         tokens, probs, confidence = [], [], []
@@ -149,9 +152,10 @@ class ModelDrafter:
             active = [drafted[r] == step and step < limits[r] for r in range(batch)]
             if not any(active):
                 break
-            step_probs = warp_rows(logits, params)  # [b, vocab]
-            token = sample(step_probs, generators, active)  # [b]; inactive rows draw nothing
-            own = torch.softmax(logits.float(), dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)  # [b]
+            step_probs = warp_rows(logits, params)  # [b, K]; tokens outside the subset have probability 0
+            index = sample(step_probs, generators, active)  # [b]; inactive rows draw nothing
+            own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [b]
+            token = index if subset is None else subset[index]  # [b] vocabulary ids
             tokens.append(token)
             probs.append(step_probs)
             confidence.append(own)
@@ -161,7 +165,7 @@ class ModelDrafter:
                     if step < len(stop_thresholds) and float(own[r]) < stop_thresholds[step]:
                         limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
             if step + 1 < gamma and any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
-                logits = self.model.forward_cached(token.unsqueeze(1), self.cache, slot_tensor)[:, 0]
+                logits, _ = self._logits(token.unsqueeze(1), slot_tensor, torch.zeros_like(token))
             else:
                 break
         steps = len(tokens)
@@ -170,12 +174,26 @@ class ModelDrafter:
         draft_conf = torch.zeros(batch, gamma)
         if steps:
             draft_tokens[:, :steps] = torch.stack(tokens, dim=1).cpu()
-            draft_probs[:, :steps] = torch.stack(probs, dim=1).cpu()
+            drawn = torch.stack(probs, dim=1).cpu()  # [b, steps, K]
+            if subset is None:
+                draft_probs[:, :steps] = drawn
+            else:  # back to vocabulary ids for the verifier
+                draft_probs[:, :steps].index_copy_(-1, subset.cpu(), drawn)
             draft_conf[:, :steps] = torch.stack(confidence, dim=1).cpu()
         for row, slot in enumerate(slots):
             self._drafted[slot] = draft_tokens[row, :steps].tolist()  # drawn; all but the last were fed
         return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
                         confidence=draft_conf)
+
+    def _logits(self, inputs: Tensor, slot_tensor: Tensor, last: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Feed `inputs [b, n]`; logits `[b, K]` at each row's position `last[i]`, and the token ids of the K
+        columns (None: the whole vocabulary, in order). A model with an output subset (FR-Spec) scores only
+        its K tokens and only the last position: sampling then reads K probabilities, not the vocabulary."""
+        if self._last_only:
+            return (self.model.forward_cached_last(inputs, self.cache, slot_tensor, last),
+                    self.model.output_subset)
+        logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, n, vocab]
+        return logits[torch.arange(inputs.shape[0], device=logits.device), last.to(logits.device)], None
 
     def _catch_up(self, slots: Sequence[int], gamma: int) -> None:
         """Rows lacking more than two tokens (after an n-gram streak or plain rounds) are fed their

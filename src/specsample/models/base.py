@@ -50,6 +50,18 @@ class CausalLM(Protocol):
         ...
 
 
+@runtime_checkable
+class LastPositionLM(Protocol):
+    """A model that can score only each row's last new position, over its output subset (FR-Spec drafts):
+    a drafter then samples among the K tokens the draft can emit instead of the whole vocabulary."""
+
+    output_subset: Tensor | None  # [K] token ids the output layer covers; None: the whole vocabulary
+
+    def forward_cached_last(self, tokens: Tensor, cache: ModelCache, slots: Tensor, last: Tensor) -> Tensor:
+        """Append `tokens [b, n]` as `forward_cached` does; logits `[b, K]` at position `last[i]` of row i."""
+        ...
+
+
 def pad_right(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Right-pad token lists into `[b, max_len]`; also return each row's last real index `[b]`."""
     width = max(len(s) for s in sequences)

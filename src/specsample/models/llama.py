@@ -127,13 +127,21 @@ class LlamaConfig:
         return out
 
 
+# float32 weights smaller than this stay unpacked: a packed oneDNN call costs 13-17 us however small the
+# matrix, while F.linear multiplies a 128-wide draft's matrices in 3-7 us (benchmarks/draft_step.py)
+PACK_MIN_FLOAT32_ELEMENTS = 1 << 18
+
+
 def prepack(weight: Tensor) -> Tensor | None:
-    """oneDNN-prepacked copy of a `[out, in]` weight for CPU inference; None where oneDNN cannot.
+    """oneDNN-prepacked copy of a `[out, in]` weight for CPU inference; None where oneDNN cannot, or where
+    it would be slower (a small float32 matrix, see PACK_MIN_FLOAT32_ELEMENTS).
 
     Measured on a 2-core AVX512-BF16 machine (docs/runtime.md): a prepacked matrix-vector product
     reads weights about twice as fast as `F.linear`, in float32 and bfloat16 alike.
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if weight.dtype == torch.float32 and weight.numel() < PACK_MIN_FLOAT32_ELEMENTS:
         return None
     try:
         with torch.no_grad():
@@ -330,7 +338,8 @@ class LlamaModel(nn.Module):
         return self.embed.weight.device
 
     def pack_for_cpu(self) -> bool:
-        """Prepack every projection for fast CPU decoding (a no-op elsewhere); True if all packed."""
+        """Prepack every projection for fast CPU decoding where that is faster (a no-op elsewhere); True if all
+        packed."""
         return all([m.pack() for m in self.modules() if isinstance(m, Linear)])
 
     def _apply(self, fn, recurse=True):  # moving or casting the weights invalidates packed copies
@@ -433,6 +442,18 @@ class LlamaModel(nn.Module):
         hidden, compiled = self._append(tokens, cache, slots)
         # the compiled output layer only where the compiled step ran: other shapes would compile it again
         return self.compiled.logits(hidden) if compiled else self.logits(hidden)
+
+    @torch.inference_mode()
+    def forward_cached_last(self, tokens: Tensor, cache: KVCache, slots: Tensor, last: Tensor) -> Tensor:
+        """Append `tokens [b, n]` like `forward_cached`, but return logits `[b, K]` at position `last[i]` of
+        row i only, over the output subset where there is one (K its size, in its order), else the whole
+        vocabulary: what a drafter samples from, without computing or copying the rest."""
+        hidden, compiled = self._append(tokens, cache, slots)
+        hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]  # [b, hidden]
+        if compiled:  # the compiled output layer, as forward_cached: the same numbers either way
+            logits = self.compiled.logits(hidden.unsqueeze(1))[:, 0]  # [b, vocab]
+            return logits if self.output_subset is None else logits[:, self.output_subset]
+        return self.lm_head(hidden) if self.output_subset is None else self.subset_logits(hidden)
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
