@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import platform
+import random
 import statistics
 import sys
 import time
@@ -60,6 +61,10 @@ def main() -> None:
     parser.add_argument("--box-speed", choices=BOX_SPEED, default="shared",
                         help="modelled time: factor out the box's slowdown per prompt, shared by every system "
                              "(default), or fit each system alone (none)")
+    parser.add_argument("--turns", choices=TURNS, default="shuffled",
+                        help="with --interleave round: the systems' order drawn afresh every round (default), or one "
+                             "fixed cyclic order per prompt, rotated prompt by prompt (before session 23), in which "
+                             "each system always follows the same other one (benchmarks/lockstep_order.py)")
     parser.add_argument("--interleave", choices=INTERLEAVE, default="round",
                         help="round: the systems take turns round by round on each prompt, so the box's slow stretches "
                              "hit them alike (default); prompt: each decodes the whole prompt in turn (runs before "
@@ -104,7 +109,8 @@ def main() -> None:
             order = systems[i % len(systems):] + systems[: i % len(systems)]
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=i)
             if args.interleave == "round":
-                records = [r[0] for r in run_lockstep(order, [prompt_ids], params)]
+                shuffle = random.Random(i) if args.turns == "shuffled" else None
+                records = [r[0] for r in run_lockstep(order, [prompt_ids], params, shuffle)]
             else:
                 records = [s.run([prompt_ids], params)[0] for s in order]
             for s, record in zip(order, records):
@@ -118,7 +124,7 @@ def main() -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__}, "draft": pair.draft_spec,
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
-              "target_widths": list(widths), "interleave": args.interleave,
+              "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
               "controller": {k: v for k, v in dataclasses.asdict(controller).items()
                              if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}
@@ -185,6 +191,7 @@ def _load_run(row: list) -> tuple[int, str, int, RunTiming]:
 
 
 INTERLEAVE = ("round", "prompt")  # systems take turns per round of a prompt, or decode whole prompts in turn
+TURNS = ("shuffled", "rotated")  # round by round: a fresh order every round, or a fixed cyclic order per prompt
 
 AGAIN = "target-only again"  # target-only run a second time: the run's own timing noise
 SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram",
@@ -294,8 +301,10 @@ def _fitted_costs(fit: dict) -> list[str]:
 def _interleave_note(report: dict) -> str:
     """How the systems shared the box (results from before session 22 took turns prompt by prompt)."""
     if report.get("interleave", "prompt") == "round":
-        return ("Interleaved round by round: on each prompt the systems took turns, one round each, and a system's "
-                "time counts its own rounds only (`--interleave round`).")
+        turns = (" in an order drawn afresh every round (`--turns shuffled`)" if report.get("turns") == "shuffled" else
+                 " in one cyclic order per prompt, so each system always followed the same other one")
+        return ("Interleaved round by round: on each prompt the systems took turns, one round each" + turns + ", and "
+                "a system's time counts its own rounds only (`--interleave round`).")
     return "Interleaved prompt by prompt: each system decoded the whole prompt in turn (`--interleave prompt`)."
 
 

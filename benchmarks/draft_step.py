@@ -16,7 +16,6 @@ output subset):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsample.bench.report import command_line
+from specsample.bench.report import command_line, publish
 from specsample.bench.run import encode_fitting, load_prompts
 from specsample.config import SamplingParams
 from specsample.drafters.model import ModelDrafter
@@ -118,11 +117,7 @@ def main() -> None:
             results[str(gamma)] = {name: 1000 * statistics.median(v) for name, v in per_variant.items()}
     report = {"command": command_line("benchmarks/draft_step.py", args), "threads": torch.get_num_threads(), "matrices_us": matrices,
               "propose_ms": results, "temperature": args.temperature, "rounds": args.rounds, "prompts": len(prompts)}
-    text = render(report)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(text + "\n")
+    publish(report, render(report), args.out)
 
 
 def render(report: dict) -> str:

@@ -253,6 +253,26 @@ def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_targe
     for record in (plain, slow, auto):  # the own clock: rounds and prefill make up the system's time
         assert record.timing.seconds == pytest.approx(record.seconds, rel=0.2)
         assert 0 < record.ttft <= record.seconds
+    # shuffled turns: a fresh order every round, the same texts, and each system follows more than one other
+    import random
+
+    from specsample.bench.systems import OursRun
+    steps: list[str] = []
+    real_step = OursRun.step
+
+    def logged(run):
+        steps.append(run.name)
+        return real_step(run)
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    OursRun.step = logged
+    try:
+        shuffled = [r[0] for r in run_lockstep(systems(), [prompt], greedy, random.Random(0))]
+    finally:
+        OursRun.step = real_step
+    assert [r.tokens for r in shuffled] == [s.run([prompt], greedy)[0].tokens for s in systems()]
+    before_plain = {steps[k - 1] for k in range(1, len(steps)) if steps[k] == "plain"}
+    assert before_plain >= {"g3", "auto"}
     shared = ModelDrafter(tiny_draft)
     with pytest.raises(ValueError, match="a drafter each"):
         run_lockstep([Ours(n, tiny_target, shared, SpecConfig(gamma=2, max_batch_size=1), frozenset()) for n in "ab"],
@@ -363,6 +383,8 @@ def test_the_adaptive_benchmark_remodels_a_stored_run(tmp_path) -> None:
         assert ("prompts' slowdowns" in text) == (box_speed == "shared")
         assert "log(its time / target-only's) per reply is 0.000 over 60 replies" in text
         assert "Interleaved prompt by prompt" in text  # a result without the interleave mode predates round turns
+    assert "drawn afresh every round" in adaptive._interleave_note({"interleave": "round", "turns": "shuffled"})
+    assert "always followed the same other one" in adaptive._interleave_note({"interleave": "round"})  # session 22
     old = tmp_path / "old.json"  # a result from before rounds were stored
     old.write_text(json.dumps({k: v for k, v in stored.items() if k != "rounds"}))
     with pytest.raises(SystemExit, match="no recorded rounds"):
@@ -442,3 +464,23 @@ def test_the_measured_split_pairs_replies_and_adds_up() -> None:
     assert split["c"]["drafting"] == pytest.approx((0.013 - 0.01 - 0.006 - 0.005) / 0.3)
     assert sum(split["c"].values()) == pytest.approx(0.313 / 0.3 - 1)
     assert adaptive.measured_split({"rounds": {"0.0": {"target-only": []}}}, "0.0") == {}
+
+
+def test_draft_step_and_round_phases_reports() -> None:
+    """benchmarks/draft_step.py and round_phases.py render what they measured: a round's total over the plain
+    round's is the sum of its phases over the plain round's sum."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import draft_step
+    import round_phases
+
+    phases = {"command": "python benchmarks/round_phases.py", "prompts": 2, "results": {"0.0": {
+        "0": {"rounds": 10, "draft_ms": 0.0, "target_ms": 9.0, "verify_ms": 1.0},
+        "1": {"rounds": 8, "draft_ms": 2.0, "target_ms": 10.0, "verify_ms": 1.0}}}}
+    text = round_phases.render(phases)
+    assert "| 1 | 8 | 2.00 | 10.00 | 1.00 | 1.300 |" in text and "| 0 | 10 | 0.00 | 9.00 | 1.00 | 1.000 |" in text
+    step = {"command": "python benchmarks/draft_step.py", "threads": 2, "temperature": 0.7, "rounds": 3, "prompts": 1,
+            "matrices_us": [{"shape": [128, 128], "float32_linear_us": 3.0, "float32_packed_us": 16.0,
+                             "bfloat16_linear_us": 20.0, "bfloat16_packed_us": 15.0}],
+            "propose_ms": {"1": {"a": 1.5, "b": 1.25}, "3": {"a": 4.0, "b": 3.0}}}
+    text = draft_step.render(step)
+    assert "| 128 × 128 | 3.0 | 16.0 | 20.0 | 15.0 |" in text and "| b | 1.250 | 3.000 |" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,14 @@ def command_line(script: str, args: argparse.Namespace) -> str:
         elif value is not None and value != "":
             parts.append(f"--{flag} {value}")
     return f"python {script} " + " ".join(parts)
+
+
+def publish(report: dict[str, Any], text: str, out: Path | None) -> None:
+    """Print a benchmark's report and, with `out`, write its raw result there (.json) and the report beside (.md)."""
+    print(text)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        out.with_suffix(".md").write_text(text + "\n")
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

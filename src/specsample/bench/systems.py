@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -78,6 +79,7 @@ class OursRun:
         from specsample.api import generate_stream
         from specsample.metrics import StatsCollector
 
+        self.name = system.name
         self.single = len(prompts) == 1
         self._stream = generate_stream(system.target, prompts, params, system.drafter, system.config, system.eos,
                                        controller)
@@ -138,18 +140,24 @@ class OursRun:
         return records
 
 
-def run_lockstep(systems: list[Ours], prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams]) -> list[list[RunRecord]]:
-    """Generate the same prompts with every system, taking turns round by round (in the order given), and
-    return each system's records. Each system's time counts only its own rounds, so a slow stretch of the
-    box lands on all of them alike, within tens of milliseconds, where back-to-back runs are a second or
-    more apart. The systems must not share a drafter (each holds its own draft cache)."""
+def run_lockstep(systems: list[Ours], prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 shuffle: random.Random | None = None) -> list[list[RunRecord]]:
+    """Generate the same prompts with every system, taking turns round by round, and return each system's
+    records. Each system's time counts only its own rounds, so a slow stretch of the box lands on all of them
+    alike, within tens of milliseconds, where back-to-back runs are a second or more apart. The systems must
+    not share a drafter (each holds its own draft cache).
+
+    Turns go in the order given, or, with `shuffle`, in an order drawn from it afresh every round: a round
+    runs slower after a round that streamed other weights through the caches (a drafting system's), so in a
+    fixed order the system that always follows the heaviest one pays for it (benchmarks/lockstep_order.py)."""
     drafters = [id(s.drafter) for s in systems if s.drafter is not None]
     if len(drafters) != len(set(drafters)):
         raise ValueError("systems run in lockstep need a drafter each (one drafter keeps one cache)")
     runs = [s.start(prompts, params) for s in systems]
     active = list(runs)
     while active:
+        if shuffle is not None:
+            shuffle.shuffle(active)
         active = [run for run in active if run.step()]
     return [run.records() for run in runs]
 

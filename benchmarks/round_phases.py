@@ -1,0 +1,95 @@
+"""Where a round's time goes on the shipped pair: drafting, the target's scoring, verification and commit.
+
+Target-only and fixed gamma 1 and 2 decode the same Spec-Bench prompts taking turns round by round
+(`run_lockstep`); every engine round's own statistics (`RoundStats.draft_seconds`, `target_seconds`,
+`verify_seconds`, the last including the commit) are collected and the script prints their medians by
+drafts per round, and each round length's total over the plain round's.
+
+    python benchmarks/round_phases.py --out docs/round_phases.json
+
+Run against an older tree (`git archive COMMIT src/specsample | tar -x -C /tmp/old`, then
+`PYTHONPATH=/tmp/old/src`) for a before/after of an engine or drafter change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from specsample.bench.report import command_line, publish
+from specsample.bench.run import encode_fitting, load_model_draft_pair, load_prompts
+from specsample.bench.systems import Ours, run_lockstep
+from specsample.config import SamplingParams, SpecConfig
+from specsample.engine import Engine
+
+PHASES = ("draft", "target", "verify")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category")
+    parser.add_argument("--prompts", type=int, default=6, help="of those, how many to decode")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
+    args = parser.parse_args()
+    pair = load_model_draft_pair("smollm2-135m-instruct", None)
+    target = pair.target.model
+    _, prompts = encode_fitting(load_prompts("spec-bench", args.per_category, 0), pair.target.tokenizer,
+                                target.max_seq_len, args.tokens)
+    prompts = prompts[:args.prompts]
+    max_len = max(len(p) for p in prompts) + args.tokens + 16
+    eos = frozenset()  # every reply runs its full budget
+    systems = [Ours("target-only", target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=max_len), eos)]
+    for gamma in (1, 2):  # one drafter each: a drafter keeps one cache
+        drafter = pair.drafter if gamma == 1 else pair.load_draft(pair.draft_spec)
+        systems.append(Ours(f"gamma={gamma}", target, drafter,
+                            SpecConfig(gamma=gamma, adaptive=False, max_batch_size=1, max_seq_len=max_len), eos))
+    collected: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+    step = Engine.step
+
+    def recording_step(engine: Engine):
+        result = step(engine)
+        stats = result.stats
+        if stats.batch_size:
+            collected[stats.gamma].append((stats.draft_seconds, stats.target_seconds, stats.verify_seconds))
+        return result
+
+    Engine.step = recording_step
+    results = {}
+    try:
+        for temperature in (float(t) for t in args.temperatures.split(",")):
+            collected.clear()
+            for i, prompt in enumerate(prompts):
+                order = systems if i % 2 else systems[::-1]
+                run_lockstep(order, [prompt], SamplingParams(temperature=temperature, max_new_tokens=args.tokens, seed=i))
+            results[str(temperature)] = {
+                str(gamma): {"rounds": len(rows), **{f"{name}_ms": 1000 * statistics.median(r[j] for r in rows)
+                                                     for j, name in enumerate(PHASES)}}
+                for gamma, rows in sorted(collected.items())}
+    finally:
+        Engine.step = step
+    report = {"command": command_line("benchmarks/round_phases.py", args), "prompts": len(prompts), "results": results}
+    publish(report, render(report), args.out)
+
+
+def render(report: dict) -> str:
+    lines = [f"Command: `{report['command']}`", "",
+             f"Median ms per engine round over {report['prompts']} prompts (systems in lockstep); total: the three "
+             "medians summed, over the plain round's.", ""]
+    for temperature, by_gamma in report["results"].items():
+        plain = sum(by_gamma["0"][f"{name}_ms"] for name in PHASES)
+        lines += [f"Temperature {temperature}:", "", "| drafts | rounds | draft | target | verify + commit | total / plain |",
+                  "|---|---|---|---|---|---|"]
+        for gamma, row in by_gamma.items():
+            total = sum(row[f"{name}_ms"] for name in PHASES)
+            lines.append(f"| {gamma} | {row['rounds']} | {row['draft_ms']:.2f} | {row['target_ms']:.2f} "
+                         f"| {row['verify_ms']:.2f} | {total / plain:.3f} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+if __name__ == "__main__":
+    main()
