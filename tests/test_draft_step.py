@@ -84,3 +84,15 @@ def test_a_narrow_draft_runs_in_float32_on_a_cpu_under_auto(tmp_path) -> None:
     assert load_drafter(str(narrow), _target(), "bfloat16").model.dtype == torch.bfloat16  # asked for: kept
     wide = _draft_folder(tmp_path, SMALL_DRAFT_HIDDEN + 64)
     assert load_drafter(str(wide), _target(), "auto").model.dtype == resolve_dtype("auto", torch.device("cpu"))
+
+
+def test_a_model_built_under_inference_mode_packs_and_decodes() -> None:
+    """Weights made under torch.inference_mode keep no version counter: packing and the output subset must not
+    read one (loading a pair inside `with torch.inference_mode():` raised before)."""
+    with torch.inference_mode():
+        model = tiny_lm(32, seed=5, dtype=torch.bfloat16)
+        model.pack_for_cpu()
+        model.set_output_subset(torch.tensor(SUBSET))
+        cache = model.new_cache(1, 16)
+        logits = model.forward_cached_last(torch.tensor([[1, 2, 3]]), cache, torch.tensor([0]), torch.tensor([2]))
+    assert logits.shape == (1, len(SUBSET)) and bool(torch.isfinite(logits).all())

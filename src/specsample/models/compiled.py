@@ -17,7 +17,6 @@ a batch after some rows finished) runs the eager path, which computes the same f
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import types
 import warnings
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
-from specsample.models.llama import apply_rope
+from specsample.models.llama import apply_rope, weight_version
 
 if TYPE_CHECKING:
     from specsample.models.llama import LlamaModel
@@ -122,7 +121,7 @@ def _private_forward(module: nn.Module) -> nn.Module:
 
 def _total_version(tensors: list[Tensor]) -> int:
     """Sum of version counters: they only grow, so the sum changes exactly when some tensor was written."""
-    return sum(map(operator.attrgetter("_version"), tensors))
+    return sum(map(weight_version, tensors))
 
 
 class CompiledDecode:

@@ -160,6 +160,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def weight_version(weight: Tensor) -> int:
+    """The tensor's in-place version counter; -2 for a tensor made under `torch.inference_mode` (a model loaded
+    there), which keeps none: its copies (packed, gathered, compiled) are then never refreshed."""
+    return -2 if weight.is_inference() else weight._version
+
+
 class Linear(nn.Linear):
     """`nn.Linear` that can prepack its weight for oneDNN on CPU."""
 
@@ -169,11 +175,11 @@ class Linear(nn.Linear):
     def pack(self) -> bool:
         """Prepack for CPU inference; returns False (and stays unpacked) where oneDNN cannot."""
         self.packed = prepack(self.weight)
-        self.packed_version = self.weight._version
+        self.packed_version = weight_version(self.weight)
         return self.packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is not None and self.weight._version != self.packed_version:
+        if self.packed is not None and weight_version(self.weight) != self.packed_version:
             self.pack()  # the weights were updated in place since they were packed
         return linear(x, self.weight, self.bias, self.packed)
 
@@ -421,7 +427,7 @@ class LlamaModel(nn.Module):
     def subset_weight(self) -> Tensor:
         """The output subset's rows of the output weights `[K, hidden]`, gathered (and packed) once per update."""
         assert self.output_subset is not None
-        version = self.lm_head.weight._version
+        version = weight_version(self.lm_head.weight)
         if self._subset_weight is None or version != self._subset_version:
             self._subset_weight = self.lm_head.weight.detach()[self.output_subset].contiguous()
             self._subset_packed = prepack(self._subset_weight)
