@@ -31,9 +31,8 @@ def bonus_off_by_one(draft_tokens, draft_probs, target_probs, generators, num_dr
 BROKEN = {"residual_as_target": residual_as_target, "bonus_off_by_one": bonus_off_by_one}
 
 
-class GateDropsToken:
-    """A confidence gate that drops the low-confidence token instead of keeping it: whether a draft
-    is proposed then depends on that very draw, which biases the output. Wraps a ModelDrafter."""
+class WrappedDrafter:
+    """A ModelDrafter wrapped so a broken variant can override `propose` and pass everything else through."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -56,6 +55,11 @@ class GateDropsToken:
     def __getattr__(self, name):  # anything else the engine asks of a model drafter
         return getattr(self.inner, name)
 
+
+class GateDropsToken(WrappedDrafter):
+    """A confidence gate that drops the low-confidence token instead of keeping it: whether a draft
+    is proposed then depends on that very draw, which biases the output. Wraps a ModelDrafter."""
+
     def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=()):
         from specsample.drafters.base import Proposal
 
@@ -68,29 +72,10 @@ class GateDropsToken:
         return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)
 
 
-class SubsetProbsUnmapped:
+class SubsetProbsUnmapped(WrappedDrafter):
     """A draft with an output subset (FR-Spec) that reports its probabilities in the subset's column order
     instead of at the tokens' vocabulary ids: the tokens are right, the q the verifier reads is not.
     Wraps a ModelDrafter whose model has an output subset."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.vocab_size = inner.vocab_size
-
-    def allocate(self, num_slots, max_len):
-        self.inner.allocate(num_slots, max_len)
-
-    def add_rows(self, slots, prompts):
-        self.inner.add_rows(slots, prompts)
-
-    def release_rows(self, slots):
-        self.inner.release_rows(slots)
-
-    def commit(self, slots, committed):
-        self.inner.commit(slots, committed)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
     def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=()):
         proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds)
