@@ -195,7 +195,7 @@ TURNS = ("shuffled", "rotated")  # round by round: a fresh order every round, or
 
 AGAIN = "target-only again"  # target-only run a second time: the run's own timing noise
 SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram",
-           "hybrid", "hybrid auto")
+           "ngram auto", "hybrid", "hybrid auto")
 
 
 def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[int], max_len: int,
@@ -221,6 +221,7 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
         "gamma=auto": lambda: system("gamma=auto", model(), 8, adaptive=True),
         "gamma=auto fresh": lambda: system("gamma=auto fresh", model(), 8, adaptive=True, keep_controller=False),
         "ngram": lambda: system("ngram", NgramDrafter(), 5),
+        "ngram auto": lambda: system("ngram auto", NgramDrafter(), 8, adaptive=True),
         "hybrid": lambda: system("hybrid", HybridDrafter(model()), 5),
         "hybrid auto": lambda: system("hybrid auto", HybridDrafter(model()), 8, adaptive=True),
     }

@@ -168,9 +168,10 @@ def test_the_engine_tells_the_controller_each_rows_budget_left(tiny_target, tiny
     plan = controller.plan
 
     def spy(request_ids: list[str], batch_size: int, remaining: list[int] | None = None,
-            scorable: list[int] | None = None) -> list[int]:
+            scorable: list[int] | None = None, lookup: list[int] | None = None,
+            otherwise: list[bool] | None = None) -> list[int]:
         seen.append(dict(zip(request_ids, remaining or [])))
-        return plan(request_ids, batch_size, remaining, scorable)
+        return plan(request_ids, batch_size, remaining, scorable, lookup, otherwise)
 
     monkeypatch.setattr(controller, "plan", spy)
     config = SpecConfig(gamma=4, adaptive=True, max_batch_size=4)

@@ -75,7 +75,34 @@ def test_after_scoring_the_draft_drafts_as_a_fresh_one(tiny_draft) -> None:
 def test_only_model_drafts_score() -> None:
     assert isinstance(ModelDrafter.__new__(ModelDrafter), BacklogScorer)
     assert not isinstance(NgramDrafter(), BacklogScorer)  # deterministic drafts: probes instead
-    assert not isinstance(HybridDrafter.__new__(HybridDrafter), BacklogScorer)
+    assert isinstance(HybridDrafter.__new__(HybridDrafter), BacklogScorer)  # its model scores (lookups are apart)
+
+
+def test_a_routed_drafter_scores_through_its_model_drafts(tiny_draft) -> None:
+    """The server's drafter (routed, so a draft can be swapped) scores backlogs as the draft it routes to."""
+    from specsample.drafters.routed import RoutedDrafter
+
+    routed, model = RoutedDrafter(ModelDrafter(tiny_draft)), ModelDrafter(tiny_draft)
+    for d in (routed, model):
+        d.allocate(2, 128)
+        d.add_rows([0], [HISTORY[:10]])
+        d.commit([0], [HISTORY[10:25]])
+    params = [SamplingParams(temperature=0.7)]
+    assert routed.score_backlog([0], [6], params) == model.score_backlog([0], [6], params)
+    routed.replace(NgramDrafter())  # rows added now go to a drafter that cannot score: they score nothing
+    routed.add_rows([1], [HISTORY[:10]])
+    routed.commit([1], [HISTORY[10:20]])
+    assert routed.score_backlog([1], [4], params) == [[]]
+
+
+def test_hybrid_scores_as_its_model(tiny_draft) -> None:
+    hybrid, model = HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2), ModelDrafter(tiny_draft)
+    for d in (hybrid, model):
+        d.allocate(1, 128)
+        d.add_rows([0], [HISTORY[:10]])
+        d.commit([0], [HISTORY[10:25]])
+    params = [SamplingParams(temperature=0.7)]
+    assert hybrid.score_backlog([0], [6], params) == model.score_backlog([0], [6], params)
 
 
 class _Unhelpful(GammaController):
@@ -84,11 +111,15 @@ class _Unhelpful(GammaController):
     def round_cost(self, batch_size: int, drafts: int) -> float:
         return 1.0 if drafts == 0 else 1.9 + 0.1 * drafts
 
+    def scoring_cost(self, batch_size: int) -> float:
+        return 0.2  # pinned: timed on a loaded box, one stalled scoring spaced the next ones past the reply
+        # (2 of 3 expected scorings lost with a benchmark running beside the test)
+
     def observe_scores(self, request_id: str, acceptance: list[float]) -> None:
         self.seen = getattr(self, "seen", []) + list(acceptance)
         super().observe_scores(request_id, acceptance)
 
-    def plan(self, request_ids, batch_size, remaining=None, scorable=None):
+    def plan(self, request_ids, batch_size, remaining=None, scorable=None, lookup=None, otherwise=None):
         drafts = super().plan(request_ids, batch_size, remaining, scorable)
         self.in_fallback_at = getattr(self, "in_fallback_at", []) + [self.in_fallback(request_ids[0])]
         return drafts

@@ -102,11 +102,18 @@ class FixedGate(GammaController):
         return super()._prior_centre(state)
 
 
+class DearDraft(FixedGate):
+    """FixedGate with model rounds priced so that a request's lookups and its model drafts each win some rounds."""
+
+    def round_cost(self, batch_size: int, drafts: int) -> float:
+        return 1.0 + 0.3 * drafts
+
+
 class ScoresThenDrafts(FixedGate):
     """A plain round, then rounds whose rows first have their draft score the token it missed, then draft:
     a draft caught up by scoring must go on to propose from exactly the committed text."""
 
-    def plan(self, request_ids, batch_size, remaining=None, scorable=None):
+    def plan(self, request_ids, batch_size, remaining=None, scorable=None, lookup=None, otherwise=None):
         self._round += 1
         self._planned_rows = tuple(request_ids)
         self._scores = {rid: n for rid, n in zip(request_ids, scorable or []) if n > 0}
@@ -128,6 +135,9 @@ def _adaptive_cases(draft):
         "ngram": (NgramDrafter(min_n=1, max_n=2), False, None),
         "hybrid": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), False, None),
         "auto_gamma_with_gate": (ModelDrafter(draft), True, FixedGate(ControllerConfig(max_gamma=4))),
+        # lookups sized by the controller from their own acceptance, the model drafting (gated) where none matches
+        "hybrid_auto": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), True,
+                        DearDraft(ControllerConfig(max_gamma=4))),
         # the draft sees 3 of the prompt's 7 fed tokens (a re-windowed row is a fresh draft on another
         # view: tests/test_draft_window.py; 3 new tokens are too few to reach a limit)
         "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True,
@@ -137,8 +147,8 @@ def _adaptive_cases(draft):
     }
 
 
-@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "draft_window", "backlog_scoring",
-                                  "output_subset"])
+@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "hybrid_auto", "draft_window",
+                                  "backlog_scoring", "output_subset"])
 def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
     drafter, adaptive, controller = _adaptive_cases(draft)[case]
@@ -149,6 +159,8 @@ def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     elif controller is not None:
         assert any(t > 0 for t in controller._gate_trials)  # the gate had drafts to act on
         assert controller.confidence_priors > 0  # ...and plans used priors centred by past drafts' confidences
+    if case == "hybrid_auto":
+        assert controller.lookup_rounds >= SAMPLES // 4  # lookups ran, beside the model's gated drafts above
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic < threshold, f"{case}: chi2 {statistic:.1f} >= threshold {threshold:.1f}"
 

@@ -41,3 +41,18 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
         assert spec.stats["accepted"] > 0
         for prompt, a, b in zip(prompts, plain.completions, spec.completions):
             _agree_or_near_tie(model, prompt, a.token_ids, b.token_ids)
+
+
+def test_default_draft_is_hybrid_with_the_shipped_draft(smollm2) -> None:
+    """The alias drafts by prompt lookup and the shipped draft (gamma auto sizes each); benchmarks of a draft
+    model get the hybrid's model, under the model's own spec."""
+    from specsample.bench.run import load_model_draft_pair
+    from specsample.drafters.hybrid import HybridDrafter
+    from specsample.models.hub import SMOLLM2_DRAFT, builtin_draft
+    from specsample.pair import load_drafter, resolve_draft_spec
+
+    assert resolve_draft_spec(smollm2, None) == "hybrid"
+    drafter = load_drafter("hybrid", smollm2, device=DEVICE)
+    assert isinstance(drafter, HybridDrafter) and drafter.model.folder == builtin_draft(SMOLLM2_DRAFT)
+    pair = load_model_draft_pair("smollm2-135m-instruct", None)
+    assert isinstance(pair.drafter, ModelDrafter) and pair.draft_spec == SMOLLM2_DRAFT

@@ -271,10 +271,10 @@ def test_compare_replays_in_the_order_given_or_shuffled():
             self.ids: list[str] = []  # requests in the order first planned
             seen.append(self.ids)
 
-        def plan(self, request_ids, batch_size, remaining=None, scorable=None):
+        def plan(self, request_ids, batch_size, remaining=None, scorable=None, lookup=None, otherwise=None):
             if request_ids[0] not in self.ids:
                 self.ids.append(request_ids[0])
-            return super().plan(request_ids, batch_size, remaining, scorable)
+            return super().plan(request_ids, batch_size, remaining, scorable, lookup, otherwise)
 
     traces = [_constant_trace(0.9 if i < 4 else 0.05, 16, "easy" if i < 4 else "hard") for i in range(8)]
     for order, expect_sorted in (("given", True), ("shuffled", False)):
@@ -360,7 +360,7 @@ class _Scripted:
     def __init__(self, plans: list[int], thresholds: list[float] = ()) -> None:
         self.plans, self.thresholds, self.observed, self.remaining = list(plans), list(thresholds), [], []
 
-    def plan(self, request_ids, batch_size, remaining=None, scorable=None):
+    def plan(self, request_ids, batch_size, remaining=None, scorable=None, lookup=None, otherwise=None):
         self.remaining.append(remaining)
         return [self.plans.pop(0) if self.plans else 0]
 

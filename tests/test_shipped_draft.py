@@ -36,8 +36,9 @@ def test_shipped_folder_fits_the_budget() -> None:
     assert sum(p.stat().st_size for p in files) <= MAX_BYTES
 
 
-def test_alias_defaults_to_the_shipped_draft() -> None:
-    assert ALIASES["smollm2-135m-instruct"].default_draft == SMOLLM2_DRAFT
+def test_alias_defaults_to_hybrid_with_the_shipped_draft() -> None:
+    alias = ALIASES["smollm2-135m-instruct"]
+    assert alias.default_draft == "hybrid" and alias.draft_model == SMOLLM2_DRAFT
     assert builtin_draft(SMOLLM2_DRAFT) == FOLDER
 
 

@@ -33,8 +33,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None,
                         help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt lookup), "
                              "'hybrid[:MODEL]' (n-gram where the context repeats, the model elsewhere) or 'none'. "
-                             "Default: the target alias's draft (smollm2-135m-instruct: the distilled draft shipped "
-                             "in the package; gemma3-270m: ngram)")
+                             "Default: the target alias's (smollm2-135m-instruct: hybrid, with the distilled draft "
+                             "shipped in the package; gemma3-270m: ngram)")
     parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
                         help="what a draft model attends to: auto (the window saved with the draft, for the shipped "
                              "one its first 32 and latest 256 tokens: it was trained on 512) or off (the whole "
@@ -431,7 +431,13 @@ def summary_line(stats: dict) -> str:
             f"TTFT {1000 * stats['ttft_seconds']:.0f} ms | TPOT {1000 * stats['tpot_seconds']:.1f} ms | "
             f"acceptance {stats['acceptance_rate']:.2f} | {stats['accepted_per_round']:.2f} accepted/round | "
             f"{stats['tokens_per_round']:.2f} tokens/round | "
-            f"gamma {stats['gamma']} | draft {stats['draft']}]")
+            f"gamma {stats['gamma']} | draft {stats['draft']}{_controller_rounds(stats)}]")
+
+
+def _controller_rounds(stats: dict) -> str:
+    """What gamma auto did beyond choosing gamma: rounds of prompt lookup, rounds without drafting."""
+    lookups, plain = stats.get("lookup_row_rounds", 0), stats.get("fallback_row_rounds", 0)
+    return f" | {lookups} lookup rounds, {plain} without drafting" if lookups or plain else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

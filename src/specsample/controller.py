@@ -48,6 +48,8 @@ class ControllerConfig:
     pool_decay: float = 0.99  # forgetting of the acceptance pooled over requests (a new request's prior)
     confidence_prior: bool = True  # centre a request's prior on the acceptance its drafts' confidences predict...
     confidence_weight: float = 2.0  # ...behind this many pseudo-trials at the pooled alpha
+    lookup_cost: float = 0.04  # what one more prompt-lookup token adds to a round (plain rounds) until timed: the
+    # target scoring one more position (on this CPU 1.018 / 1.059 / 1.225 plain rounds for 1 / 2 / 5 tokens)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gamma <= self.max_gamma:
@@ -79,6 +81,8 @@ class ControllerConfig:
             raise ValueError(f"prior_weight must be > 0 (pseudo-trials), got {self.prior_weight}")
         if self.confidence_weight <= 0:
             raise ValueError(f"confidence_weight must be > 0 (pseudo-trials), got {self.confidence_weight}")
+        if self.lookup_cost < 0:
+            raise ValueError(f"lookup_cost must be >= 0 (plain rounds per token), got {self.lookup_cost}")
 
 
 @dataclass
@@ -93,6 +97,8 @@ class _RequestState:
     planned: int | None = None  # drafts planned last round (None: none planned yet)
     predicted: float = 0.0  # acceptance its drafts' confidences predict, summed over its trials (decayed)...
     predicted_trials: float = 0.0  # ...over this many of them (those with a confidence in a calibrated bin)
+    lookup_successes: float = 0.0  # its prompt-lookup drafts accepted (decayed), apart from the draft model's...
+    lookup_failures: float = 0.0  # ...and its lookup rounds ended by a rejection
 
 
 def _closest(sizes: list[int], batch_size: int) -> int | None:
@@ -201,6 +207,11 @@ class GammaController:
         self._overhead: dict[int, _Ewma] = {}  # batch size -> seconds a drafting round costs beyond plain + drafts
         self._scoring: dict[int, _Ewma] = {}  # batch size -> what a backlog scoring adds to a plain round (plain rounds)
         self._costs: dict[int, _RoundCosts] = {}  # batch size -> round times by draft count
+        self._lookup_costs: dict[int, _RoundCosts] = {}  # batch size -> times of prompt-lookup rounds (and plain ones)
+        self._lookups: dict[str, int] = {}  # request id -> prompt-lookup tokens it proposes this round
+        self._model_drafting = False  # this round some row drafts with the draft model
+        self.lookup_rounds = 0  # row-rounds that proposed a prompt lookup, for stats and tests
+        self._lookup_pooled = [0.0, 0.0]  # lookup successes, failures over all requests (decayed)
         self._memo = _Memo()  # costs move only with timings: between two, a plan prices each length once
         self._round = 0  # rounds planned so far
         self._exploring = False  # this round tries neighbouring gammas: no gate, so it drafts them in full
@@ -309,15 +320,22 @@ class GammaController:
     # ----- decisions ------------------------------------------------------------------------
 
     def plan(self, request_ids: list[str], batch_size: int, remaining: list[int] | None = None,
-             scorable: list[int] | None = None) -> list[int]:
+             scorable: list[int] | None = None, lookup: list[int] | None = None,
+             otherwise: list[bool] | None = None) -> list[int]:
         """Drafts each request may propose this round (0 = decode without drafting); `remaining`: tokens
         left in each request's budget; `scorable`: tokens each could have its draft score teacher-forced
         (committed by plain rounds since it last drafted; None or 0: it cannot). Requests whose scoring is
-        due are in `scores_planned()`."""
+        due are in `scores_planned()`.
+
+        `lookup`: tokens of prompt lookup each request's drafter offers now (0: none), `otherwise`: whether it
+        could draft with a model instead (default: yes). A request with an offer proposes `lookup_length` of
+        those tokens where that is predicted faster than what the model's plan for it predicts (a plain round
+        in fallback) or where it has no model; such requests are in `lookups_planned()`."""
         self._round += 1
         self._memo = _Memo()
         self._planned_rows = tuple(request_ids)
         self._scores = {}
+        self._lookups = {}
         left = dict(zip(request_ids, remaining, strict=True)) if remaining is not None else {}
         backlog = dict(zip(request_ids, scorable, strict=True)) if scorable is not None else {}
         # where the draft can score the tokens it misses, fallback is cheaper to leave (a draft forward now and
@@ -369,7 +387,55 @@ class GammaController:
             else:
                 out.append(self._neighbour(state.gamma, batch_size) if exploring else state.gamma)
                 self._exploring |= exploring
+        if lookup is not None:
+            can_model = otherwise if otherwise is not None else [True] * len(request_ids)
+            for i, (rid, available, model) in enumerate(zip(request_ids, lookup, can_model, strict=True)):
+                if available <= 0:
+                    continue
+                tokens, speedup = self.lookup_length(rid, available, batch_size)
+                # the model's plan at its own estimate: a plain round (1) in fallback or calibration
+                planned = self.speedup(self.alpha(rid), out[i], batch_size) if out[i] > 0 else 1.0
+                if not model or (tokens > 0 and speedup >= planned):
+                    out[i] = tokens
+                    if tokens > 0:
+                        self._lookups[rid] = tokens
+            self.lookup_rounds += len(self._lookups)
         return self._planned(request_ids, out)
+
+    def lookup_alpha(self, request_id: str) -> float:
+        """Acceptance estimate of a request's prompt-lookup drafts: its own decayed counts behind
+        `prior_weight` pseudo-trials at the lookup acceptance pooled over requests (`prior_alpha` before
+        there is any). Kept apart from the draft model's: a copied span is accepted wholesale or not at all,
+        and mixing the two made the model look good on requests where only lookups were (translation)."""
+        state, weight = self._state(request_id), self.config.prior_weight
+        pooled = self._lookup_pooled
+        centre = min(max(pooled[0] / sum(pooled), 0.01), 0.99) if sum(pooled) >= 10 else self.config.prior_alpha
+        return (state.lookup_successes + weight * centre) / (state.lookup_successes + state.lookup_failures + weight)
+
+    def lookup_cost(self, batch_size: int, tokens: int) -> float:
+        """A round proposing `tokens` prompt-lookup tokens, in plain rounds: measured once `cost_min_rounds`
+        such rounds were timed at the nearest batch size, else 1 + tokens `lookup_cost` (no draft model runs:
+        the target only scores more positions)."""
+        nearest = _closest(list(self._lookup_costs), batch_size)
+        measured = (self._lookup_costs[nearest].ratio(tokens, self.config.cost_min_rounds)
+                    if nearest is not None else None)
+        return measured if measured is not None else 1.0 + tokens * self.config.lookup_cost
+
+    def lookup_length(self, request_id: str, available: int, batch_size: int) -> tuple[int, float]:
+        """Lookup tokens to propose out of `available`, and the predicted speedup: the count maximising
+        E(alpha, n) over the round's cost at the request's lookup acceptance (0 and 1.0 when none is predicted
+        to beat a plain round). Never in fallback as such: at ~0.02-0.04 plain rounds per token a lookup pays
+        from an acceptance of a few percent."""
+        alpha, best, best_speedup = self.lookup_alpha(request_id), 0, 1.0
+        for tokens in range(1, min(available, self.config.max_gamma) + 1):
+            speedup = expected_tokens_per_round(alpha, tokens) / self.lookup_cost(batch_size, tokens)
+            if speedup > best_speedup:
+                best, best_speedup = tokens, speedup
+        return best, best_speedup
+
+    def lookups_planned(self) -> dict[str, int]:
+        """Requests proposing a prompt lookup this round (see `plan`), and how many tokens."""
+        return dict(self._lookups)
 
     def _neighbour(self, gamma: int, batch_size: int) -> int:
         """The gamma next to `gamma` timed least recently (one more on ties): an exploring round measures
@@ -384,10 +450,14 @@ class GammaController:
         tokens it missed (one more forward, or at batch 1 a wider first forward), a cost of the plain
         rounds, not of drafting. Timed into c and k, it doubled the draft step of every fallback probe
         and kept requests in fallback."""
-        self._catching_up = False
+        self._catching_up = self._model_drafting = False
         for rid, n in zip(request_ids, drafts):
             state = self._state(rid)
+            if rid in self._lookups:  # the draft model sits this round out: its next round catches up
+                state.planned = 0
+                continue
             self._catching_up |= n > 0 and state.planned == 0
+            self._model_drafting |= n > 0
             state.planned = n
         return drafts
 
@@ -510,9 +580,16 @@ class GammaController:
         if num_drafted <= 0:
             return
         state = self._state(request_id)
+        rejected = int(num_accepted < num_drafted)
+        if request_id in self._lookups:  # a prompt lookup: its own estimate, not the draft model's
+            factor = self.config.decay ** (num_accepted + rejected)
+            state.lookup_successes = factor * state.lookup_successes + num_accepted
+            state.lookup_failures = factor * state.lookup_failures + rejected
+            pool = self.config.pool_decay ** (num_accepted + rejected)
+            self._lookup_pooled = [pool * self._lookup_pooled[0] + num_accepted, pool * self._lookup_pooled[1] + rejected]
+            return
         if state.fallback:  # a probe: the backoff grows while probes find nothing
             state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
-        rejected = int(num_accepted < num_drafted)
         # forget per trial, not per round: a long round must not outweigh many short ones
         factor = self.config.decay ** (num_accepted + rejected)
         state.successes = factor * state.successes + num_accepted
@@ -558,9 +635,15 @@ class GammaController:
         catching_up, self._catching_up = self._catching_up, False  # it describes this round only
         rows, self._planned_rows = self._planned_rows, ()
         scoring, self._scores = bool(self._scores), {}
+        lookups, model_drafting = bool(self._lookups), self._model_drafting
+        self._model_drafting = False
         new_batch = bool(rows) and self._rows.get(batch_size) != rows
         if rows:
             self._rows[batch_size] = rows
+        if lookups and gamma > 0:  # a lookup round prices lookups only; one where a model drafted too, nothing
+            if not (scoring or model_drafting or catching_up):
+                self._lookup_costs.setdefault(batch_size, _RoundCosts()).add(gamma, total, new_batch)
+            return
         if scoring:  # the round also ran a draft forward over a backlog: neither a plain round's time nor a drafting one's
             plain = self._plain_round.get(batch_size)
             if gamma == 0 and plain is not None:  # but what it adds to a plain round prices the next scorings
@@ -569,6 +652,7 @@ class GammaController:
         if gamma == 0:
             self._plain_round.setdefault(batch_size, _Ewma()).add(total, spike=SPIKE)
             self._costs.setdefault(batch_size, _RoundCosts()).add(0, total, new_batch)
+            self._lookup_costs.setdefault(batch_size, _RoundCosts()).add(0, total, new_batch)
             self._last_plain[batch_size] = self._round
             return
         if catching_up:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
-from specsample.drafters.base import BacklogScorer, Drafter
+from specsample.drafters.base import BacklogScorer, Drafter, PromptLookup
 from specsample.models.base import CausalLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.sampling import warp_rows
@@ -58,6 +58,7 @@ class RoundStats:
     verify_seconds: float
     fallback_rows: int = 0  # rows the gamma controller kept from drafting this round
     scored_rows: int = 0  # rows whose draft scored the tokens it missed (the controller's probes in fallback)
+    lookup_rows: int = 0  # rows the gamma controller had propose a prompt lookup instead of drafting with a model
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ class Engine:
         widest = max(config.gamma + 1, max(config.target_widths, default=0))
         self.cache = target.new_cache(config.max_batch_size, self.max_len + widest + 1)
         self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.gamma + 2)
-        self._scorer: tuple[Drafter | None, bool] = (None, False)  # (drafter, whether it scores backlogs), see _can_score
+        self._abilities: tuple[Drafter | None, bool, bool] = (None, False, False)  # see _can_score, _can_look_up
+        self._use_lookup: list[bool | None] | None = None  # this round, per row: its lookup chosen (see _plan)
         if controller is None and config.adaptive:
             controller = GammaController(ControllerConfig(max_gamma=config.gamma))
         self.controller = controller
@@ -210,7 +212,7 @@ class Engine:
         if not rows:
             stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0)
             return RoundResult(tuple(cancelled_updates), stats, time.perf_counter())
-        gamma, max_drafts, fallback_rows = self._plan(rows)
+        gamma, max_drafts, fallback_rows, lookup_rows = self._plan(rows)
         slots = [r.slot for r in rows]
         scored_rows = self._score_backlogs(rows)
         draft_tokens, draft_probs, num_drafted, confidence = self._draft(rows, slots, gamma, max_drafts)
@@ -236,7 +238,7 @@ class Engine:
                                            verify_done - target_done)
         stats = _round_stats(len(rows), gamma, num_drafted, num_accepted, updates,
                              prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                             verify_done - target_done, fallback_rows, scored_rows)
+                             verify_done - target_done, fallback_rows, scored_rows, lookup_rows)
         return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
 
     def _scoring_width(self, batch_size: int, tokens: int) -> int:
@@ -244,27 +246,49 @@ class Engine:
         widths = self.config.target_widths
         return widths[tokens - 1] if batch_size == 1 and tokens <= len(widths) else tokens
 
-    def _plan(self, rows: list[_Row]) -> tuple[int, list[int], int]:
-        """Drafts per row: fixed or chosen by the controller, never more than a row can use."""
+    def _plan(self, rows: list[_Row]) -> tuple[int, list[int], int, int]:
+        """Drafts per row: fixed or chosen by the controller, never more than a row can use; the largest, and
+        how many rows the controller kept from drafting and how many it had propose a prompt lookup."""
         adaptive = [r for r in rows if r.speculative and r.gamma is None and self.controller is not None]
         scorable = [len(r.plain_probs) for r in adaptive] if self._can_score() else None
+        lookup = otherwise = None
+        if adaptive and self._can_look_up():  # what prompt lookup offers each row now (it depends on the past only)
+            slots = [r.slot for r in adaptive]
+            lookup = self.drafter.lookup_lengths(slots, [max(0, min(self.config.gamma, r.remaining - 1))
+                                                         for r in adaptive])
+            otherwise = self.drafter.drafts_otherwise(slots)
         chosen = dict(zip((r.request_id for r in adaptive),
-                          self.controller.plan([r.request_id for r in adaptive], len(rows),
-                                               [r.remaining for r in adaptive], scorable) if adaptive else []))
+                          self.controller.plan([r.request_id for r in adaptive], len(rows), [r.remaining for r in adaptive],
+                                               scorable, lookup, otherwise) if adaptive else []))
         max_drafts = []
         for row in rows:
             wanted = 0 if not row.speculative else chosen.get(row.request_id, row.gamma or self.config.gamma)
             # the draft's cache holds gamma + 2 positions of slack: never draft past config.gamma
             max_drafts.append(max(0, min(wanted, self.config.gamma, row.remaining - 1)))
         fallback = sum(1 for r in adaptive if chosen[r.request_id] == 0)
-        return max(max_drafts), max_drafts, fallback
+        planned = self.controller.lookups_planned() if lookup is not None else {}
+        # the controller chose per adaptive row between its lookup and the model; other rows keep the drafter's rule
+        adaptive_ids = {r.request_id for r in adaptive}
+        self._use_lookup = ([(r.request_id in planned) if r.request_id in adaptive_ids else None for r in rows]
+                            if lookup is not None else None)
+        return max(max_drafts), max_drafts, fallback, len(planned)
 
     def _can_score(self) -> bool:
-        """Whether the drafter scores backlogs: a runtime protocol check inspects every member, a visible part of
-        a plain round's own work, so it runs once per drafter (the engine's drafter may be replaced)."""
-        if self._scorer[0] is not self.drafter:
-            self._scorer = (self.drafter, isinstance(self.drafter, BacklogScorer))
-        return self._scorer[1]
+        """Whether the drafter scores backlogs (see `_abilities_of`)."""
+        return self._abilities_of()[1]
+
+    def _can_look_up(self) -> bool:
+        """Whether the drafter says what prompt lookup would propose (see `_abilities_of`)."""
+        return self._abilities_of()[2]
+
+    def _abilities_of(self) -> tuple[Drafter | None, bool, bool]:
+        """The drafter, whether it scores backlogs, whether it looks up prompts: a runtime protocol check inspects
+        every member, a visible part of a plain round's own work, so it runs once per drafter (the engine's
+        drafter may be replaced)."""
+        if self._abilities[0] is not self.drafter:
+            self._abilities = (self.drafter, isinstance(self.drafter, BacklogScorer),
+                               isinstance(self.drafter, PromptLookup))
+        return self._abilities
 
     def _score_backlogs(self, rows: list[_Row]) -> int:
         """Rows in fallback whose scoring the controller planned: the draft scores the tokens plain rounds
@@ -313,9 +337,12 @@ class Engine:
             empty = torch.zeros(len(rows), 0, dtype=torch.long)
             return empty, None, torch.zeros(len(rows), dtype=torch.long), None
         thresholds = self.controller.gate_thresholds(len(rows)) if self.controller is not None else []
-        proposal = self.drafter.propose(
-            slots, gamma, max_drafts, [r.params for r in rows], [r.generator for r in rows], thresholds
-        )
+        params, generators = [r.params for r in rows], [r.generator for r in rows]
+        if self._use_lookup is not None:
+            proposal = self.drafter.propose_chosen(slots, gamma, max_drafts, params, generators, thresholds,
+                                                   self._use_lookup)
+        else:
+            proposal = self.drafter.propose(slots, gamma, max_drafts, params, generators, thresholds)
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(max_drafts))
         used = int(num_drafted.max())
         probs = proposal.probs[:, :used] if proposal.probs is not None else None
@@ -447,7 +474,7 @@ def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Draf
 
 def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tensor, updates: list[RowUpdate],
                  prefill_s: float, draft_s: float, target_s: float, verify_s: float,
-                 fallback_rows: int, scored_rows: int = 0) -> RoundStats:
+                 fallback_rows: int, scored_rows: int = 0, lookup_rows: int = 0) -> RoundStats:
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]
     drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
     accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
@@ -457,5 +484,5 @@ def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tens
         emitted=sum(len(u.new_tokens) for u in updates),
         drafted_per_position=tuple(drafted_at.tolist()), accepted_per_position=tuple(accepted_at.tolist()),
         prefill_seconds=prefill_s, draft_seconds=draft_s, target_seconds=target_s, verify_seconds=verify_s,
-        fallback_rows=fallback_rows, scored_rows=scored_rows,
+        fallback_rows=fallback_rows, scored_rows=scored_rows, lookup_rows=lookup_rows,
     )

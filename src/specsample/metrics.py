@@ -52,6 +52,7 @@ class StatsCollector:
     gammas: list[int] = field(default_factory=list)
     fallback_row_rounds: int = 0
     backlog_scorings: int = 0
+    lookup_row_rounds: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -75,6 +76,7 @@ class StatsCollector:
         self.gammas.append(s.gamma)
         self.fallback_row_rounds += s.fallback_rows
         self.backlog_scorings += s.scored_rows
+        self.lookup_row_rounds += s.lookup_rows
         _add_into(self.drafted_per_position, s.drafted_per_position)
         _add_into(self.accepted_per_position, s.accepted_per_position)
         self.prefill_seconds += s.prefill_seconds
@@ -134,6 +136,7 @@ class StatsCollector:
             "gamma_history": _run_lengths(self.gammas),
             "fallback_row_rounds": self.fallback_row_rounds,
             "backlog_scorings": self.backlog_scorings,
+            "lookup_row_rounds": self.lookup_row_rounds,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

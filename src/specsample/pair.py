@@ -67,8 +67,8 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         return None
     if spec == "ngram":
         return NgramDrafter()
-    if spec == "hybrid" or spec.startswith("hybrid:"):
-        model_spec = spec.partition(":")[2] or _model_draft_default(target)
+    if is_hybrid(spec):
+        model_spec = hybrid_model_spec(spec, target)
         model = load_drafter(model_spec, target, dtype, device, compile_decode, window)
         if model is None:  # the model failed to load (already logged): keep prompt lookup at least
             log.warning("hybrid drafting continues with n-gram lookup only")
@@ -102,6 +102,16 @@ def _small_on_cpu(model: object) -> bool:
     """A draft on our runtime on a CPU, narrow enough to step faster in float32 (SMALL_DRAFT_HIDDEN)."""
     return (isinstance(model, LlamaModel) and model.device.type == "cpu" and model.dtype != torch.float32
             and model.config.hidden_size <= SMALL_DRAFT_HIDDEN)
+
+
+def is_hybrid(spec: str) -> bool:
+    """Whether a draft spec asks for hybrid drafting ('hybrid' or 'hybrid:MODEL')."""
+    return spec == "hybrid" or spec.startswith("hybrid:")
+
+
+def hybrid_model_spec(spec: str, target: LoadedModel) -> str:
+    """The draft model of a hybrid spec: the one named after 'hybrid:', else the target alias's."""
+    return spec.partition(":")[2] or _model_draft_default(target)
 
 
 def _model_draft_default(target: LoadedModel) -> str:

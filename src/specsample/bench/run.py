@@ -27,10 +27,11 @@ from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_hard_prompts, sharegpt_prompts, spec_bench_prompts
+from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import WINDOW_MODES, ModelDrafter
 from specsample.models.base import CausalLM
 from specsample.models.row_padding import PAD_MODES, with_target_widths
-from specsample.pair import Pair, load_pair
+from specsample.pair import Pair, hybrid_model_spec, load_pair
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
 
@@ -101,8 +102,12 @@ def measured_widths(target: CausalLM, gamma: int, mode: str) -> tuple[int, ...]:
 
 
 def load_model_draft_pair(target: str, draft: str | None, window: str = "auto") -> Pair:
-    """The target and its drafter, for a benchmark that measures a draft model (n-gram is refused)."""
+    """The target and its draft model, for a benchmark that measures one (n-gram is refused; hybrid, the
+    default, gives its model)."""
     pair = load_pair(target, draft, draft_window=window)
+    if isinstance(pair.drafter, HybridDrafter):
+        pair = dataclasses.replace(pair, drafter=pair.drafter.model,
+                                   draft_spec=hybrid_model_spec(pair.draft_spec, pair.target))
     if not isinstance(pair.drafter, ModelDrafter):
         raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
     return pair
@@ -200,8 +205,10 @@ class Bench:
         if "hf" in self.config.compare:
             peers.append(HFGenerate("transformers generate", hf_target, self.eos))
         if "hf-assisted" in self.config.compare:
-            draft_folder = getattr(self.pair.drafter, "folder", None)
-            if isinstance(self.pair.drafter, ModelDrafter) and draft_folder is not None:
+            # the default hybrid drafts with a model too: transformers' assistant is that model
+            model = self.pair.drafter.model if isinstance(self.pair.drafter, HybridDrafter) else self.pair.drafter
+            draft_folder = getattr(model, "folder", None)
+            if isinstance(model, ModelDrafter) and draft_folder is not None:
                 peers.append(HFGenerate("transformers assisted", hf_target, self.eos,
                                         assistant=load_hf_peer(draft_folder, dtype, self.config.device)))
             else:

@@ -77,6 +77,30 @@ class BacklogScorer(Protocol):
         ...
 
 
+@runtime_checkable
+class PromptLookup(Protocol):
+    """A drafter that proposes prompt-lookup continuations (an n-gram drafter, the hybrid): the gamma controller
+    sizes those rounds by the lookups' own acceptance and cost, apart from a draft model's, and runs them
+    even where it keeps the model from drafting."""
+
+    def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
+        """Per row, how many tokens (up to `max_tokens[i]`) a prompt lookup offers now; 0 where it offers none
+        (no match it would use)."""
+        ...
+
+    def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
+        """Per row, whether it can draft without its lookup (with a draft model) when it declines one."""
+        ...
+
+    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
+                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+        """`propose`, with the choice made per row: True proposes the lookup's first `max_drafts[i]` tokens
+        (at most what `lookup_lengths` offered), False drafts without it (nothing where `drafts_otherwise` is
+        False), None leaves the choice to the drafter's own rule."""
+        ...
+
+
 def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int) -> Proposal:
     """Combine proposals made for disjoint rows of one batch.
 

@@ -9,7 +9,7 @@ import torch
 from specsample.config import SamplingParams
 from specsample.drafters.base import Proposal, merge_proposals
 from specsample.drafters.model import ModelDrafter
-from specsample.drafters.ngram import NgramDrafter, find_continuation
+from specsample.drafters.ngram import NgramDrafter
 
 
 class HybridDrafter:
@@ -34,12 +34,32 @@ class HybridDrafter:
         self.model.release_rows(slots)
         self.ngram.release_rows(slots)
 
+    def _lookup(self, slot: int, max_tokens: int) -> list[int]:
+        """The row's n-gram continuation (up to `max_tokens`) if its match is long enough to use, else []."""
+        found, n = self.ngram.continuation(slot, max_tokens)
+        return found if n >= self.min_match else []
+
+    def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
+        """Tokens an n-gram lookup offers per row, up to `max_tokens[i]` (0: none long enough)."""
+        return [len(self._lookup(s, m)) if m > 0 else 0 for s, m in zip(slots, max_tokens)]
+
+    def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
+        """Every row can draft with the model instead of its lookup."""
+        return [True] * len(slots)
+
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = ()) -> Proposal:
-        lookups = [find_continuation(self.ngram.history[s], min(gamma, m), self.ngram.min_n, self.ngram.max_n)
-                   for s, m in zip(slots, max_drafts)]
-        ngram_rows = [i for i, (found, n) in enumerate(lookups) if n >= self.min_match and found]
-        model_rows = [i for i in range(len(slots)) if i not in set(ngram_rows)]
+        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots))
+
+    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
+                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+        """Rows the caller sends to their lookup (True) propose it, rows it sends to the model (False) draft
+        with the model; the rest (None) use a long enough n-gram match where there is one."""
+        lookups = [self._lookup(s, min(gamma, m)) if use is not False else []
+                   for s, m, use in zip(slots, max_drafts, use_lookup)]
+        ngram_rows = [i for i, found in enumerate(lookups) if found]
+        model_rows = [i for i in range(len(slots)) if not lookups[i] and use_lookup[i] is not True]
         parts = []
         if model_rows:
             parts.append((model_rows, self.model.propose(
@@ -48,10 +68,16 @@ class HybridDrafter:
         if ngram_rows:
             tokens = torch.zeros(len(ngram_rows), gamma, dtype=torch.long)
             for j, i in enumerate(ngram_rows):
-                tokens[j, : len(lookups[i][0])] = torch.tensor(lookups[i][0], dtype=torch.long)
-            counts = torch.tensor([len(lookups[i][0]) for i in ngram_rows], dtype=torch.long)
+                tokens[j, : len(lookups[i])] = torch.tensor(lookups[i], dtype=torch.long)
+            counts = torch.tensor([len(lookups[i]) for i in ngram_rows], dtype=torch.long)
             parts.append((ngram_rows, Proposal(tokens=tokens, probs=None, num_drafted=counts)))
         return merge_proposals(parts, len(slots), gamma)
+
+    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
+                      params: Sequence[SamplingParams]) -> list[list[float]]:
+        """The draft model scores the tokens it missed (`ModelDrafter.score_backlog`): under gamma auto a
+        lookup round is not one of the model's, so its estimate in fallback comes from these as for a model."""
+        return self.model.score_backlog(slots, counts, params)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         self.model.commit(slots, committed)

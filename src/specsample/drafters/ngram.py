@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specsample.config import SamplingParams
 from specsample.drafters.base import Proposal
@@ -25,14 +24,26 @@ def find_continuation(history: Sequence[int] | np.ndarray, max_tokens: int, min_
     """
     tokens = np.asarray(history, dtype=np.int64)
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = tokens[-n:]
-        windows = sliding_window_view(tokens[:-1], n)  # every earlier n-gram with a next token
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + max_tokens].tolist(), n
-    return [], 0
+    longest = min(max_n, length - 1)
+    if longest < min_n:
+        return [], 0
+    # earlier positions holding the last token, then how far back each agrees with the suffix: one pass over
+    # the history and a few over the candidates (a sliding window per n cost ~80 us per lookup on 600 tokens)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [candidates]
+    if not ends.size:
+        return [], 0
+    matched = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, longest):
+        alive &= ends >= back
+        alive[alive] = tokens[ends[alive] - back] == tokens[length - 1 - back]
+        matched += alive
+    ok = np.flatnonzero(matched >= min_n)
+    if not ok.size:
+        return [], 0
+    n = int(matched[ok].max())
+    start = int(ends[ok[matched[ok] == n][-1]]) + 1
+    return tokens[start:start + max_tokens].tolist(), n
 
 
 class NgramDrafter:
@@ -45,28 +56,58 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.history: dict[int, list[int]] = {}
+        # slot -> (history length, tokens asked, continuation, n) of its last lookup: the engine asks what a lookup
+        # offers, then has it proposed, on the same history (~30 us each on 600 tokens)
+        self._last: dict[int, tuple[int, int, list[int], int]] = {}
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.history.clear()
+        self._last.clear()
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         for slot, prompt in zip(slots, prompts):
             self.history[slot] = list(prompt)
+            self._last.pop(slot, None)
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self.history.pop(slot, None)
+            self._last.pop(slot, None)
+
+    def continuation(self, slot: int, max_tokens: int) -> tuple[list[int], int]:
+        """`find_continuation` over the row's history (reusing the last lookup while the history is unchanged)."""
+        length = len(self.history[slot])
+        last = self._last.get(slot)
+        if last is not None and last[0] == length and last[1] >= max_tokens:
+            return last[2][:max_tokens], last[3]
+        found, n = find_continuation(self.history[slot], max_tokens, self.min_n, self.max_n)
+        self._last[slot] = (length, max_tokens, found, n)
+        return found, n
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                 params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
                 stop_thresholds: Sequence[float] = ()) -> Proposal:
+        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots))
+
+    def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
+        """No row can draft without its lookup: there is no model."""
+        return [False] * len(slots)
+
+    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
+                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+        """`propose` where rows sent away from their lookup (False) propose nothing."""
         tokens = torch.zeros(len(slots), gamma, dtype=torch.long)
         counts = []
-        for row, (slot, limit) in enumerate(zip(slots, max_drafts)):
-            found, _ = find_continuation(self.history[slot], min(gamma, limit), self.min_n, self.max_n)
+        for row, (slot, limit, use) in enumerate(zip(slots, max_drafts, use_lookup)):
+            found, _ = self.continuation(slot, min(gamma, limit)) if use is not False else ([], 0)
             tokens[row, : len(found)] = torch.tensor(found, dtype=torch.long)
             counts.append(len(found))
         return Proposal(tokens=tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long))
+
+    def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
+        """Tokens the lookup would propose per row, up to `max_tokens[i]` (0: no match)."""
+        return [len(self.continuation(s, m)[0]) if m > 0 else 0 for s, m in zip(slots, max_tokens)]
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         for slot, new in zip(slots, committed):

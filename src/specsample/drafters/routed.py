@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Drafter, Proposal, merge_proposals
+from specsample.drafters.base import BacklogScorer, Drafter, PromptLookup, Proposal, merge_proposals
 
 
 class RoutedDrafter:
@@ -67,6 +67,50 @@ class RoutedDrafter:
                                         [params[i] for i in rows], [generators[i] for i in rows], stop_thresholds))
                  for drafter, rows in groups]
         return merge_proposals(parts, len(slots), gamma)
+
+    def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
+        """Each row's drafter's prompt lookup (0 for rows whose drafter has none)."""
+        out = [0] * len(slots)
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            if isinstance(drafter, PromptLookup):
+                lengths = drafter.lookup_lengths([slots[i] for i in rows], [max_tokens[i] for i in rows])
+                for i, n in zip(rows, lengths):
+                    out[i] = n
+        return out
+
+    def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
+        """Rows whose drafter has no lookup draft as always; others as their drafter says."""
+        out = [True] * len(slots)
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            if isinstance(drafter, PromptLookup):
+                for i, can in zip(rows, drafter.drafts_otherwise([slots[i] for i in rows])):
+                    out[i] = can
+        return out
+
+    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
+                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+        """`propose` with each row's lookup choice passed to its drafter (one without lookups never has one)."""
+        parts = []
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            args = ([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows], [params[i] for i in rows],
+                    [generators[i] for i in rows], stop_thresholds)
+            chosen = (drafter.propose_chosen(*args, [use_lookup[i] for i in rows])
+                      if isinstance(drafter, PromptLookup) else drafter.propose(*args))
+            parts.append((rows, chosen))
+        return parts[0][1] if len(parts) == 1 else merge_proposals(parts, len(slots), gamma)
+
+    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
+                      params: Sequence[SamplingParams]) -> list[list[float]]:
+        """Each row's drafter scores its backlog where it can (a model draft); other rows score nothing."""
+        out: list[list[float]] = [[] for _ in slots]
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            if isinstance(drafter, BacklogScorer):
+                scored = drafter.score_backlog([slots[i] for i in rows], [counts[i] for i in rows],
+                                               [params[i] for i in rows])
+                for i, row_scores in zip(rows, scored):
+                    out[i] = row_scores
+        return out
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         for drafter, rows in self._groups(list(range(len(slots))), slots):
