@@ -191,3 +191,15 @@ def test_the_summary_line_says_what_gamma_auto_did() -> None:
     assert "lookup rounds" not in summary_line(stats)
     line = summary_line({**stats, "lookup_row_rounds": 4, "fallback_row_rounds": 2})
     assert "4 lookup rounds, 2 without drafting" in line
+
+
+def test_the_goal_report_shows_the_default_system_per_category() -> None:
+    from specsample.bench.goals import DEFAULT, goal_tables
+
+    table = {"target-only": {"qa": 50.0, "overall": 50.0}, "gamma=1": {"qa": 60.0, "overall": 60.0},
+             "gamma=auto": {"qa": 55.0, "overall": 55.0}, DEFAULT: {"qa": 57.0, "overall": 48.0}}
+    lines = goal_tables(table)
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"`{DEFAULT}`"))
+    assert lines[start + 4] == "| qa | 0.950 | 1.140 | no | yes |"
+    assert lines[start + 5] == "| overall | 0.800 | 0.960 | no | no |"
+    assert not any(line.startswith(f"`{DEFAULT}`") for line in goal_tables({k: table[k] for k in list(table)[:3]}))
