@@ -123,6 +123,18 @@ def test_engine_runs_lookups_and_model_drafts_and_reports_them(tiny_target, tiny
     assert controller._lookup_pooled != [0.0, 0.0]  # lookups observed as lookups
 
 
+def test_without_a_model_a_row_with_no_offer_decodes_plain(tiny_target) -> None:
+    controller = GammaController(ControllerConfig(max_gamma=4))
+    assert controller.plan(["r"], 1, lookup=[0], otherwise=[False]) == [0]
+    assert controller.plan(["r"], 1, lookup=[0], otherwise=[True])[0] > 0  # a hybrid row drafts with its model
+    engine = Engine(tiny_target, NgramDrafter(min_n=2), SpecConfig(gamma=4, adaptive=True), controller=controller)
+    engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_new_tokens=20))
+    stats = [r.stats for r in engine.stream()]
+    # a round without a lookup was planned plain (the drafting path skipped), one with a lookup proposed it
+    assert all(s.fallback_rows == int(s.lookup_rows == 0) for s in stats)
+    assert any(s.lookup_rows == 0 for s in stats)
+
+
 def test_engine_without_lookup_drafter_offers_none(tiny_target, tiny_draft) -> None:
     controller = GammaController(ControllerConfig(max_gamma=4))
     engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True), controller=controller)

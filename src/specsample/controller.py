@@ -391,6 +391,8 @@ class GammaController:
             can_model = otherwise if otherwise is not None else [True] * len(request_ids)
             for i, (rid, available, model) in enumerate(zip(request_ids, lookup, can_model, strict=True)):
                 if available <= 0:
+                    if not model:  # no lookup and no model to draft with: a plain round, not an empty drafting one
+                        out[i] = 0
                     continue
                 tokens, speedup = self.lookup_length(rid, available, batch_size)
                 # the model's plan at its own estimate: a plain round (1) in fallback or calibration
