@@ -78,15 +78,20 @@ def test_only_model_drafts_score() -> None:
     assert isinstance(HybridDrafter.__new__(HybridDrafter), BacklogScorer)  # its model scores (lookups are apart)
 
 
+def _fed_alike(*drafters):
+    """The drafters, each given slot 0 with the same prompt and then the same committed tokens (a backlog)."""
+    for d in drafters:
+        d.allocate(2, 128)
+        d.add_rows([0], [HISTORY[:10]])
+        d.commit([0], [HISTORY[10:25]])
+    return drafters
+
+
 def test_a_routed_drafter_scores_through_its_model_drafts(tiny_draft) -> None:
     """The server's drafter (routed, so a draft can be swapped) scores backlogs as the draft it routes to."""
     from specsample.drafters.routed import RoutedDrafter
 
-    routed, model = RoutedDrafter(ModelDrafter(tiny_draft)), ModelDrafter(tiny_draft)
-    for d in (routed, model):
-        d.allocate(2, 128)
-        d.add_rows([0], [HISTORY[:10]])
-        d.commit([0], [HISTORY[10:25]])
+    routed, model = _fed_alike(RoutedDrafter(ModelDrafter(tiny_draft)), ModelDrafter(tiny_draft))
     params = [SamplingParams(temperature=0.7)]
     assert routed.score_backlog([0], [6], params) == model.score_backlog([0], [6], params)
     routed.replace(NgramDrafter())  # rows added now go to a drafter that cannot score: they score nothing
@@ -96,11 +101,8 @@ def test_a_routed_drafter_scores_through_its_model_drafts(tiny_draft) -> None:
 
 
 def test_hybrid_scores_as_its_model(tiny_draft) -> None:
-    hybrid, model = HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2), ModelDrafter(tiny_draft)
-    for d in (hybrid, model):
-        d.allocate(1, 128)
-        d.add_rows([0], [HISTORY[:10]])
-        d.commit([0], [HISTORY[10:25]])
+    hybrid, model = _fed_alike(HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2),
+                               ModelDrafter(tiny_draft))
     params = [SamplingParams(temperature=0.7)]
     assert hybrid.score_backlog([0], [6], params) == model.score_backlog([0], [6], params)
 

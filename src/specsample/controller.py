@@ -410,8 +410,7 @@ class GammaController:
         there is any). Kept apart from the draft model's: a copied span is accepted wholesale or not at all,
         and mixing the two made the model look good on requests where only lookups were (translation)."""
         state, weight = self._state(request_id), self.config.prior_weight
-        pooled = self._lookup_pooled
-        centre = min(max(pooled[0] / sum(pooled), 0.01), 0.99) if sum(pooled) >= 10 else self.config.prior_alpha
+        centre = self._pooled_alpha(self._lookup_pooled)
         return (state.lookup_successes + weight * centre) / (state.lookup_successes + state.lookup_failures + weight)
 
     def lookup_cost(self, batch_size: int, tokens: int) -> float:
@@ -583,20 +582,18 @@ class GammaController:
             return
         state = self._state(request_id)
         rejected = int(num_accepted < num_drafted)
+        # forget per trial, not per round: a long round must not outweigh many short ones
+        factor = self.config.decay ** (num_accepted + rejected)
+        pool = self.config.pool_decay ** (num_accepted + rejected)
         if request_id in self._lookups:  # a prompt lookup: its own estimate, not the draft model's
-            factor = self.config.decay ** (num_accepted + rejected)
             state.lookup_successes = factor * state.lookup_successes + num_accepted
             state.lookup_failures = factor * state.lookup_failures + rejected
-            pool = self.config.pool_decay ** (num_accepted + rejected)
             self._lookup_pooled = [pool * self._lookup_pooled[0] + num_accepted, pool * self._lookup_pooled[1] + rejected]
             return
         if state.fallback:  # a probe: the backoff grows while probes find nothing
             state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
-        # forget per trial, not per round: a long round must not outweigh many short ones
-        factor = self.config.decay ** (num_accepted + rejected)
         state.successes = factor * state.successes + num_accepted
         state.failures = factor * state.failures + rejected
-        pool = self.config.pool_decay ** (num_accepted + rejected)
         self._pooled = [pool * self._pooled[0] + num_accepted, pool * self._pooled[1] + rejected]
         state.predicted *= factor
         state.predicted_trials *= factor
@@ -691,10 +688,12 @@ class GammaController:
         # only ever down: a draft confidently wrong must not keep a request drafting longer than its rejections would
         return min((state.predicted + weight * pooled) / (state.predicted_trials + weight), pooled)
 
-    def _pooled_alpha(self) -> float:
-        """Acceptance over earlier requests (decayed), or the prior before there is enough of it."""
-        if sum(self._pooled) >= 10:
-            return min(max(self._pooled[0] / sum(self._pooled), 0.01), 0.99)
+    def _pooled_alpha(self, pooled: list[float] | None = None) -> float:
+        """Acceptance over earlier requests (decayed) from the draft model's pooled counts, or from `pooled`
+        (the lookups'), or the prior before there is enough of it."""
+        successes, failures = self._pooled if pooled is None else pooled
+        if successes + failures >= 10:
+            return min(max(successes / (successes + failures), 0.01), 0.99)
         return self.config.prior_alpha
 
     def _state(self, request_id: str) -> _RequestState:

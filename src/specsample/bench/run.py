@@ -27,6 +27,7 @@ from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_hard_prompts, sharegpt_prompts, spec_bench_prompts
+from specsample.drafters.base import Drafter
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import WINDOW_MODES, ModelDrafter
 from specsample.models.base import CausalLM
@@ -106,11 +107,16 @@ def load_model_draft_pair(target: str, draft: str | None, window: str = "auto") 
     default, gives its model)."""
     pair = load_pair(target, draft, draft_window=window)
     if isinstance(pair.drafter, HybridDrafter):
-        pair = dataclasses.replace(pair, drafter=pair.drafter.model,
+        pair = dataclasses.replace(pair, drafter=_draft_model(pair.drafter),
                                    draft_spec=hybrid_model_spec(pair.draft_spec, pair.target))
     if not isinstance(pair.drafter, ModelDrafter):
         raise SystemExit(f"this benchmark needs a draft model; got {pair.draft_spec}")
     return pair
+
+
+def _draft_model(drafter: Drafter | None) -> Drafter | None:
+    """The draft model a drafter drafts with: a hybrid's model, else the drafter itself."""
+    return drafter.model if isinstance(drafter, HybridDrafter) else drafter
 
 
 def encode_fitting(prompts: list[Prompt], tokenizer, max_seq_len: int, max_new_tokens: int,
@@ -205,8 +211,7 @@ class Bench:
         if "hf" in self.config.compare:
             peers.append(HFGenerate("transformers generate", hf_target, self.eos))
         if "hf-assisted" in self.config.compare:
-            # the default hybrid drafts with a model too: transformers' assistant is that model
-            model = self.pair.drafter.model if isinstance(self.pair.drafter, HybridDrafter) else self.pair.drafter
+            model = _draft_model(self.pair.drafter)  # the default hybrid's model is transformers' assistant
             draft_folder = getattr(model, "folder", None)
             if isinstance(model, ModelDrafter) and draft_folder is not None:
                 peers.append(HFGenerate("transformers assisted", hf_target, self.eos,

@@ -7,7 +7,8 @@ after it use the new one. An old drafter is dropped (and its memory freed) once 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -70,22 +71,16 @@ class RoutedDrafter:
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
         """Each row's drafter's prompt lookup (0 for rows whose drafter has none)."""
-        out = [0] * len(slots)
-        for drafter, rows in self._groups(list(range(len(slots))), slots):
-            if isinstance(drafter, PromptLookup):
-                lengths = drafter.lookup_lengths([slots[i] for i in rows], [max_tokens[i] for i in rows])
-                for i, n in zip(rows, lengths):
-                    out[i] = n
-        return out
+        found = self._per_row(slots, PromptLookup,
+                              lambda drafter, rows: drafter.lookup_lengths([slots[i] for i in rows],
+                                                                           [max_tokens[i] for i in rows]))
+        return [found.get(i, 0) for i in range(len(slots))]
 
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """Rows whose drafter has no lookup draft as always; others as their drafter says."""
-        out = [True] * len(slots)
-        for drafter, rows in self._groups(list(range(len(slots))), slots):
-            if isinstance(drafter, PromptLookup):
-                for i, can in zip(rows, drafter.drafts_otherwise([slots[i] for i in rows])):
-                    out[i] = can
-        return out
+        found = self._per_row(slots, PromptLookup,
+                              lambda drafter, rows: drafter.drafts_otherwise([slots[i] for i in rows]))
+        return [found.get(i, True) for i in range(len(slots))]
 
     def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                        params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
@@ -103,18 +98,24 @@ class RoutedDrafter:
     def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
                       params: Sequence[SamplingParams]) -> list[list[float]]:
         """Each row's drafter scores its backlog where it can (a model draft); other rows score nothing."""
-        out: list[list[float]] = [[] for _ in slots]
-        for drafter, rows in self._groups(list(range(len(slots))), slots):
-            if isinstance(drafter, BacklogScorer):
-                scored = drafter.score_backlog([slots[i] for i in rows], [counts[i] for i in rows],
-                                               [params[i] for i in rows])
-                for i, row_scores in zip(rows, scored):
-                    out[i] = row_scores
-        return out
+        found = self._per_row(slots, BacklogScorer,
+                              lambda drafter, rows: drafter.score_backlog([slots[i] for i in rows],
+                                                                          [counts[i] for i in rows],
+                                                                          [params[i] for i in rows]))
+        return [found.get(i, []) for i in range(len(slots))]
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         for drafter, rows in self._groups(list(range(len(slots))), slots):
             drafter.commit([slots[i] for i in rows], [committed[i] for i in rows])
+
+    def _per_row(self, slots: Sequence[int], kind: type,
+                 call: Callable[[Any, list[int]], list[Any]]) -> dict[int, Any]:
+        """`call(drafter, rows)` for each group of rows whose drafter is a `kind`, its answers by row index."""
+        found: dict[int, Any] = {}
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            if isinstance(drafter, kind):
+                found.update(zip(rows, call(drafter, rows)))
+        return found
 
     def _groups(self, rows: list[int], slots: Sequence[int]) -> list[tuple[Drafter, list[int]]]:
         out: dict[int, tuple[Drafter, list[int]]] = {}
