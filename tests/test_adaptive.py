@@ -102,8 +102,10 @@ def test_probes_thin_out_when_they_cost_more() -> None:
     assert controller.probe_interval(0.3, 1, 1.25) == 4  # no predicted loss: the floor
     assert controller.probe_interval(0.3, 1, 1.35) == 6  # 0.05 of a round lost per probe
     assert controller.probe_interval(0.0, 1, 51.0) == 256  # the ceiling: recovery is still noticed
-    dear = GammaController(ControllerConfig(prior_cost_ratio=0.7))
-    cheap = GammaController(ControllerConfig(prior_cost_ratio=0.2))
+    # the pool kept (not aged per round): aged below 10 trials in this one 600-round request, it resets the
+    # request's prior to 0.5 and adds probes of its own (13 instead of 10 for the dear one)
+    dear = GammaController(ControllerConfig(prior_cost_ratio=0.7, pool_round_decay=1.0))
+    cheap = GammaController(ControllerConfig(prior_cost_ratio=0.2, pool_round_decay=1.0))
     probes = [sum(g > 0 for g in _simulate(ctl, 0.05, 600, rng=random.Random(2))[100:]) for ctl in (dear, cheap)]
     assert probes[0] <= 12 < 25 <= probes[1]  # ~500/60 rounds against ~500/16
     with pytest.raises(ValueError, match="probe_every"):

@@ -4,6 +4,7 @@ gamma controller learns a request's acceptance from them instead of drafting pro
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -259,3 +260,50 @@ def test_a_scoring_draft_falls_back_on_less_evidence() -> None:
         ControllerConfig(score_min_tokens=0)
     with pytest.raises(ValueError, match="scored_fallback_margin"):
         ControllerConfig(scored_fallback_margin=-1)
+
+
+def _drafting_share_after_a_bad_first_reply(config: ControllerConfig, replies: int = 6, seed: int = 0) -> float:
+    """Share of rounds drafted by `replies` 64-round requests accepted at 0.35 (drafts sampled, backlogs scored at
+    that rate), after a first request whose 11 drafting rounds were all rejected before it fell back: the
+    benchmark's first reply in session 25. Drafting gains there (round of one draft 1.26 plain rounds, from the
+    prior c: 1.35 tokens for 1.26 rounds)."""
+    controller, rng = GammaController(config), random.Random(seed)
+    while not controller.in_fallback("bad"):
+        controller.observe("bad", controller.plan(["bad"], 1, [1000], [0])[0], 0)
+    for _ in range(50):  # the rest of the bad reply, plain
+        controller.plan(["bad"], 1, [1000], [0])
+    controller.release("bad")
+    drafted = total = 0
+    for reply in range(replies):
+        rid, backlog = f"r{reply}", 0
+        for left in range(64, 0, -1):
+            backlog += 1
+            gamma = controller.plan([rid], 1, [left], [backlog])[0]
+            wanted = controller.scores_planned().get(rid, 0)
+            if wanted:
+                controller.observe_scores(rid, [0.35] * min(wanted, backlog))
+                backlog = 0
+            if gamma:
+                accepted = 0
+                while accepted < gamma and rng.random() < 0.35:
+                    accepted += 1
+                controller.observe(rid, gamma, accepted)
+                backlog, drafted = 0, drafted + 1
+            total += 1
+        controller.release(rid)
+    return drafted / total
+
+
+def test_a_pool_set_low_by_one_bad_reply_is_forgotten() -> None:
+    """The pooled acceptance learns only from drafting and sets each new request's prior: after a first reply
+    whose drafts were all rejected it sat at 0.01, every later request started in fallback, and its own
+    scorings (about 25 remembered trials at 0.35 behind 8 pseudo-trials at 0.01) never predicted enough to
+    resume, so nothing drafted again and the pool never moved. Aged per round, the pool gives way to the
+    prior within the bad reply's remaining rounds and the requests after it draft."""
+    config = ControllerConfig(prior_cost_ratio=0.26, gate=False, confidence_prior=False)
+    shares = [_drafting_share_after_a_bad_first_reply(config, seed=s) for s in range(3)]
+    frozen = [_drafting_share_after_a_bad_first_reply(dataclasses.replace(config, pool_round_decay=1.0), seed=s)
+              for s in range(3)]
+    assert max(frozen) < 0.05 < 0.3 < min(shares)  # 0.50-0.85 aged (some fall back at 0.35), 0.0 frozen
+    with pytest.raises(ValueError, match="pool_round_decay"):
+        ControllerConfig(pool_round_decay=0.0)

@@ -207,7 +207,9 @@ def test_compare_breaks_gamma_autos_extra_time_down():
         extra = table["target-only"][cat] / table["gamma=auto"][cat] - 1  # the same tokens: time over time
         assert sum(parts[cat].values()) == pytest.approx(extra)
         assert parts[cat]["prefill"] == 0.0
-    assert parts["hard"]["scoring"] > 2 * parts["easy"]["scoring"] and parts["hard"]["scoring"] > 0.005
+    # 0.005 (0.009 with the pool not aged per round: aged, the 300-token hard text's prior drifts back up and it
+    # drafts a little more, scores a little less; 0.958 of target-only against 0.959)
+    assert parts["hard"]["scoring"] > 2 * parts["easy"]["scoring"] and parts["hard"]["scoring"] > 0.003
     assert parts["easy"]["drafting"] < -0.3  # drafting there saves rounds
 
 

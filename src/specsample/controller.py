@@ -45,7 +45,9 @@ class ControllerConfig:
     explore_every: int = 16  # rounds between tries of a neighbouring gamma, so round costs are measured
     cost_min_rounds: int = 2  # rounds of a length timed before their cost replaces the affine 1 + k + gamma c
     gate_min_rounds: int = 8  # ...and before the gate prices one more draft by it (a difference of two noisy means)
-    pool_decay: float = 0.99  # forgetting of the acceptance pooled over requests (a new request's prior)
+    pool_decay: float = 0.99  # forgetting of the acceptance pooled over requests (a new request's prior)...
+    pool_round_decay: float = 0.995  # ...and per round planned, drafted or not: a pool fed by drafting alone froze
+    # when every request fell back (after one bad first reply, every later one started in fallback; session 25)
     confidence_prior: bool = True  # centre a request's prior on the acceptance its drafts' confidences predict...
     confidence_weight: float = 2.0  # ...behind this many pseudo-trials at the pooled alpha
     lookup_cost: float = 0.04  # what one more prompt-lookup token adds to a round (plain rounds) until timed: the
@@ -58,6 +60,8 @@ class ControllerConfig:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
         if not 0 < self.pool_decay < 1:
             raise ValueError(f"pool_decay must be in (0, 1), got {self.pool_decay}")
+        if not 0 < self.pool_round_decay <= 1:
+            raise ValueError(f"pool_round_decay must be in (0, 1] (1: no forgetting per round), got {self.pool_round_decay}")
         if self.calibrate_every < 1:
             raise ValueError(f"calibrate_every must be >= 1, got {self.calibrate_every}")
         if min(self.explore_every, self.cost_min_rounds, self.gate_min_rounds) < 1:
@@ -121,6 +125,7 @@ class _Ewma:
         self.value = x if self.value is None else (1 - weight) * self.value + weight * x
 
 
+POOL_MIN_TRIALS = 10.0  # pooled trials from which the pool, not prior_alpha, sets a new request's prior
 BINS = 10  # confidence bins for the gate's calibration
 BIN_MIN_TRIALS = 10  # drafts a bin needs before its acceptance is read
 RELATIVE_DECAY = 0.995  # forgetting of relative round costs per round timed (a memory of about 200 rounds)
@@ -333,6 +338,7 @@ class GammaController:
         in fallback) or where it has no model; such requests are in `lookups_planned()`."""
         self._round += 1
         self._memo = _Memo()
+        self._forget_pools()
         self._planned_rows = tuple(request_ids)
         self._scores = {}
         self._lookups = {}
@@ -688,11 +694,23 @@ class GammaController:
         # only ever down: a draft confidently wrong must not keep a request drafting longer than its rejections would
         return min((state.predicted + weight * pooled) / (state.predicted_trials + weight), pooled)
 
+    def _forget_pools(self) -> None:
+        """Age both pooled acceptances by one round. The pools learn only from drafting: when every request
+        is in fallback (each request's scorings stay its own, see `observe_scores`) a pool set low by a few
+        bad rounds set every new request's prior low for good, and requests the draft helps never drafted
+        (session 25: the benchmark's first reply had its 11 drafting rounds rejected, and the draft model's
+        gamma auto decoded the 19 writing replies after it in fallback from their first round). Aged under
+        POOL_MIN_TRIALS trials, the pool gives way to `prior_alpha` until a request drafts and refreshes it."""
+        decay = self.config.pool_round_decay
+        if decay < 1:
+            self._pooled = [decay * x for x in self._pooled]
+            self._lookup_pooled = [decay * x for x in self._lookup_pooled]
+
     def _pooled_alpha(self, pooled: list[float] | None = None) -> float:
         """Acceptance over earlier requests (decayed) from the draft model's pooled counts, or from `pooled`
-        (the lookups'), or the prior before there is enough of it."""
+        (the lookups'), or the prior before there is enough of it (or, aged per round, no longer is)."""
         successes, failures = self._pooled if pooled is None else pooled
-        if successes + failures >= 10:
+        if successes + failures >= POOL_MIN_TRIALS:
             return min(max(successes / (successes + failures), 0.01), 0.99)
         return self.config.prior_alpha
 
