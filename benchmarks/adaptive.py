@@ -17,6 +17,7 @@ import json
 import math
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specsample.bench.goals import goal_tables
+from specsample.bench.goals import goal_intervals, goal_tables, interval_table
 from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
@@ -125,6 +126,7 @@ def main() -> None:
                           "torch": torch.__version__}, "draft": pair.draft_spec,
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
               "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
+              "prompts": len(prompts), "samples": args.samples,
               "controller": {k: v for k, v in dataclasses.asdict(controller).items()
                              if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}
@@ -353,6 +355,26 @@ def measured_split(report: dict, temperature: str) -> dict[str, dict[str, float]
             for cat, (t, extra, pre, plain, scored) in sums.items()}
 
 
+def _prompt_count(report: dict, temperature: str) -> int:
+    """How many prompts a temperature's replies came from (runs before session 26 did not store it: their
+    --samples is read from the command, and at temperature > 0 each prompt has that many replies)."""
+    if "prompts" in report:
+        return report["prompts"]
+    found = re.search(r"--samples (\d+)", report["command"])
+    samples = int(found.group(1)) if found and float(temperature) > 0 else 1
+    return len(report["rounds"][temperature]["target-only"]) // samples
+
+
+def _interval_lines(report: dict, temperature: str) -> list[str]:
+    """Bootstrap intervals of the measured goal ratios, where the run recorded its replies."""
+    rounds = report.get("rounds", {}).get(temperature, {})
+    if "target-only" not in rounds:
+        return []
+    replies = {name: [(key, category, tokens, timing.seconds) for key, category, tokens, timing in map(_load_run, rows)]
+               for name, rows in rounds.items()}
+    return interval_table(goal_intervals(replies, _prompt_count(report, temperature)))
+
+
 def _split_lines(report: dict, temperature: str) -> list[str]:
     split = measured_split(report, temperature)
     if not split:
@@ -384,7 +406,7 @@ def write_report(report: dict, out: Path) -> None:
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():
         lines += ([f"### Temperature {temperature}, measured", "", *_noise_note(report, temperature)] + goal_tables(table)
-                  + _split_lines(report, temperature))
+                  + _interval_lines(report, temperature) + _split_lines(report, temperature))
         if temperature in report.get("modelled", {}):
             fit = report["model_fit"][temperature]
             lines += [f"### Temperature {temperature}, modelled time", "",

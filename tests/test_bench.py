@@ -466,6 +466,43 @@ def test_the_measured_split_pairs_replies_and_adds_up() -> None:
     assert adaptive.measured_split({"rounds": {"0.0": {"target-only": []}}}, "0.0") == {}
 
 
+def test_goal_intervals_pair_systems_on_resampled_prompts() -> None:
+    """The bootstrap of the goal ratios: exact where every reply agrees, the best fixed gamma picked afresh in
+    each resample, a prompt's replies resampled together, and a clear miss called a miss."""
+    from specsample.bench.goals import goal_intervals, interval_table
+
+    def replies(speeds: dict[str, list[float]], category: str = "c") -> dict[str, list]:
+        return {name: [(key, category, 10, 10 / speed) for key, speed in enumerate(by_key)]
+                for name, by_key in speeds.items()}
+
+    flat = replies({"target-only": [50.0] * 4, "gamma=1": [60.0] * 4, "gamma=2": [55.0] * 4,
+                    "gamma=auto": [72.0] * 4})
+    assert goal_intervals(flat, prompts=4, resamples=200)["gamma=auto"]["c"] == pytest.approx([1.2, 1.2, 1.44, 1.44])
+    # gamma 1 is fast on prompts 0-1, gamma 2 on 2-3, auto on all: 1.5 times either over the whole category, but
+    # 1.0 in a resample holding one kind of prompt, whose best fixed gamma is then as fast as auto
+    split = replies({"target-only": [50.0] * 4, "gamma=1": [100.0, 100.0, 50.0, 50.0],
+                     "gamma=2": [50.0, 50.0, 100.0, 100.0], "gamma=auto": [100.0] * 4})
+    low, high, *_ = goal_intervals(split, prompts=4, resamples=400)["gamma=auto"]["c"]
+    assert (low, high) == (pytest.approx(1.0), pytest.approx(1.5))  # the max is taken in each resample
+    # four replies of one prompt (key % prompts) resample as one: no spread; as four prompts they spread
+    noisy = replies({"target-only": [50.0] * 4, "gamma=1": [50.0] * 4, "gamma=auto": [40.0, 60.0, 45.0, 55.0]})
+    one_prompt = goal_intervals(noisy, prompts=1, resamples=400)["gamma=auto"]["c"]
+    assert one_prompt[0] == one_prompt[1]
+    four = goal_intervals(noisy, prompts=4, resamples=400)["gamma=auto"]["c"]
+    assert four[1] - four[0] > 0.1
+    slow = replies({"target-only": [50.0] * 6, "gamma=1": [50.0] * 6,
+                    "gamma=auto": [45.0, 46.0, 44.0, 45.5, 46.0, 44.5]})
+    table = interval_table(goal_intervals(slow, prompts=6, resamples=400))
+    assert table[4].startswith("| c |") and table[4].count("| missed |") == 2
+    assert "| within noise |" in interval_table(goal_intervals(noisy, prompts=4, resamples=400))[4]
+    with pytest.raises(ValueError, match="gamma=auto did not decode the same replies"):
+        goal_intervals({**flat, "gamma=auto": flat["gamma=auto"][:3]}, prompts=4)
+    with pytest.raises(ValueError, match="missing"):
+        goal_intervals({"target-only": flat["target-only"], "gamma=auto": flat["gamma=auto"]}, prompts=4)
+    with pytest.raises(ValueError, match="level"):
+        goal_intervals(flat, prompts=4, level=1.0)
+
+
 def test_draft_step_and_round_phases_reports() -> None:
     """benchmarks/draft_step.py and round_phases.py render what they measured: a round's total over the plain
     round's is the sum of its phases over the plain round's sum."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import re
+from collections import defaultdict
 
 GOAL = 0.97  # within 3%
 DEFAULT = "hybrid auto"  # the system `specsample generate` runs with no options (since session 24)
@@ -71,3 +73,79 @@ def goal_tables(table: dict[str, dict[str, float]]) -> list[str]:
         within, not_slower = passes(table, name, per_cat)
         lines.append(f"| {name} | {within} | {not_slower} | {table[name]['overall'] / base['overall']:.3f} |")
     return lines + [""]
+
+
+Reply = tuple[int, str, int, float]  # (reply key, category, tokens, seconds); key % prompts names the prompt
+
+
+def goal_intervals(replies: dict[str, list[Reply]], prompts: int, names: tuple[str, ...] = (DEFAULT, "gamma=auto"),
+                   level: float = 0.9, resamples: int = 2000, seed: int = 0) -> dict[str, dict[str, list[float]]]:
+    """Paired bootstrap intervals of the goal ratios, per category: resample a category's prompts (with all
+    their sampled replies, every system's on the same prompts) and recompute, in each resample, each of
+    `names` over the best fixed gamma *of that resample* (so picking the best of several noisy fixed gammas
+    is part of the interval) and over target-only. Returns {name: {category: [lo / best, hi / best,
+    lo / target-only, hi / target-only]}}; "overall" resamples every category at once (stratified)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if prompts < 1:
+        raise ValueError(f"prompts must be >= 1, got {prompts}")
+    _check({name: {} for name in replies})
+    fixed = fixed_gammas({name: {} for name in replies})
+    names = tuple(n for n in names if n in replies)
+    systems = ["target-only", *fixed, *names]
+    by_key = {name: {key: (category, tokens, seconds) for key, category, tokens, seconds in replies[name]}
+              for name in systems}
+    keys = sorted(by_key["target-only"])
+    for name in systems:
+        if sorted(by_key[name]) != keys:
+            raise ValueError(f"{name} did not decode the same replies as target-only: the bootstrap pairs them")
+    clusters: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # category -> prompt -> keys
+    for key in keys:
+        clusters[by_key["target-only"][key][0]][key % prompts].append(key)
+    cats = sorted(clusters)
+    rng = random.Random(seed)
+    draws: dict[str, dict[str, list[tuple[float, float]]]] = {n: defaultdict(list) for n in names}
+    for _ in range(resamples):
+        sums = {name: defaultdict(lambda: [0, 0.0]) for name in systems}  # category -> [tokens, seconds]
+        for cat in cats:
+            groups = list(clusters[cat].values())
+            for group in (rng.choice(groups) for _ in groups):
+                for key in group:
+                    for name in systems:
+                        _, tokens, seconds = by_key[name][key]
+                        for where in (cat, "overall"):
+                            sums[name][where][0] += tokens
+                            sums[name][where][1] += seconds
+        for cat in [*cats, "overall"]:
+            speed = {name: sums[name][cat][0] / sums[name][cat][1] for name in systems}
+            best = max(speed[g] for g in fixed)
+            for name in names:
+                draws[name][cat].append((speed[name] / best, speed[name] / speed["target-only"]))
+    tail = (1 - level) / 2
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in names:
+        out[name] = {}
+        for cat, pairs in draws[name].items():
+            to_best, to_base = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
+            low, high = int(tail * resamples), min(resamples - 1, int((1 - tail) * resamples))
+            out[name][cat] = [to_best[low], to_best[high], to_base[low], to_base[high]]
+    return out
+
+
+def interval_table(intervals: dict[str, dict[str, list[float]]], level: float = 0.9) -> list[str]:
+    """Markdown: each system's bootstrap intervals per category, and whether each goal is out of reach
+    of the noise (the whole interval below 0.97) or met beyond it (the whole interval at or above)."""
+    def call(low: float, high: float) -> str:
+        return "met" if low >= GOAL else "missed" if high < GOAL else "within noise"
+
+    lines = []
+    for name, by_cat in intervals.items():
+        cats = sorted(c for c in by_cat if c != "overall") + ["overall"]
+        lines += [f"{level:.0%} bootstrap intervals for `{name}` (`goal_intervals`: a category's prompts resampled, "
+                  "every system paired on them, the best fixed gamma picked afresh in each resample):", "",
+                  "| category | / best fixed gamma | within 3% of best | / target-only | never 3% slower |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {c} | {by_cat[c][0]:.3f} to {by_cat[c][1]:.3f} | {call(*by_cat[c][:2])} | "
+                  f"{by_cat[c][2]:.3f} to {by_cat[c][3]:.3f} | {call(*by_cat[c][2:])} |" for c in cats]
+        lines += [""]
+    return lines
