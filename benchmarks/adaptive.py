@@ -52,6 +52,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1,
                         help="replies sampled per prompt at temperature > 0 (each system samples its own texts, so a "
                              "category's figure there varies with them; MT-bench categories have 5 prompts)")
+    parser.add_argument("--first-sample", type=int, default=0,
+                        help="at temperature > 0, sample replies first-sample .. first-sample + samples - 1 of each "
+                             "prompt (seeds i + k * prompts): a run with other texts than an earlier one, to pool with "
+                             "it (benchmarks/goal_intervals.py)")
     parser.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
                         help="score rounds at the target's fastest width (measured once, used by every system)")
     parser.add_argument("--systems", default="all",
@@ -77,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
+    if args.first_sample < 0:
+        parser.error(f"--first-sample must be >= 0, got {args.first_sample}")
     if args.remodel:
         remodel(args.remodel, args.box_speed, args.out,
                 f"python benchmarks/adaptive.py --remodel {args.remodel} --box-speed {args.box_speed} --out {args.out}")
@@ -103,9 +109,9 @@ def main() -> None:
     timings = {t: defaultdict(list) for t in temperatures}  # system -> [(prompt, category, tokens, RunTiming)]
     bar = tqdm(total=sum(len(prompts) * (args.samples if t > 0 else 1) for t in temperatures), desc="adaptive benchmark")
     for temperature in temperatures:
-        # at temperature > 0 each prompt is sampled --samples times (its seeds i, i + n, ...), prompt by prompt
+        # at temperature > 0 each prompt is sampled --samples times (seeds i + k n from k = --first-sample), prompt by prompt
         replies = [(i + k * len(prompts), prompt, prompt_ids) for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids))
-                   for k in range(args.samples if temperature > 0 else 1)]
+                   for k in (range(args.first_sample, args.first_sample + args.samples) if temperature > 0 else [0])]
         for i, prompt, prompt_ids in replies:
             order = systems[i % len(systems):] + systems[: i % len(systems)]
             params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=i)
@@ -126,7 +132,7 @@ def main() -> None:
                           "torch": torch.__version__}, "draft": pair.draft_spec,
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
               "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
-              "prompts": len(prompts), "samples": args.samples,
+              "prompts": len(prompts), "samples": args.samples, "first_sample": args.first_sample,
               "controller": {k: v for k, v in dataclasses.asdict(controller).items()
                              if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}

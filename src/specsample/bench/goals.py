@@ -83,8 +83,8 @@ def goal_intervals(replies: dict[str, list[Reply]], prompts: int, names: tuple[s
     """Paired bootstrap intervals of the goal ratios, per category: resample a category's prompts (with all
     their sampled replies, every system's on the same prompts) and recompute, in each resample, each of
     `names` over the best fixed gamma *of that resample* (so picking the best of several noisy fixed gammas
-    is part of the interval) and over target-only. Returns {name: {category: [lo / best, hi / best,
-    lo / target-only, hi / target-only]}}; "overall" resamples every category at once (stratified)."""
+    is part of the interval) and over target-only. Returns {name: {category: [/ best, lo, hi, / target-only,
+    lo, hi]}}, each ratio on all replies then its interval; "overall" resamples every category at once."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     if prompts < 1:
@@ -103,49 +103,54 @@ def goal_intervals(replies: dict[str, list[Reply]], prompts: int, names: tuple[s
     for key in keys:
         clusters[by_key["target-only"][key][0]][key % prompts].append(key)
     cats = sorted(clusters)
-    rng = random.Random(seed)
-    draws: dict[str, dict[str, list[tuple[float, float]]]] = {n: defaultdict(list) for n in names}
-    for _ in range(resamples):
+
+    def ratios(chosen: dict[str, list[list[int]]]) -> dict[str, dict[str, tuple[float, float]]]:
+        """Each name's (/ best fixed gamma, / target-only) per category over the chosen prompts' replies."""
         sums = {name: defaultdict(lambda: [0, 0.0]) for name in systems}  # category -> [tokens, seconds]
-        for cat in cats:
-            groups = list(clusters[cat].values())
-            for group in (rng.choice(groups) for _ in groups):
-                for key in group:
-                    for name in systems:
-                        _, tokens, seconds = by_key[name][key]
-                        for where in (cat, "overall"):
-                            sums[name][where][0] += tokens
-                            sums[name][where][1] += seconds
+        for cat, groups in chosen.items():
+            for key in (k for group in groups for k in group):
+                for name in systems:
+                    _, tokens, seconds = by_key[name][key]
+                    for where in (cat, "overall"):
+                        sums[name][where][0] += tokens
+                        sums[name][where][1] += seconds
+        found: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in names}
         for cat in [*cats, "overall"]:
             speed = {name: sums[name][cat][0] / sums[name][cat][1] for name in systems}
             best = max(speed[g] for g in fixed)
             for name in names:
-                draws[name][cat].append((speed[name] / best, speed[name] / speed["target-only"]))
-    tail = (1 - level) / 2
-    out: dict[str, dict[str, list[float]]] = {}
+                found[name][cat] = (speed[name] / best, speed[name] / speed["target-only"])
+        return found
+
+    rng = random.Random(seed)
+    groups = {cat: list(clusters[cat].values()) for cat in cats}
+    draws = [ratios({cat: [rng.choice(g) for _ in g] for cat, g in groups.items()}) for _ in range(resamples)]
+    point = ratios(groups)
+    low, high = int((1 - level) / 2 * resamples), min(resamples - 1, int((1 + level) / 2 * resamples))
+    out: dict[str, dict[str, list[float]]] = {name: {} for name in names}
     for name in names:
-        out[name] = {}
-        for cat, pairs in draws[name].items():
-            to_best, to_base = sorted(p[0] for p in pairs), sorted(p[1] for p in pairs)
-            low, high = int(tail * resamples), min(resamples - 1, int((1 - tail) * resamples))
-            out[name][cat] = [to_best[low], to_best[high], to_base[low], to_base[high]]
+        for cat in [*cats, "overall"]:
+            to_best = sorted(d[name][cat][0] for d in draws)
+            to_base = sorted(d[name][cat][1] for d in draws)
+            out[name][cat] = [point[name][cat][0], to_best[low], to_best[high],
+                              point[name][cat][1], to_base[low], to_base[high]]
     return out
 
 
 def interval_table(intervals: dict[str, dict[str, list[float]]], level: float = 0.9) -> list[str]:
-    """Markdown: each system's bootstrap intervals per category, and whether each goal is out of reach
-    of the noise (the whole interval below 0.97) or met beyond it (the whole interval at or above)."""
-    def call(low: float, high: float) -> str:
-        return "met" if low >= GOAL else "missed" if high < GOAL else "within noise"
+    """Markdown: each system's ratios and bootstrap intervals per category, and whether each goal is out of
+    reach of the noise (the whole interval below 0.97), met beyond it (all at or above), or within noise."""
+    def cell(point: float, low: float, high: float) -> str:
+        call = "met" if low >= GOAL else "missed" if high < GOAL else "within noise"
+        return f"{point:.3f} ({low:.3f} to {high:.3f}) | {call}"
 
     lines = []
     for name, by_cat in intervals.items():
         cats = sorted(c for c in by_cat if c != "overall") + ["overall"]
-        lines += [f"{level:.0%} bootstrap intervals for `{name}` (`goal_intervals`: a category's prompts resampled, "
+        lines += [f"`{name}` with {level:.0%} bootstrap intervals (`goal_intervals`: a category's prompts resampled, "
                   "every system paired on them, the best fixed gamma picked afresh in each resample):", "",
                   "| category | / best fixed gamma | within 3% of best | / target-only | never 3% slower |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {c} | {by_cat[c][0]:.3f} to {by_cat[c][1]:.3f} | {call(*by_cat[c][:2])} | "
-                  f"{by_cat[c][2]:.3f} to {by_cat[c][3]:.3f} | {call(*by_cat[c][2:])} |" for c in cats]
+        lines += [f"| {c} | {cell(*by_cat[c][:3])} | {cell(*by_cat[c][3:])} |" for c in cats]
         lines += [""]
     return lines

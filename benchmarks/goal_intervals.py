@@ -1,0 +1,66 @@
+"""Issue 7's goals with bootstrap intervals over the replies of one or more adaptive benchmark runs, pooled
+(runs of the same prompts with the same code: each prompt's replies from every run resample together).
+
+    python benchmarks/goal_intervals.py docs/adaptive_results_s25.json docs/adaptive_results_s26_t07.json \\
+        --temperature 0.7 --out docs/goal_intervals_t07.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from adaptive import _load_run, _prompt_count  # the result files' format lives there
+
+from specsample.bench.goals import DEFAULT, goal_intervals, interval_table
+
+
+def pooled_replies(reports: list[dict], temperature: str) -> tuple[dict[str, list], int]:
+    """Every run's replies of `temperature` with keys made distinct across runs but still naming the same
+    prompt modulo the prompt count, and that count. Systems missing from a run are left out of all."""
+    counts = {_prompt_count(report, temperature) for report in reports}
+    if len(counts) != 1:
+        raise SystemExit(f"the runs decoded different prompt sets ({sorted(counts)} prompts): nothing to pool")
+    prompts = counts.pop()
+    shared = set.intersection(*(set(report["rounds"][temperature]) for report in reports))
+    replies: dict[str, list] = {name: [] for name in sorted(shared)}
+    for run, report in enumerate(reports):
+        offset = run * prompts * 1_000_000  # a multiple of the prompt count: key % prompts still names the prompt
+        for name in shared:
+            replies[name] += [(offset + key, category, tokens, timing.seconds)
+                              for key, category, tokens, timing in map(_load_run, report["rounds"][temperature][name])]
+    return replies, prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, nargs="+", help="benchmarks/adaptive.py result files (.json)")
+    parser.add_argument("--temperature", default="0.7")
+    parser.add_argument("--level", type=float, default=0.9)
+    parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
+    args = parser.parse_args()
+    reports = []
+    for path in args.results:
+        report = json.loads(path.read_text())
+        if args.temperature not in report.get("rounds", {}):
+            raise SystemExit(f"{path} has no recorded replies at temperature {args.temperature}")
+        reports.append(report)
+    replies, prompts = pooled_replies(reports, args.temperature)
+    intervals = goal_intervals(replies, prompts, names=tuple(n for n in (DEFAULT, "gamma=auto", "ngram auto")
+                                                              if n in replies), level=args.level,
+                               resamples=args.resamples)
+    sizes = ", ".join(f"{len(r['rounds'][args.temperature]['target-only'])}" for r in reports)
+    lines = [f"Command: `python benchmarks/goal_intervals.py {' '.join(map(str, args.results))} --temperature "
+             f"{args.temperature}`", "", f"Temperature {args.temperature}: {prompts} prompts, replies per run {sizes}; "
+             f"fixed gammas in every run: {', '.join(n for n in replies if n.startswith('gamma=') and n[6:].isdigit())}.",
+             "", *interval_table(intervals, args.level)]
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
