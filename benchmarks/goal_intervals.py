@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--temperature", default="0.7")
     parser.add_argument("--level", type=float, default=0.9)
     parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--unit", choices=("prompt", "reply"), default="prompt",
+                        help="what the bootstrap resamples: prompts with all their replies (default), or replies one "
+                             "by one (as if every reply were a prompt of its own)")
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     args = parser.parse_args()
     reports = []
@@ -49,14 +52,17 @@ def main() -> None:
             raise SystemExit(f"{path} has no recorded replies at temperature {args.temperature}")
         reports.append(report)
     replies, prompts = pooled_replies(reports, args.temperature)
+    if args.unit == "reply":  # every key its own cluster
+        prompts = 1 + max(key for key, *_ in replies["target-only"])
     intervals = goal_intervals(replies, prompts, names=tuple(n for n in (DEFAULT, "gamma=auto", "ngram auto")
                                                               if n in replies), level=args.level,
                                resamples=args.resamples)
     sizes = ", ".join(f"{len(r['rounds'][args.temperature]['target-only'])}" for r in reports)
     lines = [f"Command: `python benchmarks/goal_intervals.py {' '.join(map(str, args.results))} --temperature "
-             f"{args.temperature}`", "", f"Temperature {args.temperature}: {prompts} prompts, replies per run {sizes}; "
+             f"{args.temperature} --unit {args.unit}`", "", f"Temperature {args.temperature}: {prompts} "
+             f"{'replies' if args.unit == 'reply' else 'prompts'} resampled, replies per run {sizes}; "
              f"fixed gammas in every run: {', '.join(n for n in replies if n.startswith('gamma=') and n[6:].isdigit())}.",
-             "", *interval_table(intervals, args.level)]
+             "", *interval_table(intervals, args.level, "replies" if args.unit == "reply" else "prompts")]
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

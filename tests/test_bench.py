@@ -533,7 +533,7 @@ def test_goal_intervals_pool_runs_of_the_same_prompts(tmp_path) -> None:
     subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "goal_intervals.py"),
                     *map(str, paths), "--out", str(out)], check=True, capture_output=True)
     text = out.read_text()
-    assert "3 prompts, replies per run 6, 12" in text
+    assert "3 prompts resampled, replies per run 6, 12" in text
     overall = 18 * 10 / (6 * 10 / 55 + 12 * 10 / 66)  # gamma auto's pooled tokens/s
     assert f"| overall | {overall / 60:.3f} ({overall / 60:.3f} to {overall / 60:.3f}) | met |" in text
 

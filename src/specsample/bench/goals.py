@@ -137,7 +137,8 @@ def goal_intervals(replies: dict[str, list[Reply]], prompts: int, names: tuple[s
     return out
 
 
-def interval_table(intervals: dict[str, dict[str, list[float]]], level: float = 0.9) -> list[str]:
+def interval_table(intervals: dict[str, dict[str, list[float]]], level: float = 0.9,
+                   unit: str = "prompts") -> list[str]:
     """Markdown: each system's ratios and bootstrap intervals per category, and whether each goal is out of
     reach of the noise (the whole interval below 0.97), met beyond it (all at or above), or within noise."""
     def cell(point: float, low: float, high: float) -> str:
@@ -147,7 +148,7 @@ def interval_table(intervals: dict[str, dict[str, list[float]]], level: float = 
     lines = []
     for name, by_cat in intervals.items():
         cats = sorted(c for c in by_cat if c != "overall") + ["overall"]
-        lines += [f"`{name}` with {level:.0%} bootstrap intervals (`goal_intervals`: a category's prompts resampled, "
+        lines += [f"`{name}` with {level:.0%} bootstrap intervals (`goal_intervals`: a category's {unit} resampled, "
                   "every system paired on them, the best fixed gamma picked afresh in each resample):", "",
                   "| category | / best fixed gamma | within 3% of best | / target-only | never 3% slower |",
                   "|---|---|---|---|---|"]
