@@ -45,6 +45,8 @@ def main() -> None:
                              "by one (as if every reply were a prompt of its own)")
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     args = parser.parse_args()
+    if not 0 < args.level < 1 or args.resamples < 1:
+        parser.error(f"--level must be in (0, 1) and --resamples >= 1, got {args.level} and {args.resamples}")
     reports = []
     for path in args.results:
         report = json.loads(path.read_text())

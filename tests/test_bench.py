@@ -501,6 +501,8 @@ def test_goal_intervals_pair_systems_on_resampled_prompts() -> None:
         goal_intervals({"target-only": flat["target-only"], "gamma=auto": flat["gamma=auto"]}, prompts=4)
     with pytest.raises(ValueError, match="level"):
         goal_intervals(flat, prompts=4, level=1.0)
+    with pytest.raises(ValueError, match="resamples"):
+        goal_intervals(flat, prompts=4, resamples=0)
 
 
 def test_goal_intervals_pool_runs_of_the_same_prompts(tmp_path) -> None:

@@ -89,6 +89,8 @@ def goal_intervals(replies: dict[str, list[Reply]], prompts: int, names: tuple[s
         raise ValueError(f"level must be in (0, 1), got {level}")
     if prompts < 1:
         raise ValueError(f"prompts must be >= 1, got {prompts}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
     _check({name: {} for name in replies})
     fixed = fixed_gammas({name: {} for name in replies})
     names = tuple(n for n in names if n in replies)
