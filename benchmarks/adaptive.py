@@ -322,6 +322,11 @@ def _by_prompt(rows: list) -> dict[int, RunTiming]:
     return {row[0]: _load_run(row)[3] for row in rows}
 
 
+def replies_of(rows: list) -> list[tuple[int, str, int, float]]:
+    """A system's stored runs as the goal bootstrap's replies: (key, category, tokens, measured seconds)."""
+    return [(key, category, tokens, timing.seconds) for key, category, tokens, timing in map(_load_run, rows)]
+
+
 def _noise_note(report: dict, temperature: str) -> list[str]:
     """With target-only run twice: the spread of the two's per-reply time ratio, the run's own timing noise."""
     rounds = report.get("rounds", {}).get(temperature, {})
@@ -376,8 +381,7 @@ def _interval_lines(report: dict, temperature: str) -> list[str]:
     rounds = report.get("rounds", {}).get(temperature, {})
     if "target-only" not in rounds:
         return []
-    replies = {name: [(key, category, tokens, timing.seconds) for key, category, tokens, timing in map(_load_run, rows)]
-               for name, rows in rounds.items()}
+    replies = {name: replies_of(rows) for name, rows in rounds.items()}
     return interval_table(goal_intervals(replies, _prompt_count(report, temperature)))
 
 

@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from adaptive import _load_run, _prompt_count  # the result files' format lives there
+from adaptive import _prompt_count, replies_of  # the result files' format lives there
 
-from specsample.bench.goals import DEFAULT, goal_intervals, interval_table
+from specsample.bench.goals import DEFAULT, fixed_gammas, goal_intervals, interval_table
 
 
 def pooled_replies(reports: list[dict], temperature: str) -> tuple[dict[str, list], int]:
@@ -29,8 +29,7 @@ def pooled_replies(reports: list[dict], temperature: str) -> tuple[dict[str, lis
     for run, report in enumerate(reports):
         offset = run * prompts * 1_000_000  # a multiple of the prompt count: key % prompts still names the prompt
         for name in shared:
-            replies[name] += [(offset + key, category, tokens, timing.seconds)
-                              for key, category, tokens, timing in map(_load_run, report["rounds"][temperature][name])]
+            replies[name] += [(offset + key, *rest) for key, *rest in replies_of(report["rounds"][temperature][name])]
     return replies, prompts
 
 
@@ -63,7 +62,7 @@ def main() -> None:
     lines = [f"Command: `python benchmarks/goal_intervals.py {' '.join(map(str, args.results))} --temperature "
              f"{args.temperature} --unit {args.unit}`", "", f"Temperature {args.temperature}: {prompts} "
              f"{'replies' if args.unit == 'reply' else 'prompts'} resampled, replies per run {sizes}; "
-             f"fixed gammas in every run: {', '.join(n for n in replies if n.startswith('gamma=') and n[6:].isdigit())}.",
+             f"fixed gammas in every run: {', '.join(fixed_gammas(replies))}.",
              "", *interval_table(intervals, args.level, "replies" if args.unit == "reply" else "prompts")]
     print("\n".join(lines))
     if args.out:
