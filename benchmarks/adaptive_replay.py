@@ -117,10 +117,12 @@ def main() -> None:
         report.setdefault("round_costs", {})[temperature] = [  # what the verdicts hinge on, printed in the report
             costs.round_seconds(d, COST_CONTEXT) / costs.round_seconds(0, COST_CONTEXT) for d in range(1, 9)]
         probes = report.setdefault("probes", {}).setdefault(temperature, {})
+        drafts = report.setdefault("drafts", {}).setdefault(temperature, {})
         breakdown = report.setdefault("breakdown", {}).setdefault(temperature, {})
         report["results"][temperature] = compare(rows, costs, args.replicates,
                                                  new_controller=lambda: GammaController(config), progress=bar.update,
-                                                 probes=probes, order=args.order, breakdown=breakdown)
+                                                 probes=probes, order=args.order, breakdown=breakdown,
+                                                 drafts=drafts)
     bar.close()
     report["check"] = round_check(traces, cost_run)
     report["traces"] = {t: [_dump_trace(x) for x in rows] for t, rows in traces.items()}
@@ -254,8 +256,12 @@ def _probe_lines(report: dict, temperature: str) -> list[str]:
     probes = report.get("probes", {}).get(temperature)
     if not probes:
         return []
-    return ["Fallback probes per reply (gamma auto): " + ", ".join(
-        f"{cat} {n:.1f}" for cat, n in _by_category(probes)) + ".", ""]
+    lines = ["Fallback probes per reply (gamma auto): " + ", ".join(
+        f"{cat} {n:.1f}" for cat, n in _by_category(probes)) + "."]
+    drafts = report.get("drafts", {}).get(temperature)  # results from before session 27 lack it
+    if drafts:
+        lines.append("Drafts per reply (gamma auto): " + ", ".join(f"{cat} {n:.1f}" for cat, n in _by_category(drafts)) + ".")
+    return lines + [""]
 
 
 def _breakdown_lines(report: dict, temperature: str) -> list[str]:

@@ -192,6 +192,38 @@ def test_the_engine_tells_the_controller_each_rows_budget_left(tiny_target, tiny
     assert seen == expected and not any(left.values())
 
 
+def test_the_engine_tells_the_controller_each_positions_acceptance_probability(tiny_target, tiny_draft,
+                                                                                monkeypatch) -> None:
+    """Sampled rows report, per position their round reached, the probability its draft was accepted with;
+    greedy rows (whose accept-or-not is already certain) report none, nor does a controller told not to want them."""
+    for wanted in (True, False):
+        controller = GammaController(ControllerConfig(expected_acceptance=wanted))
+        seen: list[tuple[str, int, int, list[float] | None]] = []
+        observe = controller.observe
+
+        def spy(request_id: str, num_drafted: int, num_accepted: int, confidences: list[float] | None = None,
+                expected: list[float] | None = None) -> None:
+            seen.append((request_id, num_drafted, num_accepted, expected))
+            observe(request_id, num_drafted, num_accepted, confidences, expected)
+
+        monkeypatch.setattr(controller, "observe", spy)
+        engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True, max_batch_size=2),
+                        controller=controller)
+        engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=40, seed=1), request_id="sampled")
+        engine.add_request([4, 5, 6], SamplingParams(temperature=0, max_new_tokens=40), request_id="greedy")
+        for _ in engine.stream():
+            pass
+        sampled = [e for rid, _, _, e in seen if rid == "sampled"]
+        assert sampled and all(e is None for rid, _, _, e in seen if rid == "greedy")
+        if not wanted:
+            assert all(e is None for e in sampled)
+            continue
+        for rid, drafted, accepted, expected in seen:
+            if rid == "sampled":
+                assert len(expected) == min(accepted + 1, drafted) and all(0.0 <= b <= 1.0 for b in expected)
+        assert 0.0 < sum(sum(e) for e in sampled) < sum(len(e) for e in sampled)  # probabilities, not coins
+
+
 def test_cost_ratio_is_measured_per_batch_size() -> None:
     controller = GammaController()
     assert controller.cost_ratio(1) == controller.config.prior_cost_ratio
@@ -370,6 +402,41 @@ def test_near_break_even_requests_that_gain_keep_drafting() -> None:
     assert _fallback_share(config, 0.3) < 0.4
     assert _fallback_share(ControllerConfig(calibrate_every=20, prior_weight=2, fallback_margin=0), 0.3) > 0.55
     assert _fallback_share(config, 0.1) > 0.8
+
+
+def _falls_back_within(alpha: float, expected: bool, seed: int, rounds: int = 40) -> int | None:
+    """Drafting rounds before a request whose every draft is accepted with probability `alpha` falls back
+    (None: it drafted all `rounds`), told each position's acceptance probability or only its coin."""
+    controller = GammaController(ControllerConfig(prior_cost_ratio=0.3))  # a round of one draft: 1.3 plain rounds
+    rng = random.Random(seed)
+    for r in range(rounds):
+        gamma = controller.plan(["r"], 1)[0]
+        if controller.in_fallback("r"):
+            return r
+        accepted = 0
+        while accepted < gamma and rng.random() < alpha:
+            accepted += 1
+        reached = min(accepted + 1, gamma)
+        controller.observe("r", gamma, accepted, None, [alpha] * reached if expected else None)
+    return None
+
+
+def test_acceptance_probabilities_keep_requests_that_gain_from_falling_back_on_bad_luck() -> None:
+    """At alpha 0.45 against a break-even of 0.3 drafting gains; learnt from coins, runs of rejections send
+    some such requests into fallback in their first rounds (35 of 300 here), learnt from each position's
+    acceptance probability none. Where drafting loses (alpha 0.1) both fall back, the probabilities no later."""
+    coins = [_falls_back_within(0.45, False, seed) for seed in range(300)]
+    told = [_falls_back_within(0.45, True, seed) for seed in range(300)]
+    assert sum(r is not None for r in coins) >= 15 and all(r is None for r in told)
+    lost_coins = [_falls_back_within(0.1, False, seed) for seed in range(100)]
+    lost_told = [_falls_back_within(0.1, True, seed) for seed in range(100)]
+    assert None not in lost_coins and None not in lost_told
+    assert max(lost_told) <= sorted(lost_coins)[len(lost_coins) // 2]
+    controller = GammaController()
+    with pytest.raises(ValueError, match="one probability per position reached"):
+        controller.observe("r", 3, 1, None, [0.5, 0.5, 0.5])  # reached: the accepted draft and the rejected one
+    controller.observe("r", 3, 1, None, [0.9, 0.2])
+    assert controller.alpha("r") == pytest.approx((1.1 + 8 * 0.5) / (2 + 8))  # 1.1 successes in 2 trials
 
 
 def test_new_requests_start_from_the_pooled_acceptance() -> None:

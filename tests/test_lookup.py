@@ -52,7 +52,8 @@ def test_lookup_offer_limits_and_no_offer_keeps_the_models_plan() -> None:
     assert controller.plan(["a", "b"], 2, lookup=[3, 0]) == [3, controller.plan(["b"], 1)[0]]
     assert controller.lookups_planned() == {}  # the last plan offered none
     for _ in range(10):  # a's lookups all taken
-        controller.observe("a", controller.plan(["a"], 1, lookup=[4])[0], 4)
+        planned = controller.plan(["a"], 1, lookup=[4])[0]
+        controller.observe("a", planned, planned)
     assert controller.plan(["a"], 1, lookup=[9]) == [4]  # never past max_gamma
     assert controller.lookups_planned() == {"a": 4}
     assert controller.plan(["a"], 1, lookup=[2]) == [2]  # nor past what the lookup offers

@@ -327,6 +327,9 @@ def test_replay_only_script(tmp_path):
     assert "| category | auto / best fixed gamma |" in out.with_suffix(".md").read_text()
     assert set(result["probes"]["0.0"]) == {"easy", "hard", "overall"}
     assert "Fallback probes per reply (gamma auto): easy " in out.with_suffix(".md").read_text()
+    drafts = result["drafts"]["0.0"]
+    assert drafts["easy"] > drafts["hard"] > 0  # drafts per reply: the hard text falls back
+    assert "Drafts per reply (gamma auto): easy " in out.with_suffix(".md").read_text()
     # grouped by acceptance, with a controller setting named in the report
     subprocess.run(command + ["--by-acceptance", "--controller", "fallback_margin=0,gate=false"], check=True,
                    capture_output=True)
@@ -361,6 +364,7 @@ class _Scripted:
 
     def __init__(self, plans: list[int], thresholds: list[float] = ()) -> None:
         self.plans, self.thresholds, self.observed, self.remaining = list(plans), list(thresholds), [], []
+        self.expected: list[list[float] | None] = []
 
     def plan(self, request_ids, batch_size, remaining=None, scorable=None, lookup=None, otherwise=None):
         self.remaining.append(remaining)
@@ -375,8 +379,9 @@ class _Scripted:
     def in_fallback(self, request_id):
         return False
 
-    def observe(self, request_id, drafted, accepted, confidences=None):
+    def observe(self, request_id, drafted, accepted, confidences=None, expected=None):
         self.observed.append((drafted, accepted, list(confidences or [])))
+        self.expected.append(expected)
 
     def observe_timing(self, *args):
         pass
@@ -408,11 +413,13 @@ def test_the_gate_stops_on_the_text_and_never_off_it():
     rejected = _Scripted([3], thresholds=[0.1, 0.01, 0.01])
     replay(trace, "auto", [0.5] * 4, _linear_costs(), lambda: 1.0, rejected)
     assert rejected.observed[0][:2] == (3, 2)  # rejected at the third: its drawn confidence 0.02 passes
+    assert rejected.expected[0] == [1.0, 1.0, 0.0]  # each reached position's acceptance probability, as the engine's
     beyond = _Scripted([3], thresholds=[0.1, 0.01, 0.99])
     trace_short = Trace("c", 5, (1.0, 0.0), (0.9, 0.5), (0.3, 0.3), max_new_tokens=8)
     replay(trace_short, "auto", [0.5] * 2, _linear_costs(), lambda: 1.0, beyond)
     drafted, accepted, confidences = beyond.observed[0]
     assert (drafted, accepted) == (3, 1) and math.isnan(confidences[2])  # off the text: never stops there
+    assert beyond.expected[0] == [1.0, 0.0]
 
 
 def test_drafts_are_clipped_to_the_budget_not_the_text():

@@ -127,3 +127,47 @@ def test_shape_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="vocabularies must match"):
         verify(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, VOCAB + 1), torch.zeros(2, 4, VOCAB),
                torch.Generator())
+
+
+def _acceptance_rate_check(target: torch.Tensor, draft: torch.Tensor, beta: float, samples: int) -> tuple[float, float]:
+    """|observed - beta| of verify's acceptance over `samples` drafts drawn from `draft`, and the bound a
+    correct beta stays within (a normal quantile at FALSE_ALARM for this sample size)."""
+    from scipy import stats
+
+    from stats_util import FALSE_ALARM
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.multinomial(draft, samples, replacement=True, generator=g).unsqueeze(1)  # [samples, 1]
+    verdict = verify(tokens, draft.expand(samples, 1, -1), target.expand(samples, 2, -1), g)
+    observed = verdict.num_accepted.double().mean().item()
+    bound = stats.norm.ppf(1 - FALSE_ALARM / 2) * (max(beta * (1 - beta), 1e-12) / samples) ** 0.5
+    return abs(observed - beta), bound
+
+
+@pytest.mark.parametrize("case", ["random", "draft_zero_where_target_positive", "target_zero_where_draft_positive",
+                                  "identical", "disjoint"])
+def test_acceptance_probabilities_are_verify_acceptance_rates(case: str) -> None:
+    """beta = sum min(target, draft) is the rate at which verify accepts a draft drawn from the draft; a beta
+    computed from the wrong pair (the draft against itself: always 1) must fail the same check."""
+    from specsample.verify import acceptance_probabilities
+
+    target, draft = _cases()[case]
+    beta = acceptance_probabilities(torch.zeros(1, 1, dtype=torch.long), draft.view(1, 1, -1),
+                                    target.view(1, 1, -1))[0, 0].item()
+    assert 0.0 <= beta <= 1.0
+    gap, bound = _acceptance_rate_check(target, draft, beta, 40_000)
+    assert gap <= bound, (case, beta, gap, bound)
+    if case not in ("identical",):  # the broken beta: what a draft agreeing with itself would be accepted with
+        broken = acceptance_probabilities(torch.zeros(1, 1, dtype=torch.long), draft.view(1, 1, -1),
+                                          draft.view(1, 1, -1))[0, 0].item()
+        gap, bound = _acceptance_rate_check(target, draft, broken, 40_000)
+        assert gap > bound, (case, broken, gap, bound)
+
+
+def test_acceptance_probability_of_a_deterministic_draft_is_the_targets_probability_of_it() -> None:
+    from specsample.verify import acceptance_probabilities
+
+    target = _dist([1, 2, 3, 4]).view(1, 1, -1).expand(2, 3, -1)  # [2, gamma + 1 = 3, 4]
+    tokens = torch.tensor([[3, 0], [1, 2]])
+    beta = acceptance_probabilities(tokens, None, target)
+    assert torch.allclose(beta, torch.tensor([[0.4, 0.1], [0.2, 0.3]], dtype=beta.dtype))

@@ -50,6 +50,7 @@ class ControllerConfig:
     # when every request fell back (after one bad first reply, every later one started in fallback; session 25)
     confidence_prior: bool = True  # centre a request's prior on the acceptance its drafts' confidences predict...
     confidence_weight: float = 2.0  # ...behind this many pseudo-trials at the pooled alpha
+    expected_acceptance: bool = True  # learn from each reached position's acceptance probability (beta), not its coin
     lookup_cost: float = 0.04  # what one more prompt-lookup token adds to a round (plain rounds) until timed: the
     # target scoring one more position (on this CPU 1.018 / 1.059 / 1.225 plain rounds for 1 / 2 / 5 tokens)
 
@@ -94,6 +95,7 @@ class _RequestState:
     gamma: int
     successes: float = 0.0  # the request's own accepted drafts (decayed)
     failures: float = 0.0  # ...and rounds ended by a rejection
+    squares: float = 0.0  # ...and the sum of its trials' squared outcomes (decayed): their spread, for the margin
     fallback: bool = False
     rounds_since_probe: int = 0
     failed_probes: int = 0  # probes in a row, since it last fell back, whose drafts were all rejected
@@ -249,9 +251,14 @@ class GammaController:
         """Alpha `margin` (default `fallback_margin`) standard errors above the estimate (its trials are its
         sample size)."""
         state, alpha = self._state(request_id), self.alpha(request_id)
-        trials = state.successes + state.failures + self.config.prior_weight
+        weight = self.config.prior_weight
+        trials = state.successes + state.failures + weight
+        # the prior's pseudo-trials count as coins (second moment = mean); trials that are acceptance
+        # probabilities (`observe`'s expected) spread less than coins, so their margin is narrower
+        second = (state.squares + weight * self._prior_centre(state)) / trials
+        variance = max(second - alpha * alpha, 0.0)
         margin = self.config.fallback_margin if margin is None else margin
-        return min(alpha + margin * (alpha * (1 - alpha) / trials) ** 0.5, 1.0)
+        return min(alpha + margin * (variance / trials) ** 0.5, 1.0)
 
     def _nearest(self, batch_size: int) -> int | None:
         """The batch size nearest `batch_size` where drafting rounds were timed."""
@@ -582,29 +589,43 @@ class GammaController:
     # ----- observations ---------------------------------------------------------------------
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int,
-                confidences: list[float] | None = None) -> None:
-        """Record one round of a request: counts, and the confidence of each drafted token."""
+                confidences: list[float] | None = None, expected: list[float] | None = None) -> None:
+        """Record one round of a request: counts, and the confidence of each drafted token.
+
+        `expected`: per position the round reached (its accepted drafts and the first rejected one), the
+        probability a draft there is accepted, sum over tokens of min(target, draft) (Leviathan et al.'s beta).
+        Counted in place of each position's accepted-or-not: the same trials with the coin's noise taken out
+        (its expectation given the past), so a request's estimate settles in a few rounds instead of a dozen."""
         if num_drafted <= 0:
             return
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"num_accepted must be in 0..num_drafted ({num_drafted}), got {num_accepted}")
         state = self._state(request_id)
-        rejected = int(num_accepted < num_drafted)
+        reached = min(num_accepted + 1, num_drafted)
+        if expected is not None and len(expected) != reached:
+            raise ValueError(f"expected holds one probability per position reached ({reached}), got {len(expected)}")
+        outcomes = ([min(max(float(b), 0.0), 1.0) for b in expected]
+                    if expected is not None and self.config.expected_acceptance
+                    else [1.0] * num_accepted + [0.0] * (reached - num_accepted))
+        successes, failures = sum(outcomes), reached - sum(outcomes)
         # forget per trial, not per round: a long round must not outweigh many short ones
-        factor = self.config.decay ** (num_accepted + rejected)
-        pool = self.config.pool_decay ** (num_accepted + rejected)
+        factor = self.config.decay ** reached
+        pool = self.config.pool_decay ** reached
         if request_id in self._lookups:  # a prompt lookup: its own estimate, not the draft model's
-            state.lookup_successes = factor * state.lookup_successes + num_accepted
-            state.lookup_failures = factor * state.lookup_failures + rejected
-            self._lookup_pooled = [pool * self._lookup_pooled[0] + num_accepted, pool * self._lookup_pooled[1] + rejected]
+            state.lookup_successes = factor * state.lookup_successes + successes
+            state.lookup_failures = factor * state.lookup_failures + failures
+            self._lookup_pooled = [pool * self._lookup_pooled[0] + successes, pool * self._lookup_pooled[1] + failures]
             return
         if state.fallback:  # a probe: the backoff grows while probes find nothing
             state.failed_probes = 0 if num_accepted > 0 else state.failed_probes + 1
-        state.successes = factor * state.successes + num_accepted
-        state.failures = factor * state.failures + rejected
-        self._pooled = [pool * self._pooled[0] + num_accepted, pool * self._pooled[1] + rejected]
+        state.successes = factor * state.successes + successes
+        state.squares = factor * state.squares + sum(x * x for x in outcomes)
+        state.failures = factor * state.failures + failures
+        self._pooled = [pool * self._pooled[0] + successes, pool * self._pooled[1] + failures]
         state.predicted *= factor
         state.predicted_trials *= factor
         calibrated = self._gate_calibrated()
-        for i, q in enumerate((confidences or [])[: min(num_accepted + 1, num_drafted)]):
+        for i, q in enumerate((confidences or [])[:reached]):
             if q != q:  # NaN: a deterministic (n-gram) draft has no confidence to calibrate on
                 continue
             b = min(int(q * BINS), BINS - 1)
@@ -627,6 +648,7 @@ class GammaController:
         for accepted in acceptance:  # forget per trial, as `observe` does
             accepted = min(max(float(accepted), 0.0), 1.0)
             state.successes = self.config.decay * state.successes + accepted
+            state.squares = self.config.decay * state.squares + accepted * accepted
             state.failures = self.config.decay * state.failures + 1.0 - accepted
         factor = self.config.decay ** len(acceptance)
         state.predicted *= factor

@@ -23,7 +23,7 @@ from specsample.drafters.base import BacklogScorer, Drafter, PromptLookup
 from specsample.models.base import CausalLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.sampling import warp_rows
-from specsample.verify import Verdict, verify, verify_greedy
+from specsample.verify import Verdict, acceptance_probabilities, verify, verify_greedy
 
 log = logging.getLogger("specsample.engine")
 
@@ -230,7 +230,8 @@ class Engine:
                                              num_drafted.to(device))
         num_accepted = verdict.num_accepted.cpu()  # [b]; one device-to-host copy per round
         self._note_plain_tokens(rows, num_drafted, verdict, target_probs)
-        self._observe(rows, num_drafted, num_accepted, confidence)
+        self._observe(rows, num_drafted, num_accepted, confidence,
+                      self._acceptance(draft_tokens, draft_probs, target_probs))
         updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted, num_accepted)
         verify_done = self._now()
         if self.controller is not None:  # whole rounds: scoring and verifying drafts cost too, not only drafting
@@ -349,7 +350,17 @@ class Engine:
         confidence = proposal.confidence[:, :used] if proposal.confidence is not None else None
         return proposal.tokens[:, :used], probs, num_drafted, confidence
 
-    def _observe(self, rows: list[_Row], num_drafted: Tensor, num_accepted: Tensor, confidence: Tensor | None) -> None:
+    def _acceptance(self, draft_tokens: Tensor, draft_probs: Tensor | None,
+                    target_probs: Tensor | None) -> list[list[float]] | None:
+        """Per row, the acceptance probability at each draft position (`acceptance_probabilities`) for the
+        controller to learn from in place of the coins; None where it does not (greedy rows' coins are exact)."""
+        if (self.controller is None or not self.controller.config.expected_acceptance or target_probs is None
+                or draft_tokens.shape[1] == 0):
+            return None
+        return acceptance_probabilities(draft_tokens, draft_probs, target_probs).cpu().tolist()  # [b, gamma]
+
+    def _observe(self, rows: list[_Row], num_drafted: Tensor, num_accepted: Tensor, confidence: Tensor | None,
+                 acceptance: list[list[float]] | None = None) -> None:
         if self.controller is None:
             return
         drafted, accepted = num_drafted.tolist(), num_accepted.tolist()  # one copy each, not one per row
@@ -357,7 +368,10 @@ class Engine:
             if drafted[i] == 0:
                 continue  # nothing to observe: a plain round
             conf = confidence[i, : drafted[i]].tolist() if confidence is not None else None
-            self.controller.observe(row.request_id, drafted[i], accepted[i], conf)
+            # positions reached: the accepted drafts and the first rejected one
+            expected = (acceptance[i][: min(accepted[i] + 1, drafted[i])]
+                        if acceptance is not None and not row.params.greedy else None)
+            self.controller.observe(row.request_id, drafted[i], accepted[i], conf, expected)
 
     def _verify(self, rows: list[_Row], draft_tokens: Tensor, draft_probs: Tensor | None,
                 target_logits: Tensor, num_drafted: Tensor) -> tuple[Verdict, Tensor | None]:

@@ -115,6 +115,21 @@ def verify_greedy(
     return Verdict(num_accepted=num_accepted, next_token=next_token, accepted=accepted)
 
 
+def acceptance_probabilities(
+    draft_tokens: Tensor,  # [batch, gamma] token ids proposed by the drafter
+    draft_probs: Tensor | None,  # [batch, gamma, vocab]; None = deterministic drafter (one-hot)
+    target_probs: Tensor,  # [batch, gamma + 1, vocab] (or [batch, gamma, vocab])
+) -> Tensor:
+    """Per draft position, the probability that a draft there is accepted given what precedes it: the sum over
+    tokens of min(target, draft) (Leviathan et al.'s beta); for a deterministic draft, the target's probability
+    of its token. `[batch, gamma]`: the expectation of `verify`'s accept-or-not at each position it reaches."""
+    gamma = draft_tokens.shape[1]
+    target = target_probs[:, :gamma].float()
+    if draft_probs is None:
+        return target.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    return torch.minimum(target, draft_probs.to(device=target.device, dtype=target.dtype)).sum(-1).clamp(max=1.0)
+
+
 def _check_shapes(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor) -> None:
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [batch, gamma], got shape {tuple(draft_tokens.shape)}")

@@ -250,7 +250,9 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
                          + (costs.scoring_seconds if scored else 0.0)
                          + (costs.controller if policy == "auto" else 0.0))  # the controller times the whole round
         if controller is not None:
-            controller.observe(request_id, drafted, accepted, confidences)
+            reached = min(accepted + 1, drafted)  # positions past the text's end (no probability) count as rejections
+            expected = [trace.accept[pos + j] if pos + j < total else 0.0 for j in range(reached)]
+            controller.observe(request_id, drafted, accepted, confidences, expected)
             factor = noise()
             draft_seconds = drafted * costs.draft_step * factor
             controller.observe_timing(1, drafted, draft_seconds, round_seconds * factor - draft_seconds)
@@ -279,14 +281,15 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
             new_controller: Callable[[], GammaController] = GammaController,
             progress: Callable[[int], None] | None = None,
             probes: dict[str, float] | None = None, order: str = "shuffled",
-            breakdown: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
+            breakdown: dict[str, dict[str, float]] | None = None,
+            drafts: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Tokens per modelled second per system and category (and "overall"), summed over `replicates`
     replays of every trace. Every system sees the same coins per replicate and trace. "gamma=auto" keeps
     one controller through a replicate, the traces in `order`: "shuffled" (as a server sees requests) or
     "given" (as listed: benchmarks/adaptive.py runs Spec-Bench category by category, so a category's
     requests start from acceptance pooled over the categories before it); "gamma=auto fresh" gets a new
     one per trace. `probes`, if given, receives gamma auto's mean number
-    of fallback probes per reply, per category. `breakdown`, if given, receives per category where gamma
+    of fallback probes per reply, per category, and `drafts` its drafts per reply. `breakdown`, if given, receives per category where gamma
     auto's time beyond target-only's went, as shares of target-only's time: "prefill" (the draft's),
     "scoring" (backlog scorings), "controller" (its own work in every round, `RoundCostTable.controller`) and
     "drafting" (the rest: drafting rounds' cost less the rounds they saved)."""
@@ -297,7 +300,7 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
     systems: dict[str, Policy] = {"target-only": 0, **{f"gamma={g}": g for g in fixed},
                                   "gamma=auto": "auto", "gamma=auto fresh": "auto"}
     sums: dict[str, dict[str, list[float]]] = {s: defaultdict(lambda: [0.0, 0.0]) for s in systems}
-    probed: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> replies, probes (gamma auto)
+    probed: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # category -> replies, probes, drafts (gamma auto)
     spent: dict[str, list[float]] = defaultdict(lambda: [0.0] * 5)  # category -> target-only, extra, prefill, scoring,
     # controller
     for rep in range(replicates):
@@ -321,6 +324,7 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
                     if name == "gamma=auto":
                         probed[cat][0] += 1
                         probed[cat][1] += result.probes
+                        probed[cat][2] += result.drafted
                         totals = spent[cat]
                         totals[0] += baseline
                         totals[1] += result.seconds - baseline
@@ -330,7 +334,9 @@ def compare(traces: Sequence[Trace], costs: RoundCostTable, replicates: int, see
             if progress is not None:
                 progress(1)
     if probes is not None:
-        probes.update({cat: n / replies for cat, (replies, n) in probed.items()})
+        probes.update({cat: n / replies for cat, (replies, n, _) in probed.items()})
+    if drafts is not None:
+        drafts.update({cat: n / replies for cat, (replies, _, n) in probed.items()})
     if breakdown is not None:
         breakdown.update({cat: {"prefill": prefill / base, "scoring": scoring / base, "controller": own / base,
                                 "drafting": (extra - prefill - scoring - own) / base}
