@@ -595,7 +595,8 @@ class GammaController:
         `expected`: per position the round reached (its accepted drafts and the first rejected one), the
         probability a draft there is accepted, sum over tokens of min(target, draft) (Leviathan et al.'s beta).
         Counted in place of each position's accepted-or-not: the same trials with the coin's noise taken out
-        (its expectation given the past), so a request's estimate settles in a few rounds instead of a dozen."""
+        (its expectation given the past): a run of unlucky coins no longer sends a request that gains by drafting
+        into fallback (tests/test_adaptive.py), and one that loses falls back after fewer drafts (docs/adaptive.md)."""
         if num_drafted <= 0:
             return
         if not 0 <= num_accepted <= num_drafted:
