@@ -38,6 +38,7 @@ class ControllerConfig:
     # 2 cut probes on unhelpable requests by half, but a request near break-even that fell back then rarely returns)
     score_backlog: bool = True  # in fallback, learn alpha by having the draft score the tokens it missed...
     score_min_tokens: int = 4  # ...once this many (where the drafter can: a model draft), instead of drafting
+    hopeful_scoring: bool = True  # ...every 2 probe_every rounds while alpha a margin up would resume drafting
     gate: bool = True  # stop a round early after a low-confidence draft token
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
@@ -383,7 +384,11 @@ class GammaController:
             if state.fallback:
                 state.rounds_since_probe += 1
                 if can_score:  # the draft scores its backlog (once it holds score_min_tokens) instead of drafting
-                    interval = self.score_interval(batch_size, state.scorings)
+                    # while a generous alpha says drafting may pay, score as soon as after the first fallback: the
+                    # next scoring may end a fallback that a slow start began (humanities, session 28)
+                    hopeful = (self.config.hopeful_scoring and self.best_gamma(
+                        self._alpha_upper(rid, margin), batch_size)[1] > self.config.resume_above)
+                    interval = self.score_interval(batch_size, 0 if hopeful else state.scorings)
                     if backlog.get(rid, 0) < self.config.score_min_tokens:
                         interval = max(interval, state.rounds_since_probe + 1)  # not yet: wait for a backlog
                 else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
