@@ -247,6 +247,34 @@ def test_scores_that_recover_bring_drafting_back() -> None:
     assert [to for _, to in controller.switches] == ["off", "on"]
 
 
+def test_scorings_come_sooner_while_drafting_may_pay() -> None:
+    """A request that fell back on a slow start (humanities in session 28's diagnosis) is scored every 2
+    probe_every rounds, not every 21, while alpha a margin above its estimate would resume drafting; it
+    resumes sooner. Where the scores show a draft that cannot pay, the cadence stays the budget's."""
+    def scorings_until_resumed(acceptance: float, hopeful: bool) -> tuple[list[int], int | None]:
+        controller, _ = _fall_back(ControllerConfig(prior_cost_ratio=0.2, hopeful_scoring=hopeful), [0])
+        scored_at, backlog = [], 0
+        for i in range(120):
+            backlog += 1
+            if controller.plan(["r"], 1, [1000], [backlog])[0]:
+                return scored_at, i  # drafting again
+            wanted = controller.scores_planned().get("r", 0)
+            if wanted:
+                controller.observe_scores("r", [acceptance] * min(wanted, backlog))
+                scored_at.append(i)
+                backlog = 0
+        return scored_at, None
+
+    hopeful, resumed = scorings_until_resumed(0.21, True)
+    plain, plain_resumed = scorings_until_resumed(0.21, False)
+    assert {b - a for a, b in zip(hopeful[1:], hopeful[2:])} == {8}
+    assert {b - a for a, b in zip(plain, plain[1:])} == {21}
+    assert resumed is not None and plain_resumed is not None and resumed + 10 < plain_resumed
+    for acceptance in (0.0, 0.1):  # a generous alpha still loses: a scoring every 21 rounds, as the budget says
+        lost, never = scorings_until_resumed(acceptance, True)
+        assert never is None and {b - a for a, b in zip(lost, lost[1:])} == {21}
+
+
 def test_a_scoring_draft_falls_back_on_less_evidence() -> None:
     """Fallback is cheaper to leave where the draft scores what it missed: its margin can be set apart
     (scored_fallback_margin; the default keeps fallback_margin's, see ControllerConfig)."""
