@@ -384,11 +384,14 @@ class GammaController:
             if state.fallback:
                 state.rounds_since_probe += 1
                 if can_score:  # the draft scores its backlog (once it holds score_min_tokens) instead of drafting
-                    # while a generous alpha says drafting may pay, score as soon as after the first fallback: the
-                    # next scoring may end a fallback that a slow start began (humanities, session 28)
-                    hopeful = (self.config.hopeful_scoring and self.best_gamma(
-                        self._alpha_upper(rid, margin), batch_size)[1] > self.config.resume_above)
-                    interval = self.score_interval(batch_size, 0 if hopeful else state.scorings)
+                    interval = self.score_interval(batch_size, state.scorings)
+                    # while a generous alpha says drafting may pay, keep the first scoring's cadence: the next
+                    # scoring may end a fallback that a slow start began (humanities, session 28); priced only
+                    # once that cadence is due, as it is the one round it can change
+                    first = self.score_interval(batch_size, 0)
+                    if (self.config.hopeful_scoring and first <= state.rounds_since_probe < interval
+                            and self.best_gamma(self._alpha_upper(rid, margin), batch_size)[1] > self.config.resume_above):
+                        interval = first
                     if backlog.get(rid, 0) < self.config.score_min_tokens:
                         interval = max(interval, state.rounds_since_probe + 1)  # not yet: wait for a backlog
                 else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
