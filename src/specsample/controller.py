@@ -388,8 +388,8 @@ class GammaController:
                     # while a generous alpha says drafting may pay, keep the first scoring's cadence: the next
                     # scoring may end a fallback that a slow start began (humanities, session 28); priced only
                     # once that cadence is due, as it is the one round it can change
-                    first = self.score_interval(batch_size, 0)
-                    if (self.config.hopeful_scoring and first <= state.rounds_since_probe < interval
+                    first = self.score_interval(batch_size, 0) if self.config.hopeful_scoring else interval
+                    if (first <= state.rounds_since_probe < interval
                             and self.best_gamma(self._alpha_upper(rid, margin), batch_size)[1] > self.config.resume_above):
                         interval = first
                     if backlog.get(rid, 0) < self.config.score_min_tokens:
