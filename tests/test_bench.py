@@ -558,3 +558,22 @@ def test_draft_step_and_round_phases_reports() -> None:
             "propose_ms": {"1": {"a": 1.5, "b": 1.25}, "3": {"a": 4.0, "b": 3.0}}}
     text = draft_step.render(step)
     assert "| 128 × 128 | 3.0 | 16.0 | 20.0 | 15.0 |" in text and "| b | 1.250 | 3.000 |" in text
+
+
+def test_controller_variants_script_on_tiny_models(tmp_path) -> None:
+    """benchmarks/controller_variants.py runs target-only, fixed gammas and gamma auto per variant in lockstep on
+    the same replies: every system decodes every token, and each variant is compared with the best fixed gamma."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_variants.py"
+    out = tmp_path / "variants.json"
+    done = subprocess.run([sys.executable, str(script), "--models", "tiny", "--replies", "2", "--max-new-tokens", "20",
+                           "--fixed", "1,2", "--variant", "default", "--variant", "nogate:gate=false", "--out", str(out)],
+                          capture_output=True, text=True, check=True)
+    result = json.loads(out.read_text())
+    assert result["variants"]["nogate"]["gate"] is False and result["variants"]["default"]["gate"] is True
+    tokens = {key: value[0] for key, value in result["totals"].items() if key.endswith("|all")}
+    assert set(tokens) == {f"{s}|all" for s in ("target-only", "gamma=1", "gamma=2", "default", "nogate")}
+    assert set(tokens.values()) == {4 * 20}  # 2 replies per group, no EOS: every system decodes all of them
+    assert "| nogate |" in done.stdout and out.with_suffix(".md").exists()
+    bad = subprocess.run([sys.executable, str(script), "--models", "tiny", "--variant", "x:no_such_knob=1"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "no_such_knob" in bad.stderr
