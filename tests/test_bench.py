@@ -303,6 +303,12 @@ def test_command_line_reproduces_the_options_given() -> None:
     line = command_line("benchmarks/x.py", args)
     assert line == "python benchmarks/x.py --target smollm2 --no-compiled --fast --per-category 2"
     assert "None" not in line  # a default resolved later is left out, so the line runs (and an empty one)
+    spaced = argparse.Namespace(systems="target-only,target-only again", variant=["default", "nogate:gate=false"])
+    line = command_line("benchmarks/y.py", spaced)
+    assert line == ("python benchmarks/y.py --systems 'target-only,target-only again' "
+                    "--variant default --variant nogate:gate=false")
+    import shlex
+    assert shlex.split(line)[3] == "target-only,target-only again"  # the shell reads it back as one value
 
 
 def _drifting_box_runs(rng: random.Random) -> tuple[dict[str, list], set[int]]:

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 
 def command_line(script: str, args: argparse.Namespace) -> str:
-    """The command that reproduces a run: every option spelled out, booleans as --x / --no-x, and options
-    left at None (a default resolved later, such as the target's own draft) or empty left out so the line runs."""
+    """The command that reproduces a run: every option spelled out, booleans as --x / --no-x, a repeated option
+    (a list) once per value, values quoted for the shell where they need it, and options left at None (a default
+    resolved later, such as the target's own draft) or empty left out so the line runs."""
     parts = []
     for key, value in vars(args).items():
         flag = key.replace("_", "-")
         if isinstance(value, bool):
             parts.append(f"--{'' if value else 'no-'}{flag}")
+        elif isinstance(value, list):
+            parts.extend(f"--{flag} {shlex.quote(str(item))}" for item in value)
         elif value is not None and value != "":
-            parts.append(f"--{flag} {value}")
+            parts.append(f"--{flag} {shlex.quote(str(value))}")
     return f"python {script} " + " ".join(parts)
 
 
