@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -207,16 +208,18 @@ SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), "gamma=au
 
 
 def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[int], max_len: int,
-                 widths: tuple[int, ...], controller: ControllerConfig | None = None) -> list[Ours]:
-    """The systems named in `chosen`, in SYSTEMS order. Each model-drafting system gets its own drafter (its
-    own cache and history) with the loaded draft's model and window: built from the model alone, the
-    drafters of session 19's first full run drafted from the whole context. `controller`: the knobs of the
-    gamma auto systems (default ControllerConfig's)."""
+                 widths: tuple[int, ...], controller: ControllerConfig | None = None,
+                 variants: Sequence[tuple[str, ControllerConfig]] = ()) -> list[Ours]:
+    """The systems named in `chosen`, in SYSTEMS order, then the draft model's gamma auto once per named
+    `variants` entry under its own knobs (benchmarks/controller_variants.py). Each model-drafting system gets
+    its own drafter (its own cache and history) with the loaded draft's model and window: built from the model
+    alone, the drafters of session 19's first full run drafted from the whole context. `controller`: the knobs
+    of the gamma auto systems in `chosen` (default ControllerConfig's)."""
 
-    def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True):
+    def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True, knobs=controller):
         config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1,
                             max_seq_len=max_len, target_widths=widths)
-        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller, controller_config=controller)
+        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller, controller_config=knobs)
 
     def model() -> ModelDrafter:
         return ModelDrafter(draft.model, draft.folder, draft.window)
@@ -233,7 +236,8 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
         "hybrid": lambda: system("hybrid", HybridDrafter(model()), 5),
         "hybrid auto": lambda: system("hybrid auto", HybridDrafter(model()), 8, adaptive=True),
     }
-    return [builders[name]() for name in SYSTEMS if name in chosen]
+    return ([builders[name]() for name in SYSTEMS if name in chosen]
+            + [system(name, model(), 8, adaptive=True, knobs=knobs) for name, knobs in variants])
 
 
 def modelled(runs_by_system: dict[str, list], box_speed: str = "shared") -> tuple[dict, dict, dict | None]:

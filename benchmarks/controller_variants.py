@@ -1,11 +1,10 @@
 """gamma auto's knobs on real timings: fixed gammas and controller variants, round by round, on tuning prompts.
 
-Replays (benchmarks/adaptive_replay.py) charge modelled round costs with mild timing noise; on this box a
-round's time strays ~13% within a reply, with slow stretches (lag-1 correlation ~0.6), and the controller's
-round-cost estimates and its choices between gammas feel that. Here target-only, fixed gammas and gamma auto
-under each `--variant` (ControllerConfig knobs) decode the same replies taking turns round by round in an
-order drawn afresh every round (`run_lockstep`), on tuning prompts only (HumanEval and ShareGPT: never
-Spec-Bench, the benchmark). Each variant keeps one controller over the whole run, as a server does.
+Replays (benchmarks/adaptive_replay.py) charge modelled round costs with mild timing noise (5%); on a shared box
+rounds stray more, in slow stretches, and the controller's round-cost estimates and its choices between gammas
+feel that. Here target-only, fixed gammas and gamma auto under each `--variant` (ControllerConfig knobs)
+decode the same replies taking turns round by round in an order drawn afresh every round (`run_lockstep`), on
+tuning prompts only (HumanEval and ShareGPT: never Spec-Bench, the benchmark). Each variant keeps one controller over the whole run, as a server does.
 
     python benchmarks/controller_variants.py --humaneval 40 --sharegpt 40 --variant default --variant nogate:gate=false
     python benchmarks/controller_variants.py --models tiny --replies 4 --variant default --variant h1:hysteresis=0.01
@@ -27,10 +26,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from adaptive import make_systems  # a sibling script: its systems, with the variants added
 from specsample.bench.report import command_line
-from specsample.bench.systems import Ours, run_lockstep
-from specsample.config import SamplingParams, SpecConfig
 from specsample.bench.run import controller_config
+from specsample.bench.systems import run_lockstep
+from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig
 from specsample.drafters.model import ModelDrafter
 from specsample.models.tiny import tiny_lm
@@ -42,24 +42,6 @@ def parse_variant(spec: str) -> tuple[str, ControllerConfig]:
     if not name or name == "target-only" or name.startswith("gamma="):
         raise ValueError(f"a variant needs a name of its own (not target-only or gamma=N), got {spec!r}")
     return name, controller_config(knobs)
-
-
-def build(target, draft: ModelDrafter, eos: frozenset[int], max_len: int, fixed: list[int],
-          variants: list[tuple[str, ControllerConfig]], widths: tuple[int, ...] | None) -> list[Ours]:
-    """Target-only, each fixed gamma, and gamma auto per variant; every drafting system gets its own drafter."""
-
-    def own() -> ModelDrafter:
-        return ModelDrafter(draft.model, draft.folder, draft.window)
-
-    def config(gamma: int, adaptive: bool = False, speculative: bool = True) -> SpecConfig:
-        return SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1,
-                          max_seq_len=max_len, **({"target_widths": widths} if widths else {}))
-
-    systems = [Ours("target-only", target, None, config(1, speculative=False), eos)]
-    systems += [Ours(f"gamma={g}", target, own(), config(g), eos) for g in fixed]
-    systems += [Ours(name, target, own(), config(8, adaptive=True), eos, controller_config=knobs)
-                for name, knobs in variants]
-    return systems
 
 
 def tables(totals: dict, systems: list[str], fixed: list[str]) -> list[str]:
@@ -105,10 +87,12 @@ def main() -> None:
         parser.error(str(error))
     if not variants or not fixed or len({n for n, _ in variants}) != len(variants):
         parser.error("give at least one --variant (names distinct) and one --fixed gamma")
-    if min(fixed) < 1 or min(args.samples, args.max_new_tokens, args.replies) < 1 or args.temperature < 0:
-        parser.error("--fixed gammas, --samples, --max-new-tokens and --replies must be >= 1, --temperature >= 0")
+    if not 1 <= min(fixed) <= max(fixed) <= 8 or min(args.samples, args.max_new_tokens, args.replies) < 1 \
+            or args.temperature < 0:
+        parser.error("--fixed gammas must be in 1..8, --samples, --max-new-tokens and --replies >= 1, "
+                     "--temperature >= 0")
 
-    widths = None
+    widths: tuple[int, ...] = ()
     if args.models == "tiny":
         torch.set_num_threads(1)
         target = tiny_lm(64, seed=1, init_scale=0.2, dtype=torch.float32)
@@ -128,7 +112,8 @@ def main() -> None:
         groups = [(p.category, x) for p, x in zip(kept, ids)]
         widths = with_target_widths(SpecConfig(gamma=8), target, "auto").target_widths
     max_len = max(len(x) for _, x in groups) + args.max_new_tokens + 16
-    systems = build(target, draft, eos, max_len, fixed, variants, widths)
+    systems = make_systems(["target-only", *(f"gamma={g}" for g in fixed)], target, draft, eos, max_len, widths,
+                           variants=variants)
     replies = [(i + k * len(groups), group, x) for i, (group, x) in enumerate(groups) for k in range(args.samples)]
     random.Random(0).shuffle(replies)  # groups mixed, as a server sees them
     totals: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0, 0])  # tokens, seconds, rounds
