@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specsample.bench.difficulty import adjust_for_difficulty, text_acceptance, within_prompt_spread
 from specsample.bench.goals import goal_intervals, goal_tables, interval_table
 from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
@@ -75,6 +76,10 @@ def main() -> None:
                         help="round: the systems take turns round by round on each prompt, so the box's slow stretches "
                              "hit them alike (default); prompt: each decodes the whole prompt in turn (runs before "
                              "session 22)")
+    parser.add_argument("--difficulty", action=argparse.BooleanOptionalAction, default=True,
+                        help="after each prompt (untimed), score every reply's text teacher-forced: how hard it was for "
+                             "the draft (specsample.bench.difficulty); the report then also prints intervals with "
+                             "that noise taken out (default on)")
     parser.add_argument("--remodel", type=Path, metavar="RESULT",
                         help="recompute a stored result's modelled tables from its recorded rounds (with --box-speed) "
                              "into --out, decoding nothing")
@@ -108,6 +113,7 @@ def main() -> None:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
     timings = {t: defaultdict(list) for t in temperatures}  # system -> [(prompt, category, tokens, RunTiming)]
+    difficulty = {t: defaultdict(list) for t in temperatures}  # system -> [text_acceptance per reply, as timings]
     bar = tqdm(total=sum(len(prompts) * (args.samples if t > 0 else 1) for t in temperatures), desc="adaptive benchmark")
     for temperature in temperatures:
         # at temperature > 0 each prompt is sampled --samples times (seeds i + k n from k = --first-sample), prompt by prompt
@@ -121,8 +127,14 @@ def main() -> None:
                 records = [r[0] for r in run_lockstep(order, [prompt_ids], params, shuffle)]
             else:
                 records = [s.run([prompt_ids], params)[0] for s in order]
+            scored: dict[tuple[int, ...], float] = {}  # systems that wrote the same text share its score
             for s, record in zip(order, records):
                 timings[temperature][s.name].append((i, prompt.category, len(record.tokens), record.timing))
+                if args.difficulty:
+                    text = tuple(record.tokens)
+                    if text not in scored:
+                        scored[text] = text_acceptance(target, pair.drafter.model, prompt_ids, text, params)
+                    difficulty[temperature][s.name].append(scored[text])
                 for cat in (prompt.category, "overall"):
                     totals[temperature][s.name][cat][0] += len(record.tokens)
                     totals[temperature][s.name][cat][1] += record.seconds
@@ -142,6 +154,8 @@ def main() -> None:
             name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in totals[temperature].items()}
     report["rounds"] = {str(t): {name: [_dump_run(*run) for run in runs] for name, runs in timings[t].items()}
                         for t in temperatures}
+    if args.difficulty:
+        report["difficulty"] = {str(t): dict(by_system) for t, by_system in difficulty.items()}
     add_modelled(report, args.box_speed)
     save(report, args.out)
 
@@ -326,6 +340,12 @@ def _by_prompt(rows: list) -> dict[int, RunTiming]:
     return {row[0]: _load_run(row)[3] for row in rows}
 
 
+def rounds_of(rows: list) -> dict[int, tuple[int, float]]:
+    """A system's stored runs as reply key -> (its rounds, the seconds spent in them), for the adjustment."""
+    return {key: (len(timing.rounds), sum(r.seconds for r in timing.rounds))
+            for key, _, _, timing in map(_load_run, rows)}
+
+
 def replies_of(rows: list) -> list[tuple[int, str, int, float]]:
     """A system's stored runs as the goal bootstrap's replies: (key, category, tokens, measured seconds)."""
     return [(key, category, tokens, timing.seconds) for key, category, tokens, timing in map(_load_run, rows)]
@@ -386,7 +406,43 @@ def _interval_lines(report: dict, temperature: str) -> list[str]:
     if "target-only" not in rounds:
         return []
     replies = {name: replies_of(rows) for name, rows in rounds.items()}
-    return interval_table(goal_intervals(replies, _prompt_count(report, temperature)))
+    prompts = _prompt_count(report, temperature)
+    lines = interval_table(goal_intervals(replies, prompts))
+    difficulty = difficulty_of(report, temperature)
+    if difficulty:
+        rounds_by = {name: rounds_of(rows) for name, rows in rounds.items()}
+        adjusted, betas = adjust_for_difficulty(replies, difficulty, prompts, rounds_by)
+        lines += ["#### The same, times adjusted for the text", "", DIFFICULTY_NOTE, "",
+                  *adjustment_table(replies, adjusted, betas, prompts), *interval_table(goal_intervals(adjusted, prompts))]
+    return lines
+
+
+DIFFICULTY_NOTE = ("Adjusted for the text (`specsample.bench.difficulty`): each reply's text was scored teacher-forced "
+                   "after its prompt (untimed): the mean over its tokens of the probability that a draft there is "
+                   "accepted. Per system, rounds per token are fitted against that acceptance within prompts, and "
+                   "each reply is charged, at its own price per round, the rounds its text's distance from the "
+                   "prompt's mean over every system's texts predicts it saved or cost. All systems sample from one "
+                   "distribution, so this leaves each system's expected time where it was and takes out the luck of "
+                   "drawing an easy or a hard text; the box's timing noise stays.")
+
+
+def adjustment_table(replies: dict[str, list], adjusted: dict[str, list], betas: dict[str, float],
+                     prompts: int) -> list[str]:
+    """Markdown: each system's rounds per token against its texts' acceptance, and how far one reply's speed
+    strays on a prompt before and after the adjustment."""
+    before, after = within_prompt_spread(replies, prompts), within_prompt_spread(adjusted, prompts)
+    return (["| system | slope (rounds per token per unit of acceptance) | spread of a reply's time per token on its "
+             "prompt (sd of log) | adjusted |", "|---|---|---|---|"]
+            + [f"| {name} | {betas[name]:.3f} | {before[name]:.3f} | {after[name]:.3f} |" for name in replies]
+            + [""])
+
+
+def difficulty_of(report: dict, temperature: str) -> dict[str, dict[int, float]]:
+    """Per system, reply key -> its text's acceptance (`--difficulty`; {} for runs without it)."""
+    scores = report.get("difficulty", {}).get(temperature, {})
+    rounds = report.get("rounds", {}).get(temperature, {})
+    return {name: {row[0]: x for row, x in zip(rounds[name], values, strict=True)}
+            for name, values in scores.items() if name in rounds}
 
 
 def _split_lines(report: dict, temperature: str) -> list[str]:

@@ -12,25 +12,34 @@ import json
 import sys
 from pathlib import Path
 
-from adaptive import _prompt_count, replies_of  # the result files' format lives there
+from adaptive import DIFFICULTY_NOTE, _prompt_count, adjustment_table, difficulty_of, replies_of, rounds_of  # the result files' format lives there
 
+from specsample.bench.difficulty import adjust_for_difficulty
 from specsample.bench.goals import DEFAULT, fixed_gammas, goal_intervals, interval_table
 
 
-def pooled_replies(reports: list[dict], temperature: str) -> tuple[dict[str, list], int]:
+def pooled_replies(reports: list[dict], temperature: str) -> tuple[dict[str, list], int, dict[str, dict[int, float]],
+                                                                   dict[str, dict[int, tuple[int, float]]]]:
     """Every run's replies of `temperature` with keys made distinct across runs but still naming the same
-    prompt modulo the prompt count, and that count. Systems missing from a run are left out of all."""
+    prompt modulo the prompt count, that count, the replies' text acceptances under the same keys where every
+    run scored its texts (`--difficulty`; else {}), and their rounds. Systems missing from a run are left out."""
     counts = {_prompt_count(report, temperature) for report in reports}
     if len(counts) != 1:
         raise SystemExit(f"the runs decoded different prompt sets ({sorted(counts)} prompts): nothing to pool")
     prompts = counts.pop()
     shared = set.intersection(*(set(report["rounds"][temperature]) for report in reports))
     replies: dict[str, list] = {name: [] for name in sorted(shared)}
+    scored = all(difficulty_of(report, temperature) for report in reports)
+    difficulty: dict[str, dict[int, float]] = {name: {} for name in shared} if scored else {}
+    rounds: dict[str, dict[int, tuple[int, float]]] = {name: {} for name in shared}
     for run, report in enumerate(reports):
         offset = run * prompts * 1_000_000  # a multiple of the prompt count: key % prompts still names the prompt
+        own = difficulty_of(report, temperature) if scored else {}
         for name in shared:
             replies[name] += [(offset + key, *rest) for key, *rest in replies_of(report["rounds"][temperature][name])]
-    return replies, prompts
+            difficulty.get(name, {}).update({offset + key: x for key, x in own.get(name, {}).items()})
+            rounds[name].update({offset + key: r for key, r in rounds_of(report["rounds"][temperature][name]).items()})
+    return replies, prompts, difficulty, rounds
 
 
 def main() -> None:
@@ -52,18 +61,26 @@ def main() -> None:
         if args.temperature not in report.get("rounds", {}):
             raise SystemExit(f"{path} has no recorded replies at temperature {args.temperature}")
         reports.append(report)
-    replies, prompts = pooled_replies(reports, args.temperature)
+    replies, prompts, difficulty, rounds = pooled_replies(reports, args.temperature)
+    names = tuple(n for n in (DEFAULT, "gamma=auto", "ngram auto") if n in replies)
+    adjusted_lines = []
+    original = prompts  # centred per prompt, before --unit reply makes every reply a prompt of its own
+    if difficulty:
+        adjusted, betas = adjust_for_difficulty(replies, difficulty, prompts, rounds)
     if args.unit == "reply":  # every key its own cluster
         prompts = 1 + max(key for key, *_ in replies["target-only"])
-    intervals = goal_intervals(replies, prompts, names=tuple(n for n in (DEFAULT, "gamma=auto", "ngram auto")
-                                                              if n in replies), level=args.level,
-                               resamples=args.resamples)
+    intervals = goal_intervals(replies, prompts, names=names, level=args.level, resamples=args.resamples)
+    if difficulty:
+        adjusted_lines = ["### Times adjusted for the text", "", DIFFICULTY_NOTE, "",
+                          *adjustment_table(replies, adjusted, betas, original), *interval_table(goal_intervals(adjusted, prompts, names=names, level=args.level,
+                                                         resamples=args.resamples), args.level,
+                                          "replies" if args.unit == "reply" else "prompts")]
     sizes = ", ".join(f"{len(r['rounds'][args.temperature]['target-only'])}" for r in reports)
     lines = [f"Command: `python benchmarks/goal_intervals.py {' '.join(map(str, args.results))} --temperature "
              f"{args.temperature} --unit {args.unit}`", "", f"Temperature {args.temperature}: {prompts} "
              f"{'replies' if args.unit == 'reply' else 'prompts'} resampled, replies per run {sizes}; "
              f"fixed gammas in every run: {', '.join(fixed_gammas(replies))}.",
-             "", *interval_table(intervals, args.level, "replies" if args.unit == "reply" else "prompts")]
+             "", *interval_table(intervals, args.level, "replies" if args.unit == "reply" else "prompts"), *adjusted_lines]
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -527,7 +527,8 @@ def test_goal_intervals_pool_runs_of_the_same_prompts(tmp_path) -> None:
 
     first, second = run(2, {"target-only": 50, "gamma=1": 60, "gamma=auto": 55}), run(4, {"target-only": 50,
                                                                                          "gamma=1": 60, "gamma=auto": 66})
-    replies, prompts = pooled_replies([first, second], "0.7")
+    replies, prompts, difficulty, rounds = pooled_replies([first, second], "0.7")
+    assert difficulty == {} and sorted(rounds["gamma=auto"]) == sorted(k for k, *_ in replies["gamma=auto"])
     assert prompts == 3 and len(replies["gamma=auto"]) == 18
     assert sorted({key % 3 for key, *_ in replies["gamma=auto"]}) == [0, 1, 2]
     assert len({key for key, *_ in replies["gamma=auto"]}) == 18  # distinct across runs
@@ -583,3 +584,78 @@ def test_controller_variants_script_on_tiny_models(tmp_path) -> None:
     bad = subprocess.run([sys.executable, str(script), "--models", "tiny", "--variant", "x:no_such_knob=1"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "no_such_knob" in bad.stderr
+
+
+def _scored_run(rng: random.Random, prompts: int = 20, samples: int = 2) -> dict:
+    """A stored adaptive-benchmark result whose replies' texts were scored (`--difficulty`): 40 tokens each;
+    target-only 40 plain rounds of 15 ms, gamma=1 and gamma=auto (alike) rounds of one draft at 20 ms, as
+    many as 40 / (1 + the text's acceptance) (an easy text takes fewer rounds)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import adaptive
+    from specsample.bench.round_costs import RoundTiming, RunTiming
+
+    rows: dict[str, list] = {"target-only": [], "gamma=1": [], "gamma=auto": []}
+    scores: dict[str, list] = {name: [] for name in rows}
+    for key in range(prompts * samples):
+        ease = 0.2 + 0.2 * (key % prompts) / prompts
+        for name in rows:
+            x = min(max(rng.gauss(ease, 0.1), 0.0), 1.0)
+            drafted, ms = (0, 0.015) if name == "target-only" else (1, 0.020)
+            count = 40 if name == "target-only" else round(40 / (1 + x))
+            timing = RunTiming(50, 0.01, tuple(RoundTiming(drafted, 50 + k, ms * rng.lognormvariate(0, 0.02))
+                                               for k in range(count)))
+            rows[name].append(adaptive._dump_run(key, "c" if key % 2 else "d", 40, timing))
+            scores[name].append(x)
+    return {"command": "python benchmarks/adaptive.py --test", "draft": "d", "prompts": prompts, "samples": samples,
+            "results": {"0.7": {}}, "rounds": {"0.7": rows}, "difficulty": {"0.7": scores}}
+
+
+def test_scored_texts_narrow_the_goal_intervals_in_reports_and_pools(tmp_path) -> None:
+    """With every reply's text scored, the report and benchmarks/goal_intervals.py also print the intervals with
+    the text's luck taken out (specsample.bench.difficulty): narrower, about the same ratio. A pool with a run
+    that did not score its texts prints the raw intervals only."""
+    from specsample.bench.difficulty import adjust_for_difficulty
+    from specsample.bench.goals import goal_intervals
+
+    stored = _scored_run(random.Random(5))
+    import adaptive  # on the path once _scored_run has run
+    replies = {name: adaptive.replies_of(rows) for name, rows in stored["rounds"]["0.7"].items()}
+    difficulty = adaptive.difficulty_of(stored, "0.7")
+    assert difficulty["gamma=auto"][3] == stored["difficulty"]["0.7"]["gamma=auto"][3]  # keyed by the reply
+    raw = goal_intervals(replies, 20, resamples=400)["gamma=auto"]["overall"]
+    rounds = {name: adaptive.rounds_of(rows) for name, rows in stored["rounds"]["0.7"].items()}
+    fixed = goal_intervals(adjust_for_difficulty(replies, difficulty, 20, rounds)[0], 20,
+                           resamples=400)["gamma=auto"]["overall"]
+    assert fixed[2] - fixed[1] < 0.6 * (raw[2] - raw[1])  # / best fixed gamma: its interval
+    assert fixed[0] == pytest.approx(1.0, abs=0.02) and raw[0] == pytest.approx(1.0, abs=0.06)
+    adaptive.add_modelled(stored, "none")
+    stored["results"]["0.7"] = stored["modelled"]["0.7"]
+    first, second, unscored = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    adaptive.save(stored, first)
+    assert "#### The same, times adjusted for the text" in first.with_suffix(".md").read_text()
+    second.write_text(json.dumps(_scored_run(random.Random(6))))
+    unscored.write_text(json.dumps({k: v for k, v in _scored_run(random.Random(7)).items() if k != "difficulty"}))
+    script = str(Path(__file__).resolve().parents[1] / "benchmarks" / "goal_intervals.py")
+    pooled = subprocess.run([sys.executable, script, str(first), str(second), "--resamples", "200"], check=True,
+                            capture_output=True, text=True).stdout
+    assert "### Times adjusted for the text" in pooled and "slope (rounds per token" in pooled
+    plain = subprocess.run([sys.executable, script, str(first), str(unscored), "--resamples", "200"], check=True,
+                           capture_output=True, text=True).stdout
+    assert "adjusted for the text" not in plain and "`gamma=auto` with 90% bootstrap intervals" in plain
+
+
+def test_a_benchmark_system_keeps_the_max_gamma_its_knobs_ask_for(tiny_target, tiny_draft) -> None:
+    """Ours caps gamma auto's max_gamma at the config's gamma (the draft cache's slack) but keeps a smaller one:
+    a variant asking for max_gamma=2 once ran with the config's 8, silently."""
+    from specsample.bench.systems import Ours
+    from specsample.config import SamplingParams, SpecConfig
+    from specsample.controller import ControllerConfig
+    from specsample.drafters.model import ModelDrafter
+
+    config = SpecConfig(gamma=6, adaptive=True, max_batch_size=1)
+    assert Ours("a", tiny_target, ModelDrafter(tiny_draft), config, frozenset()).controller_config.max_gamma == 6
+    pinned = Ours("b", tiny_target, ModelDrafter(tiny_draft), config, frozenset(),
+                  controller_config=ControllerConfig(min_gamma=2, max_gamma=2, explore_every=10_000))
+    assert pinned.controller_config.max_gamma == 2
+    record = pinned.run([[1, 2, 3, 4, 5]], SamplingParams(temperature=1.0, max_new_tokens=40, seed=2))[0]
+    assert max(r.drafted for r in record.timing.rounds) == 2
