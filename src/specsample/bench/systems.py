@@ -43,13 +43,15 @@ class Ours:
     drafter's state for every run, so one drafter serves all runs. With gamma auto, one controller
     also serves all runs (as in a server, it keeps the costs and acceptance it measured) unless
     `keep_controller` is False, when every run starts a new one from the priors. `controller_config`: its
-    knobs (default ControllerConfig's; max_gamma is always the config's gamma)."""
+    knobs (default ControllerConfig's), its max_gamma at most the config's gamma (the draft cache's slack)."""
 
     def __init__(self, name: str, target: CausalLM, drafter: Drafter | None, config: SpecConfig,
                  eos: frozenset[int], keep_controller: bool = True,
                  controller_config: ControllerConfig | None = None) -> None:
         self.name, self.target, self.drafter, self.config, self.eos = name, target, drafter, config, eos
-        self.controller_config = dataclasses.replace(controller_config or ControllerConfig(), max_gamma=config.gamma)
+        knobs = controller_config or ControllerConfig()
+        # a smaller max_gamma asked for is kept (it was once silently replaced by the config's gamma)
+        self.controller_config = dataclasses.replace(knobs, max_gamma=min(knobs.max_gamma, config.gamma))
         self.keep_controller = keep_controller
         kept = config.adaptive and keep_controller
         self.controller = GammaController(self.controller_config) if kept else None
