@@ -413,7 +413,8 @@ def _interval_lines(report: dict, temperature: str) -> list[str]:
         rounds_by = {name: rounds_of(rows) for name, rows in rounds.items()}
         adjusted, betas = adjust_for_difficulty(replies, difficulty, prompts, rounds_by)
         lines += ["#### The same, times adjusted for the text", "", DIFFICULTY_NOTE, "",
-                  *adjustment_table(replies, adjusted, betas, prompts), *interval_table(goal_intervals(adjusted, prompts))]
+                  *adjustment_table(replies, adjusted, betas, prompts),
+                  *interval_table(goal_intervals(adjusted, prompts))]
     return lines
 
 

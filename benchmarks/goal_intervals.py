@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from adaptive import DIFFICULTY_NOTE, _prompt_count, adjustment_table, difficulty_of, replies_of, rounds_of  # the result files' format lives there
+# the result files' format lives there
+from adaptive import DIFFICULTY_NOTE, _prompt_count, adjustment_table, difficulty_of, replies_of, rounds_of
 
 from specsample.bench.difficulty import adjust_for_difficulty
 from specsample.bench.goals import DEFAULT, fixed_gammas, goal_intervals, interval_table
@@ -70,17 +71,18 @@ def main() -> None:
     if args.unit == "reply":  # every key its own cluster
         prompts = 1 + max(key for key, *_ in replies["target-only"])
     intervals = goal_intervals(replies, prompts, names=names, level=args.level, resamples=args.resamples)
+    unit = "replies" if args.unit == "reply" else "prompts"
     if difficulty:
+        adjusted_intervals = goal_intervals(adjusted, prompts, names=names, level=args.level, resamples=args.resamples)
         adjusted_lines = ["### Times adjusted for the text", "", DIFFICULTY_NOTE, "",
-                          *adjustment_table(replies, adjusted, betas, original), *interval_table(goal_intervals(adjusted, prompts, names=names, level=args.level,
-                                                         resamples=args.resamples), args.level,
-                                          "replies" if args.unit == "reply" else "prompts")]
+                          *adjustment_table(replies, adjusted, betas, original),
+                          *interval_table(adjusted_intervals, args.level, unit)]
     sizes = ", ".join(f"{len(r['rounds'][args.temperature]['target-only'])}" for r in reports)
     lines = [f"Command: `python benchmarks/goal_intervals.py {' '.join(map(str, args.results))} --temperature "
              f"{args.temperature} --unit {args.unit}`", "", f"Temperature {args.temperature}: {prompts} "
              f"{'replies' if args.unit == 'reply' else 'prompts'} resampled, replies per run {sizes}; "
              f"fixed gammas in every run: {', '.join(fixed_gammas(replies))}.",
-             "", *interval_table(intervals, args.level, "replies" if args.unit == "reply" else "prompts"), *adjusted_lines]
+             "", *interval_table(intervals, args.level, unit), *adjusted_lines]
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -1,12 +1,12 @@
 """How hard a decoded text is for the draft, and benchmark times adjusted for it (a control variate).
 
 At temperature > 0 every system samples texts of its own, so on one prompt a fixed gamma may happen to write an
-easy reply and gamma auto a hard one: at 64 tokens a reply's tokens per round stray by ~10% for that alone. The
-text's difficulty for the draft is a function of the text only, and every lossless system samples its texts from
-the same distribution, so its expectation is the same for every system: adjusting each reply's time for how far
-its text's difficulty sits from the prompt's mean takes that noise out without moving any system's expected
-time (regression adjustment with a control variate; "CUPED" in A/B testing). The adjustment goes through the
-rounds a text took, which the box's timing noise does not touch.
+easy reply and gamma auto a hard one, and its tokens per round follow. The text's difficulty for the draft is a
+function of the text only, and every lossless system samples its texts from the same distribution, so its
+expectation is the same for every system: adjusting each reply's time for how far its text's difficulty sits from
+the prompt's mean takes that noise out without moving any system's expected time (regression adjustment with a
+control variate; "CUPED" in A/B testing). The adjustment goes through the rounds a text took, which the box's
+timing noise does not touch.
 """
 
 from __future__ import annotations
