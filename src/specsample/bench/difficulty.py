@@ -17,35 +17,27 @@ from collections.abc import Sequence
 
 import torch
 
+from specsample.bench.goals import Reply
 from specsample.config import SamplingParams
 from specsample.sampling import warp_probs
-
-Reply = tuple[int, str, int, float]  # (reply key, category, tokens, seconds); key % prompts names the prompt
+from specsample.verify import acceptance_probabilities
 
 
 @torch.inference_mode()
 def text_acceptance(target, draft, prompt_ids: Sequence[int], reply_ids: Sequence[int],
                     params: SamplingParams) -> float:
     """Mean over a reply's tokens of the probability that a draft there is accepted, teacher-forced on the
-    text: sum over the vocabulary of min(target, draft) under `params` (Leviathan et al.'s beta); a draft
-    with an output subset (FR-Spec) proposes from its subset only. NaN for an empty reply."""
+    text: `verify.acceptance_probabilities` (sum over the vocabulary of min(target, draft) under `params`); a
+    draft with an output subset (FR-Spec) has logits only there, as when it drafts. NaN for an empty reply."""
     if not reply_ids:
         return float("nan")
     if not prompt_ids:
         raise ValueError("text_acceptance needs the prompt: the first reply token is predicted from it")
     tokens = torch.tensor([list(prompt_ids) + list(reply_ids)])
     span = slice(len(prompt_ids) - 1, len(prompt_ids) + len(reply_ids) - 1)  # the positions predicting the reply
-    target_logits = target.forward(tokens)[0, span].float()  # [reply, vocab]
-    draft_logits = draft.forward(tokens)[0, span].float()  # [reply, vocab]
-    subset = getattr(draft, "output_subset", None)
-    if subset is not None:  # the drafter samples its subset only: the rest has probability 0
-        masked = torch.full_like(draft_logits, float("-inf"))
-        index = subset.to(draft_logits.device)
-        masked[:, index] = draft_logits[:, index]
-        draft_logits = masked
-    target_probs = warp_probs(target_logits, params)  # [reply, vocab]
-    draft_probs = warp_probs(draft_logits.to(target_probs.device), params)  # [reply, vocab]
-    return float(torch.minimum(target_probs, draft_probs).sum(-1).mean())
+    target_probs = warp_probs(target.forward(tokens)[:, span], params)  # [1, reply, vocab]
+    draft_probs = warp_probs(draft.forward(tokens)[:, span], params)  # [1, reply, vocab]
+    return float(acceptance_probabilities(tokens[:, span.start + 1:], draft_probs, target_probs).mean())
 
 
 Rounds = dict[str, dict[int, tuple[int, float]]]  # system -> reply key -> (rounds, seconds spent in them)

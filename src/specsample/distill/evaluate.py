@@ -24,6 +24,7 @@ from specsample.engine import Engine
 from specsample.sampling import sample, warp_probs
 from specsample.theory import expected_speedup, optimal_gamma
 from specsample.tokenizer import Tokenizer
+from specsample.verify import acceptance_probabilities
 
 TEMPERATURES = (0.7, 1.0)
 
@@ -63,8 +64,8 @@ def position_metrics(target, draft, prompt_ids: list[int], continuation: list[in
     out = {"agree": (p_logits.argmax(-1) == q_logits.argmax(-1)).float().tolist()}
     for t in TEMPERATURES:
         params = SamplingParams(temperature=t)
-        p, q = warp_probs(p_logits, params), warp_probs(q_logits, params)
-        out[f"alpha_{t}"] = torch.minimum(p, q).sum(-1).tolist()
+        p, q = warp_probs(p_logits, params), warp_probs(q_logits, params)  # [n, vocab]
+        out[f"alpha_{t}"] = acceptance_probabilities(tokens[:, span.start + 1:], q[None], p[None])[0].tolist()
     return out
 
 
