@@ -459,6 +459,85 @@ def _split_lines(report: dict, temperature: str) -> list[str]:
             + f" | {100 * sum(split[c].values()):+.1f} |" for c in cats] + [""]
 
 
+ROUND_CLASSES = ("prefill", "plain", "scoring", "1 draft", "2 drafts", "3+ drafts")
+
+
+def _round_class(r: RoundTiming) -> str:
+    if r.scored:
+        return "scoring"
+    return "plain" if r.drafted == 0 else "1 draft" if r.drafted == 1 else "2 drafts" if r.drafted == 2 else "3+ drafts"
+
+
+def fixed_split(reports: list[dict], temperature: str,
+                name: str = "gamma=auto") -> tuple[dict[str, dict[str, tuple[float, float]]], dict[str, str]]:
+    """Per category, where `name`'s time went against the category's best fixed gamma (by measured tokens/s over
+    every run given, runs of the same prompts), by class of round (`ROUND_CLASSES`): each round's time less the
+    time the fixed gamma's rounds took for as many tokens on the same prompt (pooled over its replies there), and
+    its prefill less the fixed gamma's mean prefill there. Per class: (share of `name`'s time, share of its
+    rounds); the shares of time add up to 1 - (its tokens at the fixed gamma's pace) / its time, about 1 - its
+    speed over the fixed gamma's. Also the best fixed gamma per category. A round's tokens are the context it
+    added (the last round's: the rest of the reply)."""
+    pooled: dict[str, list[tuple[int, str, int, RunTiming]]] = defaultdict(list)
+    for report in reports:
+        prompts = _prompt_count(report, temperature)
+        for system, rows in report.get("rounds", {}).get(temperature, {}).items():
+            pooled[system] += [(key % prompts, category, tokens, timing)
+                               for key, category, tokens, timing in map(_load_run, rows)]
+    fixed = [n for n in pooled if re.fullmatch(r"gamma=\d+", n)]
+    if name not in pooled or not fixed:
+        return {}, {}
+    speed: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (system, category) -> tokens, s
+    for system in fixed:
+        for _, category, tokens, timing in pooled[system]:
+            speed[system, category][0] += tokens
+            speed[system, category][1] += timing.seconds
+    categories = {category for _, category, _, _ in pooled[name]}
+    best = {c: max(fixed, key=lambda n: speed[n, c][0] / max(speed[n, c][1], 1e-12)) for c in categories}
+    pace: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # prompt -> tokens, round s, prefill s, n
+    for category in categories:
+        for prompt, cat, tokens, timing in pooled[best[category]]:
+            if cat == category:
+                for i, x in enumerate((tokens, timing.seconds - timing.prefill_seconds, timing.prefill_seconds, 1)):
+                    pace[prompt][i] += x
+    sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for prompt, category, tokens, timing in pooled[name]:
+        fixed_tokens, fixed_seconds, fixed_prefill, fixed_replies = pace.get(prompt, (0, 0, 0, 0))
+        if fixed_tokens <= 0 or not timing.rounds:
+            continue
+        per_token = fixed_seconds / fixed_tokens
+        start = timing.rounds[0].context
+        for cat in (category, "overall"):
+            total = sums[cat]
+            total["seconds"] += timing.seconds
+            total["prefill"] += timing.prefill_seconds - fixed_prefill / fixed_replies
+            for k, r in enumerate(timing.rounds):
+                made = (timing.rounds[k + 1].context - r.context if k + 1 < len(timing.rounds)
+                        else tokens - (r.context - start))
+                total[_round_class(r)] += r.seconds - made * per_token
+                total["rounds " + _round_class(r)] += 1
+                total["rounds"] += 1
+    split = {cat: {c: (total[c] / total["seconds"], total["rounds " + c] / total["rounds"]) for c in ROUND_CLASSES}
+             for cat, total in sums.items()}
+    return split, best
+
+
+def fixed_split_lines(reports: list[dict], temperature: str, name: str = "gamma=auto") -> list[str]:
+    """Markdown of `fixed_split`: per category, the loss against the best fixed gamma by class of round."""
+    split, best = fixed_split(reports, temperature, name)
+    if not split:
+        return []
+    cats = sorted(c for c in split if c != "overall") + ["overall"]
+    return [f"Where `{name}`'s time went against the category's best fixed gamma, in % of its own time (`fixed_split`: "
+            "each round's time less the fixed gamma's time for as many tokens on the same prompt; its prefill less "
+            "the fixed gamma's; in brackets the class's share of its rounds). A positive total is about how much "
+            "slower it was; the classes say where:", "",
+            "| category | best fixed | " + " | ".join(ROUND_CLASSES) + " | total |", "|---|---|" + "---|" * 7] + [
+            f"| {c} | {best[c].split('=')[1] if c in best else 'per category'} | "
+            + " | ".join(f"{100 * split[c][k][0]:+.1f}" + ("" if k == "prefill" else f" ({split[c][k][1]:.2f})")
+                         for k in ROUND_CLASSES)
+            + f" | {100 * sum(v[0] for v in split[c].values()):+.1f} |" for c in cats] + [""]
+
+
 def write_report(report: dict, out: Path) -> None:
     """Tables per temperature, the goal check for gamma auto, and the same check for every policy; in
     measured time and, where the run recorded rounds, in modelled time (timing noise removed).
@@ -477,7 +556,8 @@ def write_report(report: dict, out: Path) -> None:
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():
         lines += ([f"### Temperature {temperature}, measured", "", *_noise_note(report, temperature)] + goal_tables(table)
-                  + _interval_lines(report, temperature) + _split_lines(report, temperature))
+                  + _interval_lines(report, temperature) + _split_lines(report, temperature)
+                  + fixed_split_lines([report], temperature))
         if temperature in report.get("modelled", {}):
             fit = report["model_fit"][temperature]
             lines += [f"### Temperature {temperature}, modelled time", "",

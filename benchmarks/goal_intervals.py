@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 # the result files' format lives there
-from adaptive import DIFFICULTY_NOTE, _prompt_count, adjustment_table, difficulty_of, replies_of, rounds_of
+from adaptive import (DIFFICULTY_NOTE, _prompt_count, adjustment_table, difficulty_of, fixed_split_lines, replies_of,
+                      rounds_of)
 
 from specsample.bench.difficulty import adjust_for_difficulty
 from specsample.bench.goals import DEFAULT, fixed_gammas, goal_intervals, interval_table
@@ -82,7 +83,8 @@ def main() -> None:
              f"{args.temperature} --unit {args.unit}`", "", f"Temperature {args.temperature}: {prompts} "
              f"{'replies' if args.unit == 'reply' else 'prompts'} resampled, replies per run {sizes}; "
              f"fixed gammas in every run: {', '.join(fixed_gammas(replies))}.",
-             "", *interval_table(intervals, args.level, unit), *adjusted_lines]
+             "", *interval_table(intervals, args.level, unit), *adjusted_lines, "### Where the time went", "",
+             *(line for name in names for line in fixed_split_lines(reports, args.temperature, name))]
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -659,3 +659,49 @@ def test_a_benchmark_system_keeps_the_max_gamma_its_knobs_ask_for(tiny_target, t
     assert pinned.controller_config.max_gamma == 2
     record = pinned.run([[1, 2, 3, 4, 5]], SamplingParams(temperature=1.0, max_new_tokens=40, seed=2))[0]
     assert max(r.drafted for r in record.timing.rounds) == 2
+
+
+def test_the_split_against_the_best_fixed_gamma_prices_each_class_of_round() -> None:
+    """benchmarks/adaptive.py's fixed_split: gamma auto's rounds and prefill against the best fixed gamma's pace
+    on the same prompt, by class of round; the classes add up to 1 - its time at that pace / its time, and a
+    gamma auto that decodes like the best fixed gamma loses nothing anywhere."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import adaptive
+    from specsample.bench.round_costs import RoundTiming, RunTiming
+
+    def run(classes: list[tuple[int, int, float]], prefill: float = 0.1, scored_at: int = -1) -> RunTiming:
+        """Rounds of (drafted, tokens made, seconds), from context 50."""
+        rounds, context = [], 50
+        for k, (drafted, made, seconds) in enumerate(classes):
+            rounds.append(RoundTiming(drafted, context, seconds, k == scored_at))
+            context += made
+        return RunTiming(50, prefill, tuple(rounds))
+
+    two = run([(2, 2, 0.03)] * 5)  # 10 tokens in 0.15 s of rounds: 0.015 s per token
+    one = run([(1, 1, 0.025)] * 10)  # slower: gamma 2 is the best fixed gamma
+    auto = run([(0, 1, 0.02), (0, 1, 0.02), (1, 1, 0.025), (2, 3, 0.03), (2, 2, 0.03), (3, 2, 0.04)],
+               prefill=0.11, scored_at=1)
+    tokens = 10
+
+    def report(auto_run: RunTiming) -> dict:
+        rows = {"target-only": [adaptive._dump_run(3, "c", tokens, run([(0, 1, 0.02)] * 10))],
+                "gamma=1": [adaptive._dump_run(3, "c", tokens, one)], "gamma=2": [adaptive._dump_run(3, "c", tokens, two)],
+                "gamma=auto": [adaptive._dump_run(3, "c", tokens, auto_run)]}
+        return {"prompts": 10, "rounds": {"0.7": rows}}
+
+    split, best = adaptive.fixed_split([report(auto)], "0.7")
+    assert best == {"c": "gamma=2"} and split["c"] == split["overall"]
+    seconds = auto.seconds  # 0.285
+    assert split["c"]["prefill"][0] == pytest.approx(0.01 / seconds)
+    assert split["c"]["plain"] == (pytest.approx((0.02 - 0.015) / seconds), pytest.approx(1 / 6))
+    assert split["c"]["scoring"][0] == pytest.approx((0.02 - 0.015) / seconds)
+    assert split["c"]["1 draft"][0] == pytest.approx((0.025 - 0.015) / seconds)
+    assert split["c"]["2 drafts"] == (pytest.approx((0.06 - 5 * 0.015) / seconds), pytest.approx(2 / 6))
+    assert split["c"]["3+ drafts"][0] == pytest.approx((0.04 - 2 * 0.015) / seconds)  # the last round: the rest
+    total = sum(v[0] for v in split["c"].values())
+    assert total == pytest.approx(1 - (tokens * 0.015 + 0.1) / seconds)
+    same, _ = adaptive.fixed_split([report(two)], "0.7")
+    assert all(v[0] == pytest.approx(0.0, abs=1e-12) for v in same["c"].values())
+    lines = adaptive.fixed_split_lines([report(auto), report(auto)], "0.7")  # two runs pool: the same shares
+    assert f"| c | 2 | {100 * split['c']['prefill'][0]:+.1f} |" in "\n".join(lines)
+    assert adaptive.fixed_split([{"prompts": 1, "rounds": {"0.7": {"gamma=auto": []}}}], "0.7") == ({}, {})
