@@ -530,7 +530,9 @@ def fixed_split_lines(reports: list[dict], temperature: str, name: str = "gamma=
     return [f"Where `{name}`'s time went against the category's best fixed gamma, in % of its own time (`fixed_split`: "
             "each round's time less the fixed gamma's time for as many tokens on the same prompt; its prefill less "
             "the fixed gamma's; in brackets the class's share of its rounds). A positive total is about how much "
-            "slower it was; the classes say where:", "",
+            "slower it was; the classes say where, not what another choice would have saved: the confidence gate "
+            "ends a round after its first draft where that draft is least likely accepted, so one-draft rounds lose "
+            "by selection and the longer ones gain by it:", "",
             "| category | best fixed | " + " | ".join(ROUND_CLASSES) + " | total |", "|---|---|" + "---|" * 7] + [
             f"| {c} | {best[c].split('=')[1] if c in best else 'per category'} | "
             + " | ".join(f"{100 * split[c][k][0]:+.1f}" + ("" if k == "prefill" else f" ({split[c][k][1]:.2f})")
