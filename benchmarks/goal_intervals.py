@@ -83,8 +83,9 @@ def main() -> None:
              f"{args.temperature} --unit {args.unit}`", "", f"Temperature {args.temperature}: {prompts} "
              f"{'replies' if args.unit == 'reply' else 'prompts'} resampled, replies per run {sizes}; "
              f"fixed gammas in every run: {', '.join(fixed_gammas(replies))}.",
-             "", *interval_table(intervals, args.level, unit), *adjusted_lines, "### Where the time went", "",
-             *(line for name in names for line in fixed_split_lines(reports, args.temperature, name))]
+             "", *interval_table(intervals, args.level, unit), *adjusted_lines]
+    split_lines = [line for name in names for line in fixed_split_lines(reports, args.temperature, name)]
+    lines += ["### Where the time went", "", *split_lines] if split_lines else []
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

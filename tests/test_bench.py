@@ -691,7 +691,7 @@ def test_the_split_against_the_best_fixed_gamma_prices_each_class_of_round() -> 
 
     split, best = adaptive.fixed_split([report(auto)], "0.7")
     assert best == {"c": "gamma=2"} and split["c"] == split["overall"]
-    seconds = auto.seconds  # 0.285
+    seconds = auto.seconds  # 0.275
     assert split["c"]["prefill"][0] == pytest.approx(0.01 / seconds)
     assert split["c"]["plain"] == (pytest.approx((0.02 - 0.015) / seconds), pytest.approx(1 / 6))
     assert split["c"]["scoring"][0] == pytest.approx((0.02 - 0.015) / seconds)
