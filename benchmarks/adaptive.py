@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from specsample.bench.difficulty import adjust_for_difficulty, text_acceptance, within_prompt_spread
-from specsample.bench.goals import goal_intervals, goal_tables, interval_table
+from specsample.bench.goals import fixed_gammas, goal_intervals, goal_tables, interval_table
 from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
@@ -480,10 +480,11 @@ def fixed_split(reports: list[dict], temperature: str,
     pooled: dict[str, list[tuple[int, str, int, RunTiming]]] = defaultdict(list)
     for report in reports:
         prompts = _prompt_count(report, temperature)
-        for system, rows in report.get("rounds", {}).get(temperature, {}).items():
+        stored = report.get("rounds", {}).get(temperature, {})
+        for system in (*fixed_gammas(stored), name) if name in stored else ():  # only what the split reads
             pooled[system] += [(key % prompts, category, tokens, timing)
-                               for key, category, tokens, timing in map(_load_run, rows)]
-    fixed = [n for n in pooled if re.fullmatch(r"gamma=\d+", n)]
+                               for key, category, tokens, timing in map(_load_run, stored[system])]
+    fixed = fixed_gammas(pooled)
     if name not in pooled or not fixed:
         return {}, {}
     speed: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (system, category) -> tokens, s
@@ -513,8 +514,9 @@ def fixed_split(reports: list[dict], temperature: str,
             for k, r in enumerate(timing.rounds):
                 made = (timing.rounds[k + 1].context - r.context if k + 1 < len(timing.rounds)
                         else tokens - (r.context - start))
-                total[_round_class(r)] += r.seconds - made * per_token
-                total["rounds " + _round_class(r)] += 1
+                kind = _round_class(r)
+                total[kind] += r.seconds - made * per_token
+                total["rounds " + kind] += 1
                 total["rounds"] += 1
     split = {cat: {c: (total[c] / total["seconds"], total["rounds " + c] / total["rounds"]) for c in ROUND_CLASSES}
              for cat, total in sums.items()}
