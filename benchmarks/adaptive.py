@@ -65,6 +65,9 @@ def main() -> None:
                              "needs target-only, gamma=auto and a fixed gamma, and compares with the fixed gammas run")
     parser.add_argument("--controller", default="", metavar="KEY=VALUE,...",
                         help="ControllerConfig fields for the gamma auto systems, e.g. scored_fallback_margin=0.5")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                        help="also run the draft model's gamma auto under these ControllerConfig knobs, as a system "
+                             "of this name, interleaved with the others (repeat), e.g. 'gamma=auto noext:extend=false'")
     parser.add_argument("--box-speed", choices=BOX_SPEED, default="shared",
                         help="modelled time: factor out the box's slowdown per prompt, shared by every system "
                              "(default), or fit each system alone (none)")
@@ -76,10 +79,10 @@ def main() -> None:
                         help="round: the systems take turns round by round on each prompt, so the box's slow stretches "
                              "hit them alike (default); prompt: each decodes the whole prompt in turn (runs before "
                              "session 22)")
-    parser.add_argument("--difficulty", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--difficulty", action=argparse.BooleanOptionalAction, default=None,
                         help="after each prompt (untimed), score every reply's text teacher-forced: how hard it was for "
                              "the draft (specsample.bench.difficulty); the report then also prints intervals with "
-                             "that noise taken out (default on)")
+                             "that noise taken out (default on when --samples >= 2: the fit is within a prompt)")
     parser.add_argument("--remodel", type=Path, metavar="RESULT",
                         help="recompute a stored result's modelled tables from its recorded rounds (with --box-speed) "
                              "into --out, decoding nothing")
@@ -87,6 +90,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
+    if args.difficulty and args.samples < 2:  # honoured (the scores are stored for pooling), but say what it buys
+        print("--difficulty with --samples 1: the texts are scored and stored, but this run's report cannot adjust "
+              "for them (the fit is among a prompt's replies)", file=sys.stderr)
+    if args.difficulty is None:
+        args.difficulty = args.samples >= 2
     if args.first_sample < 0:
         parser.error(f"--first-sample must be >= 0, got {args.first_sample}")
     if args.remodel:
@@ -104,12 +112,20 @@ def main() -> None:
     if not {"target-only", "gamma=auto"} <= set(chosen) or not any(n.startswith("gamma=") and n[6:].isdigit() for n in chosen):
         parser.error("--systems must include target-only, gamma=auto and at least one fixed gamma (the goal check)")
 
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as error:
+        parser.error(f"--variant: {error}")
+    clash = [n for n, _ in variants if n in SYSTEMS or [m for m, _ in variants].count(n) > 1]
+    if clash:
+        parser.error(f"--variant: names must differ from each other and from the systems, got {sorted(set(clash))}")
+
     pair, prompts, ids, max_len = load_spec_bench(args)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     eos = tokenizer.eos_token_ids
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
 
-    systems = make_systems(chosen, target, pair.drafter, eos, max_len, widths, controller)
+    systems = make_systems(chosen, target, pair.drafter, eos, max_len, widths, controller, variants)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
     timings = {t: defaultdict(list) for t in temperatures}  # system -> [(prompt, category, tokens, RunTiming)]
@@ -219,6 +235,14 @@ TURNS = ("shuffled", "rotated")  # round by round: a fresh order every round, or
 AGAIN = "target-only again"  # target-only run a second time: the run's own timing noise
 SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram",
            "ngram auto", "hybrid", "hybrid auto")
+
+
+def parse_variant(spec: str) -> tuple[str, ControllerConfig]:
+    """'name' or 'name:key=value,...' -> (name, its ControllerConfig)."""
+    name, _, knobs = spec.partition(":")
+    if not name or name == "target-only" or re.fullmatch(r"gamma=\d+", name):
+        raise ValueError(f"a variant needs a name of its own (not target-only or gamma=N), got {spec!r}")
+    return name, controller_config(knobs)
 
 
 def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[int], max_len: int,
@@ -409,6 +433,9 @@ def _interval_lines(report: dict, temperature: str) -> list[str]:
     prompts = _prompt_count(report, temperature)
     lines = interval_table(goal_intervals(replies, prompts))
     difficulty = difficulty_of(report, temperature)
+    if difficulty and len(replies["target-only"]) < 2 * prompts:
+        return lines + ["Not adjusted for the text: its texts were scored, but with one reply per prompt there is "
+                        "nothing to fit within a prompt (`--samples` >= 2).", ""]
     if difficulty:
         rounds_by = {name: rounds_of(rows) for name, rows in rounds.items()}
         adjusted, betas = adjust_for_difficulty(replies, difficulty, prompts, rounds_by)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaptive import make_systems  # a sibling script: its systems, with the variants added
+from adaptive import make_systems, parse_variant  # a sibling script: its systems, with the variants added
 from specsample.bench.report import command_line
 from specsample.bench.run import controller_config
 from specsample.bench.systems import run_lockstep
@@ -34,14 +34,6 @@ from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig
 from specsample.drafters.model import ModelDrafter
 from specsample.models.tiny import tiny_lm
-
-
-def parse_variant(spec: str) -> tuple[str, ControllerConfig]:
-    """'name' or 'name:key=value,...' -> (name, its ControllerConfig)."""
-    name, _, knobs = spec.partition(":")
-    if not name or name == "target-only" or name.startswith("gamma="):
-        raise ValueError(f"a variant needs a name of its own (not target-only or gamma=N), got {spec!r}")
-    return name, controller_config(knobs)
 
 
 def tables(totals: dict, systems: list[str], fixed: list[str]) -> list[str]:

@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--unit", choices=("prompt", "reply"), default="prompt",
                         help="what the bootstrap resamples: prompts with all their replies (default), or replies one "
                              "by one (as if every reply were a prompt of its own)")
+    parser.add_argument("--systems", default=f"{DEFAULT},gamma=auto,ngram auto",
+                        help="comma-separated systems to test against the goals (those the runs have; a run's "
+                             "--variant names too)")
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     args = parser.parse_args()
     if not 0 < args.level < 1 or args.resamples < 1:
@@ -64,9 +67,12 @@ def main() -> None:
             raise SystemExit(f"{path} has no recorded replies at temperature {args.temperature}")
         reports.append(report)
     replies, prompts, difficulty, rounds = pooled_replies(reports, args.temperature)
-    names = tuple(n for n in (DEFAULT, "gamma=auto", "ngram auto") if n in replies)
+    names = tuple(n for n in (n.strip() for n in args.systems.split(",")) if n in replies)
     adjusted_lines = []
     original = prompts  # centred per prompt, before --unit reply makes every reply a prompt of its own
+    if difficulty and len(replies["target-only"]) < 2 * prompts:  # one reply per prompt: nothing to fit within one
+        difficulty = {}
+        adjusted_lines = ["Not adjusted for the text: one reply per prompt leaves nothing to fit within a prompt.", ""]
     if difficulty:
         adjusted, betas = adjust_for_difficulty(replies, difficulty, prompts, rounds)
     if args.unit == "reply":  # every key its own cluster
@@ -80,7 +86,9 @@ def main() -> None:
                           *interval_table(adjusted_intervals, args.level, unit)]
     sizes = ", ".join(f"{len(r['rounds'][args.temperature]['target-only'])}" for r in reports)
     lines = [f"Command: `python benchmarks/goal_intervals.py {' '.join(map(str, args.results))} --temperature "
-             f"{args.temperature} --unit {args.unit}`", "", f"Temperature {args.temperature}: {prompts} "
+             f"{args.temperature} --unit {args.unit}"
+             + (f" --systems '{args.systems}'" if args.systems != parser.get_default("systems") else "")
+             + "`", "", f"Temperature {args.temperature}: {prompts} "
              f"{'replies' if args.unit == 'reply' else 'prompts'} resampled, replies per run {sizes}; "
              f"fixed gammas in every run: {', '.join(fixed_gammas(replies))}.",
              "", *interval_table(intervals, args.level, unit), *adjusted_lines]

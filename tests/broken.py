@@ -60,10 +60,10 @@ class GateDropsToken(WrappedDrafter):
     """A confidence gate that drops the low-confidence token instead of keeping it: whether a draft
     is proposed then depends on that very draw, which biases the output. Wraps a ModelDrafter."""
 
-    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=()):
+    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=(), extension=None):
         from specsample.drafters.base import Proposal
 
-        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds)
+        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
         drafted = proposal.num_drafted.clone()
         for row in range(len(slots)):
             n = int(drafted[row])
@@ -72,13 +72,29 @@ class GateDropsToken(WrappedDrafter):
         return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)
 
 
+class ExtensionDropsToken(WrappedDrafter):
+    """Drafting past the plan that, where the extension declines to go on, drops the draft it judged instead of
+    keeping it: whether that draft is proposed then depends on its own draw. Wraps a ModelDrafter."""
+
+    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=(), extension=None):
+        from specsample.drafters.base import Proposal
+
+        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
+        drafted = proposal.num_drafted.clone()
+        for row in range(len(slots)):
+            n = int(drafted[row])
+            if extension is not None and extension.planned[row] <= n < max_drafts[row]:
+                drafted[row] = n - 1  # the extension stopped the row here: drop the token it stopped on
+        return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)
+
+
 class SubsetProbsUnmapped(WrappedDrafter):
     """A draft with an output subset (FR-Spec) that reports its probabilities in the subset's column order
     instead of at the tokens' vocabulary ids: the tokens are right, the q the verifier reads is not.
     Wraps a ModelDrafter whose model has an output subset."""
 
-    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=()):
-        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds)
+    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=(), extension=None):
+        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
         subset = self.inner.model.output_subset.cpu()
         unmapped = torch.zeros_like(proposal.probs)
         unmapped[..., : len(subset)] = proposal.probs[..., subset]  # column j holds token subset[j]'s q

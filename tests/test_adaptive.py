@@ -531,7 +531,31 @@ def test_gate_follows_the_measured_cost_of_one_more_draft() -> None:
     assert thresholds[0] == 0.0 and thresholds[1] > 0.0 and thresholds[1] == thresholds[2]
     controller._round = controller.config.explore_every - 1
     assert controller.plan(["r"], 1) in ([1], [3])  # a round that tries a neighbouring gamma...
-    assert controller.gate_thresholds(1) == []  # ...drafts it in full, or its cost would never be timed
+    assert controller.gate(1) == ([], None)  # ...drafts it in full, or its cost would never be timed
+
+
+def test_the_extension_prices_one_more_draft_as_the_gate_does() -> None:
+    """Past the planned gamma one more draft pays where all drafts so far were accepted with at least
+    S (R(j + 1) - R(j)) / a_mean: the gate's bar, against the product of the drafts' bins' acceptance."""
+    controller = GammaController(ControllerConfig(max_gamma=4, gate_min_samples=100, prior_cost_ratio=0.2))
+    assert controller.gate(1) == ([], None)  # not calibrated: neither
+    _calibrate_gate(controller)
+    thresholds, (acceptance, bars) = controller.gate(1)
+    assert len(acceptance) == 10 and len(bars) == 3
+    assert acceptance[0] < 0.15 and acceptance[9] > 0.85  # the calibration's acceptance grows with confidence
+    mean = sum(controller._gate_accepts) / sum(controller._gate_trials)
+    rate = max(controller.best_gamma(controller._pooled_alpha(), 1)[1], 1.0)
+    assert bars[0] == pytest.approx(rate * 0.2 / mean)  # one more draft at c = 0.2 plain rounds (no timings)
+    # the gate stops below the first bin that reaches the same bar
+    assert thresholds[0] == pytest.approx(next(b for b, a in enumerate(acceptance) if a >= bars[0]) / 10)
+    assert GammaController(ControllerConfig(extend=False)).gate(1) == ([], None)
+    no_extension = GammaController(ControllerConfig(max_gamma=4, gate_min_samples=100, prior_cost_ratio=0.2,
+                                                    extend=False))
+    _calibrate_gate(no_extension)
+    assert no_extension.gate(1) == (thresholds, None)
+    no_gate = GammaController(ControllerConfig(max_gamma=4, gate_min_samples=100, prior_cost_ratio=0.2, gate=False))
+    _calibrate_gate(no_gate)
+    assert no_gate.gate(1) == ([], (acceptance, bars))
 
 
 def test_round_costs_are_measured_per_gamma_not_extrapolated() -> None:
@@ -564,6 +588,77 @@ def test_greedy_equality_for_every_drafter_and_auto_gamma(tiny_target, tiny_draf
         for config in (SpecConfig(gamma=4), SpecConfig(gamma=8, adaptive=True)):
             out = generate(tiny_target, prompts, params, draft=make(), config=config)
             assert [c.token_ids for c in out.completions] == plain, (name, config)
+
+
+class _AlwaysExtends(GammaController):
+    """Plans one draft a row and extends every round to its reach (every bin accepted, no bar)."""
+
+    def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
+        return 1, 2.0
+
+    def gate(self, batch_size: int):
+        return [], ((1.0,) * 10, (0.0,) * (self.config.max_gamma - 1))
+
+
+def test_greedy_equality_when_rounds_draft_past_their_plan(tiny_target, tiny_draft) -> None:
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7, 4, 5, 6], [3], [10, 11, 10, 11, 10]]
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    plain = [c.token_ids for c in generate(tiny_target, prompts, params).completions]
+    controller = _AlwaysExtends(ControllerConfig(max_gamma=5, explore_every=10**6, calibrate_every=10**6))
+    out = generate(tiny_target, prompts, params, draft=ModelDrafter(tiny_draft),
+                   config=SpecConfig(gamma=4, adaptive=True), controller=controller)
+    assert [c.token_ids for c in out.completions] == plain
+    assert out.stats["drafted"] > 1.5 * out.stats["drafts"]  # planned one a round, drafted up to 4 (config.gamma)
+    assert out.stats["extended_row_rounds"] >= out.stats["drafts"] // 2  # ...and the statistics say so
+
+
+def test_a_model_drafter_extends_past_its_plan_only_as_the_rule_allows(tiny_draft) -> None:
+    from specsample.drafters.base import Extension
+
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(2)]
+
+    def drafted(extension: Extension | None, max_drafts: list[int], thresholds=()) -> list[int]:
+        drafter = ModelDrafter(tiny_draft)
+        drafter.allocate(2, 64)
+        drafter.add_rows([0, 1], [[1, 2, 3, 4], [5, 6, 7]])
+        generators = [torch.Generator().manual_seed(s) for s in range(2)]
+        proposal = drafter.propose([0, 1], max(max_drafts), max_drafts, params, generators, thresholds, extension)
+        return proposal.num_drafted.tolist()
+
+    always = ((1.0,) * 10, (0.0,) * 7)
+    never = ((0.0,) * 10, (0.5,) * 7)
+    assert drafted(Extension((1, 2), *always), [4, 3]) == [4, 3]  # each row to its reach
+    assert drafted(Extension((1, 2), *never), [4, 3]) == [1, 2]  # each row to its plan
+    assert drafted(None, [4, 3]) == [4, 3]  # no extension: max_drafts is the plan
+    # within the plan the gate stops (every confidence is under 1.0), past it only the extension judges
+    assert drafted(Extension((2, 0), *always), [4, 3], thresholds=[1.0] * 7) == [1, 3]
+    with pytest.raises(ValueError, match="plans 1 rows for a batch of 2"):
+        drafted(Extension((1,), *always), [4, 3])
+
+
+def test_drafters_without_confidences_refuse_an_extension_past_the_plan(tiny_draft) -> None:
+    from specsample.drafters.base import Extension
+
+    rule = ((1.0,) * 10, (0.0,) * 7)
+    ngram = NgramDrafter(min_n=1)
+    ngram.allocate(1, 64)
+    ngram.add_rows([0], [[1, 2, 3, 1, 2]])
+    generator = [torch.Generator().manual_seed(0)]
+    params = [SamplingParams(temperature=1.0)]
+    with pytest.raises(ValueError, match="n-gram draft has no confidence"):
+        ngram.propose([0], 3, [3], params, generator, (), Extension((1,), *rule))
+    assert ngram.propose([0], 3, [3], params, generator, (), Extension((3,), *rule)).num_drafted.tolist() == [3]
+    hybrid = HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=1)
+    hybrid.allocate(1, 64)
+    hybrid.add_rows([0], [[1, 2, 3, 1, 2]])
+    with pytest.raises(ValueError, match="only rows sent to the draft model"):
+        hybrid.propose_chosen([0], 3, [3], params, generator, (), [None], Extension((1,), *rule))
+    model_row = hybrid.propose_chosen([0], 3, [3], params, generator, (), [False], Extension((1,), *rule))
+    assert model_row.num_drafted.tolist() == [3]
+    with pytest.raises(ValueError, match="one probability per bin"):
+        Extension((1,), (1.5,), (0.0,))
+    with pytest.raises(ValueError, match="planned drafts must be >= 0"):
+        Extension((-1,), (1.0,), (0.0,))
 
 
 class _FailingDrafter(NgramDrafter):

@@ -644,6 +644,25 @@ def test_scored_texts_narrow_the_goal_intervals_in_reports_and_pools(tmp_path) -
     assert "adjusted for the text" not in plain and "`gamma=auto` with 90% bootstrap intervals" in plain
 
 
+def test_texts_scored_with_one_reply_per_prompt_are_not_adjusted(tmp_path) -> None:
+    """With one reply per prompt the within-prompt fit has nothing to fit (a session-32 report printed slopes of 0
+    and spreads of nan, then the raw intervals again as 'adjusted'): the report and the pooled intervals say why
+    they skip it (the benchmark scores texts by default only with --samples >= 2)."""
+    stored = _scored_run(random.Random(8), samples=1)
+    import adaptive  # on the path once _scored_run has run
+    adaptive.add_modelled(stored, "none")
+    stored["results"]["0.7"] = stored["modelled"]["0.7"]
+    path = tmp_path / "one.json"
+    adaptive.save(stored, path)
+    report = path.with_suffix(".md").read_text()
+    assert "times adjusted for the text" not in report and "nan" not in report
+    assert "Not adjusted for the text" in report
+    script = Path(__file__).resolve().parents[1] / "benchmarks"
+    pooled = subprocess.run([sys.executable, str(script / "goal_intervals.py"), str(path), "--resamples", "50"],
+                            check=True, capture_output=True, text=True).stdout
+    assert "Not adjusted for the text" in pooled and "slope (rounds per token" not in pooled
+
+
 def test_a_benchmark_system_keeps_the_max_gamma_its_knobs_ask_for(tiny_target, tiny_draft) -> None:
     """Ours caps gamma auto's max_gamma at the config's gamma (the draft cache's slack) but keeps a smaller one:
     a variant asking for max_gamma=2 once ran with the config's 8, silently."""

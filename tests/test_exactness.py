@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import specsample.engine as engine_module
-from broken import BROKEN, GateDropsToken, SubsetProbsUnmapped
+from broken import BROKEN, ExtensionDropsToken, GateDropsToken, SubsetProbsUnmapped
 from devices import DEVICE
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
@@ -94,12 +94,29 @@ class FixedGate(GammaController):
     def round_cost(self, batch_size: int, drafts: int) -> float:
         return 1.0 + 0.05 * drafts
 
-    def gate_thresholds(self, batch_size: int) -> list[float]:
-        return [0.5] * self.config.max_gamma
+    def gate(self, batch_size: int):
+        return [0.5] * self.config.max_gamma, None
 
     def _prior_centre(self, state) -> float:
         self.confidence_priors = getattr(self, "confidence_priors", 0) + (state.predicted_trials > 0)
         return super()._prior_centre(state)
+
+
+class Extends(FixedGate):
+    """FixedGate planning one draft a row, then drafting past the plan while a pinned extension allows (each
+    confidence bin b accepted at (b + 0.5) / 10, a bar of 0.25 per position): the extension always acts."""
+
+    extended = 0  # rounds a row drafted past its plan of one
+
+    def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
+        return 1, 2.0
+
+    def gate(self, batch_size: int):
+        return [], (tuple((b + 0.5) / 10 for b in range(10)), (0.25,) * (self.config.max_gamma - 1))
+
+    def observe(self, request_id, num_drafted, num_accepted, confidences=None, expected=None) -> None:
+        self.extended += int(num_drafted > 1)
+        super().observe(request_id, num_drafted, num_accepted, confidences, expected)
 
 
 class DearDraft(FixedGate):
@@ -143,12 +160,14 @@ def _adaptive_cases(draft):
         "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True,
                          FixedGate(ControllerConfig(max_gamma=3))),
         "backlog_scoring": (ModelDrafter(draft), True, ScoresThenDrafts(ControllerConfig(max_gamma=3))),
+        # one draft planned, more while the drafts so far were likely accepted (no exploring: plans stay at one)
+        "extension": (ModelDrafter(draft), True, Extends(ControllerConfig(max_gamma=4, explore_every=10**6))),
         "output_subset": (ModelDrafter(subset_draft()), False, None),
     }
 
 
 @pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "hybrid_auto", "draft_window",
-                                  "backlog_scoring", "output_subset"])
+                                  "backlog_scoring", "extension", "output_subset"])
 def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
     drafter, adaptive, controller = _adaptive_cases(draft)[case]
@@ -156,6 +175,8 @@ def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     counts = engine_counts(target, drafter, params, gamma=3, adaptive=adaptive, controller=controller, prompt=REPEATING)
     if case == "backlog_scoring":
         assert controller.scored >= SAMPLES  # every row's draft scored the token of its plain round
+    elif case == "extension":
+        assert controller.extended >= SAMPLES // 4  # rows drafted past their plan of one
     elif controller is not None:
         assert any(t > 0 for t in controller._gate_trials)  # the gate had drafts to act on
         assert controller.confidence_priors > 0  # ...and plans used priors centred by past drafts' confidences
@@ -172,6 +193,15 @@ def test_gate_that_drops_the_token_fails(pair) -> None:
                            controller=FixedGate(ControllerConfig(max_gamma=4)), prompt=REPEATING)
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic > threshold, f"the broken gate was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+def test_extension_that_drops_the_token_fails(pair) -> None:
+    target, draft = pair
+    params = WARPS["temperature_1"]
+    counts = engine_counts(target, ExtensionDropsToken(ModelDrafter(draft)), params, gamma=3, adaptive=True,
+                           controller=Extends(ControllerConfig(max_gamma=4, explore_every=10**6)), prompt=REPEATING)
+    statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
+    assert statistic > threshold, f"the broken extension was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 
 
 def test_subset_draft_probabilities_at_the_wrong_ids_fail(pair) -> None:

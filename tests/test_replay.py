@@ -362,9 +362,10 @@ def test_draft_confidence_weighs_accepted_and_rejected_drafts():
 class _Scripted:
     """A stand-in controller: plans the given drafts round by round, with fixed gate thresholds."""
 
-    def __init__(self, plans: list[int], thresholds: list[float] = ()) -> None:
+    def __init__(self, plans: list[int], thresholds: list[float] = (), rule=None) -> None:
         self.plans, self.thresholds, self.observed, self.remaining = list(plans), list(thresholds), [], []
         self.expected: list[list[float] | None] = []
+        self.rule = rule  # (per-bin acceptance, bars): the extension's, as GammaController.gate returns it
 
     def plan(self, request_ids, batch_size, remaining=None, scorable=None, lookup=None, otherwise=None):
         self.remaining.append(remaining)
@@ -373,8 +374,8 @@ class _Scripted:
     def scores_planned(self):
         return {}
 
-    def gate_thresholds(self, batch_size):
-        return self.thresholds
+    def gate(self, batch_size):
+        return self.thresholds, self.rule
 
     def in_fallback(self, request_id):
         return False
@@ -420,6 +421,30 @@ def test_the_gate_stops_on_the_text_and_never_off_it():
     drafted, accepted, confidences = beyond.observed[0]
     assert (drafted, accepted) == (3, 1) and math.isnan(confidences[2])  # off the text: never stops there
     assert beyond.expected[0] == [1.0, 0.0]
+
+
+def test_a_round_drafts_past_its_plan_while_its_drafts_were_likely_all_accepted():
+    """The extension as the engine's drafter applies it: past the plan, one more draft while the product of the
+    drafts' bins' acceptance reaches the position's bar; never from a draft off the text (no confidence)."""
+    trace = Trace("c", 5, (0.5,) + (1.0,) * 5, (0.95, 0.95, 0.55, 0.95, 0.95, 0.95), (0.3,) * 6, max_new_tokens=12)
+    acceptance = (0.0,) * 5 + (0.5,) * 4 + (0.9,)  # bins of 0.1: 0.5-0.9 accepted half the time, 0.9-1 at 0.9
+    rule = (acceptance, (0.5,) * 7)
+    extended = _Scripted([1], rule=rule)
+    replay(trace, "auto", [0.0] * 6, _linear_costs(), lambda: 1.0, extended)
+    # 0.9 after one draft, 0.81 after two, 0.405 after the third (confidence 0.55): the round ends there
+    assert extended.observed[0][:2] == (3, 3)
+    planned = _Scripted([4], rule=rule)  # within the plan the gate alone judges (none here): all 4 drafted
+    replay(trace, "auto", [0.0] * 6, _linear_costs(), lambda: 1.0, planned)
+    assert planned.observed[0][:2] == (4, 4)
+    none = _Scripted([1])
+    replay(trace, "auto", [0.0] * 6, _linear_costs(), lambda: 1.0, none)
+    assert none.observed[0][:2] == (1, 1)
+    rejected = _Scripted([1], rule=rule)
+    replay(trace, "auto", [0.99] + [0.0] * 5, _linear_costs(), lambda: 1.0, rejected)
+    assert rejected.observed[0][:2] == (1, 0)  # the rejected draft's own confidence (0.3) is too low to go on
+    off = _Scripted([1], rule=((0.9,) * 10, (0.0,) * 7))  # every bin 0.9, no bar: only the text's end stops it
+    replay(trace, "auto", [0.0] * 6, _linear_costs(), lambda: 1.0, off)
+    assert off.observed[0][:2] == (7, 6)  # the seventh draft, past the reply, has no confidence to go on from
 
 
 def test_drafts_are_clipped_to_the_budget_not_the_text():

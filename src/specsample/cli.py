@@ -435,9 +435,13 @@ def summary_line(stats: dict) -> str:
 
 
 def _controller_rounds(stats: dict) -> str:
-    """What gamma auto did beyond choosing gamma: rounds of prompt lookup, rounds without drafting."""
+    """What gamma auto did beyond choosing gamma: rounds of prompt lookup, rounds without drafting, rounds that
+    drafted past the planned gamma."""
     lookups, plain = stats.get("lookup_row_rounds", 0), stats.get("fallback_row_rounds", 0)
-    return f" | {lookups} lookup rounds, {plain} without drafting" if lookups or plain else ""
+    extended = stats.get("extended_row_rounds", 0)
+    if not (lookups or plain or extended):
+        return ""
+    return f" | {lookups} lookup rounds, {plain} without drafting, {extended} past the planned gamma"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,6 +40,7 @@ class ControllerConfig:
     score_min_tokens: int = 4  # ...once this many (where the drafter can: a model draft), instead of drafting
     hopeful_scoring: bool = True  # ...every 2 probe_every rounds while alpha a margin up would resume drafting
     gate: bool = True  # stop a round early after a low-confidence draft token
+    extend: bool = True  # ...and draft past the planned gamma while the drafts so far were likely all accepted
     gate_min_samples: int = 200
     prior_cost_ratio: float = 0.05
     calibrate_every: int = 64  # rounds per batch size between plain rounds that time plain decoding
@@ -542,7 +543,19 @@ class GammaController:
         return last is None or self._round - last >= self.config.calibrate_every
 
     def gate_thresholds(self, batch_size: int) -> list[float]:
-        """Per draft position j (list index j - 1): the confidence below which a round stops after its
+        """The gate's thresholds of `gate` (this round's: it reads and clears whether the round explores)."""
+        return self.gate(batch_size)[0]
+
+    def gate(self, batch_size: int) -> tuple[list[float], tuple[tuple[float, ...], tuple[float, ...]] | None]:
+        """This round's confidence gate and extension; an exploring round has neither (it times its gamma in
+        full). Called once per round: it reads and clears whether the round explores.
+
+        The extension (None: none) is per confidence bin its past acceptance a(q), and per draft position j
+        (index j - 1) the bar S (R(j + 1) - R(j)) / a_mean below: past the planned gamma a round draws draft
+        j + 1 while a(q_1) ... a(q_j) reaches it, as one more draft adds tokens only if every draft so far is
+        accepted (within the plan, the gate judges a draft by its own bin alone).
+
+        The gate, per draft position j (list index j - 1): the confidence below which a round stops after its
         j-th draft ([] = no gate yet).
 
         A draft drawn with confidence q is accepted with probability a(q), estimated per bin from past
@@ -553,14 +566,19 @@ class GammaController:
         """
         exploring, self._exploring = self._exploring, False  # it describes this round only
         trials = sum(self._gate_trials)
-        if not self.config.gate or not self._gate_calibrated() or exploring:
-            return []  # an exploring round measures the cost of its gamma in full (else a gate at 1 hides it)
+        if not (self.config.gate or self.config.extend) or not self._gate_calibrated() or exploring:
+            return [], None  # an exploring round measures the cost of its gamma in full (else a gate at 1 hides it)
         mean = sum(self._gate_accepts) / trials
         if mean <= 0:
-            return []
+            return [], None
         rate = max(self.best_gamma(self._pooled_alpha(), batch_size)[1], 1.0)
-        return [self._threshold(rate * self._one_more_draft(batch_size, j) / mean)
-                for j in range(1, self.config.max_gamma)]
+        bars = [rate * self._one_more_draft(batch_size, j) / mean for j in range(1, self.config.max_gamma)]
+        thresholds = [self._threshold(bar) for bar in bars] if self.config.gate else []
+        if not self.config.extend:
+            return thresholds, None
+        # a bin not yet read counts as never accepted: no extension on a confidence without a past
+        acceptance = tuple(self._bin_acceptance(b) or 0.0 for b in range(BINS))
+        return thresholds, (acceptance, tuple(bars))
 
     def _one_more_draft(self, batch_size: int, drafts: int) -> float:
         """R(drafts + 1) - R(drafts) from the timings once both lengths were timed `gate_min_rounds` times

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
-from specsample.drafters.base import BacklogScorer, Drafter, PromptLookup
+from specsample.drafters.base import BacklogScorer, Drafter, Extension, PromptLookup
 from specsample.models.base import CausalLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.sampling import warp_rows
@@ -59,6 +59,7 @@ class RoundStats:
     fallback_rows: int = 0  # rows the gamma controller kept from drafting this round
     scored_rows: int = 0  # rows whose draft scored the tokens it missed (the controller's probes in fallback)
     lookup_rows: int = 0  # rows the gamma controller had propose a prompt lookup instead of drafting with a model
+    extended_rows: int = 0  # rows that drafted past the gamma the controller planned (confident drafts)
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,8 @@ class Engine:
                                            verify_done - target_done)
         stats = _round_stats(len(rows), gamma, num_drafted, num_accepted, updates,
                              prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                             verify_done - target_done, fallback_rows, scored_rows, lookup_rows)
+                             verify_done - target_done, fallback_rows, scored_rows, lookup_rows,
+                             int((num_drafted > torch.tensor(max_drafts)).sum()) if gamma else 0)
         return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
 
     def _scoring_width(self, batch_size: int, tokens: int) -> int:
@@ -337,18 +339,36 @@ class Engine:
         if gamma == 0 or self.drafter is None:
             empty = torch.zeros(len(rows), 0, dtype=torch.long)
             return empty, None, torch.zeros(len(rows), dtype=torch.long), None
-        thresholds = self.controller.gate_thresholds(len(rows)) if self.controller is not None else []
+        thresholds, rule = self.controller.gate(len(rows)) if self.controller is not None else ([], None)
+        extension, reach = self._extension(rows, max_drafts, rule)
+        gamma = max(reach)
         params, generators = [r.params for r in rows], [r.generator for r in rows]
         if self._use_lookup is not None:
-            proposal = self.drafter.propose_chosen(slots, gamma, max_drafts, params, generators, thresholds,
-                                                   self._use_lookup)
+            proposal = self.drafter.propose_chosen(slots, gamma, reach, params, generators, thresholds,
+                                                   self._use_lookup, extension)
         else:
-            proposal = self.drafter.propose(slots, gamma, max_drafts, params, generators, thresholds)
-        num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(max_drafts))
+            proposal = self.drafter.propose(slots, gamma, reach, params, generators, thresholds, extension)
+        num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(reach))
         used = int(num_drafted.max())
         probs = proposal.probs[:, :used] if proposal.probs is not None else None
         confidence = proposal.confidence[:, :used] if proposal.confidence is not None else None
         return proposal.tokens[:, :used], probs, num_drafted, confidence
+
+    def _extension(self, rows: list[_Row], max_drafts: list[int],
+                   rule: tuple[tuple[float, ...], tuple[float, ...]] | None) -> tuple[Extension | None, list[int]]:
+        """The controller's extension for this round (`GammaController.gate`), and each row's reach: rows gamma
+        auto has drafting with the draft model may draw past their plan, up to what the draft cache and the row's
+        budget allow; any other row's reach is its plan."""
+        if rule is None:
+            return None, max_drafts
+        limit = min(self.config.gamma, self.controller.config.max_gamma)
+        reach = [max(planned, min(limit, row.remaining - 1))
+                 if planned > 0 and row.speculative and row.gamma is None
+                 and (self._use_lookup is None or self._use_lookup[i] is False) else planned
+                 for i, (row, planned) in enumerate(zip(rows, max_drafts))]
+        if reach == max_drafts:
+            return None, max_drafts
+        return Extension(tuple(max_drafts), *rule), reach
 
     def _acceptance(self, draft_tokens: Tensor, draft_probs: Tensor | None,
                     target_probs: Tensor | None) -> list[list[float]] | None:
@@ -488,7 +508,7 @@ def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Draf
 
 def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tensor, updates: list[RowUpdate],
                  prefill_s: float, draft_s: float, target_s: float, verify_s: float,
-                 fallback_rows: int, scored_rows: int = 0, lookup_rows: int = 0) -> RoundStats:
+                 fallback_rows: int, scored_rows: int = 0, lookup_rows: int = 0, extended_rows: int = 0) -> RoundStats:
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]
     drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
     accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
@@ -498,5 +518,5 @@ def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tens
         emitted=sum(len(u.new_tokens) for u in updates),
         drafted_per_position=tuple(drafted_at.tolist()), accepted_per_position=tuple(accepted_at.tolist()),
         prefill_seconds=prefill_s, draft_seconds=draft_s, target_seconds=target_s, verify_seconds=verify_s,
-        fallback_rows=fallback_rows, scored_rows=scored_rows, lookup_rows=lookup_rows,
+        fallback_rows=fallback_rows, scored_rows=scored_rows, lookup_rows=lookup_rows, extended_rows=extended_rows,
     )

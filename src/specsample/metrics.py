@@ -53,6 +53,7 @@ class StatsCollector:
     fallback_row_rounds: int = 0
     backlog_scorings: int = 0
     lookup_row_rounds: int = 0
+    extended_row_rounds: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -77,6 +78,7 @@ class StatsCollector:
         self.fallback_row_rounds += s.fallback_rows
         self.backlog_scorings += s.scored_rows
         self.lookup_row_rounds += s.lookup_rows
+        self.extended_row_rounds += s.extended_rows
         _add_into(self.drafted_per_position, s.drafted_per_position)
         _add_into(self.accepted_per_position, s.accepted_per_position)
         self.prefill_seconds += s.prefill_seconds
@@ -137,6 +139,7 @@ class StatsCollector:
             "fallback_row_rounds": self.fallback_row_rounds,
             "backlog_scorings": self.backlog_scorings,
             "lookup_row_rounds": self.lookup_row_rounds,
+            "extended_row_rounds": self.extended_row_rounds,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

@@ -16,7 +16,8 @@ of plain rounds) pays one more draft step, the forward that feeds the backlog, a
 does; drafts are clipped to the request's token budget, as the engine clips them, so near the end of
 a reply that stopped at EOS a round may draft past the text. Approximations, and whom they favour:
 - a draft after the round's first rejection (or past the text's end) is off the text, so its
-  confidence is unknown and the confidence gate never stops the round there (against gamma auto);
+  confidence is unknown and the confidence gate never stops the round there (against gamma auto), nor
+  does a round draft past its plan from there (for gamma auto: its extension's next draft would be rejected);
 - a draft past the text's end counts as rejected (a real verifier may accept it before the EOS cut);
 - the controller's own Python work and the wider first draft forward that carries a short backlog
   (about 0.4 ms, benchmarks/round_costs.py) are not charged (both for gamma auto);
@@ -37,6 +38,7 @@ from torch import Tensor
 from specsample.bench.round_costs import CostModel
 from specsample.config import SamplingParams
 from specsample.controller import GammaController
+from specsample.drafters.base import Extension
 from specsample.drafters.model import MERGED_BACKLOG, DraftWindow
 from specsample.models.base import CausalLM
 from specsample.sampling import warp_probs
@@ -228,11 +230,13 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
             # (the engine estimates it unbiasedly by min(1, q / p) of the committed token; here its mean)
             controller.observe_scores(request_id, [trace.accept[i] for i in plain_run[-scoring:]])
             scorings, missing, plain_run = scorings + 1, 1, []
-        drafts = max(0, min(wanted, max_gamma, budget - pos - 1))  # the engine's clip: the budget, not the text
+        reach = max(0, min(max_gamma, budget - pos - 1))  # the engine's clip: the budget, not the text
+        drafts = min(wanted, reach)
         probes += int(drafts > 0 and controller is not None and controller.in_fallback(request_id))
-        thresholds = controller.gate_thresholds(1) if policy == "auto" and drafts > 0 else []
+        thresholds, rule = controller.gate(1) if policy == "auto" and drafts > 0 else ([], None)
+        extension = Extension((drafts,), *rule) if rule is not None else None
         drafted, accepted, rejected, confidences = 0, 0, False, []
-        for j in range(drafts):
+        for j in range(reach if extension is not None else drafts):
             i = pos + j
             drafted += 1
             if rejected or i >= total:
@@ -242,8 +246,11 @@ def replay(trace: Trace, policy: Policy, uniforms: Sequence[float], costs: Round
             else:
                 rejected, confidence = True, trace.rejected_confidence[i]
             confidences.append(confidence)
-            if j < len(thresholds) and confidence < thresholds[j]:
-                break  # NaN compares False: never stops off the text
+            if j + 1 < drafts:
+                if j < len(thresholds) and confidence < thresholds[j]:
+                    break  # NaN compares False: never stops off the text
+            elif extension is None or not extension.draws_on(0, confidences):
+                break  # the plan is drawn (NaN never extends: off the text the draft's confidence is unknown)
         context = trace.prompt_tokens + pos
         backlog_forward = drafted > 0 and missing - 2 > MERGED_BACKLOG
         round_seconds = (costs.round_seconds(drafted, context) + (costs.draft_step if backlog_forward else 0.0)

@@ -22,6 +22,41 @@ class Proposal:
     confidence: Tensor | None = None  # [batch, gamma] drafter's temperature-1 probability of each token
 
 
+@dataclass(frozen=True)
+class Extension:
+    """Drafting past a row's plan on confident drafts (gamma auto): once a row has drawn its planned drafts,
+    it draws one more after its j-th while its drafts so far were all accepted with probability at least
+    `bars[j - 1]`, that probability read as the product of their confidence bins' past acceptance. The rule
+    reads only the draft's own probabilities of tokens it already drew, so sampling stays exact."""
+
+    planned: tuple[int, ...]  # per row: drafts planned (the gate may stop it before; past them only as this allows)
+    bin_acceptance: tuple[float, ...]  # past acceptance of drafts per confidence bin, len(...) equal bins of [0, 1]
+    bars: tuple[float, ...]  # per draft position j (index j - 1): the least chance all j were accepted to draw j + 1
+
+    def __post_init__(self) -> None:
+        if not self.bin_acceptance or any(not 0.0 <= a <= 1.0 for a in self.bin_acceptance):
+            raise ValueError(f"bin_acceptance needs one probability per bin, got {self.bin_acceptance}")
+        if any(p < 0 for p in self.planned):
+            raise ValueError(f"planned drafts must be >= 0, got {self.planned}")
+
+    def draws_on(self, row: int, confidences: Sequence[float]) -> bool:
+        """Whether `row`, having drawn tokens with these confidences (at least its plan), draws one more."""
+        drawn = len(confidences)
+        if drawn < max(self.planned[row], 1) or drawn > len(self.bars):
+            return False
+        bins = len(self.bin_acceptance)
+        chance = 1.0
+        for q in confidences:
+            if not q == q:  # NaN: a draft without a confidence (deterministic) says nothing
+                return False
+            chance *= self.bin_acceptance[min(int(q * bins), bins - 1)]
+        return chance >= self.bars[drawn - 1]
+
+    def rows(self, indices: Sequence[int]) -> Extension:
+        """The same rule for a subset of the rows (a drafter handing some rows to another)."""
+        return Extension(tuple(self.planned[i] for i in indices), self.bin_acceptance, self.bars)
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Proposes tokens for rows of a batch and follows what the verifier committed.
@@ -51,12 +86,15 @@ class Drafter(Protocol):
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
         stop_thresholds: Sequence[float] = (),
+        extension: Extension | None = None,
     ) -> Proposal:
         """Draft up to `gamma` tokens per row, each drawn from its (warped) draft distribution.
 
         A drafter that reports confidence stops a row after a token whose confidence is below
         `stop_thresholds[j - 1]` after its j-th token (the token itself is kept, so the rule depends on
-        past draws only; positions past the list's end never stop).
+        past draws only; positions past the list's end never stop). With `extension`, a row's plan is
+        `extension.planned[i]` and `max_drafts[i]` its reach: past its plan it draws on only as the
+        extension allows. A drafter without confidences raises on an extension that could reach past a plan.
         """
         ...
 
@@ -94,11 +132,24 @@ class PromptLookup(Protocol):
 
     def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                        params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
+                       extension: Extension | None = None) -> Proposal:
         """`propose`, with the choice made per row: True proposes the lookup's first `max_drafts[i]` tokens
         (at most what `lookup_lengths` offered), False drafts without it (nothing where `drafts_otherwise` is
-        False), None leaves the choice to the drafter's own rule."""
+        False), None leaves the choice to the drafter's own rule. An extension may reach past the plan only
+        on rows drafting with a model (False)."""
         ...
+
+
+def refuse_extension(extension: Extension | None, max_drafts: Sequence[int], rows: Sequence[int], why: str) -> None:
+    """Raise where `extension` would let one of `rows` draft past its plan, which the caller cannot honour (`why`)."""
+    if extension is None:
+        return
+    if len(extension.planned) != len(max_drafts):
+        raise ValueError(f"the extension plans {len(extension.planned)} rows for a batch of {len(max_drafts)}")
+    past = [i for i in rows if max_drafts[i] > extension.planned[i]]
+    if past:
+        raise ValueError(f"rows {past} may draft past their plan, but {why}")
 
 
 def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int) -> Proposal:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Proposal, merge_proposals
+from specsample.drafters.base import Extension, Proposal, merge_proposals, refuse_extension
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 
@@ -48,14 +48,20 @@ class HybridDrafter:
         return [True] * len(slots)
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = ()) -> Proposal:
-        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots))
+                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = (),
+                extension: Extension | None = None) -> Proposal:
+        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots),
+                                   extension)
 
     def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                        params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
+                       extension: Extension | None = None) -> Proposal:
         """Rows the caller sends to their lookup (True) propose it, rows it sends to the model (False) draft
-        with the model; the rest (None) use a long enough n-gram match where there is one."""
+        with the model; the rest (None) use a long enough n-gram match where there is one. Only rows sent to
+        the model may be extended past their plan (a lookup's length is its `max_drafts`)."""
+        refuse_extension(extension, max_drafts, [i for i, use in enumerate(use_lookup) if use is not False],
+                         "only rows sent to the draft model (use_lookup False) can be extended")
         lookups = [self._lookup(s, min(gamma, m)) if use is not False else []
                    for s, m, use in zip(slots, max_drafts, use_lookup)]
         ngram_rows = [i for i, found in enumerate(lookups) if found]
@@ -64,7 +70,8 @@ class HybridDrafter:
         if model_rows:
             parts.append((model_rows, self.model.propose(
                 [slots[i] for i in model_rows], gamma, [max_drafts[i] for i in model_rows],
-                [params[i] for i in model_rows], [generators[i] for i in model_rows], stop_thresholds)))
+                [params[i] for i in model_rows], [generators[i] for i in model_rows], stop_thresholds,
+                extension.rows(model_rows) if extension is not None else None)))
         if ngram_rows:
             tokens = torch.zeros(len(ngram_rows), gamma, dtype=torch.long)
             for j, i in enumerate(ngram_rows):

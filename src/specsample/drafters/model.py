@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Proposal
+from specsample.drafters.base import Extension, Proposal
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import sample, warp_rows
 
@@ -135,10 +135,14 @@ class ModelDrafter:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
         stop_thresholds: Sequence[float] = (),
+        extension: Extension | None = None,
     ) -> Proposal:
         """Draw up to `max_drafts[i]` tokens per row; a row stops after its j-th token if it gave it less
-        than `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only."""
+        than `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only.
+        With `extension`, a row's plan is `extension.planned[i]`: past it, it draws on only as that allows."""
         batch = len(slots)
+        if extension is not None and len(extension.planned) != batch:
+            raise ValueError(f"the extension plans {len(extension.planned)} rows for a batch of {batch}")
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self._catch_up(slots, gamma)
         pending = [self.history[s][self._fed(s):] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
@@ -146,8 +150,10 @@ class ModelDrafter:
         logits, subset = self._logits(inputs, slot_tensor, last)  # [b, K]: K the draft's output tokens
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
         limits = [min(gamma, m) for m in max_drafts]
+        planned = list(limits) if extension is None else [min(p, m) for p, m in zip(extension.planned, limits)]
         drafted = [0] * batch
         tokens, probs, confidence = [], [], []
+        drawn: list[list[float]] = [[] for _ in range(batch)]  # per row, its confidence in each token it drew
         for step in range(gamma):
             active = [drafted[r] == step and step < limits[r] for r in range(batch)]
             if not any(active):
@@ -159,11 +165,16 @@ class ModelDrafter:
             tokens.append(token)
             probs.append(step_probs)
             confidence.append(own)
+            own_list = own.tolist()  # one copy, not one per row
             for r in range(batch):
                 if active[r]:
                     drafted[r] = step + 1
-                    if step < len(stop_thresholds) and float(own[r]) < stop_thresholds[step]:
-                        limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
+                    drawn[r].append(own_list[r])
+                    if step + 1 < planned[r]:
+                        if step < len(stop_thresholds) and own_list[r] < stop_thresholds[step]:
+                            limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
+                    elif extension is None or not extension.draws_on(r, drawn[r]):
+                        limits[r] = step + 1  # the plan is drawn and the drafts are not sure enough to go on
             if step + 1 < gamma and any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
                 logits, _ = self._logits(token.unsqueeze(1), slot_tensor, torch.zeros_like(token))
             else:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Proposal
+from specsample.drafters.base import Extension, Proposal, refuse_extension
 
 
 def find_continuation(history: Sequence[int] | np.ndarray, max_tokens: int, min_n: int = 1,
@@ -86,8 +86,9 @@ class NgramDrafter:
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                 params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                stop_thresholds: Sequence[float] = ()) -> Proposal:
-        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots))
+                stop_thresholds: Sequence[float] = (), extension: Extension | None = None) -> Proposal:
+        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots),
+                                   extension)
 
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """No row can draft without its lookup: there is no model."""
@@ -95,8 +96,11 @@ class NgramDrafter:
 
     def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                        params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
+                       extension: Extension | None = None) -> Proposal:
         """`propose` where rows sent away from their lookup (False) propose nothing."""
+        refuse_extension(extension, max_drafts, [i for i, use in enumerate(use_lookup) if use is not False],
+                         "an n-gram draft has no confidence to extend by")
         tokens = torch.zeros(len(slots), gamma, dtype=torch.long)
         counts = []
         for row, (slot, limit, use) in enumerate(zip(slots, max_drafts, use_lookup)):

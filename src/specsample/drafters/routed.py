@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import BacklogScorer, Drafter, PromptLookup, Proposal, merge_proposals
+from specsample.drafters.base import BacklogScorer, Drafter, Extension, PromptLookup, Proposal, merge_proposals
 
 
 class RoutedDrafter:
@@ -60,12 +60,14 @@ class RoutedDrafter:
             self._owner.pop(slot, None)
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = ()) -> Proposal:
+                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = (),
+                extension: Extension | None = None) -> Proposal:
         groups = self._groups(list(range(len(slots))), slots)
         if len(groups) == 1:
-            return groups[0][0].propose(slots, gamma, max_drafts, params, generators, stop_thresholds)
+            return groups[0][0].propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
         parts = [(rows, drafter.propose([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows],
-                                        [params[i] for i in rows], [generators[i] for i in rows], stop_thresholds))
+                                        [params[i] for i in rows], [generators[i] for i in rows], stop_thresholds,
+                                        extension.rows(rows) if extension is not None else None))
                  for drafter, rows in groups]
         return merge_proposals(parts, len(slots), gamma)
 
@@ -84,14 +86,16 @@ class RoutedDrafter:
 
     def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                        params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None]) -> Proposal:
+                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
+                       extension: Extension | None = None) -> Proposal:
         """`propose` with each row's lookup choice passed to its drafter (one without lookups never has one)."""
         parts = []
         for drafter, rows in self._groups(list(range(len(slots))), slots):
             args = ([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows], [params[i] for i in rows],
                     [generators[i] for i in rows], stop_thresholds)
-            chosen = (drafter.propose_chosen(*args, [use_lookup[i] for i in rows])
-                      if isinstance(drafter, PromptLookup) else drafter.propose(*args))
+            part = extension.rows(rows) if extension is not None else None
+            chosen = (drafter.propose_chosen(*args, [use_lookup[i] for i in rows], part)
+                      if isinstance(drafter, PromptLookup) else drafter.propose(*args, part))
             parts.append((rows, chosen))
         return parts[0][1] if len(parts) == 1 else merge_proposals(parts, len(slots), gamma)
 
