@@ -50,6 +50,13 @@ class ServerMetrics:
                                         "Draft tokens accepted at each draft position", ("position",))
         self.drafted_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
                                        "Draft tokens proposed at each draft position", ("position",))
+        # what gamma auto did beyond choosing gamma (the CLI's summary and the stats dict count the same)
+        self.plain_rows = counter("controller_fallback_row_rounds", "Row-rounds gamma auto decoded without drafting")
+        self.lookup_rows = counter("controller_lookup_row_rounds", "Row-rounds gamma auto drafted by prompt lookup")
+        self.extended_rows = counter("controller_extended_row_rounds",
+                                     "Row-rounds that drafted past the gamma the controller planned")
+        self.scored_rows = counter("controller_backlog_scorings",
+                                   "Rows whose draft scored the tokens it missed (probes in fallback)")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
@@ -86,6 +93,10 @@ class ServerMetrics:
         self._l(self.accepted_tokens).inc(s.accepted)
         self._l(self.emitted_tokens).inc(sum(len(u.new_tokens) for u in result.rows if u.num_drafted > 0))
         self._l(self.generation_tokens).inc(s.emitted)
+        self._l(self.plain_rows).inc(s.fallback_rows)
+        self._l(self.lookup_rows).inc(s.lookup_rows)
+        self._l(self.extended_rows).inc(s.extended_rows)
+        self._l(self.scored_rows).inc(s.scored_rows)
         for pos, (acc, dr) in enumerate(zip(s.accepted_per_position, s.drafted_per_position)):
             self._l(self.accepted_per_pos, position=str(pos)).inc(acc)
             self._l(self.drafted_per_pos, position=str(pos)).inc(dr)
