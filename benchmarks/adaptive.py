@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specsample.bench.difficulty import adjust_for_difficulty, text_acceptance, within_prompt_spread
+from specsample.bench.difficulty import adjust_for_difficulty, fittable, text_acceptance, within_prompt_spread
 from specsample.bench.goals import fixed_gammas, goal_intervals, goal_tables, interval_table
 from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
@@ -433,9 +433,8 @@ def _interval_lines(report: dict, temperature: str) -> list[str]:
     prompts = _prompt_count(report, temperature)
     lines = interval_table(goal_intervals(replies, prompts))
     difficulty = difficulty_of(report, temperature)
-    if difficulty and len(replies["target-only"]) < 2 * prompts:
-        return lines + ["Not adjusted for the text: its texts were scored, but with one reply per prompt there is "
-                        "nothing to fit within a prompt (`--samples` >= 2).", ""]
+    if difficulty and not fittable(replies, prompts):
+        return lines + [UNFITTABLE_NOTE, ""]
     if difficulty:
         rounds_by = {name: rounds_of(rows) for name, rows in rounds.items()}
         adjusted, betas = adjust_for_difficulty(replies, difficulty, prompts, rounds_by)
@@ -445,6 +444,8 @@ def _interval_lines(report: dict, temperature: str) -> list[str]:
     return lines
 
 
+UNFITTABLE_NOTE = ("Not adjusted for the text: its texts were scored, but with one reply per prompt there is nothing "
+                   "to fit within a prompt (`--samples` >= 2).")
 DIFFICULTY_NOTE = ("Adjusted for the text (`specsample.bench.difficulty`): each reply's text was scored teacher-forced "
                    "after its prompt (untimed): the mean over its tokens of the probability that a draft there is "
                    "accepted. Per system, rounds per token are fitted against that acceptance within prompts, and "

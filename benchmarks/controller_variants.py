@@ -28,10 +28,8 @@ from tqdm import tqdm
 
 from adaptive import make_systems, parse_variant  # a sibling script: its systems, with the variants added
 from specsample.bench.report import command_line
-from specsample.bench.run import controller_config
 from specsample.bench.systems import run_lockstep
 from specsample.config import SamplingParams, SpecConfig
-from specsample.controller import ControllerConfig
 from specsample.drafters.model import ModelDrafter
 from specsample.models.tiny import tiny_lm
 

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 # the result files' format lives there
-from adaptive import (DIFFICULTY_NOTE, _prompt_count, adjustment_table, difficulty_of, fixed_split_lines, replies_of,
-                      rounds_of)
+from adaptive import (DIFFICULTY_NOTE, UNFITTABLE_NOTE, _prompt_count, adjustment_table, difficulty_of, fixed_split_lines,
+                      replies_of, rounds_of)
 
-from specsample.bench.difficulty import adjust_for_difficulty
+from specsample.bench.difficulty import adjust_for_difficulty, fittable
 from specsample.bench.goals import DEFAULT, fixed_gammas, goal_intervals, interval_table
 
 
@@ -70,9 +70,9 @@ def main() -> None:
     names = tuple(n for n in (n.strip() for n in args.systems.split(",")) if n in replies)
     adjusted_lines = []
     original = prompts  # centred per prompt, before --unit reply makes every reply a prompt of its own
-    if difficulty and len(replies["target-only"]) < 2 * prompts:  # one reply per prompt: nothing to fit within one
+    if difficulty and not fittable(replies, prompts):
         difficulty = {}
-        adjusted_lines = ["Not adjusted for the text: one reply per prompt leaves nothing to fit within a prompt.", ""]
+        adjusted_lines = [UNFITTABLE_NOTE, ""]
     if difficulty:
         adjusted, betas = adjust_for_difficulty(replies, difficulty, prompts, rounds)
     if args.unit == "reply":  # every key its own cluster

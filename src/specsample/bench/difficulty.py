@@ -43,6 +43,12 @@ def text_acceptance(target, draft, prompt_ids: Sequence[int], reply_ids: Sequenc
 Rounds = dict[str, dict[int, tuple[int, float]]]  # system -> reply key -> (rounds, seconds spent in them)
 
 
+def fittable(replies: dict[str, list[Reply]], prompts: int) -> bool:
+    """Whether `adjust_for_difficulty` has anything to fit: some system with two replies on one prompt (with one
+    reply per prompt every slope is 0 and every within-prompt spread NaN)."""
+    return any(len(keys) > len(set(keys)) for keys in ([key % prompts for key, *_ in rows] for rows in replies.values()))
+
+
 def adjust_for_difficulty(replies: dict[str, list[Reply]], difficulty: dict[str, dict[int, float]], prompts: int,
                           rounds: Rounds) -> tuple[dict[str, list[Reply]], dict[str, float]]:
     """Each reply's seconds with its text's luck taken out. Per system, rounds per token are regressed on the
