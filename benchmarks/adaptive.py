@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from specsample.bench.difficulty import adjust_for_difficulty, fittable, text_acceptance, within_prompt_spread
-from specsample.bench.goals import fixed_gammas, goal_intervals, goal_tables, interval_table
+from specsample.bench.goals import again, fixed_gammas, goal_intervals, goal_tables, interval_table
 from specsample.bench.report import command_line
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
@@ -162,6 +162,7 @@ def main() -> None:
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
               "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
               "prompts": len(prompts), "samples": args.samples, "first_sample": args.first_sample,
+              **({"placebo_seeds": PLACEBO_SEEDS} if any(s.seed_offset for s in systems) else {}),
               "controller": {k: v for k, v in dataclasses.asdict(controller).items()
                              if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}
@@ -232,8 +233,10 @@ def _load_run(row: list) -> tuple[int, str, int, RunTiming]:
 INTERLEAVE = ("round", "prompt")  # systems take turns per round of a prompt, or decode whole prompts in turn
 TURNS = ("shuffled", "rotated")  # round by round: a fresh order every round, or a fixed cyclic order per prompt
 
-AGAIN = "target-only again"  # target-only run a second time: the run's own timing noise
-SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), "gamma=auto", "gamma=auto fresh", "ngram",
+PLACEBO_SEEDS = 1_000_000_007  # the copies' seed shift: far past any reply's seed (i + k * prompts)
+AGAIN = again("target-only")  # target-only run a second time: the run's own timing noise
+SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), *(again(f"gamma={g}") for g in range(1, 9)),
+           "gamma=auto", "gamma=auto fresh", "ngram",
            "ngram auto", "hybrid", "hybrid auto")
 
 
@@ -254,10 +257,12 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
     alone, the drafters of session 19's first full run drafted from the whole context. `controller`: the knobs
     of the gamma auto systems in `chosen` (default ControllerConfig's)."""
 
-    def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True, knobs=controller):
+    def system(name, drafter, gamma, adaptive=False, speculative=True, keep_controller=True, knobs=controller,
+               seed_offset=0):
         config = SpecConfig(gamma=gamma, adaptive=adaptive, speculative=speculative, max_batch_size=1,
                             max_seq_len=max_len, target_widths=widths)
-        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller, controller_config=knobs)
+        return Ours(name, target, drafter, config, eos, keep_controller=keep_controller, controller_config=knobs,
+                    seed_offset=seed_offset)
 
     def model() -> ModelDrafter:
         return ModelDrafter(draft.model, draft.folder, draft.window)
@@ -267,6 +272,10 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
         # the same system twice: how far its ratio to target-only strays from 1 is the run's timing noise
         AGAIN: lambda: system(AGAIN, None, 1, speculative=False),
         **{f"gamma={g}": (lambda g=g: system(f"gamma={g}", model(), g)) for g in range(1, 9)},
+        # a fixed gamma twice (a placebo gamma auto): how often a copy of the best fixed gamma "misses" the goal;
+        # the copy samples its own texts (other seeds), as gamma auto does, so it meets the texts' luck too
+        **{again(f"gamma={g}"): (lambda g=g: system(again(f"gamma={g}"), model(), g, seed_offset=PLACEBO_SEEDS))
+           for g in range(1, 9)},
         "gamma=auto": lambda: system("gamma=auto", model(), 8, adaptive=True),
         "gamma=auto fresh": lambda: system("gamma=auto fresh", model(), 8, adaptive=True, keep_controller=False),
         "ngram": lambda: system("ngram", NgramDrafter(), 5),
@@ -385,6 +394,23 @@ def _noise_note(report: dict, temperature: str) -> list[str]:
     return [f"Timing noise: `{AGAIN}` is target-only decoding every reply a second time; the standard deviation of "
             f"log(its time / target-only's) per reply is {statistics.pstdev(logs):.3f} over {len(logs)} replies "
             "(a category's figure averages that over its replies).", ""]
+
+
+def _placebo_note(report: dict, temperature: str) -> list[str]:
+    """With fixed gammas decoded twice: whether the copies sampled texts of their own."""
+    copies = [n for n in report.get("rounds", {}).get(temperature, {}) if re.fullmatch(r"gamma=\d+ again", n)]
+    if not copies:
+        return []
+    if float(temperature) == 0:
+        texts = "at temperature 0 every system writes the target's greedy text, the copies too"
+    elif report.get("placebo_seeds"):
+        texts = (f"the copies sample texts of their own (seeds shifted by {report['placebo_seeds']}), as gamma auto "
+                 "does, so the placebo meets the texts' luck, the timing noise and the pick of the best fixed gamma")
+    else:
+        texts = ("the copies sampled the same texts as the fixed gammas they copy (same seeds; before session 34's "
+                 "seed shift), so the placebo shows the timing noise and the pick of the best, not the texts' luck")
+    return [f"Placebo: {', '.join(f'`{n}`' for n in copies)} decode a fixed gamma a second time as systems of their "
+            f"own; {texts}.", ""]
 
 
 def measured_split(report: dict, temperature: str) -> dict[str, dict[str, float]]:
@@ -587,7 +613,8 @@ def write_report(report: dict, out: Path) -> None:
     if report.get("controller"):
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]
     for temperature, table in report["results"].items():
-        lines += ([f"### Temperature {temperature}, measured", "", *_noise_note(report, temperature)] + goal_tables(table)
+        lines += ([f"### Temperature {temperature}, measured", "", *_noise_note(report, temperature),
+                   *_placebo_note(report, temperature)] + goal_tables(table)
                   + _interval_lines(report, temperature) + _split_lines(report, temperature)
                   + fixed_split_lines([report], temperature))
         if temperature in report.get("modelled", {}):

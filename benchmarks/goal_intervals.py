@@ -17,7 +17,7 @@ from adaptive import (DIFFICULTY_NOTE, UNFITTABLE_NOTE, _prompt_count, adjustmen
                       replies_of, rounds_of)
 
 from specsample.bench.difficulty import adjust_for_difficulty, fittable
-from specsample.bench.goals import DEFAULT, fixed_gammas, goal_intervals, interval_table
+from specsample.bench.goals import DEFAULT, PLACEBO, fixed_gammas, goal_intervals, interval_table
 
 
 def pooled_replies(reports: list[dict], temperature: str) -> tuple[dict[str, list], int, dict[str, dict[int, float]],
@@ -53,9 +53,9 @@ def main() -> None:
     parser.add_argument("--unit", choices=("prompt", "reply"), default="prompt",
                         help="what the bootstrap resamples: prompts with all their replies (default), or replies one "
                              "by one (as if every reply were a prompt of its own)")
-    parser.add_argument("--systems", default=f"{DEFAULT},gamma=auto,ngram auto",
+    parser.add_argument("--systems", default=f"{DEFAULT},gamma=auto,ngram auto,{PLACEBO}",
                         help="comma-separated systems to test against the goals (those the runs have; a run's "
-                             "--variant names too)")
+                             f"--variant names too; '{PLACEBO}' where the runs decoded each fixed gamma twice)")
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     args = parser.parse_args()
     if not 0 < args.level < 1 or args.resamples < 1:
@@ -67,7 +67,7 @@ def main() -> None:
             raise SystemExit(f"{path} has no recorded replies at temperature {args.temperature}")
         reports.append(report)
     replies, prompts, difficulty, rounds = pooled_replies(reports, args.temperature)
-    names = tuple(n for n in (n.strip() for n in args.systems.split(",")) if n in replies)
+    names = tuple(n for n in (n.strip() for n in args.systems.split(",")) if n in replies or n == PLACEBO)
     adjusted_lines = []
     original = prompts  # centred per prompt, before --unit reply makes every reply a prompt of its own
     if difficulty and not fittable(replies, prompts):

@@ -214,6 +214,26 @@ def test_ours_records_every_round_of_a_batch_one_run(tiny_target, tiny_draft) ->
     assert batch[0].timing is None  # rounds of a batch are shared: no per-run cost
 
 
+def test_a_placebo_copy_samples_other_texts_from_its_own_seeds(tiny_target, tiny_draft) -> None:
+    """Ours(seed_offset=k) decodes a seeded request as seed + k (other texts, same distribution): the benchmark's
+    copies of fixed gammas meet the luck of texts that gamma auto meets. Unseeded and greedy requests are as
+    they were."""
+    from specsample.bench.systems import Ours
+    from specsample.config import SamplingParams, SpecConfig
+    from specsample.drafters.model import ModelDrafter
+
+    config = SpecConfig(gamma=2, max_batch_size=1)
+
+    def tokens(offset: int, seed: int | None, temperature: float = 1.0) -> list[int]:
+        system = Ours("g2", tiny_target, ModelDrafter(tiny_draft), config, frozenset(), seed_offset=offset)
+        params = SamplingParams(temperature=temperature, max_new_tokens=24, seed=seed)
+        return system.run([[1, 2, 3, 4, 5]], [params])[0].tokens
+
+    assert tokens(7, 3) == tokens(0, 10) != tokens(0, 3)
+    assert tokens(7, 3, temperature=0.0) == tokens(0, 3, temperature=0.0)
+    assert len(tokens(7, None)) == 24
+
+
 def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_target, tiny_draft) -> None:
     """Systems taking turns round by round (the adaptive benchmark's default) produce the texts they produce
     alone, and each system's time is its own rounds': a system whose every draft sleeps 10 ms does not slow
@@ -509,6 +529,38 @@ def test_goal_intervals_pair_systems_on_resampled_prompts() -> None:
         goal_intervals(flat, prompts=4, level=1.0)
     with pytest.raises(ValueError, match="resamples"):
         goal_intervals(flat, prompts=4, resamples=0)
+
+
+def test_the_placebo_is_the_copy_of_whichever_fixed_gamma_measured_best() -> None:
+    """'best fixed gamma again': per category (and per resample) the second decoding of the fixed gamma that
+    measured best; absent unless every fixed gamma was decoded twice."""
+    from specsample.bench.goals import PLACEBO, goal_intervals, goal_tables, placebo_speeds
+
+    # gamma 1 measured best in "a" (its copy 57), gamma 2 in "b" (its copy 70): the copies fall short of the max
+    table = {"target-only": {"a": 50.0, "b": 50.0, "overall": 50.0},
+             "gamma=1": {"a": 60.0, "b": 55.0, "overall": 57.0}, "gamma=2": {"a": 58.0, "b": 72.0, "overall": 64.0},
+             "gamma=1 again": {"a": 57.0, "b": 61.0, "overall": 59.0},
+             "gamma=2 again": {"a": 62.0, "b": 70.0, "overall": 66.0},
+             "gamma=auto": {"a": 59.0, "b": 71.0, "overall": 65.0}}
+    assert placebo_speeds(table, ["a", "b", "overall"]) == {"a": 57.0, "b": 70.0, "overall": 66.0}
+    lines = goal_tables(table)
+    assert "| a | 0.950 | 1.140 | no | yes |" in lines and "| b | 0.972 | 1.400 | yes | yes |" in lines
+    assert f"| {PLACEBO} | 1 | 2 | 1.320 |" in lines
+    assert placebo_speeds({k: v for k, v in table.items() if k != "gamma=2 again"}, ["a"]) is None
+    assert not any(PLACEBO in line for line in goal_tables({k: v for k, v in table.items() if k != "gamma=2 again"}))
+
+    def replies(speeds: dict[str, list[float]]) -> dict[str, list]:
+        return {name: [(key, "c", 10, 10 / speed) for key, speed in enumerate(by_key)] for name, by_key in speeds.items()}
+
+    # gamma 1 is best on prompts 0-1 and overall, its copy as fast; gamma 2 is best on 2-3, where its copy is
+    # 10% slower: the placebo is 1 on all replies and 0.9 in resamples that hold only prompts 2-3
+    pair = replies({"target-only": [50.0] * 4, "gamma=1": [100.0, 100.0, 50.0, 50.0],
+                    "gamma=2": [45.0, 45.0, 100.0, 100.0], "gamma=1 again": [100.0, 100.0, 50.0, 50.0],
+                    "gamma=2 again": [45.0, 45.0, 90.0, 90.0], "gamma=auto": [100.0] * 4})
+    point, low, high = goal_intervals(pair, prompts=4, resamples=400)[PLACEBO]["c"][:3]
+    assert point == pytest.approx(1.0) and high == pytest.approx(1.0) and low < 0.95
+    assert PLACEBO not in goal_intervals({k: v for k, v in pair.items() if k != "gamma=2 again"}, prompts=4,
+                                         resamples=50)
 
 
 def test_goal_intervals_pool_runs_of_the_same_prompts(tmp_path) -> None:

@@ -43,12 +43,15 @@ class Ours:
     drafter's state for every run, so one drafter serves all runs. With gamma auto, one controller
     also serves all runs (as in a server, it keeps the costs and acceptance it measured) unless
     `keep_controller` is False, when every run starts a new one from the priors. `controller_config`: its
-    knobs (default ControllerConfig's), its max_gamma at most the config's gamma (the draft cache's slack)."""
+    knobs (default ControllerConfig's), its max_gamma at most the config's gamma (the draft cache's slack).
+    `seed_offset` shifts every seeded request's seed: a copy of a system that samples other texts from the same
+    distribution (a placebo against which to judge another policy's texts and times)."""
 
     def __init__(self, name: str, target: CausalLM, drafter: Drafter | None, config: SpecConfig,
                  eos: frozenset[int], keep_controller: bool = True,
-                 controller_config: ControllerConfig | None = None) -> None:
+                 controller_config: ControllerConfig | None = None, seed_offset: int = 0) -> None:
         self.name, self.target, self.drafter, self.config, self.eos = name, target, drafter, config, eos
+        self.seed_offset = seed_offset
         knobs = controller_config or ControllerConfig()
         # a smaller max_gamma asked for is kept (it was once silently replaced by the config's gamma)
         self.controller_config = dataclasses.replace(knobs, max_gamma=min(knobs.max_gamma, config.gamma))
@@ -68,7 +71,14 @@ class Ours:
         controller = self.controller
         if controller is None and self.config.adaptive:  # a fresh controller per run, with the same knobs
             controller = GammaController(self.controller_config)
+        if self.seed_offset:
+            params = ([self._shifted(p) for p in params] if isinstance(params, list) else self._shifted(params))
         return OursRun(self, prompts, params, controller)
+
+    def _shifted(self, params: SamplingParams) -> SamplingParams:
+        if params.seed is None:
+            return params
+        return dataclasses.replace(params, seed=params.seed + self.seed_offset)
 
 
 class OursRun:
