@@ -200,7 +200,11 @@ def test_the_adaptive_benchmark_drafts_with_the_loaded_window(tiny_target, tiny_
     assert [s.name for s in systems] == list(SYSTEMS)
     drafters = [s.drafter.model if isinstance(s.drafter, HybridDrafter) else s.drafter for s in systems]
     models = [d for d in drafters if isinstance(d, ModelDrafter)]
-    assert len(models) == 8 + 2 + 2 and all(d.window == window for d in models)
+    # fixed gammas 1-8, their placebo copies, gamma auto kept and fresh, hybrid fixed and auto
+    assert len(models) == 8 + 8 + 2 + 2 and all(d.window == window for d in models)
+    copies = [s for s in systems if s.name.endswith(" again") and s.drafter is not None]
+    assert len(copies) == 8 and all(s.seed_offset for s in copies)  # the copies sample texts of their own
+    assert not any(s.seed_offset for s in systems if s not in copies)
     assert len({id(d) for d in models}) == len(models)  # each system keeps its own cache and history
     assert [s.name for s in make_systems(["gamma=auto", "target-only", "gamma=1"], tiny_target, models[0],
                                          frozenset(), 64, ())] == ["target-only", "gamma=1", "gamma=auto"]
