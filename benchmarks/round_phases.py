@@ -3,7 +3,9 @@
 Target-only and fixed gamma 1 and 2 decode the same Spec-Bench prompts taking turns round by round
 (`run_lockstep`); every engine round's own statistics (`RoundStats.draft_seconds`, `target_seconds`,
 `verify_seconds`, the last including the commit) are collected and the script prints their medians by
-drafts per round, and each round length's total over the plain round's.
+drafts per round, and each round length's total over the plain round's. With `--auto`, gamma auto decodes the
+same prompts in the same lockstep and its rounds are tabled apart, each system's with the rest of the engine
+round's wall time (planning, the controller's bookkeeping, statistics) as a fourth phase.
 
     python benchmarks/round_phases.py --out docs/round_phases.json
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,6 +36,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6, help="of those, how many to decode")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--auto", action="store_true",
+                        help="also gamma auto, its rounds apart; every round's rest of the step as a phase")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
     args = parser.parse_args()
     pair = load_model_draft_pair("smollm2-135m-instruct", None)
@@ -47,14 +52,22 @@ def main() -> None:
         drafter = pair.drafter if gamma == 1 else pair.load_draft(pair.draft_spec)
         systems.append(Ours(f"gamma={gamma}", target, drafter,
                             SpecConfig(gamma=gamma, adaptive=False, max_batch_size=1, max_seq_len=max_len), eos))
-    collected: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+    if args.auto:
+        systems.append(Ours("gamma=auto", target, pair.load_draft(pair.draft_spec),
+                            SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
+    # drafts per round (fixed systems), or "auto N" for gamma auto's rounds of N drafts
+    collected: dict[str, list[tuple[float, ...]]] = defaultdict(list)
     step = Engine.step
 
     def recording_step(engine: Engine):
+        begin = time.perf_counter()
         result = step(engine)
+        wall = time.perf_counter() - begin
         stats = result.stats
         if stats.batch_size:
-            collected[stats.gamma].append((stats.draft_seconds, stats.target_seconds, stats.verify_seconds))
+            phases = (stats.draft_seconds, stats.target_seconds, stats.verify_seconds)
+            key = f"auto {stats.drafted}" if engine.config.adaptive else str(stats.gamma)
+            collected[key].append(phases + ((wall - stats.prefill_seconds - sum(phases),) if args.auto else ()))
         return result
 
     Engine.step = recording_step
@@ -65,10 +78,11 @@ def main() -> None:
             for i, prompt in enumerate(prompts):
                 order = systems if i % 2 else systems[::-1]
                 run_lockstep(order, [prompt], SamplingParams(temperature=temperature, max_new_tokens=args.tokens, seed=i))
+            phases = PHASES + (("rest",) if args.auto else ())
             results[str(temperature)] = {
-                str(gamma): {"rounds": len(rows), **{f"{name}_ms": 1000 * statistics.median(r[j] for r in rows)
-                                                     for j, name in enumerate(PHASES)}}
-                for gamma, rows in sorted(collected.items())}
+                key: {"rounds": len(rows), **{f"{name}_ms": 1000 * statistics.median(r[j] for r in rows)
+                                              for j, name in enumerate(phases)}}
+                for key, rows in sorted(collected.items(), key=lambda kv: (kv[0].startswith("auto"), len(kv[0]), kv[0]))}
     finally:
         Engine.step = step
     report = {"command": command_line("benchmarks/round_phases.py", args), "prompts": len(prompts), "results": results}
@@ -80,13 +94,17 @@ def render(report: dict) -> str:
              f"Median ms per engine round over {report['prompts']} prompts (systems in lockstep); total: the three "
              "medians summed, over the plain round's.", ""]
     for temperature, by_gamma in report["results"].items():
-        plain = sum(by_gamma["0"][f"{name}_ms"] for name in PHASES)
-        lines += [f"Temperature {temperature}:", "", "| drafts | rounds | draft | target | verify + commit | total / plain |",
-                  "|---|---|---|---|---|---|"]
+        rest = "rest_ms" in by_gamma["0"]  # --auto: the step's wall time beyond the three phases
+        phases = PHASES + (("rest",) if rest else ())
+        plain = sum(by_gamma["0"][f"{name}_ms"] for name in phases)
+        lines += [f"Temperature {temperature}:", "",
+                  "| drafts | rounds | draft | target | verify + commit |" + (" rest |" if rest else "") + " total / plain |",
+                  "|---|---|---|---|---|---|" + ("---|" if rest else "")]
         for gamma, row in by_gamma.items():
-            total = sum(row[f"{name}_ms"] for name in PHASES)
+            total = sum(row[f"{name}_ms"] for name in phases)
             lines.append(f"| {gamma} | {row['rounds']} | {row['draft_ms']:.2f} | {row['target_ms']:.2f} "
-                         f"| {row['verify_ms']:.2f} | {total / plain:.3f} |")
+                         f"| {row['verify_ms']:.2f} |" + (f" {row['rest_ms']:.2f} |" if rest else "")
+                         + f" {total / plain:.3f} |")
         lines.append("")
     return "\n".join(lines).rstrip()
 

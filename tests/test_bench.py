@@ -611,6 +611,12 @@ def test_draft_step_and_round_phases_reports() -> None:
         "1": {"rounds": 8, "draft_ms": 2.0, "target_ms": 10.0, "verify_ms": 1.0}}}}
     text = round_phases.render(phases)
     assert "| 1 | 8 | 2.00 | 10.00 | 1.00 | 1.300 |" in text and "| 0 | 10 | 0.00 | 9.00 | 1.00 | 1.000 |" in text
+    # --auto: gamma auto's rounds apart, and the rest of each step (planning, bookkeeping) as a fourth phase
+    rest = {"0": {"rounds": 10, "draft_ms": 0.0, "target_ms": 9.0, "verify_ms": 0.5, "rest_ms": 0.5},
+            "1": {"rounds": 8, "draft_ms": 2.0, "target_ms": 10.0, "verify_ms": 0.5, "rest_ms": 0.5},
+            "auto 1": {"rounds": 6, "draft_ms": 2.0, "target_ms": 10.0, "verify_ms": 0.5, "rest_ms": 1.5}}
+    text = round_phases.render({**phases, "results": {"0.7": rest}})
+    assert "| verify + commit | rest | total / plain |" in text and "| auto 1 | 6 | 2.00 | 10.00 | 0.50 | 1.50 | 1.400 |" in text
     step = {"command": "python benchmarks/draft_step.py", "threads": 2, "temperature": 0.7, "rounds": 3, "prompts": 1,
             "matrices_us": [{"shape": [128, 128], "float32_linear_us": 3.0, "float32_packed_us": 16.0,
                              "bfloat16_linear_us": 20.0, "bfloat16_packed_us": 15.0}],
