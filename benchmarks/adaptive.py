@@ -398,7 +398,8 @@ def _noise_note(report: dict, temperature: str) -> list[str]:
 
 def _placebo_note(report: dict, temperature: str) -> list[str]:
     """With fixed gammas decoded twice: whether the copies sampled texts of their own."""
-    copies = [n for n in report.get("rounds", {}).get(temperature, {}) if re.fullmatch(r"gamma=\d+ again", n)]
+    rounds = report.get("rounds", {}).get(temperature, {})
+    copies = [again(g) for g in fixed_gammas(rounds) if again(g) in rounds]
     if not copies:
         return []
     if float(temperature) == 0:
