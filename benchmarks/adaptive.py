@@ -157,8 +157,7 @@ def main() -> None:
             bar.update(1)
     bar.close()
     report = {"command": command_line("benchmarks/adaptive.py", args),
-              "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__}, "draft": pair.draft_spec,
+              "machine": machine(target.device), "draft": pair.draft_spec,
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
               "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
               "prompts": len(prompts), "samples": args.samples, "first_sample": args.first_sample,
@@ -177,10 +176,19 @@ def main() -> None:
     save(report, args.out)
 
 
+def machine(device: torch.device) -> dict:
+    """Where the run decoded: the CPU, its threads, torch, and the GPU when the models were on one."""
+    about = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+             "torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        about["gpu"] = torch.cuda.get_device_name(device)
+    return about
+
+
 def load_spec_bench(args: argparse.Namespace) -> tuple[Pair, list[Prompt], list[list[int]], int]:
     """The pair (`--target`, `--draft`, `--draft-window`), the first `--per-category` Spec-Bench prompts of each
     category that leave room for `--max-new-tokens`, their token ids, and the engine's max length for them."""
-    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
     prompts, ids = encode_fitting(load_prompts("spec-bench", args.per_category, 0), pair.target.tokenizer,
                                   pair.target.model.max_seq_len, args.max_new_tokens)
     return pair, prompts, ids, max(len(x) for x in ids) + args.max_new_tokens + 16
@@ -218,15 +226,17 @@ def add_modelled(report: dict, box_speed: str) -> None:
 
 def _dump_run(prompt: int, category: str, tokens: int, timing: RunTiming) -> list:
     """One generation's rounds, compactly: [prompt, category, tokens, prompt tokens, prefill ms,
-    [[drafted, context, ms, scored (0 or 1)], ...]] (times rounded to a microsecond)."""
+    [[drafted, context, ms, scored (0 or 1), lookup (0 or 1; since session 35)], ...]] (times rounded to a
+    microsecond)."""
     return [prompt, category, tokens, timing.prompt_tokens, round(timing.prefill_seconds * 1000, 3),
-            [[r.drafted, r.context, round(r.seconds * 1000, 3), int(r.scored)] for r in timing.rounds]]
+            [[r.drafted, r.context, round(r.seconds * 1000, 3), int(r.scored), int(r.lookup)] for r in timing.rounds]]
 
 
 def _load_run(row: list) -> tuple[int, str, int, RunTiming]:
     prompt, category, tokens, prompt_tokens, prefill_ms, rounds = row
     return prompt, category, tokens, RunTiming(prompt_tokens, prefill_ms / 1000,
-                                               tuple(RoundTiming(d, c, ms / 1000, bool(rest and rest[0]))
+                                               tuple(RoundTiming(d, c, ms / 1000, bool(rest and rest[0]),
+                                                                 bool(rest[1:] and rest[1]))
                                                      for d, c, ms, *rest in rounds))
 
 
@@ -608,6 +618,10 @@ def write_report(report: dict, out: Path) -> None:
     padding = (f" Target rounds scored at widths {widths} for 1..{len(widths)} tokens (measured, `--pad-rows auto`)."
                if widths else " No row padding.")
     lines = [f"Command: `{report['command']}`", ""]
+    about = report.get("machine", {})
+    if about:  # runs before session 35 recorded no device: they ran on the CPU
+        lines += [f"Machine: {about.get('gpu') or about.get('cpu')} ({about.get('device', 'cpu')}), "
+                  f"{about.get('threads')} CPU threads, torch {about.get('torch')}.", ""]
     if report.get("remodel_command"):
         lines += [f"Modelled tables recomputed by: `{report['remodel_command']}`", ""]
     lines += [f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", "", _interleave_note(report), ""]

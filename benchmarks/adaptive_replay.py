@@ -161,7 +161,7 @@ def acceptance_group(trace: Trace) -> str:
 
 def record(args: argparse.Namespace) -> tuple[dict[str, list[Trace]], dict]:
     """Sample replies from the target alone and score them teacher-forced with both models."""
-    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
     tokenizer, target, draft = pair.target.tokenizer, pair.target.model, pair.drafter.model
     prompts, ids = encode_fitting(load_prompts(args.dataset, args.per_category, 0), tokenizer, target.max_seq_len,
                                   args.max_new_tokens)

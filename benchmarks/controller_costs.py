@@ -28,7 +28,7 @@ def main() -> None:
     add_pad_rows_option(parser)
     args = parser.parse_args()
 
-    pair = load_pair(args.target, args.draft, draft_window=args.draft_window)
+    pair = load_pair(args.target, args.draft, args.dtype, args.device, draft_window=args.draft_window)
     tokenizer, target, eos = pair.target.tokenizer, pair.target.model, pair.target.tokenizer.eos_token_ids
     prompts = load_prompts("spec-bench", 1, 0)[: args.prompts]
     widths = measured_widths(target, 8, args.pad_rows)

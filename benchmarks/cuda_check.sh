@@ -3,12 +3,14 @@
 #
 #   bash benchmarks/cuda_check.sh tests OUT_DIR    # tiny-model tests on CUDA (no real weights needed)
 #   bash benchmarks/cuda_check.sh real OUT_DIR     # real SmolLM2 tests, runtime speed, bench (needs the alias)
+#   bash benchmarks/cuda_check.sh adaptive OUT_DIR # the adaptive benchmark (fixed gamma 1-4, gamma auto, hybrid auto,
+#                                                  # target-only) on Spec-Bench at T 0 and 0.7 (needs the alias)
 #
 # Each step has its own time limit, so one slow step cannot hide the others' results; all output
 # goes to OUT_DIR/log.txt. CI never runs this (it has no GPU); docs/cuda.md records what it printed.
 set -u
-part=${1:?usage: cuda_check.sh tests|real OUT_DIR}
-out=${2:?usage: cuda_check.sh tests|real OUT_DIR}
+part=${1:?usage: cuda_check.sh tests|real|adaptive OUT_DIR}
+out=${2:?usage: cuda_check.sh tests|real|adaptive OUT_DIR}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 export SPECSAMPLE_TEST_DEVICE=${SPECSAMPLE_TEST_DEVICE:-cuda} PYTHONUNBUFFERED=1
@@ -31,6 +33,14 @@ if [ "$part" = tests ]; then
     step pytest_models 200 "$py" -m pytest -q -p no:cacheprovider tests/test_exactness.py tests/test_engine.py \
         tests/test_models.py
     step pytest_compiled 120 "$py" -m pytest -q -p no:cacheprovider tests/test_compiled.py
+elif [ "$part" = adaptive ]; then
+    step generate 90 "$py" -m specsample.cli generate --device cuda --max-new-tokens 48 --seed 0 \
+        "Explain speculative decoding in two sentences."  # the main job on the GPU; fetches the alias first
+    systems=${SYSTEMS:-'target-only,gamma=1,gamma=2,gamma=3,gamma=4,gamma=auto,hybrid auto'}
+    for t in 0 0.7; do
+        step "adaptive_t$t" 250 "$py" benchmarks/adaptive.py --device cuda --per-category "${PER_CATEGORY:-3}" \
+            --max-new-tokens 64 --temperatures "$t" --systems "$systems" --out "$out/adaptive_cuda_t$t.json"
+    done
 else
     step pytest_real 150 "$py" -m pytest -q -p no:cacheprovider tests/test_real_smollm2.py tests/test_shipped_draft.py
     step runtime_speed 100 "$py" benchmarks/runtime_speed.py --device cuda --no-compiled --repeats 5 \

@@ -28,17 +28,16 @@ from specsample.pair import load_pair
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_pair_options(parser)
+    add_pair_options(parser, dtype="bfloat16")
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--gammas", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     add_pad_rows_option(parser)
     args = parser.parse_args()
     gammas = [int(g) for g in args.gammas.split(",")]
     if min(gammas) < 1 or args.per_category < 1:
         parser.error("--gammas must be >= 1 and --per-category >= 1")
-    pair = load_pair(args.target, args.draft, args.dtype, draft_window=args.draft_window)
+    pair = load_pair(args.target, args.draft, args.dtype, args.device, draft_window=args.draft_window)
     if pair.drafter is None:
         raise SystemExit(f"{args.target} has no draft to speculate with; pass --draft")
     tokenizer, target = pair.target.tokenizer, pair.target.model

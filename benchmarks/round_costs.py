@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     gammas = sorted({int(g) for g in args.gammas.split(",")} | {0})
 
-    pair = load_model_draft_pair(args.target, args.draft, args.draft_window)
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     prompts = [tokenizer.encode(p.turns[0], chat=True) for p in load_prompts("spec-bench", 1, 0)[: args.prompts]]
     widths = measured_widths(target, max(max(gammas), 1), args.pad_rows)  # gamma 0 alone: plain rounds only

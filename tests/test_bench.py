@@ -782,3 +782,27 @@ def test_the_split_against_the_best_fixed_gamma_prices_each_class_of_round() -> 
     lines = adaptive.fixed_split_lines([report(auto), report(auto)], "0.7")  # two runs pool: the same shares
     assert f"| c | 2 | {100 * split['c']['prefill'][0]:+.1f} |" in "\n".join(lines)
     assert adaptive.fixed_split([{"prompts": 1, "rounds": {"0.7": {"gamma=auto": []}}}], "0.7") == ({}, {})
+
+
+def test_round_kinds_are_ratios_to_target_only_within_each_prompt() -> None:
+    """A kind's cost is its median round over target-only's median round on the same prompt, then the median over
+    prompts: a prompt where every round is twice as slow (long context, a slow box) changes nothing."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from round_kinds import round_kinds
+
+    def reply(prompt: int, rounds: list[tuple[int, float, int]]) -> list:
+        return [prompt, "qa", len(rounds), 10, 1.0, [[d, 100, ms, s] for d, ms, s in rounds]]
+
+    rounds = {"target-only": [reply(0, [(0, 10.0, 0)] * 3), reply(1, [(0, 20.0, 0)] * 3)],
+              "gamma=1": [reply(0, [(1, 15.0, 0), (1, 15.0, 0), (0, 30.0, 1)]),
+                          reply(1, [(1, 30.0, 0), (5, 60.0, 0), (6, 80.0, 0)])],
+              "hybrid auto": [reply(0, [(2, 20.0, 0)]), [1, "qa", 1, 10, 1.0, [[2, 100, 30.0, 0, 1]]]]}
+    kinds = round_kinds(rounds)
+    assert kinds["target-only"]["0"] == {"rounds": 6, "median": 1.0, "min": 1.0}
+    assert kinds["gamma=1"]["1"]["median"] == pytest.approx(1.5) and kinds["gamma=1"]["1"]["rounds"] == 3
+    assert kinds["gamma=1"]["S0"]["median"] == pytest.approx(3.0)  # a plain round that scored a backlog, apart
+    assert kinds["gamma=1"]["4+"]["median"] == pytest.approx(3.5) and kinds["gamma=1"]["4+"]["min"] == pytest.approx(3.0)
+    assert kinds["hybrid auto"]["2"]["median"] == pytest.approx(2.0)  # a model's drafts and a lookup's, apart
+    assert kinds["hybrid auto"]["L2"]["median"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="target-only"):
+        round_kinds({"gamma=1": rounds["gamma=1"]})

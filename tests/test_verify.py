@@ -171,3 +171,18 @@ def test_acceptance_probability_of_a_deterministic_draft_is_the_targets_probabil
     tokens = torch.tensor([[3, 0], [1, 2]])
     beta = acceptance_probabilities(tokens, None, target)
     assert torch.allclose(beta, torch.tensor([[0.4, 0.1], [0.2, 0.3]], dtype=beta.dtype))
+
+
+def test_acceptance_probabilities_take_cpu_draft_tokens_with_target_probs_on_the_test_device() -> None:
+    """Drafters build their tokens on the CPU while the target scores on its device: on a GPU the one-hot
+    (n-gram) path gathered with a CPU index and raised (`SPECSAMPLE_TEST_DEVICE=cuda` exercises that)."""
+    from devices import DEVICE
+    from specsample.verify import acceptance_probabilities
+
+    target = _dist([1, 2, 3, 4]).view(1, 1, -1).expand(1, 2, -1).to(DEVICE)  # [1, gamma + 1 = 2, 4]
+    tokens = torch.tensor([[3]])  # [1, gamma = 1], on the CPU as a drafter makes it
+    beta = acceptance_probabilities(tokens, None, target)
+    assert beta.device == target.device and abs(beta.item() - 0.4) < 1e-6
+    draft = _dist([4, 3, 2, 1]).view(1, 1, -1)  # on the CPU too
+    beta = acceptance_probabilities(tokens, draft, target)
+    assert beta.device == target.device and abs(beta.item() - (0.1 + 0.2 + 0.2 + 0.1)) < 1e-6

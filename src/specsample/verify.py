@@ -125,8 +125,8 @@ def acceptance_probabilities(
     of its token. `[batch, gamma]`: the expectation of `verify`'s accept-or-not at each position it reaches."""
     gamma = draft_tokens.shape[1]
     target = target_probs[:, :gamma].float()
-    if draft_probs is None:
-        return target.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    if draft_probs is None:  # drafters build their tokens on the CPU; the target's probs may be on a GPU
+        return target.gather(-1, draft_tokens.to(target.device).unsqueeze(-1)).squeeze(-1)
     return torch.minimum(target, draft_probs.to(device=target.device, dtype=target.dtype)).sum(-1).clamp(max=1.0)
 
 

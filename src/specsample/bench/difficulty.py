@@ -33,7 +33,7 @@ def text_acceptance(target, draft, prompt_ids: Sequence[int], reply_ids: Sequenc
         return float("nan")
     if not prompt_ids:
         raise ValueError("text_acceptance needs the prompt: the first reply token is predicted from it")
-    tokens = torch.tensor([list(prompt_ids) + list(reply_ids)])
+    tokens = torch.tensor([list(prompt_ids) + list(reply_ids)], device=target.device)
     span = slice(len(prompt_ids) - 1, len(prompt_ids) + len(reply_ids) - 1)  # the positions predicting the reply
     target_probs = warp_probs(target.forward(tokens)[:, span], params)  # [1, reply, vocab]
     draft_probs = warp_probs(draft.forward(tokens)[:, span], params)  # [1, reply, vocab]

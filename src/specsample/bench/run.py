@@ -80,12 +80,16 @@ def controller_config(spec: str) -> ControllerConfig:
     return dataclasses.replace(defaults, **changes)
 
 
-def add_pair_options(parser: argparse.ArgumentParser) -> None:
-    """`--target`, `--draft` and `--draft-window`, as the benchmark scripts take them."""
+def add_pair_options(parser: argparse.ArgumentParser, dtype: str = "auto") -> None:
+    """`--target`, `--draft`, `--draft-window`, `--dtype` and `--device`, as the benchmark scripts take them
+    (`dtype`: the script's default)."""
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--draft", default=None, help="draft spec (default: the alias's)")
     parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
                         help="auto: the window saved with the draft; off: the draft sees the whole context")
+    parser.add_argument("--dtype", default=dtype, choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where both models run")
 
 
 def add_pad_rows_option(parser: argparse.ArgumentParser) -> None:
@@ -102,10 +106,11 @@ def measured_widths(target: CausalLM, gamma: int, mode: str) -> tuple[int, ...]:
     return widths
 
 
-def load_model_draft_pair(target: str, draft: str | None, window: str = "auto") -> Pair:
+def load_model_draft_pair(target: str, draft: str | None, window: str = "auto", dtype: str = "auto",
+                          device: str = "cpu") -> Pair:
     """The target and its draft model, for a benchmark that measures one (n-gram is refused; hybrid, the
     default, gives its model)."""
-    pair = load_pair(target, draft, draft_window=window)
+    pair = load_pair(target, draft, dtype, device, draft_window=window)
     if isinstance(pair.drafter, HybridDrafter):
         pair = dataclasses.replace(pair, drafter=_draft_model(pair.drafter),
                                    draft_spec=hybrid_model_spec(pair.draft_spec, pair.target))

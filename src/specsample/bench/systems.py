@@ -124,7 +124,8 @@ class OursRun:
         if self.single and result.stats.batch_size:  # one row: the round's cost is that row's
             self._prefill += result.stats.prefill_seconds
             self._rounds.append(RoundTiming(result.stats.drafted, self._context,
-                                            seconds - result.stats.prefill_seconds, result.stats.scored_rows > 0))
+                                            seconds - result.stats.prefill_seconds, result.stats.scored_rows > 0,
+                                            result.stats.lookup_rows > 0))
             self._context += result.stats.emitted
         if not self._collector.requests:
             for rid in self._ids:

@@ -1,0 +1,62 @@
+"""What each kind of round cost in an adaptive benchmark run, in target-only's plain rounds on the same prompt.
+
+For every system and every round kind (drafts in the round, 4 and more pooled; `S` marks a round in which the
+draft model scored its backlog, `L` one whose drafts were a prompt lookup, recorded since session 35), the median over the prompts of that kind's median round time over
+target-only's median round on the prompt; the same for minima. A ratio of medians within each prompt, so
+neither context length nor a prompt's slow stretch of the box leaks into it (the systems took turns).
+
+    python benchmarks/round_kinds.py docs/cuda/adaptive_cuda_t0.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def round_kinds(rounds: dict[str, list[list]], baseline: str = "target-only") -> dict[str, dict[str, dict]]:
+    """system -> kind -> {"rounds": count, "median": ratio, "min": ratio} from one temperature's recorded rounds
+    ([prompt, category, tokens, prompt tokens, prefill ms, [[drafted, context, ms, scored], ...]] per reply)."""
+    if baseline not in rounds:
+        raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
+    base = {row[0]: [r[2] for r in row[5]] for row in rounds[baseline]}
+    out: dict[str, dict[str, dict]] = {}
+    for name, replies in rounds.items():
+        medians, minima, counts = defaultdict(list), defaultdict(list), defaultdict(int)
+        for prompt, _, _, _, _, rows in replies:
+            if not base.get(prompt):
+                continue
+            kinds: dict[str, list[float]] = defaultdict(list)
+            for drafted, _, ms, *flags in rows:
+                scored, lookup = bool(flags and flags[0]), bool(flags[1:] and flags[1])
+                kinds[("S" if scored else "") + ("L" if lookup else "") + (str(drafted) if drafted < 4 else "4+")].append(ms)
+            for kind, times in kinds.items():
+                counts[kind] += len(times)
+                medians[kind].append(statistics.median(times) / statistics.median(base[prompt]))
+                minima[kind].append(min(times) / min(base[prompt]))
+        out[name] = {kind: {"rounds": counts[kind], "median": statistics.median(medians[kind]),
+                            "min": statistics.median(minima[kind])} for kind in sorted(medians)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("result", type=Path, help="a benchmarks/adaptive.py result (.json)")
+    args = parser.parse_args()
+    report = json.loads(args.result.read_text())
+    if "rounds" not in report:
+        raise SystemExit(f"{args.result} recorded no rounds (runs before session 21 did not)")
+    for temperature, rounds in report["rounds"].items():
+        print(f"### Temperature {temperature}: round kinds in target-only plain rounds (median over prompts)\n")
+        print("| system | kind | rounds | median / median | min / min |\n|---|---|---|---|---|")
+        for name, kinds in round_kinds(rounds).items():
+            for kind, row in kinds.items():
+                print(f"| {name} | {kind} | {row['rounds']} | {row['median']:.2f} | {row['min']:.2f} |")
+        print()
+
+
+if __name__ == "__main__":
+    main()
