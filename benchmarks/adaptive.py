@@ -58,6 +58,11 @@ def main() -> None:
                         help="at temperature > 0, sample replies first-sample .. first-sample + samples - 1 of each "
                              "prompt (seeds i + k * prompts): a run with other texts than an earlier one, to pool with "
                              "it (benchmarks/goal_intervals.py)")
+    parser.add_argument("--draft-delay-ms", type=float, default=0.0, metavar="MS",
+                        help="what-if: every drafting step of the draft model waits MS more (its prefills and backlog "
+                             "scorings do not), to put the controller in a regime this machine does not have, e.g. a "
+                             "GPU's, where a drafted round costs ~1.7 plain rounds (docs/cuda.md); prompt lookups are "
+                             "unaffected")
     parser.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
                         help="score rounds at the target's fastest width (measured once, used by every system)")
     parser.add_argument("--systems", default="all",
@@ -97,6 +102,8 @@ def main() -> None:
         args.difficulty = args.samples >= 2
     if args.first_sample < 0:
         parser.error(f"--first-sample must be >= 0, got {args.first_sample}")
+    if args.draft_delay_ms < 0:
+        parser.error(f"--draft-delay-ms must be >= 0, got {args.draft_delay_ms}")
     if args.remodel:
         remodel(args.remodel, args.box_speed, args.out,
                 f"python benchmarks/adaptive.py --remodel {args.remodel} --box-speed {args.box_speed} --out {args.out}")
@@ -121,6 +128,8 @@ def main() -> None:
         parser.error(f"--variant: names must differ from each other and from the systems, got {sorted(set(clash))}")
 
     pair, prompts, ids, max_len = load_spec_bench(args)
+    if args.draft_delay_ms:
+        delay_draft_forwards(args.draft_delay_ms / 1000)
     tokenizer, target = pair.target.tokenizer, pair.target.model
     eos = tokenizer.eos_token_ids
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
@@ -162,6 +171,7 @@ def main() -> None:
               "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
               "prompts": len(prompts), "samples": args.samples, "first_sample": args.first_sample,
               **({"placebo_seeds": PLACEBO_SEEDS} if any(s.seed_offset for s in systems) else {}),
+              **({"draft_delay_ms": args.draft_delay_ms} if args.draft_delay_ms else {}),
               "controller": {k: v for k, v in dataclasses.asdict(controller).items()
                              if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
               "results": {}}
@@ -174,6 +184,27 @@ def main() -> None:
         report["difficulty"] = {str(t): dict(by_system) for t, by_system in difficulty.items()}
     add_modelled(report, args.box_speed)
     save(report, args.out)
+
+
+def _draft_delay_ms(report: dict) -> float:
+    """The run's `--draft-delay-ms` (the field, or the recorded command of a run that wrote none)."""
+    if "draft_delay_ms" in report:
+        return float(report["draft_delay_ms"])
+    found = re.search(r"--draft-delay-ms ([0-9.]+)", report.get("command", ""))
+    return float(found.group(1)) if found else 0.0
+
+
+def delay_draft_forwards(seconds: float) -> None:
+    """Make every drafting step of a draft model in this process wait `seconds` more (`--draft-delay-ms`): a dearer
+    draft, as on a GPU, where the draft's kernel launches cost as much per layer as the target's."""
+    forward = ModelDrafter._logits
+
+    def delayed(self: ModelDrafter, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        time.sleep(seconds)
+        return out
+
+    ModelDrafter._logits = delayed
 
 
 def machine(device: torch.device) -> dict:
@@ -624,6 +655,10 @@ def write_report(report: dict, out: Path) -> None:
                   f"{about.get('threads')} CPU threads, torch {about.get('torch')}.", ""]
     if report.get("remodel_command"):
         lines += [f"Modelled tables recomputed by: `{report['remodel_command']}`", ""]
+    delay = _draft_delay_ms(report)
+    if delay:
+        lines += [f"**What-if, not this machine's speeds:** every drafting step of the draft model waited {delay:g} ms "
+                  "more (`--draft-delay-ms`), to emulate a dearer draft such as a GPU's.", ""]
     lines += [f"Draft: `{report['draft']}`; tokens/s per category, batch 1.{padding}", "", _interleave_note(report), ""]
     if report.get("controller"):
         lines += [f"gamma auto with ControllerConfig changes: {report['controller']}.", ""]

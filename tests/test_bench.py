@@ -806,3 +806,44 @@ def test_round_kinds_are_ratios_to_target_only_within_each_prompt() -> None:
     assert kinds["hybrid auto"]["L2"]["median"] == pytest.approx(1.5)
     with pytest.raises(ValueError, match="target-only"):
         round_kinds({"gamma=1": rounds["gamma=1"]})
+
+
+def test_draft_delay_slows_each_drafting_step_and_the_report_says_so(monkeypatch) -> None:
+    """`adaptive.py --draft-delay-ms`: each drafting step of a draft model waits the delay (a what-if for a dearer
+    draft), and the run's report says its speeds are not the machine's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import adaptive
+    from specsample.drafters.model import ModelDrafter
+
+    calls = []
+    monkeypatch.setattr(ModelDrafter, "_logits", lambda self, *args: calls.append(args) or "logits")
+    adaptive.delay_draft_forwards(0.05)  # undone by monkeypatch at the end of the test
+    begin = time.perf_counter()
+    assert ModelDrafter._logits(None, 1, 2) == "logits" and calls == [(1, 2)]
+    assert time.perf_counter() - begin >= 0.05
+    assert adaptive._draft_delay_ms({"draft_delay_ms": 6.0}) == 6.0
+    assert adaptive._draft_delay_ms({"command": "python benchmarks/adaptive.py --draft-delay-ms 4.5 --out x"}) == 4.5
+    assert adaptive._draft_delay_ms({"command": "python benchmarks/adaptive.py --out x"}) == 0.0
+
+
+def test_round_ops_counts_kernel_operations_apart_from_views() -> None:
+    """benchmarks/round_ops.py: views launch no kernel and are left out of "not views"; host reads are counted
+    apart; the report divides by the plain round's and lists gamma auto's extra operations by name."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import round_ops
+    import torch
+
+    x = torch.arange(6.0)
+    with round_ops.OpCounter() as counter:
+        y = (x.view(2, 3) * 2).sum()
+        bool(y > 0)
+    total, kernels, reads = round_ops.summarise(counter.ops)
+    assert counter.ops["view"] == 1 and counter.ops["mul"] == 1 and counter.ops["sum"] == 1
+    assert kernels == total - 1 and reads == 1  # bool() reads the value (item, is_nonzero or _local_scalar_dense)
+    report = {"command": "python benchmarks/round_ops.py", "device": "cpu", "temperature": 0.7, "results": {
+        "0": {"rounds": 5, "ops": 100, "kernel_ops": 60, "host_reads": 4, "by_name": {"mul": 10}},
+        "1": {"rounds": 5, "ops": 150, "kernel_ops": 90, "host_reads": 9, "by_name": {"mul": 20}},
+        "auto 1": {"rounds": 3, "ops": 160, "kernel_ops": 93, "host_reads": 9, "by_name": {"mul": 20, "to": 3}}}}
+    text = round_ops.render(report)
+    assert "| 1 | 5 | 150 | 90 | 1.50 | 9 |" in text and "| auto 1 | 3 | 160 | 93 | 1.55 | 9 |" in text
+    assert "- 1 drafts: to +3.0" in text

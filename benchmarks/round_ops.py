@@ -1,0 +1,138 @@
+"""Operations a round dispatches, by round kind: what a launch-bound GPU pays for, counted on any machine.
+
+At batch 1 a small model on a GPU is bound by launching kernels, not by arithmetic (docs/cuda.md), so a round
+costs about what it dispatches. This counts, per engine round, the aten operations dispatched (all, and those
+that are not views: a view launches no kernel) and the calls that read a tensor's value on the host (`item`,
+`is_nonzero`: on a GPU tensor each waits for the GPU), for target-only and fixed gammas decoding the same
+Spec-Bench prompts. Counts, not times: they do not depend on the machine's load.
+
+    python benchmarks/round_ops.py --gammas 1,3 --out docs/round_ops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specsample.bench.report import command_line, publish
+from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
+from specsample.bench.systems import Ours, run_lockstep
+from specsample.config import SamplingParams, SpecConfig
+from specsample.engine import Engine
+
+VIEWS = frozenset({"view", "_unsafe_view", "slice", "select", "transpose", "t", "permute", "unsqueeze", "squeeze",
+                   "expand", "as_strided", "alias", "chunk", "split", "split_with_sizes", "unbind", "detach",
+                   "detach_", "lift_fresh", "reshape", "resolve_conj", "resolve_neg", "narrow", "view_as"})
+HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "equal"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten operations by name while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def summarise(ops: Counter[str]) -> tuple[int, int, int]:
+    """(all operations, those that are not views, host reads) of one round."""
+    total = sum(ops.values())
+    return total, total - sum(n for name, n in ops.items() if name in VIEWS), sum(ops[name] for name in HOST_READS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_pair_options(parser)
+    parser.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts (the first of each category)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--gammas", default="1,3")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--auto", action="store_true", help="also gamma auto (the draft model), its rounds apart")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
+    args = parser.parse_args()
+    gammas = [int(g) for g in args.gammas.split(",")]
+    if min(gammas) < 1:
+        parser.error("--gammas must be >= 1")
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
+    target = pair.target.model
+    _, prompts = encode_fitting(load_prompts("spec-bench", 1, 0), pair.target.tokenizer, target.max_seq_len,
+                                args.tokens)
+    prompts = prompts[:args.prompts]
+    max_len = max(len(p) for p in prompts) + args.tokens + 16
+    eos = frozenset()  # every reply runs its full budget
+    systems = [Ours("target-only", target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=max_len),
+                    eos)]
+    for gamma in gammas:  # one drafter each: a drafter keeps one cache
+        systems.append(Ours(f"gamma={gamma}", target, pair.load_draft(pair.draft_spec),
+                            SpecConfig(gamma=gamma, adaptive=False, max_batch_size=1, max_seq_len=max_len), eos))
+    if args.auto:
+        systems.append(Ours("gamma=auto", target, pair.load_draft(pair.draft_spec),
+                            SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
+    # drafts per round ("auto N" for gamma auto's) -> per round; and the operations by name, summed
+    counted: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    by_name: dict[str, Counter[str]] = defaultdict(Counter)
+    step = Engine.step
+
+    def counting_step(engine: Engine):
+        admits = bool(engine._waiting)  # a round that admits a request prefills it too: not a decoding round's cost
+        with OpCounter() as counter:
+            result = step(engine)
+        if result.stats.batch_size and not admits:
+            kind = ("auto " if engine.config.adaptive else "") + str(result.stats.drafted)
+            counted[kind].append(summarise(counter.ops))
+            by_name[kind].update(counter.ops)
+        return result
+
+    Engine.step = counting_step
+    try:
+        for i, prompt in enumerate(prompts):
+            run_lockstep(systems, [prompt], SamplingParams(temperature=args.temperature, max_new_tokens=args.tokens,
+                                                           seed=i))
+    finally:
+        Engine.step = step
+    results = {kind: {"rounds": len(rows), "ops": statistics.median(r[0] for r in rows),
+                      "kernel_ops": statistics.median(r[1] for r in rows),
+                      "host_reads": statistics.median(r[2] for r in rows)}
+               for kind, rows in sorted(counted.items(), key=lambda kv: (kv[0].startswith("auto"), int(kv[0].split()[-1])))}
+    for kind, ops in by_name.items():  # per round, the operations that are not views, by name
+        results[kind]["by_name"] = {name: round(n / len(counted[kind]), 2) for name, n in ops.most_common()
+                                    if name not in VIEWS}
+    report = {"command": command_line("benchmarks/round_ops.py", args), "device": args.device,
+              "temperature": args.temperature, "results": results}
+    publish(report, render(report), args.out)
+
+
+def render(report: dict) -> str:
+    """The medians per round kind, and each over the plain round's."""
+    rows = report["results"]
+    plain = rows.get("0")
+    lines = [f"Command: `{report['command']}`", "",
+             f"Per decoding round at T {report['temperature']} on {report['device']} (medians over rounds; the rounds of "
+             "target-only and every fixed gamma pooled by drafts in the round):", "",
+             "| drafts | rounds | operations | not views | over a plain round's | host reads |", "|---|---|---|---|---|---|"]
+    for kind, row in rows.items():
+        ratio = f"{row['kernel_ops'] / plain['kernel_ops']:.2f}" if plain else "n/a"
+        lines.append(f"| {kind} | {row['rounds']} | {row['ops']:g} | {row['kernel_ops']:g} | {ratio} | {row['host_reads']:g} |")
+    pairs = [(kind, f"auto {kind}") for kind in rows if f"auto {kind}" in rows and kind != "0"]
+    if pairs:
+        lines += ["", "gamma auto's rounds over the fixed gammas' with as many drafts, by operation (per round; "
+                  "those that differ by 0.5 or more):", ""]
+        for fixed, auto in pairs:
+            names = set(rows[fixed].get("by_name", {})) | set(rows[auto].get("by_name", {}))
+            diffs = sorted(((rows[auto]["by_name"].get(n, 0) - rows[fixed]["by_name"].get(n, 0), n) for n in names),
+                           reverse=True)
+            shown = ", ".join(f"{n} {d:+.1f}" for d, n in diffs if abs(d) >= 0.5)
+            lines.append(f"- {fixed} drafts: {shown or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
