@@ -139,7 +139,31 @@ def main() -> None:
     totals = {t: defaultdict(lambda: defaultdict(lambda: [0, 0.0])) for t in temperatures}
     timings = {t: defaultdict(list) for t in temperatures}  # system -> [(prompt, category, tokens, RunTiming)]
     difficulty = {t: defaultdict(list) for t in temperatures}  # system -> [text_acceptance per reply, as timings]
-    bar = tqdm(total=sum(len(prompts) * (args.samples if t > 0 else 1) for t in temperatures), desc="adaptive benchmark")
+
+    def snapshot() -> dict:
+        """The result so far: tokens/s per category and every round recorded (no modelled time yet)."""
+        report = {"command": command_line("benchmarks/adaptive.py", args),
+                  "machine": machine(target.device), "draft": pair.draft_spec,
+                  "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
+                  "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
+                  "prompts": len(prompts), "samples": args.samples, "first_sample": args.first_sample,
+                  **({"placebo_seeds": PLACEBO_SEEDS} if any(s.seed_offset for s in systems) else {}),
+                  **({"draft_delay_ms": args.draft_delay_ms} if args.draft_delay_ms else {}),
+                  "controller": {k: v for k, v in dataclasses.asdict(controller).items()
+                                 if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
+                  "results": {}}
+        for temperature in temperatures:
+            if totals[temperature]:
+                report["results"][str(temperature)] = {name: {cat: tok / sec for cat, (tok, sec) in cats.items()}
+                                                       for name, cats in totals[temperature].items()}
+        report["rounds"] = {str(t): {name: [_dump_run(*run) for run in runs] for name, runs in timings[t].items()}
+                            for t in temperatures if timings[t]}
+        if args.difficulty:
+            report["difficulty"] = {str(t): dict(by_system) for t, by_system in difficulty.items() if by_system}
+        return report
+
+    total = sum(len(prompts) * (args.samples if t > 0 else 1) for t in temperatures)
+    bar = tqdm(total=total, desc="adaptive benchmark")
     for temperature in temperatures:
         # at temperature > 0 each prompt is sampled --samples times (seeds i + k n from k = --first-sample), prompt by prompt
         replies = [(i + k * len(prompts), prompt, prompt_ids) for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids))
@@ -164,26 +188,22 @@ def main() -> None:
                     totals[temperature][s.name][cat][0] += len(record.tokens)
                     totals[temperature][s.name][cat][1] += record.seconds
             bar.update(1)
+            if bar.n < total:  # a run stopped early (a time limit) still leaves what it measured
+                save_partial(snapshot(), args.out, bar.n, total)
     bar.close()
-    report = {"command": command_line("benchmarks/adaptive.py", args),
-              "machine": machine(target.device), "draft": pair.draft_spec,
-              "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
-              "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
-              "prompts": len(prompts), "samples": args.samples, "first_sample": args.first_sample,
-              **({"placebo_seeds": PLACEBO_SEEDS} if any(s.seed_offset for s in systems) else {}),
-              **({"draft_delay_ms": args.draft_delay_ms} if args.draft_delay_ms else {}),
-              "controller": {k: v for k, v in dataclasses.asdict(controller).items()
-                             if getattr(ControllerConfig(), k) != v},  # gamma auto's knobs off their defaults
-              "results": {}}
-    for temperature in temperatures:
-        report["results"][str(temperature)] = {
-            name: {cat: tok / sec for cat, (tok, sec) in cats.items()} for name, cats in totals[temperature].items()}
-    report["rounds"] = {str(t): {name: [_dump_run(*run) for run in runs] for name, runs in timings[t].items()}
-                        for t in temperatures}
-    if args.difficulty:
-        report["difficulty"] = {str(t): dict(by_system) for t, by_system in difficulty.items()}
+    report = snapshot()
     add_modelled(report, args.box_speed)
     save(report, args.out)
+
+
+def save_partial(report: dict, out: Path, done: int, total: int) -> None:
+    """Write the result so far to `out` (.json only, replaced atomically), marked partial: `--report-only out`
+    renders it if the run is stopped before it ends."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["partial"] = {"replies": done, "of": total}
+    staging = out.with_name(out.name + ".partial")
+    staging.write_text(json.dumps(report))
+    staging.replace(out)
 
 
 def _draft_delay_ms(report: dict) -> float:
@@ -655,6 +675,10 @@ def write_report(report: dict, out: Path) -> None:
                   f"{about.get('threads')} CPU threads, torch {about.get('torch')}.", ""]
     if report.get("remodel_command"):
         lines += [f"Modelled tables recomputed by: `{report['remodel_command']}`", ""]
+    if report.get("partial"):
+        done = report["partial"]
+        lines += [f"**Partial run:** stopped after {done['replies']} of its {done['of']} replies; the tables hold "
+                  "the categories reached (no modelled time).", ""]
     delay = _draft_delay_ms(report)
     if delay:
         lines += [f"**What-if, not this machine's speeds:** every drafting step of the draft model waited {delay:g} ms "

@@ -40,6 +40,8 @@ elif [ "$part" = adaptive ]; then
     for t in 0 0.7; do
         step "adaptive_t$t" 250 "$py" benchmarks/adaptive.py --device cuda --per-category "${PER_CATEGORY:-3}" \
             --max-new-tokens 64 --temperatures "$t" --systems "$systems" --out "$out/adaptive_cuda_t$t.json"
+        # a step cut off by its limit leaves the replies it finished (marked partial): render them
+        [ -f "$out/adaptive_cuda_t$t.json" ] && "$py" benchmarks/adaptive.py --report-only "$out/adaptive_cuda_t$t.json"
     done
 else
     step pytest_real 150 "$py" -m pytest -q -p no:cacheprovider tests/test_real_smollm2.py tests/test_shipped_draft.py

@@ -847,3 +847,25 @@ def test_round_ops_counts_kernel_operations_apart_from_views() -> None:
     text = round_ops.render(report)
     assert "| 1 | 5 | 150 | 90 | 1.50 | 9 |" in text and "| auto 1 | 3 | 160 | 93 | 1.55 | 9 |" in text
     assert "- 1 drafts: to +3.0" in text
+
+
+def test_a_stopped_adaptive_run_leaves_its_replies_so_far(tmp_path) -> None:
+    """After every reply but the last the benchmark replaces its .json with the result so far, marked partial (a
+    device run cut off by its time limit kept nothing before); `--report-only` renders it and says so."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import adaptive
+
+    runs, _ = _drifting_box_runs(random.Random(4))
+    rows = {name: [adaptive._dump_run(p, "c", 40, r) for p, r in rs[:5]] for name, rs in runs.items()}
+    rows["gamma=1"] = rows["gamma=auto"] = rows.pop("policy")
+    report = {"command": "python benchmarks/adaptive.py --test", "draft": "d", "rounds": {"0.0": rows},
+              "results": {"0.0": {name: {"c": 50.0, "overall": 50.0} for name in rows}}}
+    out = tmp_path / "run.json"
+    out.write_text("an earlier partial write")
+    adaptive.save_partial(report, out, 5, 60)
+    stored = json.loads(out.read_text())
+    assert stored["partial"] == {"replies": 5, "of": 60} and stored["rounds"]["0.0"]["gamma=1"] == rows["gamma=1"]
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # written beside, then moved over: never half a file
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "adaptive.py"),
+                    "--report-only", str(out)], check=True, capture_output=True)
+    assert "**Partial run:** stopped after 5 of its 60 replies" in out.with_suffix(".md").read_text()
