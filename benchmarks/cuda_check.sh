@@ -5,12 +5,13 @@
 #   bash benchmarks/cuda_check.sh real OUT_DIR     # real SmolLM2 tests, runtime speed, bench (needs the alias)
 #   bash benchmarks/cuda_check.sh adaptive OUT_DIR # the adaptive benchmark (fixed gamma 1-4, gamma auto, hybrid auto,
 #                                                  # target-only) on Spec-Bench at T 0 and 0.7 (needs the alias)
+#   bash benchmarks/cuda_check.sh rounds OUT_DIR   # a round's phases, launches and waits on the GPU (needs the alias)
 #
 # Each step has its own time limit, so one slow step cannot hide the others' results; all output
 # goes to OUT_DIR/log.txt. CI never runs this (it has no GPU); docs/cuda.md records what it printed.
 set -u
-part=${1:?usage: cuda_check.sh tests|real|adaptive OUT_DIR}
-out=${2:?usage: cuda_check.sh tests|real|adaptive OUT_DIR}
+part=${1:?usage: cuda_check.sh tests|real|adaptive|rounds OUT_DIR}
+out=${2:?usage: cuda_check.sh tests|real|adaptive|rounds OUT_DIR}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 export SPECSAMPLE_TEST_DEVICE=${SPECSAMPLE_TEST_DEVICE:-cuda} PYTHONUNBUFFERED=1
@@ -43,6 +44,11 @@ elif [ "$part" = adaptive ]; then
         # a step cut off by its limit leaves the replies it finished (marked partial): render them
         [ -f "$out/adaptive_cuda_t$t.json" ] && "$py" benchmarks/adaptive.py --report-only "$out/adaptive_cuda_t$t.json"
     done
+elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases, launches and waits (~3 min)
+    step round_phases 150 "$py" benchmarks/round_phases.py --device cuda --per-category 1 --prompts 6 --tokens 48 \
+        --temperatures 0,0.7 --auto --out "$out/round_phases_cuda.json"
+    step round_ops 120 "$py" benchmarks/round_ops.py --device cuda --auto --gammas 1,2 --prompts 4 --tokens 32 \
+        --out "$out/round_ops_cuda.json"
 else
     step pytest_real 150 "$py" -m pytest -q -p no:cacheprovider tests/test_real_smollm2.py tests/test_shipped_draft.py
     step runtime_speed 100 "$py" benchmarks/runtime_speed.py --device cuda --no-compiled --repeats 5 \

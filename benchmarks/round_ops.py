@@ -3,8 +3,11 @@
 At batch 1 a small model on a GPU is bound by launching kernels, not by arithmetic (docs/cuda.md), so a round
 costs about what it dispatches. This counts, per engine round, the aten operations dispatched (all, and those
 that are not views: a view launches no kernel) and the calls that read a tensor's value on the host (`item`,
-`is_nonzero`: on a GPU tensor each waits for the GPU), for target-only and fixed gammas decoding the same
-Spec-Bench prompts. Counts, not times: they do not depend on the machine's load.
+`is_nonzero`), and on a GPU the waits: host reads of a GPU tensor and copies from it to the CPU, each of which
+waits for the GPU's queued work. Target-only and fixed gammas (and with `--auto` gamma auto) decode the same
+Spec-Bench prompts. Counts, not times: they do not depend on the machine's load. (Counting slows every operation,
+and gamma auto chooses by measured times, so its mix of rounds here is not its usual one: read its counts per
+kind, not how many rounds of each it ran.)
 
     python benchmarks/round_ops.py --gammas 1,3 --out docs/round_ops.json
 """
@@ -16,6 +19,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specsample.bench.report import command_line, publish
@@ -28,24 +32,35 @@ VIEWS = frozenset({"view", "_unsafe_view", "slice", "select", "transpose", "t", 
                    "expand", "as_strided", "alias", "chunk", "split", "split_with_sizes", "unbind", "detach",
                    "detach_", "lift_fresh", "reshape", "resolve_conj", "resolve_neg", "narrow", "view_as"})
 HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "equal"})
+COPIES = frozenset({"_to_copy", "to", "copy_"})
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten operations by name while active."""
+    """Counts aten operations by name while active; `waits`: host reads of a tensor on an accelerator, and copies
+    between it and the CPU (each waits for the accelerator's queued work)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.waits = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        out = func(*args, **(kwargs or {}))
+        # copy_(destination, source) reads its second argument; the others their first
+        source = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
+        if isinstance(source, torch.Tensor) and source.device.type != "cpu":
+            if name in HOST_READS or (name in COPIES and isinstance(out, torch.Tensor) and out.device.type == "cpu"):
+                self.waits += 1
+        return out
 
 
-def summarise(ops: Counter[str]) -> tuple[int, int, int]:
-    """(all operations, those that are not views, host reads) of one round."""
+def summarise(ops: Counter[str], waits: int = 0) -> tuple[int, int, int, int]:
+    """(all operations, those that are not views, host reads, waits on an accelerator) of one round."""
     total = sum(ops.values())
-    return total, total - sum(n for name, n in ops.items() if name in VIEWS), sum(ops[name] for name in HOST_READS)
+    return (total, total - sum(n for name, n in ops.items() if name in VIEWS), sum(ops[name] for name in HOST_READS),
+            waits)
 
 
 def main() -> None:
@@ -77,7 +92,7 @@ def main() -> None:
         systems.append(Ours("gamma=auto", target, pair.load_draft(pair.draft_spec),
                             SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
     # drafts per round ("auto N" for gamma auto's) -> per round; and the operations by name, summed
-    counted: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    counted: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
     by_name: dict[str, Counter[str]] = defaultdict(Counter)
     step = Engine.step
 
@@ -87,7 +102,7 @@ def main() -> None:
             result = step(engine)
         if result.stats.batch_size and not admits:
             kind = ("auto " if engine.config.adaptive else "") + str(result.stats.drafted)
-            counted[kind].append(summarise(counter.ops))
+            counted[kind].append(summarise(counter.ops, counter.waits))
             by_name[kind].update(counter.ops)
         return result
 
@@ -100,7 +115,8 @@ def main() -> None:
         Engine.step = step
     results = {kind: {"rounds": len(rows), "ops": statistics.median(r[0] for r in rows),
                       "kernel_ops": statistics.median(r[1] for r in rows),
-                      "host_reads": statistics.median(r[2] for r in rows)}
+                      "host_reads": statistics.median(r[2] for r in rows),
+                      "device_waits": statistics.median(r[3] for r in rows)}
                for kind, rows in sorted(counted.items(), key=lambda kv: (kv[0].startswith("auto"), int(kv[0].split()[-1])))}
     for kind, ops in by_name.items():  # per round, the operations that are not views, by name
         results[kind]["by_name"] = {name: round(n / len(counted[kind]), 2) for name, n in ops.most_common()
@@ -117,10 +133,13 @@ def render(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "",
              f"Per decoding round at T {report['temperature']} on {report['device']} (medians over rounds; the rounds of "
              "target-only and every fixed gamma pooled by drafts in the round):", "",
-             "| drafts | rounds | operations | not views | over a plain round's | host reads |", "|---|---|---|---|---|---|"]
+             "| drafts | rounds | operations | not views | over a plain round's | host reads | waits on the device |",
+             "|---|---|---|---|---|---|---|"]
     for kind, row in rows.items():
         ratio = f"{row['kernel_ops'] / plain['kernel_ops']:.2f}" if plain else "n/a"
-        lines.append(f"| {kind} | {row['rounds']} | {row['ops']:g} | {row['kernel_ops']:g} | {ratio} | {row['host_reads']:g} |")
+        waits = f"{row['device_waits']:g}" if "device_waits" in row and report["device"] != "cpu" else "n/a (CPU)"
+        lines.append(f"| {kind} | {row['rounds']} | {row['ops']:g} | {row['kernel_ops']:g} | {ratio} "
+                     f"| {row['host_reads']:g} | {waits} |")
     pairs = [(kind, f"auto {kind}") for kind in rows if f"auto {kind}" in rows and kind != "0"]
     if pairs:
         lines += ["", "gamma auto's rounds over the fixed gammas' with as many drafts, by operation (per round; "

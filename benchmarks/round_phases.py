@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specsample.bench.report import command_line, publish
-from specsample.bench.run import encode_fitting, load_model_draft_pair, load_prompts
+from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
 from specsample.bench.systems import Ours, run_lockstep
 from specsample.config import SamplingParams, SpecConfig
 from specsample.engine import Engine
@@ -32,6 +32,7 @@ PHASES = ("draft", "target", "verify")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_pair_options(parser)
     parser.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category")
     parser.add_argument("--prompts", type=int, default=6, help="of those, how many to decode")
     parser.add_argument("--tokens", type=int, default=64)
@@ -40,7 +41,7 @@ def main() -> None:
                         help="also gamma auto, its rounds apart; every round's rest of the step as a phase")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
     args = parser.parse_args()
-    pair = load_model_draft_pair("smollm2-135m-instruct", None)
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
     target = pair.target.model
     _, prompts = encode_fitting(load_prompts("spec-bench", args.per_category, 0), pair.target.tokenizer,
                                 target.max_seq_len, args.tokens)
@@ -85,14 +86,15 @@ def main() -> None:
                 for key, rows in sorted(collected.items(), key=lambda kv: (kv[0].startswith("auto"), len(kv[0]), kv[0]))}
     finally:
         Engine.step = step
-    report = {"command": command_line("benchmarks/round_phases.py", args), "prompts": len(prompts), "results": results}
+    report = {"command": command_line("benchmarks/round_phases.py", args), "prompts": len(prompts),
+              "device": str(target.device), "results": results}
     publish(report, render(report), args.out)
 
 
 def render(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "",
-             f"Median ms per engine round over {report['prompts']} prompts (systems in lockstep); total: the three "
-             "medians summed, over the plain round's.", ""]
+             f"Median ms per engine round over {report['prompts']} prompts (systems in lockstep) on "
+             f"{report.get('device', 'cpu')}; total: the three medians summed, over the plain round's.", ""]
     for temperature, by_gamma in report["results"].items():
         rest = "rest_ms" in by_gamma["0"]  # --auto: the step's wall time beyond the three phases
         phases = PHASES + (("rest",) if rest else ())

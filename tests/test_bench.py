@@ -833,11 +833,16 @@ def test_round_ops_counts_kernel_operations_apart_from_views() -> None:
     import round_ops
     import torch
 
-    x = torch.arange(6.0)
+    from devices import DEVICE
+
+    x = torch.arange(6.0, device=DEVICE)
     with round_ops.OpCounter() as counter:
         y = (x.view(2, 3) * 2).sum()
         bool(y > 0)
-    total, kernels, reads = round_ops.summarise(counter.ops)
+        y.cpu()
+    counter.ops["_to_copy"] = 0  # the copy back is counted as a wait on a GPU, and left out of the rest here
+    total, kernels, reads, waits = round_ops.summarise(counter.ops, counter.waits)
+    assert waits == 0 if DEVICE == "cpu" else waits >= 2  # a host read and a copy back wait for a GPU; CPU tensors never
     assert counter.ops["view"] == 1 and counter.ops["mul"] == 1 and counter.ops["sum"] == 1
     assert kernels == total - 1 and reads == 1  # bool() reads the value (item, is_nonzero or _local_scalar_dense)
     report = {"command": "python benchmarks/round_ops.py", "device": "cpu", "temperature": 0.7, "results": {
@@ -845,7 +850,7 @@ def test_round_ops_counts_kernel_operations_apart_from_views() -> None:
         "1": {"rounds": 5, "ops": 150, "kernel_ops": 90, "host_reads": 9, "by_name": {"mul": 20}},
         "auto 1": {"rounds": 3, "ops": 160, "kernel_ops": 93, "host_reads": 9, "by_name": {"mul": 20, "to": 3}}}}
     text = round_ops.render(report)
-    assert "| 1 | 5 | 150 | 90 | 1.50 | 9 |" in text and "| auto 1 | 3 | 160 | 93 | 1.55 | 9 |" in text
+    assert "| 1 | 5 | 150 | 90 | 1.50 | 9 | n/a (CPU) |" in text and "| auto 1 | 3 | 160 | 93 | 1.55 | 9 |" in text
     assert "- 1 drafts: to +3.0" in text
 
 
