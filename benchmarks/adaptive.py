@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import math
-import platform
 import random
 import re
 import statistics
@@ -30,7 +29,7 @@ from tqdm import tqdm
 
 from specsample.bench.difficulty import adjust_for_difficulty, fittable, text_acceptance, within_prompt_spread
 from specsample.bench.goals import again, fixed_gammas, goal_intervals, goal_tables, interval_table
-from specsample.bench.report import command_line
+from specsample.bench.report import command_line, machine_info
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
                                   load_prompts)
@@ -143,7 +142,7 @@ def main() -> None:
     def snapshot() -> dict:
         """The result so far: tokens/s per category and every round recorded (no modelled time yet)."""
         report = {"command": command_line("benchmarks/adaptive.py", args),
-                  "machine": machine(target.device), "draft": pair.draft_spec,
+                  "machine": machine_info(target.device), "draft": pair.draft_spec,
                   "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None,
                   "target_widths": list(widths), "interleave": args.interleave, "turns": args.turns,
                   "prompts": len(prompts), "samples": args.samples, "first_sample": args.first_sample,
@@ -163,7 +162,7 @@ def main() -> None:
         return report
 
     total = sum(len(prompts) * (args.samples if t > 0 else 1) for t in temperatures)
-    bar = tqdm(total=total, desc="adaptive benchmark")
+    bar, done = tqdm(total=total, desc="adaptive benchmark"), 0
     for temperature in temperatures:
         # at temperature > 0 each prompt is sampled --samples times (seeds i + k n from k = --first-sample), prompt by prompt
         replies = [(i + k * len(prompts), prompt, prompt_ids) for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids))
@@ -188,17 +187,25 @@ def main() -> None:
                     totals[temperature][s.name][cat][0] += len(record.tokens)
                     totals[temperature][s.name][cat][1] += record.seconds
             bar.update(1)
-            if bar.n < total:  # a run stopped early (a time limit) still leaves what it measured
-                save_partial(snapshot(), args.out, bar.n, total)
+            done += 1
+            if done < total:  # a run stopped early (a time limit) still leaves what it measured
+                save_partial(snapshot(), partial_path(args.out), done, total)
     bar.close()
     report = snapshot()
     add_modelled(report, args.box_speed)
     save(report, args.out)
+    partial_path(args.out).unlink(missing_ok=True)
+
+
+def partial_path(out: Path) -> Path:
+    """Where a run writes its result so far: beside `out` (X.json -> X.partial.json), which only a finished run
+    writes, so a stopped run never overwrites an earlier full result there."""
+    return out.with_name(out.stem + ".partial" + out.suffix)
 
 
 def save_partial(report: dict, out: Path, done: int, total: int) -> None:
-    """Write the result so far to `out` (.json only, replaced atomically), marked partial: `--report-only out`
-    renders it if the run is stopped before it ends."""
+    """Write the result so far to `out` (`partial_path` of the run's; .json only, replaced atomically), marked
+    partial: `--report-only out` renders it if the run is stopped before it ends."""
     out.parent.mkdir(parents=True, exist_ok=True)
     report["partial"] = {"replies": done, "of": total}
     staging = out.with_name(out.name + ".partial")
@@ -225,15 +232,6 @@ def delay_draft_forwards(seconds: float) -> None:
         return out
 
     ModelDrafter._logits = delayed
-
-
-def machine(device: torch.device) -> dict:
-    """Where the run decoded: the CPU, its threads, torch, and the GPU when the models were on one."""
-    about = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-             "torch": torch.__version__, "device": str(device)}
-    if device.type == "cuda":
-        about["gpu"] = torch.cuda.get_device_name(device)
-    return about
 
 
 def load_spec_bench(args: argparse.Namespace) -> tuple[Pair, list[Prompt], list[list[int]], int]:
@@ -277,8 +275,8 @@ def add_modelled(report: dict, box_speed: str) -> None:
 
 def _dump_run(prompt: int, category: str, tokens: int, timing: RunTiming) -> list:
     """One generation's rounds, compactly: [prompt, category, tokens, prompt tokens, prefill ms,
-    [[drafted, context, ms, scored (0 or 1), lookup (0 or 1; since session 35)], ...]] (times rounded to a
-    microsecond)."""
+    [[drafted, context, ms, scored (0 or 1), lookup (0 or 1: gamma auto had it propose a prompt lookup; since
+    session 35)], ...]] (times rounded to a microsecond)."""
     return [prompt, category, tokens, timing.prompt_tokens, round(timing.prefill_seconds * 1000, 3),
             [[r.drafted, r.context, round(r.seconds * 1000, 3), int(r.scored), int(r.lookup)] for r in timing.rounds]]
 
@@ -678,7 +676,7 @@ def write_report(report: dict, out: Path) -> None:
     if report.get("partial"):
         done = report["partial"]
         lines += [f"**Partial run:** stopped after {done['replies']} of its {done['of']} replies; the tables hold "
-                  "the categories reached (no modelled time).", ""]
+                  "the categories reached" + ("." if "modelled" in report else " (no modelled time).") , ""]
     delay = _draft_delay_ms(report)
     if delay:
         lines += [f"**What-if, not this machine's speeds:** every drafting step of the draft model waited {delay:g} ms "

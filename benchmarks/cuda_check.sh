@@ -35,14 +35,16 @@ if [ "$part" = tests ]; then
         tests/test_models.py
     step pytest_compiled 120 "$py" -m pytest -q -p no:cacheprovider tests/test_compiled.py
 elif [ "$part" = adaptive ]; then
-    step generate 90 "$py" -m specsample.cli generate --device cuda --max-new-tokens 48 --seed 0 \
+    step generate 80 "$py" -m specsample.cli generate --device cuda --max-new-tokens 48 --seed 0 \
         "Explain speculative decoding in two sentences."  # the main job on the GPU; fetches the alias first
     systems=${SYSTEMS:-'target-only,gamma=1,gamma=2,gamma=3,gamma=4,gamma=auto,hybrid auto'}
     for t in 0 0.7; do
-        step "adaptive_t$t" 250 "$py" benchmarks/adaptive.py --device cuda --per-category "${PER_CATEGORY:-3}" \
+        step "adaptive_t$t" 240 "$py" benchmarks/adaptive.py --device cuda --per-category "${PER_CATEGORY:-3}" \
             --max-new-tokens 64 --temperatures "$t" --systems "$systems" --out "$out/adaptive_cuda_t$t.json"
-        # a step cut off by its limit leaves the replies it finished (marked partial): render them
-        [ -f "$out/adaptive_cuda_t$t.json" ] && "$py" benchmarks/adaptive.py --report-only "$out/adaptive_cuda_t$t.json"
+        # a step cut off by its limit leaves the replies it finished (marked partial) beside: render them
+        if [ -f "$out/adaptive_cuda_t$t.partial.json" ]; then
+            "$py" benchmarks/adaptive.py --report-only "$out/adaptive_cuda_t$t.partial.json" >>"$out/log.txt" 2>&1 || true
+        fi
     done
 elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases, launches and waits (~3 min)
     step round_phases 150 "$py" benchmarks/round_phases.py --device cuda --per-category 1 --prompts 6 --tokens 48 \

@@ -1,7 +1,8 @@
 """What each kind of round cost in an adaptive benchmark run, in target-only's plain rounds on the same prompt.
 
 For every system and every round kind (drafts in the round, 4 and more pooled; `S` marks a round in which the
-draft model scored its backlog, `L` one whose drafts were a prompt lookup, recorded since session 35), the median over the prompts of that kind's median round time over
+draft model scored its backlog, `L` one where gamma auto had the row propose a prompt lookup, recorded since
+session 35; a fixed-gamma ngram or hybrid system's rounds are not marked), the median over the prompts of that kind's median round time over
 target-only's median round on the prompt; the same for minima. A ratio of medians within each prompt, so
 neither context length nor a prompt's slow stretch of the box leaks into it (the systems took turns).
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 def round_kinds(rounds: dict[str, list[list]], baseline: str = "target-only") -> dict[str, dict[str, dict]]:
     """system -> kind -> {"rounds": count, "median": ratio, "min": ratio} from one temperature's recorded rounds
-    ([prompt, category, tokens, prompt tokens, prefill ms, [[drafted, context, ms, scored], ...]] per reply)."""
+    ([prompt, category, tokens, prompt tokens, prefill ms, [[drafted, context, ms, scored, lookup], ...]] per
+    reply; runs before session 35 recorded no lookup)."""
     if baseline not in rounds:
         raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
     base = {row[0]: [r[2] for r in row[5]] for row in rounds[baseline]}

@@ -3,8 +3,9 @@
 At batch 1 a small model on a GPU is bound by launching kernels, not by arithmetic (docs/cuda.md), so a round
 costs about what it dispatches. This counts, per engine round, the aten operations dispatched (all, and those
 that are not views: a view launches no kernel) and the calls that read a tensor's value on the host (`item`,
-`is_nonzero`), and on a GPU the waits: host reads of a GPU tensor and copies from it to the CPU, each of which
-waits for the GPU's queued work. Target-only and fixed gammas (and with `--auto` gamma auto) decode the same
+`is_nonzero`; `.tolist()` and `.cpu()` of a CPU tensor dispatch nothing, so on a CPU this column undercounts
+what a GPU waits for), and on a GPU the waits: host reads of a GPU tensor and copies from it to the CPU
+(`.cpu()`, `.tolist()`), each of which waits for the GPU's queued work. Target-only and fixed gammas (and with `--auto` gamma auto) decode the same
 Spec-Bench prompts. Counts, not times: they do not depend on the machine's load. (Counting slows every operation,
 and gamma auto chooses by measured times, so its mix of rounds here is not its usual one: read its counts per
 kind, not how many rounds of each it ran.)
@@ -97,7 +98,7 @@ def main() -> None:
     step = Engine.step
 
     def counting_step(engine: Engine):
-        admits = bool(engine._waiting)  # a round that admits a request prefills it too: not a decoding round's cost
+        admits = engine.num_waiting() > 0  # a round that admits a request prefills it too: not a decoding round's cost
         with OpCounter() as counter:
             result = step(engine)
         if result.stats.batch_size and not admits:

@@ -855,8 +855,9 @@ def test_round_ops_counts_kernel_operations_apart_from_views() -> None:
 
 
 def test_a_stopped_adaptive_run_leaves_its_replies_so_far(tmp_path) -> None:
-    """After every reply but the last the benchmark replaces its .json with the result so far, marked partial (a
-    device run cut off by its time limit kept nothing before); `--report-only` renders it and says so."""
+    """After every reply but the last the benchmark writes the result so far beside its .json (X.partial.json,
+    which a finished run removes), marked partial: a device run cut off by its time limit kept nothing before, and
+    an earlier full result at X.json stays. `--report-only` renders it and says so."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import adaptive
 
@@ -865,12 +866,13 @@ def test_a_stopped_adaptive_run_leaves_its_replies_so_far(tmp_path) -> None:
     rows["gamma=1"] = rows["gamma=auto"] = rows.pop("policy")
     report = {"command": "python benchmarks/adaptive.py --test", "draft": "d", "rounds": {"0.0": rows},
               "results": {"0.0": {name: {"c": 50.0, "overall": 50.0} for name in rows}}}
-    out = tmp_path / "run.json"
+    assert adaptive.partial_path(tmp_path / "run.json") == tmp_path / "run.partial.json"
+    out = tmp_path / "run.partial.json"
     out.write_text("an earlier partial write")
     adaptive.save_partial(report, out, 5, 60)
     stored = json.loads(out.read_text())
     assert stored["partial"] == {"replies": 5, "of": 60} and stored["rounds"]["0.0"]["gamma=1"] == rows["gamma=1"]
-    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # written beside, then moved over: never half a file
+    assert [p.name for p in tmp_path.iterdir()] == ["run.partial.json"]  # staged, then moved over: never half a file
     subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "adaptive.py"),
                     "--report-only", str(out)], check=True, capture_output=True)
     assert "**Partial run:** stopped after 5 of its 60 replies" in out.with_suffix(".md").read_text()

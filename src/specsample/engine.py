@@ -222,17 +222,17 @@ class Engine:
         device = self.target.device
         slot_tensor = torch.tensor(slots, dtype=torch.long)
         pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=device)
-        target_input = torch.cat([pending, draft_tokens.to(device)], dim=1)  # [b, gamma + 1]
+        device_tokens = draft_tokens.to(device)  # one copy for the scoring, the verdict and the acceptance estimate
+        target_input = torch.cat([pending, device_tokens], dim=1)  # [b, gamma + 1]
         # scored at the width the target runs fastest (measured); the commit rolls the padding back
         width = self._scoring_width(len(rows), target_input.shape[1])
         target_logits = score_padded(self.target, target_input, self.cache, slot_tensor, width)  # [b, gamma + 1, vocab]
         target_done = self._now()
-        verdict, target_probs = self._verify(rows, draft_tokens.to(device), draft_probs, target_logits,
-                                             num_drafted.to(device))
+        verdict, target_probs = self._verify(rows, device_tokens, draft_probs, target_logits, num_drafted.to(device))
         num_accepted = verdict.num_accepted.cpu()  # [b]; one device-to-host copy per round
         self._note_plain_tokens(rows, num_drafted, verdict, target_probs)
         self._observe(rows, num_drafted, num_accepted, confidence,
-                      self._acceptance(draft_tokens, draft_probs, target_probs))
+                      self._acceptance(device_tokens, draft_probs, target_probs))
         updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted, num_accepted)
         verify_done = self._now()
         if self.controller is not None:  # whole rounds: scoring and verifying drafts cost too, not only drafting

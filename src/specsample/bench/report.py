@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shlex
 from pathlib import Path
 from typing import Any
+
+import torch
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """Where a benchmark decoded: the CPU, its threads, torch, the device, and the GPU's name when on one."""
+    about: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                             "torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        about["gpu"] = torch.cuda.get_device_name(device)
+    return about
 
 
 def command_line(script: str, args: argparse.Namespace) -> str:

@@ -54,7 +54,7 @@ class RoundTiming:
     context: int  # tokens the target had seen before the round
     seconds: float  # wall time of the round, prefill excluded
     scored: bool = False  # the draft also scored its backlog (gamma auto in fallback: one more draft forward)
-    lookup: bool = False  # the drafts were a prompt lookup (no draft model ran for them)
+    lookup: bool = False  # gamma auto had it propose a prompt lookup (fixed-gamma ngram/hybrid rounds are not marked)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def add_pair_options(parser: argparse.ArgumentParser, dtype: str = "auto") -> No
     parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
                         help="auto: the window saved with the draft; off: the draft sees the whole context")
     parser.add_argument("--dtype", default=dtype, choices=("auto", "float32", "bfloat16", "float16"),
-                        help="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+                        help="auto: bfloat16 on CUDA (float16 where it has no bf16) and on CPUs with native bf16, "
+                             "else float32; a draft at most 256 wide runs in float32 on a CPU")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where both models run")
 
 
@@ -375,11 +376,12 @@ def _cost_ratio(stats: list[dict], plain_stats: list[dict]) -> float | None:
 
 def environment(bench: Bench) -> dict[str, Any]:
     """What the numbers were measured on."""
+    from specsample.bench.report import machine_info
+
     model = bench.pair.target.model
-    return {"cpu": platform.processor() or platform.machine(), "machine": platform.platform(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "python": sys.version.split()[0],
+    return {**machine_info(model.device), "machine": platform.platform(), "python": sys.version.split()[0],
             "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
-            "device": str(model.device), "target": bench.config.target, "draft": bench.pair.draft_spec}
+            "target": bench.config.target, "draft": bench.pair.draft_spec}
 
 
 def run(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
