@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from round_phases import lockstep_setup  # a sibling script: the same prompts and systems
 from specsample.bench.report import command_line, publish
-from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
-from specsample.bench.systems import Ours, run_lockstep
-from specsample.config import SamplingParams, SpecConfig
+from specsample.bench.run import add_pair_options, load_model_draft_pair
+from specsample.bench.systems import run_lockstep
+from specsample.config import SamplingParams
 from specsample.engine import Engine
 
 VIEWS = frozenset({"view", "_unsafe_view", "slice", "select", "transpose", "t", "permute", "unsqueeze", "squeeze",
@@ -78,27 +79,14 @@ def main() -> None:
     if min(gammas) < 1:
         parser.error("--gammas must be >= 1")
     pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
-    target = pair.target.model
-    _, prompts = encode_fitting(load_prompts("spec-bench", 1, 0), pair.target.tokenizer, target.max_seq_len,
-                                args.tokens)
-    prompts = prompts[:args.prompts]
-    max_len = max(len(p) for p in prompts) + args.tokens + 16
-    eos = frozenset()  # every reply runs its full budget
-    systems = [Ours("target-only", target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=max_len),
-                    eos)]
-    for gamma in gammas:  # one drafter each: a drafter keeps one cache
-        systems.append(Ours(f"gamma={gamma}", target, pair.load_draft(pair.draft_spec),
-                            SpecConfig(gamma=gamma, adaptive=False, max_batch_size=1, max_seq_len=max_len), eos))
-    if args.auto:
-        systems.append(Ours("gamma=auto", target, pair.load_draft(pair.draft_spec),
-                            SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
+    prompts, systems = lockstep_setup(pair, 1, args.prompts, args.tokens, gammas, args.auto)
     # drafts per round ("auto N" for gamma auto's) -> per round; and the operations by name, summed
     counted: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
     by_name: dict[str, Counter[str]] = defaultdict(Counter)
     step = Engine.step
 
     def counting_step(engine: Engine):
-        admits = engine.num_waiting() > 0  # a round that admits a request prefills it too: not a decoding round's cost
+        admits = engine.num_waiting > 0  # a round that admits a request prefills it too: not a decoding round's cost
         with OpCounter() as counter:
             result = step(engine)
         if result.stats.batch_size and not admits:

@@ -19,6 +19,7 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from specsample.bench.report import command_line, publish
@@ -26,6 +27,7 @@ from specsample.bench.run import add_pair_options, encode_fitting, load_model_dr
 from specsample.bench.systems import Ours, run_lockstep
 from specsample.config import SamplingParams, SpecConfig
 from specsample.engine import Engine
+from specsample.pair import Pair
 
 PHASES = ("draft", "target", "verify")
 
@@ -43,19 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
     target = pair.target.model
-    _, prompts = encode_fitting(load_prompts("spec-bench", args.per_category, 0), pair.target.tokenizer,
-                                target.max_seq_len, args.tokens)
-    prompts = prompts[:args.prompts]
-    max_len = max(len(p) for p in prompts) + args.tokens + 16
-    eos = frozenset()  # every reply runs its full budget
-    systems = [Ours("target-only", target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=max_len), eos)]
-    for gamma in (1, 2):  # one drafter each: a drafter keeps one cache
-        drafter = pair.drafter if gamma == 1 else pair.load_draft(pair.draft_spec)
-        systems.append(Ours(f"gamma={gamma}", target, drafter,
-                            SpecConfig(gamma=gamma, adaptive=False, max_batch_size=1, max_seq_len=max_len), eos))
-    if args.auto:
-        systems.append(Ours("gamma=auto", target, pair.load_draft(pair.draft_spec),
-                            SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
+    prompts, systems = lockstep_setup(pair, args.per_category, args.prompts, args.tokens, (1, 2), args.auto)
     # drafts per round (fixed systems), or "auto N" for gamma auto's rounds of N drafts
     collected: dict[str, list[tuple[float, ...]]] = defaultdict(list)
     step = Engine.step
@@ -89,6 +79,28 @@ def main() -> None:
     report = {"command": command_line("benchmarks/round_phases.py", args), "prompts": len(prompts),
               "device": str(target.device), "results": results}
     publish(report, render(report), args.out)
+
+
+def lockstep_setup(pair: Pair, per_category: int, count: int, tokens: int, gammas: Sequence[int],
+                   auto: bool) -> tuple[list[list[int]], list[Ours]]:
+    """The first `count` of `per_category` Spec-Bench prompts per category (token ids, leaving room for `tokens`),
+    and the systems that decode them in lockstep: target-only, each fixed gamma and, with `auto`, gamma auto, every
+    reply running its full budget."""
+    target = pair.target.model
+    _, prompts = encode_fitting(load_prompts("spec-bench", per_category, 0), pair.target.tokenizer,
+                                target.max_seq_len, tokens)
+    prompts = prompts[:count]
+    max_len = max(len(p) for p in prompts) + tokens + 16
+    eos = frozenset()  # every reply runs its full budget
+    systems = [Ours("target-only", target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=max_len), eos)]
+    for k, gamma in enumerate(gammas):  # one drafter each: a drafter keeps one cache
+        drafter = pair.drafter if k == 0 else pair.load_draft(pair.draft_spec)
+        systems.append(Ours(f"gamma={gamma}", target, drafter,
+                            SpecConfig(gamma=gamma, adaptive=False, max_batch_size=1, max_seq_len=max_len), eos))
+    if auto:
+        systems.append(Ours("gamma=auto", target, pair.load_draft(pair.draft_spec),
+                            SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
+    return prompts, systems
 
 
 def render(report: dict) -> str:

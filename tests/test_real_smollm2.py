@@ -56,3 +56,21 @@ def test_default_draft_is_hybrid_with_the_shipped_draft(smollm2) -> None:
     assert isinstance(drafter, HybridDrafter) and drafter.model.folder == builtin_draft(SMOLLM2_DRAFT)
     pair = load_model_draft_pair("smollm2-135m-instruct", None)
     assert isinstance(pair.drafter, ModelDrafter) and pair.draft_spec == SMOLLM2_DRAFT
+
+
+def test_round_phases_and_round_ops_run_on_the_shipped_pair(tmp_path) -> None:
+    """benchmarks/round_phases.py and round_ops.py end to end (their shared lockstep set-up, the step they wrap),
+    on the test device: a plain round and one-draft rounds in each table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "benchmarks"
+    common = ["--device", DEVICE, "--prompts", "1", "--tokens", "6", "--auto"]
+    subprocess.run([sys.executable, str(scripts / "round_phases.py"), *common, "--temperatures", "0",
+                    "--out", str(tmp_path / "phases.json")], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(scripts / "round_ops.py"), *common, "--gammas", "1",
+                    "--out", str(tmp_path / "ops.json")], check=True, capture_output=True)
+    phases, ops = (tmp_path / "phases.md").read_text(), (tmp_path / "ops.md").read_text()
+    assert "| 0 |" in phases and "| 1 |" in phases and f"on {DEVICE}" in phases
+    assert "| 0 |" in ops and "| 1 |" in ops and "| 1.00 |" in ops
