@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import math
-import platform
 import re
 import sys
 import time
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from specsample.api import generate
 from specsample.bench.goals import goal_tables, passes
+from specsample.bench.report import machine_info
 from specsample.bench.replay import (ORDERS, DraftPrefill, RoundCostTable, Trace, compare, replay, reply_logits,
                                      trace_from_logits)
 from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
@@ -186,8 +186,7 @@ def record(args: argparse.Namespace) -> tuple[dict[str, list[Trace]], dict]:
                 bar.update(1)
     bar.close()
     report = {"record_command": "python benchmarks/adaptive_replay.py " + " ".join(sys.argv[1:]),
-              "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__}, "draft": pair.draft_spec,
+              "machine": machine_info(target.device), "draft": pair.draft_spec,
               "draft_window": dataclasses.asdict(pair.drafter.window) if pair.drafter.window else None}
     return traces, report
 

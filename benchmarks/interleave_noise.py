@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import sys
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from specsample.bench.report import command_line
+from specsample.bench.report import command_line, machine_info
 from specsample.bench.run import add_pair_options
 from specsample.bench.systems import run_lockstep
 from specsample.config import SamplingParams
@@ -58,8 +56,7 @@ def main() -> None:
             ratios[mode]["A/A"].append(seconds[AGAIN] / seconds["target-only"])
             ratios[mode]["gamma=auto"].append(seconds["gamma=auto"] / seconds["target-only"])
     report = {"command": command_line("benchmarks/interleave_noise.py", args),
-              "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__},
+              "machine": machine_info(pair.target.model.device),
               "replies": len(ids), "ratios": ratios, "summary": {m: summary(r) for m, r in ratios.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report))
