@@ -71,7 +71,8 @@ def main() -> None:
                         help="ControllerConfig fields for the gamma auto systems, e.g. scored_fallback_margin=0.5")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                         help="also run the draft model's gamma auto under these ControllerConfig knobs, as a system "
-                             "of this name, interleaved with the others (repeat), e.g. 'gamma=auto noext:extend=false'")
+                             "of this name, interleaved with the others (repeat), e.g. 'gamma=auto noext:extend=false'; "
+                             "a name starting with 'hybrid' drafts with the hybrid drafter instead")
     parser.add_argument("--box-speed", choices=BOX_SPEED, default="shared",
                         help="modelled time: factor out the box's slowdown per prompt, shared by every system "
                              "(default), or fit each system alone (none)")
@@ -276,16 +277,22 @@ def add_modelled(report: dict, box_speed: str) -> None:
 def _dump_run(prompt: int, category: str, tokens: int, timing: RunTiming) -> list:
     """One generation's rounds, compactly: [prompt, category, tokens, prompt tokens, prefill ms,
     [[drafted, context, ms, scored (0 or 1), lookup (0 or 1: gamma auto had it propose a prompt lookup; since
-    session 35)], ...]] (times rounded to a microsecond)."""
+    session 35), [draft ms, target ms, verify ms] (the engine's phases of the round; since session 36)], ...]]
+    (times rounded to a microsecond)."""
+    def row(r: RoundTiming) -> list:
+        phases = [[round(s * 1000, 3) for s in r.phases]] if r.phases is not None else []
+        return [r.drafted, r.context, round(r.seconds * 1000, 3), int(r.scored), int(r.lookup), *phases]
+
     return [prompt, category, tokens, timing.prompt_tokens, round(timing.prefill_seconds * 1000, 3),
-            [[r.drafted, r.context, round(r.seconds * 1000, 3), int(r.scored), int(r.lookup)] for r in timing.rounds]]
+            [row(r) for r in timing.rounds]]
 
 
 def _load_run(row: list) -> tuple[int, str, int, RunTiming]:
     prompt, category, tokens, prompt_tokens, prefill_ms, rounds = row
     return prompt, category, tokens, RunTiming(prompt_tokens, prefill_ms / 1000,
                                                tuple(RoundTiming(d, c, ms / 1000, bool(rest and rest[0]),
-                                                                 bool(rest[1:] and rest[1]))
+                                                                 bool(rest[1:] and rest[1]),
+                                                                 tuple(p / 1000 for p in rest[2]) if rest[2:] else None)
                                                      for d, c, ms, *rest in rounds))
 
 
@@ -311,7 +318,8 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
                  widths: tuple[int, ...], controller: ControllerConfig | None = None,
                  variants: Sequence[tuple[str, ControllerConfig]] = ()) -> list[Ours]:
     """The systems named in `chosen`, in SYSTEMS order, then the draft model's gamma auto once per named
-    `variants` entry under its own knobs (benchmarks/controller_variants.py). Each model-drafting system gets
+    `variants` entry under its own knobs (benchmarks/controller_variants.py); a variant named hybrid... drafts with
+    the hybrid drafter (prompt lookup, the draft model elsewhere), as "hybrid auto" does. Each model-drafting system gets
     its own drafter (its own cache and history) with the loaded draft's model and window: built from the model
     alone, the drafters of session 19's first full run drafted from the whole context. `controller`: the knobs
     of the gamma auto systems in `chosen` (default ControllerConfig's)."""
@@ -343,7 +351,8 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
         "hybrid auto": lambda: system("hybrid auto", HybridDrafter(model()), 8, adaptive=True),
     }
     return ([builders[name]() for name in SYSTEMS if name in chosen]
-            + [system(name, model(), 8, adaptive=True, knobs=knobs) for name, knobs in variants])
+            + [system(name, HybridDrafter(model()) if name.startswith("hybrid") else model(), 8, adaptive=True,
+                      knobs=knobs) for name, knobs in variants])
 
 
 def modelled(runs_by_system: dict[str, list], box_speed: str = "shared") -> tuple[dict, dict, dict | None]:

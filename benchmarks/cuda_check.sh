@@ -4,14 +4,18 @@
 #   bash benchmarks/cuda_check.sh tests OUT_DIR    # tiny-model tests on CUDA (no real weights needed)
 #   bash benchmarks/cuda_check.sh real OUT_DIR     # real SmolLM2 tests, runtime speed, bench (needs the alias)
 #   bash benchmarks/cuda_check.sh adaptive OUT_DIR # the adaptive benchmark (fixed gamma 1-4, gamma auto, hybrid auto,
-#                                                  # target-only) on Spec-Bench at T 0 and 0.7 (needs the alias)
+#                                                  # target-only) on Spec-Bench at T 0 and 0.7 (needs the alias);
+#                                                  # env SYSTEMS, VARIANTS ('NAME:KNOBS;...'), TEMPERATURES,
+#                                                  # PER_CATEGORY, STEP_LIMIT (seconds per temperature)
 #   bash benchmarks/cuda_check.sh rounds OUT_DIR   # a round's phases, launches and waits on the GPU (needs the alias)
+#   bash benchmarks/cuda_check.sh stalls OUT_DIR   # forward time by shape, then a short adaptive run with default
+#                                                  # CPU threads and with one (the dear rounds of session 36)
 #
 # Each step has its own time limit, so one slow step cannot hide the others' results; all output
 # goes to OUT_DIR/log.txt. CI never runs this (it has no GPU); docs/cuda.md records what it printed.
 set -u
-part=${1:?usage: cuda_check.sh tests|real|adaptive|rounds OUT_DIR}
-out=${2:?usage: cuda_check.sh tests|real|adaptive|rounds OUT_DIR}
+part=${1:?usage: cuda_check.sh tests|real|adaptive|rounds|stalls OUT_DIR}
+out=${2:?usage: cuda_check.sh tests|real|adaptive|rounds|stalls OUT_DIR}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 export SPECSAMPLE_TEST_DEVICE=${SPECSAMPLE_TEST_DEVICE:-cuda} PYTHONUNBUFFERED=1
@@ -38,9 +42,13 @@ elif [ "$part" = adaptive ]; then
     step generate 80 "$py" -m specsample.cli generate --device cuda --max-new-tokens 48 --seed 0 \
         "Explain speculative decoding in two sentences."  # the main job on the GPU; fetches the alias first
     systems=${SYSTEMS:-'target-only,gamma=1,gamma=2,gamma=3,gamma=4,gamma=auto,hybrid auto'}
-    for t in 0 0.7; do
-        step "adaptive_t$t" 240 "$py" benchmarks/adaptive.py --device cuda --per-category "${PER_CATEGORY:-3}" \
-            --max-new-tokens 64 --temperatures "$t" --systems "$systems" --out "$out/adaptive_cuda_t$t.json"
+    variants=()  # VARIANTS='NAME:KNOBS;NAME:KNOBS': adaptive.py --variant each (a name hybrid... drafts as the hybrid)
+    IFS=';' read -ra specs <<<"${VARIANTS:-}"
+    for v in ${specs[@]+"${specs[@]}"}; do variants+=(--variant "$v"); done
+    for t in ${TEMPERATURES:-0 0.7}; do
+        step "adaptive_t$t" "${STEP_LIMIT:-240}" "$py" benchmarks/adaptive.py --device cuda \
+            --per-category "${PER_CATEGORY:-3}" --max-new-tokens 64 --temperatures "$t" --systems "$systems" \
+            ${variants[@]+"${variants[@]}"} --out "$out/adaptive_cuda_t$t.json"
         # a step cut off by its limit leaves the replies it finished (marked partial) beside: render them
         if [ -f "$out/adaptive_cuda_t$t.partial.json" ]; then
             "$py" benchmarks/adaptive.py --report-only "$out/adaptive_cuda_t$t.partial.json" >>"$out/log.txt" 2>&1 || true
@@ -51,6 +59,24 @@ elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases,
         --temperatures 0,0.7 --auto --out "$out/round_phases_cuda.json"
     step round_ops 120 "$py" benchmarks/round_ops.py --device cuda --auto --gammas 1,2 --prompts 4 --tokens 32 \
         --out "$out/round_ops_cuda.json"
+elif [ "$part" = stalls ]; then  # the dear drafting, lookup and scoring rounds of session 36 (~7 min)
+    # one forward by tokens scored, at a held and at a growing context, under three attention backend sets: a cost
+    # per attention shape shows as growing >> held
+    step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --out "$out/forward_shapes_cuda.json"
+    # the same short adaptive run (rounds now keep their phases: round_kinds.py tables them) with torch's default
+    # CPU threads, then with one: the host's tensor work is tiny, and OpenMP threads that spin can be throttled
+    unset OMP_NUM_THREADS MKL_NUM_THREADS  # "default": torch's own choice, not the caller's
+    for threads in default 1; do
+        if [ "$threads" = 1 ]; then export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1; fi
+        result="$out/adaptive_cuda_threads_$threads"
+        step "adaptive_threads_$threads" 150 "$py" benchmarks/adaptive.py --device cuda --per-category 1 \
+            --max-new-tokens 64 --temperatures 0.7 --systems 'target-only,gamma=1,gamma=auto,hybrid auto' \
+            --out "$result.json"
+        [ -f "$result.json" ] || result="$result.partial"  # cut off by its limit: what it finished
+        [ -f "$result.json" ] && "$py" benchmarks/adaptive.py --report-only "$result.json" >/dev/null 2>&1
+        "$py" benchmarks/round_kinds.py "$result.json" >>"$out/log.txt" 2>&1 || true
+    done
+    unset OMP_NUM_THREADS MKL_NUM_THREADS
 else
     step pytest_real 150 "$py" -m pytest -q -p no:cacheprovider tests/test_real_smollm2.py tests/test_shipped_draft.py
     step runtime_speed 100 "$py" benchmarks/runtime_speed.py --device cuda --no-compiled --repeats 5 \

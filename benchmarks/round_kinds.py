@@ -6,6 +6,12 @@ session 35; a fixed-gamma ngram or hybrid system's rounds are not marked), the m
 target-only's median round on the prompt; the same for minima. A ratio of medians within each prompt, so
 neither context length nor a prompt's slow stretch of the box leaks into it (the systems took turns).
 
+Runs since session 36 also recorded each round's phases (the engine's draft, target and verify-and-commit
+times; "draft" also holds the controller's planning and a backlog scoring's draft forward, which the engine runs
+before drafting); for them a second table gives each kind's mean and median milliseconds per phase, and the rest
+of the round (the controller's bookkeeping of the round's timing and statistics, and the harness). Means, not only medians: a stall that hits a third of a kind's
+rounds leaves its median alone and shows in its mean, and the phase it lands in says what stalled.
+
     python benchmarks/round_kinds.py docs/cuda/adaptive_cuda_t0.json
 """
 
@@ -44,6 +50,30 @@ def round_kinds(rounds: dict[str, list[list]], baseline: str = "target-only") ->
     return out
 
 
+PHASES = ("draft", "target", "verify", "rest")
+
+
+def round_phases(rounds: dict[str, list[list]]) -> dict[str, dict[str, dict]]:
+    """system -> kind -> {"rounds": count, "mean": {phase: ms}, "median": {phase: ms}} over the rounds that recorded
+    their phases (runs since session 36); `rest`: the round's time beyond the three phases."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, replies in rounds.items():
+        kinds: dict[str, list[tuple[float, ...]]] = defaultdict(list)
+        for *_, rows in replies:
+            for drafted, _, ms, *flags in rows:
+                if len(flags) < 3:
+                    continue
+                scored, lookup, phases = bool(flags[0]), bool(flags[1]), flags[2]
+                kind = ("S" if scored else "") + ("L" if lookup else "") + (str(drafted) if drafted < 4 else "4+")
+                kinds[kind].append((*phases, ms - sum(phases)))
+        if kinds:
+            out[name] = {kind: {"rounds": len(rows),
+                                "mean": {p: statistics.fmean(r[i] for r in rows) for i, p in enumerate(PHASES)},
+                                "median": {p: statistics.median(r[i] for r in rows) for i, p in enumerate(PHASES)}}
+                         for kind, rows in sorted(kinds.items())}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path, help="a benchmarks/adaptive.py result (.json)")
@@ -58,6 +88,15 @@ def main() -> None:
             for kind, row in kinds.items():
                 print(f"| {name} | {kind} | {row['rounds']} | {row['median']:.2f} | {row['min']:.2f} |")
         print()
+        phases = round_phases(rounds)
+        if phases:
+            print(f"### Temperature {temperature}: ms per phase, mean (median), all prompts pooled\n")
+            print("| system | kind | rounds | " + " | ".join(PHASES) + " |\n|---|---|---|" + "---|" * len(PHASES))
+            for name, kinds in phases.items():
+                for kind, row in kinds.items():
+                    cells = " | ".join(f"{row['mean'][p]:.2f} ({row['median'][p]:.2f})" for p in PHASES)
+                    print(f"| {name} | {kind} | {row['rounds']} | {cells} |")
+            print()
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ costs about what it dispatches. This counts, per engine round, the aten operatio
 that are not views: a view launches no kernel) and the calls that read a tensor's value on the host (`item`,
 `is_nonzero`; `.tolist()` and `.cpu()` of a CPU tensor dispatch nothing, so on a CPU this column undercounts
 what a GPU waits for), and on a GPU the waits: host reads of a GPU tensor and copies from it to the CPU
-(`.cpu()`, `.tolist()`), each of which waits for the GPU's queued work. Target-only and fixed gammas (and with `--auto` gamma auto) decode the same
-Spec-Bench prompts. Counts, not times: they do not depend on the machine's load. (Counting slows every operation,
+(`.cpu()`, `.tolist()`), each of which waits for the GPU's queued work. Target-only and fixed gammas (and with
+`--auto` gamma auto, with `--hybrid` the hybrid drafter under gamma auto) decode the same Spec-Bench prompts; an
+adaptive system's rounds are kinds of its own (`auto 1`, the hybrid's `hybrid 1`), those that proposed a prompt
+lookup apart (`hybrid L3`), as are backlog scorings (`auto S0`). Counts, not times: they do not depend on the machine's load. (Counting slows every operation,
 and gamma auto chooses by measured times, so its mix of rounds here is not its usual one: read its counts per
 kind, not how many rounds of each it ran.)
 
@@ -28,6 +30,7 @@ from specsample.bench.report import command_line, publish
 from specsample.bench.run import add_pair_options, load_model_draft_pair
 from specsample.bench.systems import run_lockstep
 from specsample.config import SamplingParams
+from specsample.drafters.hybrid import HybridDrafter
 from specsample.engine import Engine
 
 VIEWS = frozenset({"view", "_unsafe_view", "slice", "select", "transpose", "t", "permute", "unsqueeze", "squeeze",
@@ -73,13 +76,15 @@ def main() -> None:
     parser.add_argument("--gammas", default="1,3")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--auto", action="store_true", help="also gamma auto (the draft model), its rounds apart")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="also the hybrid drafter under gamma auto: its rounds apart (hybrid N; hybrid L N: lookups)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
     args = parser.parse_args()
     gammas = [int(g) for g in args.gammas.split(",")]
     if min(gammas) < 1:
         parser.error("--gammas must be >= 1")
     pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
-    prompts, systems = lockstep_setup(pair, 1, args.prompts, args.tokens, gammas, args.auto)
+    prompts, systems = lockstep_setup(pair, 1, args.prompts, args.tokens, gammas, args.auto, args.hybrid)
     # drafts per round ("auto N" for gamma auto's) -> per round; and the operations by name, summed
     counted: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
     by_name: dict[str, Counter[str]] = defaultdict(Counter)
@@ -90,7 +95,10 @@ def main() -> None:
         with OpCounter() as counter:
             result = step(engine)
         if result.stats.batch_size and not admits:
-            kind = ("auto " if engine.config.adaptive else "") + str(result.stats.drafted)
+            hybrid = isinstance(engine.drafter, HybridDrafter)
+            system = ("hybrid " if hybrid else "auto ") if engine.config.adaptive else ""
+            kind = (system + ("S" if result.stats.scored_rows else "") + ("L" if result.stats.lookup_rows else "")
+                    + str(result.stats.drafted))
             counted[kind].append(summarise(counter.ops, counter.waits))
             by_name[kind].update(counter.ops)
         return result
@@ -106,13 +114,20 @@ def main() -> None:
                       "kernel_ops": statistics.median(r[1] for r in rows),
                       "host_reads": statistics.median(r[2] for r in rows),
                       "device_waits": statistics.median(r[3] for r in rows)}
-               for kind, rows in sorted(counted.items(), key=lambda kv: (kv[0].startswith("auto"), int(kv[0].split()[-1])))}
+               for kind, rows in sorted(counted.items(), key=_order)}
     for kind, ops in by_name.items():  # per round, the operations that are not views, by name
         results[kind]["by_name"] = {name: round(n / len(counted[kind]), 2) for name, n in ops.most_common()
                                     if name not in VIEWS}
     report = {"command": command_line("benchmarks/round_ops.py", args), "device": args.device,
               "temperature": args.temperature, "results": results}
     publish(report, render(report), args.out)
+
+
+def _order(item: tuple[str, list]) -> tuple:
+    """Fixed gammas' kinds first, then gamma auto's, then the hybrid's; within them model rounds, then prompt
+    lookups (L), backlog scorings (S), each by drafts."""
+    *system, last = item[0].split()
+    return ["auto", "hybrid"].index(system[0]) + 1 if system else 0, "S" in last, "L" in last, int(last.lstrip("LS"))
 
 
 def render(report: dict) -> str:

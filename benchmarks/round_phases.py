@@ -26,6 +26,7 @@ from specsample.bench.report import command_line, publish
 from specsample.bench.run import add_pair_options, encode_fitting, load_model_draft_pair, load_prompts
 from specsample.bench.systems import Ours, run_lockstep
 from specsample.config import SamplingParams, SpecConfig
+from specsample.drafters.hybrid import HybridDrafter
 from specsample.engine import Engine
 from specsample.pair import Pair
 
@@ -82,10 +83,11 @@ def main() -> None:
 
 
 def lockstep_setup(pair: Pair, per_category: int, count: int, tokens: int, gammas: Sequence[int],
-                   auto: bool) -> tuple[list[list[int]], list[Ours]]:
+                   auto: bool, hybrid: bool = False) -> tuple[list[list[int]], list[Ours]]:
     """The first `count` of `per_category` Spec-Bench prompts per category (token ids, leaving room for `tokens`),
-    and the systems that decode them in lockstep: target-only, each fixed gamma and, with `auto`, gamma auto, every
-    reply running its full budget."""
+    and the systems that decode them in lockstep: target-only, each fixed gamma and, with `auto`, gamma auto, with
+    `hybrid` the hybrid drafter under gamma auto (prompt lookups and the draft model), every reply running its full
+    budget."""
     target = pair.target.model
     _, prompts = encode_fitting(load_prompts("spec-bench", per_category, 0), pair.target.tokenizer,
                                 target.max_seq_len, tokens)
@@ -99,6 +101,9 @@ def lockstep_setup(pair: Pair, per_category: int, count: int, tokens: int, gamma
                             SpecConfig(gamma=gamma, adaptive=False, max_batch_size=1, max_seq_len=max_len), eos))
     if auto:
         systems.append(Ours("gamma=auto", target, pair.load_draft(pair.draft_spec),
+                            SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
+    if hybrid:
+        systems.append(Ours("hybrid auto", target, HybridDrafter(pair.load_draft(pair.draft_spec)),
                             SpecConfig(gamma=8, adaptive=True, max_batch_size=1, max_seq_len=max_len), eos))
     return prompts, systems
 

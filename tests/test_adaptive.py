@@ -247,25 +247,34 @@ def test_cost_model_charges_whole_rounds_once_a_plain_round_is_timed() -> None:
         controller.observe_timing(1, 4, draft_seconds=0.004, target_seconds=0.024, verify_seconds=0.004)
     assert controller.cost_ratio(1) == pytest.approx(0.05, rel=0.01)  # a 1 ms draft step per 20 ms
     assert controller.overhead(1) == pytest.approx(0.4, rel=0.01)  # the other 8 ms, whatever gamma
-    plans = [controller.plan(["r"], 1)[0] for _ in range(120)]
-    assert 1 <= plans.count(0) <= 3  # the plain round is re-timed every calibrate_every rounds, not more
+    plain_rounds = []
+    for i in range(120):
+        if controller.plan(["r"], 1)[0] == 0:
+            plain_rounds.append(i)
+            controller.observe_timing(1, 0, draft_seconds=0.0, target_seconds=0.018, verify_seconds=0.002)
+    # two more soon (settle_timings 3: one stalled timing must not price drafting), then every calibrate_every rounds
+    steps = [b - a for a, b in zip(plain_rounds, plain_rounds[1:])]
+    assert len(plain_rounds) == 4 and steps[0] == 4 and steps[1:] == [50, 50], plain_rounds
 
 
 def _timed(controller: GammaController, alpha: float, rounds: int, rng: random.Random, plain: float = 0.020,
-           overhead: float = 0.1, cost: float = 0.15, extra: dict[int, float] | None = None) -> list[int]:
+           overhead: float = 0.1, cost: float = 0.15, extra: dict[int, float] | None = None,
+           stalls: dict[int, float] | None = None) -> list[int]:
     """Rounds of one request on a simulated engine: a plain round takes `plain` seconds, a drafting one
     plain * (1 + overhead + gamma cost + extra[gamma]), plus one more draft step when it follows a plain
-    round (the model draft catches up on the tokens it missed); acceptance i.i.d. Bernoulli(alpha)."""
+    round (the model draft catches up on the tokens it missed); acceptance i.i.d. Bernoulli(alpha).
+    `stalls`: round index -> how many times its usual time that round takes (every phase alike)."""
     chosen, previous = [], None
-    for _ in range(rounds):
+    for i in range(rounds):
         gamma = controller.plan(["r"], 1)[0]
         chosen.append(gamma)
+        stall = (stalls or {}).get(i, 1.0)
         if gamma == 0:
-            controller.observe_timing(1, 0, 0.0, 0.9 * plain, 0.1 * plain)
+            controller.observe_timing(1, 0, 0.0, 0.9 * plain * stall, 0.1 * plain * stall)
         else:
             steps = gamma + (previous == 0)
             target = (0.9 + overhead + (extra or {}).get(gamma, 0.0)) * plain
-            controller.observe_timing(1, gamma, steps * cost * plain, target, 0.1 * plain)
+            controller.observe_timing(1, gamma, steps * cost * plain * stall, target * stall, 0.1 * plain * stall)
             accepted = 0
             while accepted < gamma and rng.random() < alpha:
                 accepted += 1
@@ -305,6 +314,79 @@ def test_catch_up_after_plain_rounds_is_not_charged_to_drafting() -> None:
     steps = controller._draft_step[1].value
     controller.observe_timing(1, 2, 0.1, 0.020, 0.002)
     assert controller._draft_step[1].value > steps
+
+
+def test_a_stalled_first_plain_round_does_not_keep_a_dear_draft_drafting() -> None:
+    """The GPU run of session 35: drafting rounds cost 1.7 plain rounds and acceptance is 0.3, so drafting
+    loses; the first plain round timed was stalled 5x. Taken alone, that timing put drafting at a third of
+    a plain round and, re-timed once in 64 rounds and averaged in, kept the request drafting for hundreds of
+    rounds. The first settle_timings timings give their median and come every probe_every rounds."""
+    def drafting_share(settle: int) -> float:
+        controller = GammaController(ControllerConfig(settle_timings=settle))
+        chosen = _timed(controller, 0.3, 300, random.Random(7), overhead=0.4, cost=0.3, stalls={1: 5.0})
+        assert chosen[1] == 0  # the stalled round is the first plain round timed
+        return sum(g > 0 for g in chosen[40:]) / len(chosen[40:])
+
+    assert drafting_share(3) < 0.15  # fallback probes only
+    assert drafting_share(1) > 0.8  # the first timing alone (before session 36): it kept drafting
+
+
+def test_a_stalled_first_drafting_round_does_not_send_a_cheap_draft_into_fallback() -> None:
+    """The other way round: drafting pays (rounds of 1.05 + 0.1 gamma plain rounds, acceptance 0.8) and the
+    first drafting round was stalled 20x. Alone it priced drafting at 20 plain rounds: the request fell back
+    at once, and a cost timed once is only re-timed by the rare probes it prices (or never, where the draft
+    scores its backlog instead). No request falls back on costs timed fewer than settle_timings times."""
+    def drafting_share(settle: int) -> float:
+        controller = GammaController(ControllerConfig(settle_timings=settle))
+        chosen = _timed(controller, 0.8, 300, random.Random(8), overhead=0.05, cost=0.1, stalls={0: 20.0})
+        assert chosen[0] > 0
+        return sum(g > 0 for g in chosen[20:]) / len(chosen[20:])
+
+    assert drafting_share(3) > 0.9
+    assert drafting_share(1) < 0.2  # the first timing alone (before session 36): fallback
+
+
+def test_a_stalled_first_round_does_not_set_the_unit_round_costs_are_read_in() -> None:
+    """The first round a batch size times sets the pace every round's relative cost is read against. Stalled 5x,
+    it made rounds of one draft 1.67 plain rounds where they cost 1.3; from the first three timings' median
+    (the first round counted once, not twice) the ratio is right."""
+    from specsample.controller import _RoundCosts
+
+    def ratio(settle: int) -> float | None:
+        costs = _RoundCosts(settle=settle)
+        costs.add(1, 0.130)
+        for i in range(6):
+            costs.add(1, 0.026)
+            if i % 2 == 0:
+                costs.add(0, 0.020)
+        return costs.ratio(1, 2)
+
+    assert ratio(3) == pytest.approx(1.3)
+    assert ratio(1) > 1.5  # before session 36
+
+
+def test_plain_rounds_that_rows_draft_through_are_not_re_planned_every_few_rounds() -> None:
+    """Plain rounds come every probe_every rounds until settle_timings were timed, but a row with a fixed gamma
+    drafts through every one of them (no plain round is timed): counted in attempts, the fast cadence ends."""
+    controller = GammaController()
+    controller.observe_timing(2, 4, 0.004, 0.020)
+    controller.observe_timing(2, 0, 0.0, 0.020)  # one plain round timed at batch 2
+    planned = 0
+    for _ in range(200):
+        planned += controller.plan(["r", "fixed"], 2) == [0, 0]
+        controller.observe_timing(2, 4, 0.004, 0.020)  # the fixed row drafted: a drafting round was timed
+    assert planned <= 3 + 200 // controller.config.calibrate_every + 1
+
+
+def test_timed_means_start_from_the_median_of_their_first_timings() -> None:
+    controller = GammaController()
+    for seconds in (0.100, 0.020, 0.022):  # a stalled first plain round
+        controller.observe_timing(1, 0, 0.0, seconds)
+    assert controller._plain_round[1].value == pytest.approx(0.022)
+    controller.observe_timing(1, 0, 0.0, 0.020)
+    assert controller._plain_round[1].value == pytest.approx(0.75 * 0.022 + 0.25 * 0.020)  # then a mean
+    with pytest.raises(ValueError, match="settle_timings"):
+        ControllerConfig(settle_timings=0)
 
 
 def test_round_lengths_timed_at_different_moments_are_compared_at_one_pace() -> None:
@@ -521,7 +603,8 @@ def test_gate_follows_the_measured_cost_of_one_more_draft() -> None:
     """Where a second draft costs almost nothing (rounds of 1 and 2 drafts take the same time), a round
     never stops after its first draft; after the second, one more draft costs a full step and it may."""
     controller = GammaController(ControllerConfig(max_gamma=4, gate_min_samples=100))
-    controller.observe_timing(1, 0, 0.0, 0.020)
+    for _ in range(controller.config.settle_timings):  # plain rounds timed often enough to be re-timed rarely
+        controller.observe_timing(1, 0, 0.0, 0.020)
     for _ in range(10):
         for drafts, seconds in ((1, 0.026), (2, 0.0262), (3, 0.030), (4, 0.034)):
             controller.observe_timing(1, drafts, 0.003 * drafts, seconds - 0.003 * drafts)

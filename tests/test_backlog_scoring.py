@@ -240,6 +240,30 @@ def test_scorings_are_spaced_by_what_they_were_timed_to_cost() -> None:
     assert 2 not in controller._scoring
 
 
+def test_a_dear_first_scoring_waits_for_a_request_long_enough_to_pay_for_it() -> None:
+    """The early first scoring is paid from probe_budget over the tokens the request has left: on the GPU of
+    session 36 a scoring cost 4-5 plain rounds, and one per 64-token reply cost it 6%. At 4 plain rounds a
+    request with 64 tokens left is not scored early (the budget's cadence, capped at max_probe_every, is past its end); one
+    with 1000 left is, as is every request where a scoring costs 0.4 plain rounds."""
+    def first_scoring(scoring_seconds: float, remaining: int, priced: bool = True) -> int | None:
+        controller, _ = _fall_back(ControllerConfig(prior_cost_ratio=0.2, priced_first_scoring=priced), [0])
+        for _ in range(3):
+            controller.observe_timing(1, 0, 0.0, 0.02)
+        controller._scores = {"r": 8}  # one scoring timed: what the next ones cost
+        controller.observe_timing(1, 0, 0.0, scoring_seconds)
+        for i in range(remaining):
+            controller.plan(["r"], 1, [remaining - i], [i + 1])
+            if controller.scores_planned():
+                return i
+            controller.observe_timing(1, 0, 0.0, 0.02)
+        return None
+
+    assert first_scoring(0.028, 64) in (6, 7)  # 0.4 plain rounds: within 1% of 64 tokens
+    assert first_scoring(0.100, 64) is None  # 4 plain rounds: not within 1% of 64 tokens
+    assert first_scoring(0.100, 1000) in (6, 7)  # ...but within 1% of 1000
+    assert first_scoring(0.100, 64, priced=False) in (6, 7)  # before session 36
+
+
 def test_scores_that_recover_bring_drafting_back() -> None:
     controller, _ = _fall_back(ControllerConfig(prior_cost_ratio=0.2), [0])
     planned = _fallback_rounds(controller, 40, 0.9)

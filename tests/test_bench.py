@@ -808,6 +808,49 @@ def test_round_kinds_are_ratios_to_target_only_within_each_prompt() -> None:
         round_kinds({"gamma=1": rounds["gamma=1"]})
 
 
+def test_rounds_keep_their_phases_and_round_kinds_tables_them() -> None:
+    """Since session 36 a stored round keeps the engine's draft, target and verify times; round_phases tables each
+    kind's mean and median per phase, and the rest of the round: a stall in a third of the rounds moves the mean
+    of the phase it hit and leaves the median alone. Rounds stored before keep loading (no phases)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import adaptive
+    from round_kinds import round_phases
+    from specsample.bench.round_costs import RoundTiming, RunTiming
+
+    rounds = tuple(RoundTiming(1, 100 + i, 0.020 + (0.045 if i % 3 == 0 else 0.0), lookup=i == 4,
+                               phases=(0.004, 0.012 + (0.045 if i % 3 == 0 else 0.0), 0.002)) for i in range(6))
+    dumped = adaptive._dump_run(3, "qa", 6, RunTiming(10, 0.001, rounds))
+    assert dumped[5][0] == [1, 100, 65.0, 0, 0, [4.0, 57.0, 2.0]]
+    loaded = adaptive._load_run(dumped)[3].rounds
+    assert [r.phases for r in loaded] == [pytest.approx(r.phases) for r in rounds]
+    assert [r.lookup for r in loaded] == [r.lookup for r in rounds]
+    old = [3, "qa", 1, 10, 1.0, [[1, 100, 20.0, 0, 1]]]  # session 35: no phases
+    assert adaptive._load_run(old)[3].rounds[0].phases is None
+    table = round_phases({"gamma=auto": [dumped, old]})["gamma=auto"]
+    assert set(table) == {"1", "L1"} and table["1"]["rounds"] == 5  # the old round recorded no phases
+    assert table["1"]["median"]["target"] == pytest.approx(12.0)
+    assert table["1"]["mean"]["target"] == pytest.approx(12.0 + 45.0 * 2 / 5)  # rounds 0 and 3 stalled
+    assert table["1"]["mean"]["rest"] == pytest.approx(2.0) and table["1"]["mean"]["draft"] == pytest.approx(4.0)
+    assert round_phases({"target-only": [old]}) == {}
+
+
+def test_forward_shapes_times_each_width_at_a_held_and_a_growing_context(tiny_target) -> None:
+    """benchmarks/forward_shapes.py: `calls` timings per width, the context held or growing by a token a call, the
+    cache rolled back each time (so a held context never grows past its start); too long a run is refused."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import forward_shapes
+
+    for growing in (False, True):
+        times = forward_shapes.time_shapes(tiny_target, [1, 3], context=8, calls=3, growing=growing)
+        assert set(times) == {1, 3} and all(len(t) == 3 and min(t) > 0 for t in times.values())
+    with pytest.raises(ValueError, match="passes the model's"):
+        forward_shapes.time_shapes(tiny_target, [4], context=tiny_target.max_seq_len - 4, calls=2, growing=True)
+    row = {"1": {"median_ms": 1.0, "mean_ms": 1.5}}
+    report = {"command": "x", "machine": {"cpu": "c"}, "context": 8, "calls": 3,
+              "results": {"math": {"target": {"fixed": row, "growing": row}}}}
+    assert "| 1 | 1.00 (1.50) | 1.00 (1.50) |" in forward_shapes.render(report)
+
+
 def test_draft_delay_slows_each_drafting_step_and_the_report_says_so(monkeypatch) -> None:
     """`adaptive.py --draft-delay-ms`: each drafting step of a draft model waits the delay (a what-if for a dearer
     draft), and the run's report says its speeds are not the machine's."""
@@ -824,6 +867,26 @@ def test_draft_delay_slows_each_drafting_step_and_the_report_says_so(monkeypatch
     assert adaptive._draft_delay_ms({"draft_delay_ms": 6.0}) == 6.0
     assert adaptive._draft_delay_ms({"command": "python benchmarks/adaptive.py --draft-delay-ms 4.5 --out x"}) == 4.5
     assert adaptive._draft_delay_ms({"command": "python benchmarks/adaptive.py --out x"}) == 0.0
+
+
+def test_a_variant_named_hybrid_drafts_with_the_hybrid_drafter(monkeypatch) -> None:
+    """`adaptive.py --variant NAME:KNOBS` runs gamma auto under other knobs; one named hybrid... runs the hybrid
+    drafter (as "hybrid auto"), so a controller change can be compared with the default draft, interleaved."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import adaptive
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(adaptive, "ModelDrafter", lambda model, folder, window: ("model", model))
+    monkeypatch.setattr(adaptive, "HybridDrafter", lambda inner: ("hybrid", inner))
+    monkeypatch.setattr(adaptive, "Ours", lambda name, target, drafter, config, eos, **kw:
+                        (name, drafter, config.adaptive, kw["controller_config"]))
+    variants = [adaptive.parse_variant(v) for v in ("hybrid s1:settle_timings=1", "auto s1:settle_timings=1")]
+    systems = adaptive.make_systems(["hybrid auto"], None, SimpleNamespace(model="m", folder=None, window=None),
+                                    frozenset(), 64, (), variants=variants)
+    assert [(name, drafter, adaptive_) for name, drafter, adaptive_, _ in systems] == [
+        ("hybrid auto", ("hybrid", ("model", "m")), True), ("hybrid s1", ("hybrid", ("model", "m")), True),
+        ("auto s1", ("model", "m"), True)]
+    assert systems[0][3] is None and systems[1][3].settle_timings == 1 and systems[2][3].settle_timings == 1
 
 
 def test_round_ops_counts_kernel_operations_apart_from_views() -> None:

@@ -85,8 +85,9 @@ def test_a_request_takes_whichever_of_lookup_and_model_predicts_more() -> None:
 
 def test_lookup_rounds_are_timed_apart_from_model_rounds() -> None:
     controller = GammaController(ControllerConfig(max_gamma=4, calibrate_every=1000))
-    controller.plan(["r"], 1)
-    controller.observe_timing(1, 0, 0.0, 0.010)  # a plain round: both cost tables' unit
+    for _ in range(controller.config.settle_timings):  # plain rounds: both cost tables' unit
+        controller.plan(["r"], 1)
+        controller.observe_timing(1, 0, 0.0, 0.010)
     for _ in range(4):
         controller.plan(["r"], 1)
         controller.observe_timing(1, 2, 0.004, 0.012)  # model rounds of two drafts: 1.6 plain rounds

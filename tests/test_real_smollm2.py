@@ -74,3 +74,24 @@ def test_round_phases_and_round_ops_run_on_the_shipped_pair(tmp_path) -> None:
     phases, ops = (tmp_path / "phases.md").read_text(), (tmp_path / "ops.md").read_text()
     assert "| 0 |" in phases and "| 1 |" in phases and f"on {DEVICE}" in phases
     assert "| 0 |" in ops and "| 1 |" in ops and "| 1.00 |" in ops
+
+
+def test_forward_shapes_runs_on_the_shipped_pair(tmp_path) -> None:
+    """benchmarks/forward_shapes.py end to end on the test device: each model's forward by tokens scored, at a
+    held and at a growing context, under each attention backend set asked for."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "forward_shapes.py"
+    subprocess.run([sys.executable, str(script), "--device", DEVICE, "--widths", "1,3", "--draft-widths", "2",
+                    "--calls", "2", "--context", "16", "--backends", "default,math", "--out", str(tmp_path / "f.json")],
+                   check=True, capture_output=True)
+    result = json.loads((tmp_path / "f.json").read_text())["results"]
+    assert set(result) == {"default", "math"} and set(result["math"]) == {"target", "draft"}
+    assert set(result["default"]["target"]["growing"]) == {"1", "3"} and set(result["math"]["draft"]["fixed"]) == {"2"}
+    assert all(row["median_ms"] > 0 for row in result["default"]["target"]["fixed"].values())
+    assert "| 3 |" in (tmp_path / "f.md").read_text()
+    bad = subprocess.run([sys.executable, str(script), "--backends", "cudnn-only"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown ['cudnn-only']" in bad.stderr

@@ -39,6 +39,8 @@ class ControllerConfig:
     score_backlog: bool = True  # in fallback, learn alpha by having the draft score the tokens it missed...
     score_min_tokens: int = 4  # ...once this many (where the drafter can: a model draft), instead of drafting
     hopeful_scoring: bool = True  # ...every 2 probe_every rounds while alpha a margin up would resume drafting
+    priced_first_scoring: bool = True  # ...the first early only where it costs within probe_budget of the tokens the
+    # request has left (False: always, as before session 36, when it cost a 64-token reply 6% on a GPU)
     gate: bool = True  # stop a round early after a low-confidence draft token
     extend: bool = True  # ...and draft past the planned gamma while the drafts so far were likely all accepted
     gate_min_samples: int = 200
@@ -55,6 +57,10 @@ class ControllerConfig:
     expected_acceptance: bool = True  # learn from each reached position's acceptance probability (beta), not its coin
     lookup_cost: float = 0.04  # what one more prompt-lookup token adds to a round (plain rounds) until timed: the
     # target scoring one more position (on this CPU 1.018 / 1.059 / 1.225 plain rounds for 1 / 2 / 5 tokens)
+    settle_timings: int = 3  # every timed mean starts as the median of its first this many timings, plain rounds are
+    # re-timed every probe_every rounds until this many were, and no request falls back on costs timed fewer times
+    # (1: the first timing stands alone, as before session 36, when one stalled round on a GPU priced drafting at
+    # half a plain round for the rest of the run)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gamma <= self.max_gamma:
@@ -90,6 +96,8 @@ class ControllerConfig:
             raise ValueError(f"confidence_weight must be > 0 (pseudo-trials), got {self.confidence_weight}")
         if self.lookup_cost < 0:
             raise ValueError(f"lookup_cost must be >= 0 (plain rounds per token), got {self.lookup_cost}")
+        if self.settle_timings < 1:
+            raise ValueError(f"settle_timings must be >= 1 (timings), got {self.settle_timings}")
 
 
 @dataclass
@@ -118,15 +126,23 @@ def _closest(sizes: list[int], batch_size: int) -> int | None:
 class _Ewma:
     value: float | None = None
     count: int = 0  # observations so far
+    settle: int = 1  # the first this many observations give their median (the lower of two middles)...
+    first: list[float] = field(default_factory=list)  # ...kept here until then
 
     def add(self, x: float, weight: float = 0.2, spike: float | None = None) -> None:
-        """Average in `x` (a plain mean of the first 1 / weight values, so the first one does not linger);
-        with `spike`, first cap it at that multiple of the current value."""
+        """Average in `x` (after the first `settle` values' median, a plain mean up to 1 / weight values, so the
+        first ones do not linger); with `spike`, first cap it at that multiple of the current value. A spike cap
+        cannot help the first value: a stalled one, as a mean's start, outweighed the few timings that follow
+        a round length tried once in 64 rounds."""
         if self.value is not None and spike is not None:
             x = min(x, spike * self.value)
         self.count += 1
+        if self.count <= self.settle:
+            self.first.append(x)
+            self.value = sorted(self.first)[(len(self.first) - 1) // 2]
+            return
         weight = max(weight, 1.0 / self.count)
-        self.value = x if self.value is None else (1 - weight) * self.value + weight * x
+        self.value = (1 - weight) * self.value + weight * x
 
 
 POOL_MIN_TRIALS = 10.0  # pooled trials from which the pool, not prior_alpha, sets a new request's prior
@@ -148,10 +164,14 @@ class _RoundCosts:
     like with like: the box's pace drifts by 10% and more over minutes, more than what separates
     neighbouring gammas, and comparing raw means made the cheaper length look dearer half the time."""
 
-    pace: _Ewma = field(default_factory=_Ewma)
+    settle: int = 1  # the timings each mean starts from as their median (ControllerConfig.settle_timings)
+    pace: _Ewma = field(init=False)  # seconds per unit of relative cost (set in __post_init__: copies start afresh)
     relative: dict[int, _Ewma] = field(default_factory=dict)  # drafts in the round (0: plain) -> cost in pace units
     rounds: int = 0  # rounds timed
     last: dict[int, int] = field(default_factory=dict)  # drafts -> when such a round was last timed
+
+    def __post_init__(self) -> None:
+        self.pace = _Ewma(settle=self.settle)
 
     def add(self, drafts: int, seconds: float, new_batch: bool = False) -> None:
         """Time one round of `drafts` drafts. `new_batch`: the rows changed since the last round timed (at
@@ -162,20 +182,22 @@ class _RoundCosts:
         if seconds <= 0:
             return  # a clock that did not move says nothing about cost
         if new_batch and drafts in self.relative:
-            self.pace = _Ewma()
+            self.pace = _Ewma(settle=self.settle)
             self.pace.add(seconds / self.relative[drafts].value)
             return
-        if self.pace.value is None:
+        seeding = self.pace.value is None
+        if seeding:
             self.pace.add(seconds)  # the first round timed sets the unit
         self.rounds += 1
         # relative costs forget per round timed, not per observation: a length timed every round must not
         # follow the pace (that is the pace's job), one tried every 16 rounds must not freeze
         elapsed = self.rounds - self.last.get(drafts, self.rounds - 1)
         self.last[drafts] = self.rounds
-        cost = self.relative.setdefault(drafts, _Ewma())
+        cost = self.relative.setdefault(drafts, _Ewma(settle=self.settle))
         weight = min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT)
         cost.add(seconds / self.pace.value, weight=weight, spike=RELATIVE_SPIKE)  # at the pace so far
-        self.pace.add(seconds / cost.value, spike=RELATIVE_SPIKE)
+        if not (seeding and self.settle > 1):  # counted twice, the first round would be the median of three
+            self.pace.add(seconds / cost.value, spike=RELATIVE_SPIKE)
 
     def count(self, drafts: int) -> int:
         return self.relative[drafts].count if drafts in self.relative else 0
@@ -226,6 +248,7 @@ class GammaController:
         self._exploring = False  # this round tries neighbouring gammas: no gate, so it drafts them in full
         self._catching_up = False  # this round a row drafts after a plain round: its draft first catches up
         self._last_plain: dict[int, int] = {}  # batch size -> round of the last plain round (or attempt)
+        self._calibrations: dict[int, int] = {}  # batch size -> plain rounds planned to time plain decoding
         self._rows: dict[int, tuple[str, ...]] = {}  # batch size -> the requests of the last round timed there
         self._planned_rows: tuple[str, ...] = ()  # the requests planned this round
         self._scores: dict[str, int] = {}  # request id -> backlog tokens the draft scores this round
@@ -360,6 +383,7 @@ class GammaController:
         if self._calibration_due(batch_size):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
             self._last_plain[batch_size] = self._round
+            self._calibrations[batch_size] = self._calibrations.get(batch_size, 0) + 1
             self._exploring = False
             return self._planned(request_ids, [0] * len(request_ids))
         # exploring is only worth its cost where rounds are timed (the engine reports timings)
@@ -375,7 +399,7 @@ class GammaController:
             # stop drafting only when even a generous alpha predicts a loss: at the ~25 trials the estimate
             # remembers, its noise near break-even (alpha ~0.3 on the shipped pair) sent requests that
             # gained 5% by drafting into fallback, where only sparse probes can bring them back
-            if (not state.fallback and speedup < self.config.fallback_below
+            if (not state.fallback and speedup < self.config.fallback_below and not self._costs_settling(batch_size)
                     and self.best_gamma(self._alpha_upper(rid, margin), batch_size)[1] < self.config.fallback_below):
                 state.fallback, state.rounds_since_probe, state.failed_probes, state.scorings = True, 0, 0, 0
                 self._switch(rid, "off", alpha, batch_size, speedup)
@@ -385,11 +409,11 @@ class GammaController:
             if state.fallback:
                 state.rounds_since_probe += 1
                 if can_score:  # the draft scores its backlog (once it holds score_min_tokens) instead of drafting
-                    interval = self.score_interval(batch_size, state.scorings)
+                    interval = self.score_interval(batch_size, state.scorings, left.get(rid))
                     # while a generous alpha says drafting may pay, keep the first scoring's cadence: the next
                     # scoring may end a fallback that a slow start began (humanities, session 28); priced only
                     # once that cadence is due, as it is the one round it can change
-                    first = self.score_interval(batch_size, 0) if self.config.hopeful_scoring else interval
+                    first = self.score_interval(batch_size, 0, left.get(rid)) if self.config.hopeful_scoring else interval
                     if (first <= state.rounds_since_probe < interval
                             and self.best_gamma(self._alpha_upper(rid, margin), batch_size)[1] > self.config.resume_above):
                         interval = first
@@ -464,7 +488,7 @@ class GammaController:
         """The gamma next to `gamma` timed least recently (one more on ties): an exploring round measures
         it, so a cost the affine model overstates is found, and both neighbours stay fresh (a choice from
         the past alone)."""
-        timed = self._costs.get(batch_size, _RoundCosts())
+        timed = self._costs.get(batch_size, self._round_costs())
         options = [g for g in (gamma + 1, gamma - 1) if self.config.min_gamma <= g <= self.config.max_gamma]
         return max(options, key=timed.since) if options else gamma
 
@@ -508,15 +532,21 @@ class GammaController:
         nearest = _closest([b for b, e in self._scoring.items() if e.value is not None], batch_size)
         return self.cost_ratio(batch_size) if nearest is None else self._scoring[nearest].value
 
-    def score_interval(self, batch_size: int, done: int = 0) -> int:
+    def score_interval(self, batch_size: int, done: int = 0, remaining: int | None = None) -> int:
         """Rounds between backlog scorings in fallback: one draft forward (`scoring_cost` plain rounds)
         within `probe_budget` of decode time, within [probe_every, max_probe_every]; the first
-        (`done` 0) after at most 2 probe_every rounds. Unlike a probe it drafts nothing, so it costs the same
+        (`done` 0) after at most 2 probe_every rounds where it costs within `probe_budget` of the `remaining`
+        tokens of the request (None: unknown). Unlike a probe it drafts nothing, so it costs the same
         whatever alpha is, and it measures every token it scores. The first comes early because a request
         falls back on a few rounds' evidence: one the draft helps (a math reply after two early rejections)
-        otherwise waited ~17 rounds for it, and past the probe horizon never drafted again."""
-        interval = int(self.scoring_cost(batch_size) / self.config.probe_budget) + 1
-        if done == 0:
+        otherwise waited ~17 rounds for it, and past the probe horizon never drafted again. Where a scoring
+        is dear (4-5 plain rounds on the GPU of session 36, against 0.2-0.3 on the dev CPU), that one early
+        scoring per request cost a 64-token reply 6%: it is paid from the same budget as the later ones."""
+        cost = self.scoring_cost(batch_size)
+        interval = int(cost / self.config.probe_budget) + 1
+        affordable = (not self.config.priced_first_scoring or remaining is None
+                      or cost <= self.config.probe_budget * remaining)
+        if done == 0 and affordable:
             interval = min(interval, 2 * self.config.probe_every)
         return min(max(interval, self.config.probe_every), self.config.max_probe_every)
 
@@ -536,11 +566,26 @@ class GammaController:
 
     def _calibration_due(self, batch_size: int) -> bool:
         """A plain round is due once drafting rounds were timed at this batch size and no plain round
-        was run (or attempted: rows with a fixed gamma may draft anyway) in `calibrate_every` rounds."""
+        was run (or attempted: rows with a fixed gamma may draft anyway) in `calibrate_every` rounds, or in
+        `probe_every` while fewer than `settle_timings` plain rounds were timed there (and planned)."""
         if batch_size not in self._target_step:
             return False  # nothing timed here yet (or a caller that never reports timings)
         last = self._last_plain.get(batch_size)
-        return last is None or self._round - last >= self.config.calibrate_every
+        if last is None:
+            return True
+        plain = self._plain_round.get(batch_size)
+        timed = plain.count if plain is not None else 0
+        # the first plain timings come soon: one stalled round must not price every drafting round for 64 rounds;
+        # counted in attempts too, as rows with a fixed gamma may draft through every one of them
+        settle = self.config.settle_timings
+        soon = 0 < timed < settle and self._calibrations.get(batch_size, 0) < settle
+        return self._round - last >= (self.config.probe_every if soon else self.config.calibrate_every)
+
+    def _costs_settling(self, batch_size: int) -> bool:
+        """Whether drafting rounds were timed at the nearest batch size, but fewer than `settle_timings` times:
+        their cost is then one or two timings, which a stall can make any size."""
+        nearest = self._nearest(batch_size)
+        return nearest is not None and self._draft_step[nearest].count < self.config.settle_timings
 
     def gate_thresholds(self, batch_size: int) -> list[float]:
         """The gate's thresholds of `gate` (this round's: it reads and clears whether the round explores)."""
@@ -696,29 +741,35 @@ class GammaController:
             self._rows[batch_size] = rows
         if lookups and gamma > 0:  # a lookup round prices lookups only; one where a model drafted too, nothing
             if not (scoring or model_drafting or catching_up):
-                self._lookup_costs.setdefault(batch_size, _RoundCosts()).add(gamma, total, new_batch)
+                self._lookup_costs.setdefault(batch_size, self._round_costs()).add(gamma, total, new_batch)
             return
         if scoring:  # the round also ran a draft forward over a backlog: neither a plain round's time nor a drafting one's
             plain = self._plain_round.get(batch_size)
             if gamma == 0 and plain is not None:  # but what it adds to a plain round prices the next scorings
-                self._scoring.setdefault(batch_size, _Ewma()).add(max(total / plain.value - 1.0, 0.0), spike=SPIKE)
+                self._scoring.setdefault(batch_size, self._ewma()).add(max(total / plain.value - 1.0, 0.0), spike=SPIKE)
             return
         if gamma == 0:
-            self._plain_round.setdefault(batch_size, _Ewma()).add(total, spike=SPIKE)
-            self._costs.setdefault(batch_size, _RoundCosts()).add(0, total, new_batch)
-            self._lookup_costs.setdefault(batch_size, _RoundCosts()).add(0, total, new_batch)
+            self._plain_round.setdefault(batch_size, self._ewma()).add(total, spike=SPIKE)
+            self._costs.setdefault(batch_size, self._round_costs()).add(0, total, new_batch)
+            self._lookup_costs.setdefault(batch_size, self._round_costs()).add(0, total, new_batch)
             self._last_plain[batch_size] = self._round
             return
         if catching_up:
             return  # the catch-up forward would be charged to drafting (see _planned)
-        self._costs.setdefault(batch_size, _RoundCosts()).add(gamma, total, new_batch)
-        step = self._draft_step.setdefault(batch_size, _Ewma())
+        self._costs.setdefault(batch_size, self._round_costs()).add(gamma, total, new_batch)
+        step = self._draft_step.setdefault(batch_size, self._ewma())
         step.add(draft_seconds / gamma, spike=SPIKE)
-        self._target_step.setdefault(batch_size, _Ewma()).add(target_seconds, spike=SPIKE)
+        self._target_step.setdefault(batch_size, self._ewma()).add(target_seconds, spike=SPIKE)
         plain = self._plain_round.get(batch_size)
         if plain is not None:
             extra = total - plain.value - gamma * step.value
-            self._overhead.setdefault(batch_size, _Ewma()).add(extra, weight=0.1)
+            self._overhead.setdefault(batch_size, self._ewma()).add(extra, weight=0.1)
+
+    def _ewma(self) -> _Ewma:
+        return _Ewma(settle=self.config.settle_timings)
+
+    def _round_costs(self) -> _RoundCosts:
+        return _RoundCosts(settle=self.config.settle_timings)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""

@@ -55,6 +55,8 @@ class RoundTiming:
     seconds: float  # wall time of the round, prefill excluded
     scored: bool = False  # the draft also scored its backlog (gamma auto in fallback: one more draft forward)
     lookup: bool = False  # gamma auto had it propose a prompt lookup (fixed-gamma ngram/hybrid rounds are not marked)
+    phases: tuple[float, float, float] | None = None  # the engine's draft (with planning and backlog scoring),
+    # target and verify-and-commit seconds (RoundStats)
 
 
 @dataclass(frozen=True)

@@ -123,9 +123,10 @@ class OursRun:
         self._own += time.perf_counter() - begin
         if self.single and result.stats.batch_size:  # one row: the round's cost is that row's
             self._prefill += result.stats.prefill_seconds
-            self._rounds.append(RoundTiming(result.stats.drafted, self._context,
-                                            seconds - result.stats.prefill_seconds, result.stats.scored_rows > 0,
-                                            result.stats.lookup_rows > 0))
+            stats = result.stats
+            self._rounds.append(RoundTiming(stats.drafted, self._context, seconds - stats.prefill_seconds,
+                                            stats.scored_rows > 0, stats.lookup_rows > 0,
+                                            (stats.draft_seconds, stats.target_seconds, stats.verify_seconds)))
             self._context += result.stats.emitted
         if not self._collector.requests:
             for rid in self._ids:

@@ -1,0 +1,134 @@
+"""One forward of the target and of the draft by tokens scored: at a fixed context, and at a context that grows.
+
+On the GPU of session 36 (docs/cuda.md) rounds that scored 4 or more tokens with the target (prompt lookups) or
+ran the draft model over a backlog took ~5 plain rounds, while fixed gamma's rounds of as many tokens in session
+35 took ~2. One difference: the engine's rounds meet a new context length every round and many widths, where
+`--pad-rows auto` times each width at one context, repeated. This times each model's forward over W new tokens
+`--calls` times, once with the context held (the cache rolled back after each call, as `--pad-rows` measures) and
+once with it growing by one token a call (as decoding does), under each attention backend set in `--backends`
+(`default`; `no-cudnn`: every SDPA kernel but cuDNN's; `math`: the reference kernel), and prints median and mean
+milliseconds. A per-shape cost (a kernel chosen or built per attention shape) shows as growing >> fixed.
+
+    python benchmarks/forward_shapes.py --device cuda --out out/forward_shapes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from specsample.bench.report import command_line, machine_info, publish
+from specsample.bench.run import add_pair_options, load_model_draft_pair
+from specsample.models.base import CausalLM
+
+BACKENDS = {
+    "default": None,
+    "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "math": [SDPBackend.MATH],
+}
+MODES = ("fixed", "growing")
+
+
+def time_shapes(model: CausalLM, widths: list[int], context: int, calls: int, growing: bool) -> dict[int, list[float]]:
+    """Seconds of `calls` forwards over each width (interleaved by width, after one warm-up pass) after `context`
+    cached tokens, held (`growing` False) or one more every call."""
+    total = context + calls + max(widths) + 1
+    if total > model.max_seq_len:
+        raise ValueError(f"context {context} + calls {calls} + width {max(widths)} passes the model's "
+                         f"{model.max_seq_len} tokens")
+    cache = model.new_cache(1, total)
+    slot = torch.tensor([0])
+    generator = torch.Generator().manual_seed(0)  # any tokens will do; leave the global random state alone
+    tokens = torch.randint(0, model.vocab_size, (1, total), generator=generator).to(model.device)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    with torch.inference_mode():
+        model.prefill(tokens[:, : context + calls], cache, slot)
+        for call in range(calls + 1):  # call 0 warms kernels and allocators up
+            start_at = context + (call if growing else 0)
+            for width in widths:
+                cache.truncate(slot, torch.tensor([start_at]))
+                _sync(model.device)
+                begin = time.perf_counter()
+                model.forward_cached(tokens[:, start_at:start_at + width], cache, slot)
+                _sync(model.device)
+                if call:
+                    times[width].append(time.perf_counter() - begin)
+    return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _parse_ints(text: str, name: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) < 1:
+        raise SystemExit(f"--{name} needs positive integers, got {text!r}")
+    return values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_pair_options(parser)
+    parser.add_argument("--widths", default="1,2,3,4,5,9", help="tokens per target forward")
+    parser.add_argument("--draft-widths", default="1,2,8,16", help="tokens per draft forward (a backlog scoring: 8-20)")
+    parser.add_argument("--context", type=int, default=300, help="cached tokens before the first call")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--backends", default="default,no-cudnn,math", help=f"of {', '.join(BACKENDS)}")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
+    args = parser.parse_args()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise SystemExit(f"--backends: unknown {unknown}; choose from {', '.join(BACKENDS)}")
+    if args.calls < 1 or args.context < 1:
+        raise SystemExit("--calls and --context must be >= 1")
+    pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
+    models = {"target": (pair.target.model, _parse_ints(args.widths, "widths")),
+              "draft": (pair.drafter.model, _parse_ints(args.draft_widths, "draft-widths"))}
+    results: dict[str, dict] = {}
+    for backend in backends:
+        chosen = BACKENDS[backend]
+        for name, (model, widths) in models.items():
+            for mode in MODES:
+                with sdpa_kernel(chosen) if chosen is not None else contextlib.nullcontext():
+                    try:
+                        times = time_shapes(model, widths, args.context, args.calls, mode == "growing")
+                    except ValueError as error:
+                        raise SystemExit(f"forward_shapes.py: {name}: {error}") from None
+                results.setdefault(backend, {}).setdefault(name, {})[mode] = {
+                    str(w): {"median_ms": 1000 * statistics.median(t), "mean_ms": 1000 * statistics.fmean(t)}
+                    for w, t in times.items()}
+    report = {"command": command_line("benchmarks/forward_shapes.py", args),
+              "machine": machine_info(pair.target.model.device), "context": args.context, "calls": args.calls,
+              "results": results}
+    publish(report, render(report), args.out)
+
+
+def render(report: dict) -> str:
+    """Per backend and model, a row per width: median (mean) ms at a fixed and at a growing context."""
+    lines = [f"Command: `{report['command']}`", "",
+             "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()) + "", "",
+             f"One forward of one row over W new tokens after {report['context']} cached ones, {report['calls']} calls "
+             "each: the context held (rolled back after each call) or growing by one token a call. Median (mean) ms.",
+             ""]
+    for backend, by_model in report["results"].items():
+        for name, by_mode in by_model.items():
+            lines += [f"{name}, attention backends `{backend}`:", "", "| tokens | fixed context | growing context |",
+                      "|---|---|---|"]
+            for width in by_mode["fixed"]:
+                cells = [f"{by_mode[m][width]['median_ms']:.2f} ({by_mode[m][width]['mean_ms']:.2f})" for m in MODES]
+                lines.append(f"| {width} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    main()
