@@ -64,14 +64,15 @@ elif [ "$part" = stalls ]; then  # the dear drafting, lookup and scoring rounds 
     # per attention shape shows as growing >> held
     step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --out "$out/forward_shapes_cuda.json"
     # the same short adaptive run (rounds now keep their phases: round_kinds.py tables them) with torch's default
-    # CPU threads, then with one: the host's tensor work is tiny, and OpenMP threads that spin can be throttled
+    # CPU threads, then with one: the host's tensor work is tiny, and OpenMP threads that spin can be throttled;
+    # each with the hybrid also priced at its rounds' mean cost, stalls included (stall_costs), interleaved
     unset OMP_NUM_THREADS MKL_NUM_THREADS  # "default": torch's own choice, not the caller's
     for threads in default 1; do
         if [ "$threads" = 1 ]; then export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1; fi
         result="$out/adaptive_cuda_threads_$threads"
         step "adaptive_threads_$threads" 150 "$py" benchmarks/adaptive.py --device cuda --per-category 1 \
             --max-new-tokens 64 --temperatures 0.7 --systems 'target-only,gamma=1,gamma=auto,hybrid auto' \
-            --out "$result.json"
+            --variant 'hybrid auto stalls:stall_costs=true' --out "$result.json"
         [ -f "$result.json" ] || result="$result.partial"  # cut off by its limit: what it finished
         [ -f "$result.json" ] && "$py" benchmarks/adaptive.py --report-only "$result.json" >/dev/null 2>&1
         "$py" benchmarks/round_kinds.py "$result.json" >>"$out/log.txt" 2>&1 || true

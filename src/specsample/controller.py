@@ -39,6 +39,9 @@ class ControllerConfig:
     score_backlog: bool = True  # in fallback, learn alpha by having the draft score the tokens it missed...
     score_min_tokens: int = 4  # ...once this many (where the drafter can: a model draft), instead of drafting
     hopeful_scoring: bool = True  # ...every 2 probe_every rounds while alpha a margin up would resume drafting
+    stall_costs: bool = False  # price measured round lengths with what the caps cut off their timings: an experiment
+    # (session 36's GPU stalled a third to half of its drafting rounds by ~45 ms and few plain ones; capped means
+    # held drafting's typical cost, ~60% of its mean); off, as OS stalls on a shared box cost every kind alike
     priced_first_scoring: bool = True  # ...the first early only where it costs within probe_budget of the tokens the
     # request has left (False: always, as before session 36, when it cost a 64-token reply 6% on a GPU)
     gate: bool = True  # stop a round early after a low-confidence draft token
@@ -165,10 +168,12 @@ class _RoundCosts:
     neighbouring gammas, and comparing raw means made the cheaper length look dearer half the time."""
 
     settle: int = 1  # the timings each mean starts from as their median (ControllerConfig.settle_timings)
+    stalls: bool = False  # ratios count what the caps cut off (ControllerConfig.stall_costs)
     pace: _Ewma = field(init=False)  # seconds per unit of relative cost (set in __post_init__: copies start afresh)
     relative: dict[int, _Ewma] = field(default_factory=dict)  # drafts in the round (0: plain) -> cost in pace units
     rounds: int = 0  # rounds timed
     last: dict[int, int] = field(default_factory=dict)  # drafts -> when such a round was last timed
+    excess: dict[int, _Ewma] = field(default_factory=dict)  # drafts -> mean time the cap cut off (pace units)
 
     def __post_init__(self) -> None:
         self.pace = _Ewma(settle=self.settle)
@@ -195,7 +200,11 @@ class _RoundCosts:
         self.last[drafts] = self.rounds
         cost = self.relative.setdefault(drafts, _Ewma(settle=self.settle))
         weight = min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT)
-        cost.add(seconds / self.pace.value, weight=weight, spike=RELATIVE_SPIKE)  # at the pace so far
+        timed, cap = seconds / self.pace.value, None if cost.value is None else RELATIVE_SPIKE * cost.value
+        cost.add(timed, weight=weight, spike=RELATIVE_SPIKE)  # at the pace so far
+        if self.stalls:
+            cut = max(timed - cap, 0.0) if cap is not None else 0.0
+            self.excess.setdefault(drafts, _Ewma()).add(cut, weight=weight)
         if not (seeding and self.settle > 1):  # counted twice, the first round would be the median of three
             self.pace.add(seconds / cost.value, spike=RELATIVE_SPIKE)
 
@@ -210,6 +219,10 @@ class _RoundCosts:
         """A round of `drafts` over a plain round, once `min_rounds` such rounds and a plain one were timed."""
         if self.count(drafts) < min_rounds or self.count(0) < 1:
             return None
+        if self.stalls:  # each length at its mean, stalls included
+            mean = {d: self.relative[d].value + (self.excess[d].value if d in self.excess else 0.0)
+                    for d in (drafts, 0)}
+            return mean[drafts] / max(mean[0], 1e-12)
         return self.relative[drafts].value / max(self.relative[0].value, 1e-12)
 
 
@@ -769,7 +782,7 @@ class GammaController:
         return _Ewma(settle=self.config.settle_timings)
 
     def _round_costs(self) -> _RoundCosts:
-        return _RoundCosts(settle=self.config.settle_timings)
+        return _RoundCosts(settle=self.config.settle_timings, stalls=self.config.stall_costs)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
