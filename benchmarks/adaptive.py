@@ -12,6 +12,7 @@ controller across the prompts, as a server does (costs and a pooled acceptance r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -31,8 +32,8 @@ from specsample.bench.difficulty import adjust_for_difficulty, fittable, text_ac
 from specsample.bench.goals import again, fixed_gammas, goal_intervals, goal_tables, interval_table
 from specsample.bench.report import command_line, machine_info
 from specsample.bench.round_costs import CostModel, RoundTiming, RunTiming, fit_shared_speed
-from specsample.bench.run import (add_pair_options, controller_config, encode_fitting, load_model_draft_pair,
-                                  load_prompts)
+from specsample.bench.run import (add_attention_option, add_pair_options, attention_backends, controller_config,
+                                  encode_fitting, load_model_draft_pair, load_prompts)
 from specsample.bench.systems import Ours, run_lockstep
 from specsample.datasets import Prompt
 from specsample.config import SamplingParams, SpecConfig
@@ -47,6 +48,7 @@ from specsample.pair import Pair
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pair_options(parser)
+    add_attention_option(parser)
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperatures", default="0,0.7")
@@ -93,6 +95,8 @@ def main() -> None:
                              "into --out, decoding nothing")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
+    attention = contextlib.ExitStack()  # for the whole run: every system decodes under the same kernels
+    attention.enter_context(attention_backends(args.attention))
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
     if args.difficulty and args.samples < 2:  # honoured (the scores are stored for pooling), but say what it buys

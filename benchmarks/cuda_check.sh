@@ -8,8 +8,8 @@
 #                                                  # env SYSTEMS, VARIANTS ('NAME:KNOBS;...'), TEMPERATURES,
 #                                                  # PER_CATEGORY, STEP_LIMIT (seconds per temperature)
 #   bash benchmarks/cuda_check.sh rounds OUT_DIR   # a round's phases, launches and waits on the GPU (needs the alias)
-#   bash benchmarks/cuda_check.sh stalls OUT_DIR   # forward time by shape, then a short adaptive run with default
-#                                                  # CPU threads and with one (the dear rounds of session 36)
+#   bash benchmarks/cuda_check.sh stalls OUT_DIR   # forward time by shape and attention kernels, then a short
+#                                                  # adaptive run per STALL_RUNS (default no-cudnn; threads1)
 #
 # Each step has its own time limit, so one slow step cannot hide the others' results; all output
 # goes to OUT_DIR/log.txt. CI never runs this (it has no GPU); docs/cuda.md records what it printed.
@@ -60,24 +60,28 @@ elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases,
     step round_ops 120 "$py" benchmarks/round_ops.py --device cuda --auto --gammas 1,2 --prompts 4 --tokens 32 \
         --out "$out/round_ops_cuda.json"
 elif [ "$part" = stalls ]; then  # the dear drafting, lookup and scoring rounds of session 36 (~7 min)
-    # one forward by tokens scored, at a held and at a growing context, under three attention backend sets: a cost
-    # per attention shape shows as growing >> held
+    # one forward by tokens scored, at a held and at a growing context, under three attention kernel sets: a cost
+    # per attention shape (cuDNN's attention builds a graph per shape) shows as growing >> held
     step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --out "$out/forward_shapes_cuda.json"
-    # the same short adaptive run (rounds now keep their phases: round_kinds.py tables them) with torch's default
-    # CPU threads, then with one: the host's tensor work is tiny, and OpenMP threads that spin can be throttled;
-    # each with the hybrid also priced at its rounds' mean cost, stalls included (stall_costs), interleaved
+    # then the same short adaptive run (rounds keep their phases: round_kinds.py tables them) per STALL_RUNS entry:
+    # default; no-cudnn (--attention no-cudnn); threads1 (one CPU thread: OpenMP threads that spin under a CPU
+    # quota get throttled); each with the hybrid also priced at its rounds' mean cost (stall_costs), interleaved
     unset OMP_NUM_THREADS MKL_NUM_THREADS  # "default": torch's own choice, not the caller's
-    for threads in default 1; do
-        if [ "$threads" = 1 ]; then export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1; fi
-        result="$out/adaptive_cuda_threads_$threads"
-        step "adaptive_threads_$threads" 150 "$py" benchmarks/adaptive.py --device cuda --per-category 1 \
+    for run in ${STALL_RUNS:-default no-cudnn}; do
+        attention=default
+        case "$run" in
+            no-cudnn) attention=no-cudnn ;;
+            threads1) export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ;;
+        esac
+        result="$out/adaptive_cuda_$run"
+        step "adaptive_$run" 150 "$py" benchmarks/adaptive.py --device cuda --attention "$attention" --per-category 1 \
             --max-new-tokens 64 --temperatures 0.7 --systems 'target-only,gamma=1,gamma=auto,hybrid auto' \
             --variant 'hybrid auto stalls:stall_costs=true' --out "$result.json"
+        unset OMP_NUM_THREADS MKL_NUM_THREADS
         [ -f "$result.json" ] || result="$result.partial"  # cut off by its limit: what it finished
         [ -f "$result.json" ] && "$py" benchmarks/adaptive.py --report-only "$result.json" >/dev/null 2>&1
         "$py" benchmarks/round_kinds.py "$result.json" >>"$out/log.txt" 2>&1 || true
     done
-    unset OMP_NUM_THREADS MKL_NUM_THREADS
 else
     step pytest_real 150 "$py" -m pytest -q -p no:cacheprovider tests/test_real_smollm2.py tests/test_shipped_draft.py
     step runtime_speed 100 "$py" benchmarks/runtime_speed.py --device cuda --no-compiled --repeats 5 \

@@ -15,23 +15,16 @@ milliseconds. A per-shape cost (a kernel chosen or built per attention shape) sh
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specsample.bench.report import command_line, machine_info, publish
-from specsample.bench.run import add_pair_options, load_model_draft_pair
+from specsample.bench.run import ATTENTION_BACKENDS, add_pair_options, attention_backends, load_model_draft_pair
 from specsample.models.base import CausalLM
 
-BACKENDS = {
-    "default": None,
-    "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-    "math": [SDPBackend.MATH],
-}
 MODES = ("fixed", "growing")
 
 
@@ -81,13 +74,13 @@ def main() -> None:
     parser.add_argument("--draft-widths", default="1,2,8,16", help="tokens per draft forward (a backlog scoring: 8-20)")
     parser.add_argument("--context", type=int, default=300, help="cached tokens before the first call")
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--backends", default="default,no-cudnn,math", help=f"of {', '.join(BACKENDS)}")
+    parser.add_argument("--backends", default="default,no-cudnn,math", help=f"of {', '.join(ATTENTION_BACKENDS)}")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
     args = parser.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
+    unknown = [b for b in backends if b not in ATTENTION_BACKENDS]
     if unknown or not backends:
-        raise SystemExit(f"--backends: unknown {unknown}; choose from {', '.join(BACKENDS)}")
+        raise SystemExit(f"--backends: unknown {unknown}; choose from {', '.join(ATTENTION_BACKENDS)}")
     if args.calls < 1 or args.context < 1:
         raise SystemExit("--calls and --context must be >= 1")
     pair = load_model_draft_pair(args.target, args.draft, args.draft_window, args.dtype, args.device)
@@ -95,10 +88,9 @@ def main() -> None:
               "draft": (pair.drafter.model, _parse_ints(args.draft_widths, "draft-widths"))}
     results: dict[str, dict] = {}
     for backend in backends:
-        chosen = BACKENDS[backend]
         for name, (model, widths) in models.items():
             for mode in MODES:
-                with sdpa_kernel(chosen) if chosen is not None else contextlib.nullcontext():
+                with attention_backends(backend):
                     try:
                         times = time_shapes(model, widths, args.context, args.calls, mode == "growing")
                     except ValueError as error:

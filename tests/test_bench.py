@@ -851,6 +851,25 @@ def test_forward_shapes_times_each_width_at_a_held_and_a_growing_context(tiny_ta
     assert "| 1 | 1.00 (1.50) | 1.00 (1.50) |" in forward_shapes.render(report)
 
 
+def test_attention_option_limits_the_sdpa_kernels_for_its_context() -> None:
+    """`--attention` (adaptive.py, forward_shapes.py): no-cudnn leaves every SDPA kernel but cuDNN's, math only the
+    reference one, default changes nothing; the flags come back when the context ends; a wrong name is refused."""
+    import torch
+    from specsample.bench.run import attention_backends
+
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
+    with attention_backends("no-cudnn"):
+        assert not flags.cudnn_sdp_enabled() and flags.flash_sdp_enabled() and flags.math_sdp_enabled()
+    with attention_backends("math"):
+        assert not (flags.flash_sdp_enabled() or flags.mem_efficient_sdp_enabled()) and flags.math_sdp_enabled()
+    with attention_backends("default"):
+        assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attention_backends("cudnn-only")
+
+
 def test_draft_delay_slows_each_drafting_step_and_the_report_says_so(monkeypatch) -> None:
     """`adaptive.py --draft-delay-ms`: each drafting step of a draft model waits the delay (a what-if for a dearer
     draft), and the run's report says its speeds are not the machine's."""

@@ -8,6 +8,7 @@ through our own engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
@@ -91,6 +93,30 @@ def add_pair_options(parser: argparse.ArgumentParser, dtype: str = "auto") -> No
                         help="auto: bfloat16 on CUDA (float16 where it has no bf16) and on CPUs with native bf16, "
                              "else float32; a draft at most 256 wide runs in float32 on a CPU")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where both models run")
+
+
+# `--attention`: the SDPA kernels torch may pick. cuDNN's attention builds a graph per shape (per context length, at
+# decoding), a suspect for the GPU's dear multi-token rounds of session 36 (docs/cuda.md)
+ATTENTION_BACKENDS: dict[str, tuple[SDPBackend, ...] | None] = {
+    "default": None,
+    "no-cudnn": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+    "math": (SDPBackend.MATH,),
+}
+
+
+def add_attention_option(parser: argparse.ArgumentParser) -> None:
+    """`--attention` for the benchmark scripts (see ATTENTION_BACKENDS)."""
+    parser.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="default",
+                        help="SDPA kernels torch may choose: default (torch's pick), no-cudnn (all but cuDNN's), "
+                             "math (the reference kernel only)")
+
+
+def attention_backends(choice: str) -> contextlib.AbstractContextManager:
+    """A context in which scaled_dot_product_attention may only use the kernels `choice` names."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    backends = ATTENTION_BACKENDS[choice]
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends))
 
 
 def add_pad_rows_option(parser: argparse.ArgumentParser) -> None:
