@@ -60,8 +60,9 @@ elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases,
     step round_ops 120 "$py" benchmarks/round_ops.py --device cuda --auto --gammas 1,2 --prompts 4 --tokens 32 \
         --out "$out/round_ops_cuda.json"
 elif [ "$part" = stalls ]; then  # the dear drafting, lookup and scoring rounds of session 36 (~7 min)
-    # one forward by tokens scored, at a held and at a growing context, under three attention kernel sets: a cost
-    # per attention shape (cuDNN's attention builds a graph per shape) shows as growing >> held
+    # one forward by tokens scored (one width's calls in a row, widths in turn, widths in turn at a growing context)
+    # under three attention kernel sets: a cost per attention shape (cuDNN's attention builds a graph per shape)
+    # shows as growing >> turns, one that switching widths brings as turns >> runs
     step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --out "$out/forward_shapes_cuda.json"
     # then the same short adaptive run (rounds keep their phases: round_kinds.py tables them) per STALL_RUNS entry:
     # default; no-cudnn (--attention no-cudnn); threads1 (one CPU thread: OpenMP threads that spin under a CPU

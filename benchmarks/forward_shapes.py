@@ -1,13 +1,16 @@
-"""One forward of the target and of the draft by tokens scored: at a fixed context, and at a context that grows.
+"""One forward of the target and of the draft by tokens scored: one width at a time, widths in turn, a growing context.
 
 On the GPU of session 36 (docs/cuda.md) rounds that scored 4 or more tokens with the target (prompt lookups) or
 ran the draft model over a backlog took ~5 plain rounds, while fixed gamma's rounds of as many tokens in session
-35 took ~2. One difference: the engine's rounds meet a new context length every round and many widths, where
-`--pad-rows auto` times each width at one context, repeated. This times each model's forward over W new tokens
-`--calls` times, once with the context held (the cache rolled back after each call, as `--pad-rows` measures) and
-once with it growing by one token a call (as decoding does), under each attention backend set in `--backends`
-(`default`; `no-cudnn`: every SDPA kernel but cuDNN's; `math`: the reference kernel), and prints median and mean
-milliseconds. A per-shape cost (a kernel chosen or built per attention shape) shows as growing >> fixed.
+35 took ~2. The engine's adaptive rounds meet a new context length every round and switch widths from round to
+round; a fixed gamma keeps one width; `--pad-rows auto` times each width at one context, repeated. This times each
+model's forward over W new tokens `--calls` times in three modes: `runs` (the context held, the cache rolled back
+after each call, all calls of one width before the next), `turns` (the context held, the widths taking turns
+call by call) and `growing` (widths taking turns, the context one token longer every call, as decoding), under
+each attention kernel set in `--backends` (`default`; `no-cudnn`: every SDPA kernel but cuDNN's; `math`: the
+reference kernel), and prints median and mean milliseconds. A cost per attention shape (a kernel chosen or a graph
+built per shape and cached) shows as growing >> turns; one that a switch of width brings (a small cache) as
+turns >> runs.
 
     python benchmarks/forward_shapes.py --device cuda --out out/forward_shapes.json
 """
@@ -25,12 +28,14 @@ from specsample.bench.report import command_line, machine_info, publish
 from specsample.bench.run import ATTENTION_BACKENDS, add_pair_options, attention_backends, load_model_draft_pair
 from specsample.models.base import CausalLM
 
-MODES = ("fixed", "growing")
+MODES = ("runs", "turns", "growing")
 
 
-def time_shapes(model: CausalLM, widths: list[int], context: int, calls: int, growing: bool) -> dict[int, list[float]]:
-    """Seconds of `calls` forwards over each width (interleaved by width, after one warm-up pass) after `context`
-    cached tokens, held (`growing` False) or one more every call."""
+def time_shapes(model: CausalLM, widths: list[int], context: int, calls: int, mode: str) -> dict[int, list[float]]:
+    """Seconds of `calls` forwards over each width (after one warm-up pass) after `context` cached tokens, in `mode`
+    (see MODES): one width's calls in a row or the widths in turn, the context held or one token longer every call."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     total = context + calls + max(widths) + 1
     if total > model.max_seq_len:
         raise ValueError(f"context {context} + calls {calls} + width {max(widths)} passes the model's "
@@ -40,18 +45,20 @@ def time_shapes(model: CausalLM, widths: list[int], context: int, calls: int, gr
     generator = torch.Generator().manual_seed(0)  # any tokens will do; leave the global random state alone
     tokens = torch.randint(0, model.vocab_size, (1, total), generator=generator).to(model.device)
     times: dict[int, list[float]] = {w: [] for w in widths}
+    # (call, width) in the order they run; call 0 of each width warms kernels and allocators up
+    order = ([(call, width) for width in widths for call in range(calls + 1)] if mode == "runs"
+             else [(call, width) for call in range(calls + 1) for width in widths])
     with torch.inference_mode():
         model.prefill(tokens[:, : context + calls], cache, slot)
-        for call in range(calls + 1):  # call 0 warms kernels and allocators up
-            start_at = context + (call if growing else 0)
-            for width in widths:
-                cache.truncate(slot, torch.tensor([start_at]))
-                _sync(model.device)
-                begin = time.perf_counter()
-                model.forward_cached(tokens[:, start_at:start_at + width], cache, slot)
-                _sync(model.device)
-                if call:
-                    times[width].append(time.perf_counter() - begin)
+        for call, width in order:
+            start_at = context + (call if mode == "growing" else 0)
+            cache.truncate(slot, torch.tensor([start_at]))
+            _sync(model.device)
+            begin = time.perf_counter()
+            model.forward_cached(tokens[:, start_at:start_at + width], cache, slot)
+            _sync(model.device)
+            if call:
+                times[width].append(time.perf_counter() - begin)
     return times
 
 
@@ -92,7 +99,7 @@ def main() -> None:
             for mode in MODES:
                 with attention_backends(backend):
                     try:
-                        times = time_shapes(model, widths, args.context, args.calls, mode == "growing")
+                        times = time_shapes(model, widths, args.context, args.calls, mode)
                     except ValueError as error:
                         raise SystemExit(f"forward_shapes.py: {name}: {error}") from None
                 results.setdefault(backend, {}).setdefault(name, {})[mode] = {
@@ -105,17 +112,17 @@ def main() -> None:
 
 
 def render(report: dict) -> str:
-    """Per backend and model, a row per width: median (mean) ms at a fixed and at a growing context."""
+    """Per backend and model, a row per width: median (mean) ms in each mode."""
     lines = [f"Command: `{report['command']}`", "",
-             "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()) + "", "",
+             "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()), "",
              f"One forward of one row over W new tokens after {report['context']} cached ones, {report['calls']} calls "
-             "each: the context held (rolled back after each call) or growing by one token a call. Median (mean) ms.",
-             ""]
+             "each: runs (context held, one width's calls in a row), turns (context held, widths in turn), growing "
+             "(widths in turn, the context one token longer every call). Median (mean) ms.", ""]
     for backend, by_model in report["results"].items():
         for name, by_mode in by_model.items():
-            lines += [f"{name}, attention backends `{backend}`:", "", "| tokens | fixed context | growing context |",
-                      "|---|---|---|"]
-            for width in by_mode["fixed"]:
+            lines += [f"{name}, attention kernels `{backend}`:", "", "| tokens | " + " | ".join(MODES) + " |",
+                      "|---|" + "---|" * len(MODES)]
+            for width in by_mode[MODES[0]]:
                 cells = [f"{by_mode[m][width]['median_ms']:.2f} ({by_mode[m][width]['mean_ms']:.2f})" for m in MODES]
                 lines.append(f"| {width} | " + " | ".join(cells) + " |")
             lines.append("")

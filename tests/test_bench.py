@@ -834,21 +834,32 @@ def test_rounds_keep_their_phases_and_round_kinds_tables_them() -> None:
     assert round_phases({"target-only": [old]}) == {}
 
 
-def test_forward_shapes_times_each_width_at_a_held_and_a_growing_context(tiny_target) -> None:
-    """benchmarks/forward_shapes.py: `calls` timings per width, the context held or growing by a token a call, the
-    cache rolled back each time (so a held context never grows past its start); too long a run is refused."""
+def test_forward_shapes_times_each_width_in_runs_in_turns_and_at_a_growing_context(tiny_target, monkeypatch) -> None:
+    """benchmarks/forward_shapes.py: `calls` timings per width after a warm-up call, one width's calls in a row or
+    the widths in turn, the context held (the cache rolled back each time) or one token longer every call; too
+    long a run and an unknown mode are refused."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import forward_shapes
 
-    for growing in (False, True):
-        times = forward_shapes.time_shapes(tiny_target, [1, 3], context=8, calls=3, growing=growing)
-        assert set(times) == {1, 3} and all(len(t) == 3 and min(t) > 0 for t in times.values())
+    seen = []
+    forward = type(tiny_target).forward_cached
+    monkeypatch.setattr(type(tiny_target), "forward_cached",
+                        lambda self, tokens, cache, slots: seen.append((tokens.shape[1], int(cache.lengths[0])))
+                        or forward(self, tokens, cache, slots))
+    expected = {"runs": [(1, 8)] * 3 + [(3, 8)] * 3, "turns": [(1, 8), (3, 8)] * 3,
+                "growing": [(1, 8), (3, 8), (1, 9), (3, 9), (1, 10), (3, 10)]}
+    for mode, order in expected.items():
+        seen.clear()
+        times = forward_shapes.time_shapes(tiny_target, [1, 3], context=8, calls=2, mode=mode)
+        assert seen == order and set(times) == {1, 3} and all(len(t) == 2 and min(t) > 0 for t in times.values())
     with pytest.raises(ValueError, match="passes the model's"):
-        forward_shapes.time_shapes(tiny_target, [4], context=tiny_target.max_seq_len - 4, calls=2, growing=True)
+        forward_shapes.time_shapes(tiny_target, [4], context=tiny_target.max_seq_len - 4, calls=2, mode="growing")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        forward_shapes.time_shapes(tiny_target, [1], context=8, calls=2, mode="fixed")
     row = {"1": {"median_ms": 1.0, "mean_ms": 1.5}}
     report = {"command": "x", "machine": {"cpu": "c"}, "context": 8, "calls": 3,
-              "results": {"math": {"target": {"fixed": row, "growing": row}}}}
-    assert "| 1 | 1.00 (1.50) | 1.00 (1.50) |" in forward_shapes.render(report)
+              "results": {"math": {"target": {mode: row for mode in forward_shapes.MODES}}}}
+    assert "| 1 | 1.00 (1.50) | 1.00 (1.50) | 1.00 (1.50) |" in forward_shapes.render(report)
 
 
 def test_attention_option_limits_the_sdpa_kernels_for_its_context() -> None:
