@@ -24,6 +24,13 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def _kind(drafted: int, flags: list) -> str:
+    """A stored round's kind: S (it scored a backlog), L (a prompt lookup; recorded since session 35), then its
+    drafts, 4 and more pooled."""
+    scored, lookup = bool(flags and flags[0]), bool(flags[1:] and flags[1])
+    return ("S" if scored else "") + ("L" if lookup else "") + (str(drafted) if drafted < 4 else "4+")
+
+
 def round_kinds(rounds: dict[str, list[list]], baseline: str = "target-only") -> dict[str, dict[str, dict]]:
     """system -> kind -> {"rounds": count, "median": ratio, "min": ratio} from one temperature's recorded rounds
     ([prompt, category, tokens, prompt tokens, prefill ms, [[drafted, context, ms, scored, lookup], ...]] per
@@ -39,8 +46,7 @@ def round_kinds(rounds: dict[str, list[list]], baseline: str = "target-only") ->
                 continue
             kinds: dict[str, list[float]] = defaultdict(list)
             for drafted, _, ms, *flags in rows:
-                scored, lookup = bool(flags and flags[0]), bool(flags[1:] and flags[1])
-                kinds[("S" if scored else "") + ("L" if lookup else "") + (str(drafted) if drafted < 4 else "4+")].append(ms)
+                kinds[_kind(drafted, flags)].append(ms)
             for kind, times in kinds.items():
                 counts[kind] += len(times)
                 medians[kind].append(statistics.median(times) / statistics.median(base[prompt]))
@@ -63,9 +69,8 @@ def round_phases(rounds: dict[str, list[list]]) -> dict[str, dict[str, dict]]:
             for drafted, _, ms, *flags in rows:
                 if len(flags) < 3:
                     continue
-                scored, lookup, phases = bool(flags[0]), bool(flags[1]), flags[2]
-                kind = ("S" if scored else "") + ("L" if lookup else "") + (str(drafted) if drafted < 4 else "4+")
-                kinds[kind].append((*phases, ms - sum(phases)))
+                phases = flags[2]
+                kinds[_kind(drafted, flags)].append((*phases, ms - sum(phases)))
         if kinds:
             out[name] = {kind: {"rounds": len(rows),
                                 "mean": {p: statistics.fmean(r[i] for r in rows) for i, p in enumerate(PHASES)},

@@ -200,11 +200,11 @@ class _RoundCosts:
         self.last[drafts] = self.rounds
         cost = self.relative.setdefault(drafts, _Ewma(settle=self.settle))
         weight = min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT)
-        timed, cap = seconds / self.pace.value, None if cost.value is None else RELATIVE_SPIKE * cost.value
-        cost.add(timed, weight=weight, spike=RELATIVE_SPIKE)  # at the pace so far
-        if self.stalls:
-            cut = max(timed - cap, 0.0) if cap is not None else 0.0
+        timed = seconds / self.pace.value  # at the pace so far
+        if self.stalls:  # what the cap below cuts off this timing (nothing off a length's first)
+            cut = max(timed - RELATIVE_SPIKE * cost.value, 0.0) if cost.value is not None else 0.0
             self.excess.setdefault(drafts, _Ewma()).add(cut, weight=weight)
+        cost.add(timed, weight=weight, spike=RELATIVE_SPIKE)
         if not (seeding and self.settle > 1):  # counted twice, the first round would be the median of three
             self.pace.add(seconds / cost.value, spike=RELATIVE_SPIKE)
 

@@ -24,6 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
+from specsample.bench.report import machine_info
 from specsample.bench.stats import acceptance_summary, percentile, predicted_speedup, two_sample_test
 from specsample.bench.systems import HFGenerate, Ours, RunRecord, load_hf_peer
 from specsample.config import SamplingParams, SpecConfig
@@ -402,8 +403,6 @@ def _cost_ratio(stats: list[dict], plain_stats: list[dict]) -> float | None:
 
 def environment(bench: Bench) -> dict[str, Any]:
     """What the numbers were measured on."""
-    from specsample.bench.report import machine_info
-
     model = bench.pair.target.model
     return {**machine_info(model.device), "machine": platform.platform(), "python": sys.version.split()[0],
             "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
