@@ -788,7 +788,7 @@ def test_round_kinds_are_ratios_to_target_only_within_each_prompt() -> None:
     """A kind's cost is its median round over target-only's median round on the same prompt, then the median over
     prompts: a prompt where every round is twice as slow (long context, a slow box) changes nothing."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from round_kinds import round_kinds
+    from round_kinds import pooled_kinds, round_kinds
 
     def reply(prompt: int, rounds: list[tuple[int, float, int]]) -> list:
         return [prompt, "qa", len(rounds), 10, 1.0, [[d, 100, ms, s] for d, ms, s in rounds]]
@@ -806,6 +806,11 @@ def test_round_kinds_are_ratios_to_target_only_within_each_prompt() -> None:
     assert kinds["hybrid auto"]["L2"]["median"] == pytest.approx(1.5)
     with pytest.raises(ValueError, match="target-only"):
         round_kinds({"gamma=1": rounds["gamma=1"]})
+    pooled = pooled_kinds(rounds)  # over target-only's median of all its rounds (15 ms), every prompt pooled
+    assert pooled["target-only"]["0"] == {"rounds": 6, "mean": pytest.approx(1.0), "median": pytest.approx(1.0)}
+    assert pooled["gamma=1"]["1"]["mean"] == pytest.approx(20.0 / 15) and pooled["gamma=1"]["1"]["median"] == 1.0
+    with pytest.raises(ValueError, match="target-only"):
+        pooled_kinds({"gamma=1": rounds["gamma=1"]})
 
 
 def test_rounds_keep_their_phases_and_round_kinds_tables_them() -> None:
