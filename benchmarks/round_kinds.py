@@ -100,6 +100,16 @@ def round_phases(rounds: dict[str, list[list]]) -> dict[str, dict[str, dict]]:
     return out
 
 
+def _table(title: str, columns: list[str], by_system: dict[str, dict[str, dict]], cells) -> None:
+    """Print a markdown table: a row per system and kind, `cells(row)` the cells after its round count."""
+    print(f"{title}\n")
+    print("| system | kind | rounds | " + " | ".join(columns) + " |\n|---|---|---|" + "---|" * len(columns))
+    for name, kinds in by_system.items():
+        for kind, row in kinds.items():
+            print(f"| {name} | {kind} | {row['rounds']} | " + " | ".join(cells(row)) + " |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path, help="a benchmarks/adaptive.py result (.json)")
@@ -108,27 +118,15 @@ def main() -> None:
     if "rounds" not in report:
         raise SystemExit(f"{args.result} recorded no rounds (runs before session 21 did not)")
     for temperature, rounds in report["rounds"].items():
-        print(f"### Temperature {temperature}: round kinds in target-only plain rounds (median over prompts)\n")
-        print("| system | kind | rounds | median / median | min / min |\n|---|---|---|---|---|")
-        for name, kinds in round_kinds(rounds).items():
-            for kind, row in kinds.items():
-                print(f"| {name} | {kind} | {row['rounds']} | {row['median']:.2f} | {row['min']:.2f} |")
-        print()
-        print(f"### Temperature {temperature}: round kinds over target-only's median round, all prompts pooled\n")
-        print("| system | kind | rounds | mean | median |\n|---|---|---|---|---|")
-        for name, kinds in pooled_kinds(rounds).items():
-            for kind, row in kinds.items():
-                print(f"| {name} | {kind} | {row['rounds']} | {row['mean']:.2f} | {row['median']:.2f} |")
-        print()
+        _table(f"### Temperature {temperature}: round kinds in target-only plain rounds (median over prompts)",
+               ["median / median", "min / min"], round_kinds(rounds),
+               lambda row: [f"{row['median']:.2f}", f"{row['min']:.2f}"])
+        _table(f"### Temperature {temperature}: round kinds over target-only's median round, all prompts pooled",
+               ["mean", "median"], pooled_kinds(rounds), lambda row: [f"{row['mean']:.2f}", f"{row['median']:.2f}"])
         phases = round_phases(rounds)
         if phases:
-            print(f"### Temperature {temperature}: ms per phase, mean (median), all prompts pooled\n")
-            print("| system | kind | rounds | " + " | ".join(PHASES) + " |\n|---|---|---|" + "---|" * len(PHASES))
-            for name, kinds in phases.items():
-                for kind, row in kinds.items():
-                    cells = " | ".join(f"{row['mean'][p]:.2f} ({row['median'][p]:.2f})" for p in PHASES)
-                    print(f"| {name} | {kind} | {row['rounds']} | {cells} |")
-            print()
+            _table(f"### Temperature {temperature}: ms per phase, mean (median), all prompts pooled", list(PHASES),
+                   phases, lambda row: [f"{row['mean'][p]:.2f} ({row['median'][p]:.2f})" for p in PHASES])
 
 
 if __name__ == "__main__":
