@@ -95,8 +95,6 @@ def main() -> None:
                              "into --out, decoding nothing")
     parser.add_argument("--out", type=Path, default=Path("docs/adaptive_results.json"))
     args = parser.parse_args()
-    attention = contextlib.ExitStack()  # for the whole run: every system decodes under the same kernels
-    attention.enter_context(attention_backends(args.attention))
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
     if args.difficulty and args.samples < 2:  # honoured (the scores are stored for pooling), but say what it buys
@@ -135,6 +133,8 @@ def main() -> None:
     if args.draft_delay_ms:
         delay_draft_forwards(args.draft_delay_ms / 1000)
     tokenizer, target = pair.target.tokenizer, pair.target.model
+    attention = contextlib.ExitStack()  # for the whole run: every system decodes under the same kernels
+    attention.enter_context(attention_backends(args.attention, [target, pair.drafter.model]))
     eos = tokenizer.eos_token_ids
     widths = with_target_widths(SpecConfig(gamma=8), target, args.pad_rows).target_widths
 

@@ -9,7 +9,8 @@
 #                                                  # PER_CATEGORY, STEP_LIMIT (seconds per temperature)
 #   bash benchmarks/cuda_check.sh rounds OUT_DIR   # a round's phases, launches and waits on the GPU (needs the alias)
 #   bash benchmarks/cuda_check.sh stalls OUT_DIR   # forward time by shape and attention kernels, then a short
-#                                                  # adaptive run per STALL_RUNS (default no-cudnn; threads1)
+#                                                  # adaptive run per STALL_RUNS (default "engine torch";
+#                                                  # also no-cudnn, threads1)
 #
 # Each step has its own time limit, so one slow step cannot hide the others' results; all output
 # goes to OUT_DIR/log.txt. CI never runs this (it has no GPU); docs/cuda.md records what it printed.
@@ -62,16 +63,18 @@ elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases,
 elif [ "$part" = stalls ]; then  # the dear drafting, lookup and scoring rounds of session 36 (~7 min)
     # one forward by tokens scored (one width's calls in a row, widths in turn, widths in turn at a growing context)
     # under three attention kernel sets: a cost per attention shape (cuDNN's attention builds a graph per shape)
-    # shows as growing >> turns, one that switching widths brings as turns >> runs
+    # shows as growing >> turns under torch's pick and not under the engine's (no cuDNN where a forward is masked)
     step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --out "$out/forward_shapes_cuda.json"
-    # then the same short adaptive run (rounds keep their phases: round_kinds.py tables them) per STALL_RUNS entry:
-    # default; no-cudnn (--attention no-cudnn); threads1 (one CPU thread: OpenMP threads that spin under a CPU
-    # quota get throttled); each with the hybrid also priced at its rounds' mean cost (stall_costs), interleaved
-    unset OMP_NUM_THREADS MKL_NUM_THREADS  # "default": torch's own choice, not the caller's
-    for run in ${STALL_RUNS:-default no-cudnn}; do
-        attention=default
+    # then the same short adaptive run (rounds keep their phases; round_kinds.py tables them, and splits rounds at
+    # shapes met before from new ones) per STALL_RUNS entry: engine (the runtimes' own kernels, since session 37);
+    # torch (--attention torch: cuDNN's on Hopper, as every run before session 37); no-cudnn (none of cuDNN's, one-
+    # token decoding included); threads1 (one CPU thread: OpenMP threads that spin under a CPU quota get
+    # throttled); each with the hybrid also priced at its rounds' mean cost (stall_costs), interleaved
+    unset OMP_NUM_THREADS MKL_NUM_THREADS  # torch's own thread count, not the caller's
+    for run in ${STALL_RUNS:-engine torch}; do
+        attention=engine
         case "$run" in
-            no-cudnn) attention=no-cudnn ;;
+            torch | no-cudnn) attention=$run ;;
             threads1) export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ;;
         esac
         result="$out/adaptive_cuda_$run"

@@ -7,10 +7,11 @@ round; a fixed gamma keeps one width; `--pad-rows auto` times each width at one 
 model's forward over W new tokens `--calls` times in three modes: `runs` (the context held, the cache rolled back
 after each call, all calls of one width before the next), `turns` (the context held, the widths taking turns
 call by call) and `growing` (widths taking turns, the context one token longer every call, as decoding), under
-each attention kernel set in `--backends` (`default`; `no-cudnn`: every SDPA kernel but cuDNN's; `math`: the
-reference kernel), and prints median and mean milliseconds. A cost per attention shape (a kernel chosen or a graph
-built per shape and cached) shows as growing >> turns; one that a switch of width brings (a small cache) as
-turns >> runs.
+each attention kernel set in `--backends` (`engine`: the runtimes' own choice, no cuDNN where a forward passes a
+mask; `torch`: torch's pick, cuDNN's on Hopper; `no-cudnn`: every SDPA kernel but cuDNN's, one-token forwards
+included; `math`: the reference kernel), and prints median and mean milliseconds. A cost per attention shape (a
+kernel chosen or a graph built per shape and cached) shows as growing >> turns; one that a switch of width brings (a
+small cache) as turns >> runs.
 
     python benchmarks/forward_shapes.py --device cuda --out out/forward_shapes.json
 """
@@ -81,7 +82,7 @@ def main() -> None:
     parser.add_argument("--draft-widths", default="1,2,8,16", help="tokens per draft forward (a backlog scoring: 8-20)")
     parser.add_argument("--context", type=int, default=300, help="cached tokens before the first call")
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--backends", default="default,no-cudnn,math", help=f"of {', '.join(ATTENTION_BACKENDS)}")
+    parser.add_argument("--backends", default="engine,torch,math", help=f"of {', '.join(ATTENTION_BACKENDS)}")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
     args = parser.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -97,7 +98,7 @@ def main() -> None:
     for backend in backends:
         for name, (model, widths) in models.items():
             for mode in MODES:
-                with attention_backends(backend):
+                with attention_backends(backend, [model]):
                     try:
                         times = time_shapes(model, widths, args.context, args.calls, mode)
                     except ValueError as error:

@@ -15,6 +15,10 @@ before drafting); for them a second table gives each kind's mean and median mill
 of the round (the controller's bookkeeping of the round's timing and statistics, and the harness). Means, not only medians: a stall that hits a third of a kind's
 rounds leaves its median alone and shows in its mean, and the phase it lands in says what stalled.
 
+A last table splits the rounds that scored 2+ tokens by whether an earlier round of the run had scored as many
+tokens at the same context length, and gives each group's share of rounds over 30 ms above target-only's median
+round: a cost paid once per attention shape (cuDNN's graphs, models/sdpa.py) shows as new >> met.
+
     python benchmarks/round_kinds.py docs/cuda/adaptive_cuda_t0.json
 """
 
@@ -100,6 +104,48 @@ def round_phases(rounds: dict[str, list[list]]) -> dict[str, dict[str, dict]]:
     return out
 
 
+STALL_MS = 30.0  # a round this much over the prompt's median target-only round stalled (GPU rounds: ~10 ms)
+
+
+def shape_stalls(rounds: dict[str, list[list]], baseline: str = "target-only",
+                 stall_ms: float = STALL_MS) -> dict[str, dict[str, dict]]:
+    """system -> "new" / "met" / "plain" -> {"rounds": count, "stalled": share over the prompt's median baseline
+    round + `stall_ms`, "mean": the mean round over the prompt's median baseline round}. A round whose target
+    forward scored 2+ tokens is "met" when an earlier turn of the run (any system's round, this reply's or an
+    earlier reply's) had scored as many tokens at the same context length, else "new"; "plain" rounds scored one
+    token. Backlog scorings are left out (their draft forward's shape is not recorded), and so are prompts without
+    a baseline reply (their rounds still mark shapes met). A cost paid once per attention shape and then cached
+    (cuDNN's graphs) shows as new >> met; session 36's GPU: 71-99% against 0-19% (docs/cuda.md)."""
+    if baseline not in rounds:
+        raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
+    base = {row[0]: statistics.median(r[2] for r in row[5]) for row in rounds[baseline]}
+    first: dict[tuple[int, int], tuple[int, int]] = {}  # (tokens, context length) -> (reply, turn) first met
+    events = []
+    for name, replies in rounds.items():
+        for order, (prompt, _, _, _, _, rows) in enumerate(replies):  # every system's replies in the run's order
+            for turn, (drafted, context, ms, *flags) in enumerate(rows):
+                shape = (drafted + 1, context + drafted + 1)
+                if drafted:
+                    first[shape] = min(first.get(shape, (order, turn)), (order, turn))
+                scored = bool(flags and flags[0])
+                if prompt in base:
+                    events.append((name, shape, (order, turn), ms, base[prompt], scored))
+    out: dict[str, dict[str, dict]] = {}
+    for name, shape, when, ms, unit, scored in events:
+        if scored:
+            continue
+        group = "plain" if shape[0] == 1 else ("met" if first[shape] < when else "new")
+        cell = out.setdefault(name, {}).setdefault(group, {"rounds": 0, "stalled": 0, "mean": 0.0})
+        cell["rounds"] += 1
+        cell["stalled"] += ms > unit + stall_ms
+        cell["mean"] += ms / unit
+    for groups in out.values():
+        for cell in groups.values():
+            cell["stalled"] /= cell["rounds"]
+            cell["mean"] /= cell["rounds"]
+    return {name: dict(sorted(groups.items())) for name, groups in out.items()}
+
+
 def _table(title: str, columns: list[str], by_system: dict[str, dict[str, dict]], cells) -> None:
     """Print a markdown table: a row per system and kind, `cells(row)` the cells after its round count."""
     print(f"{title}\n")
@@ -127,6 +173,10 @@ def main() -> None:
         if phases:
             _table(f"### Temperature {temperature}: ms per phase, mean (median), all prompts pooled", list(PHASES),
                    phases, lambda row: [f"{row['mean'][p]:.2f} ({row['median'][p]:.2f})" for p in PHASES])
+        _table(f"### Temperature {temperature}: rounds over {STALL_MS:g} ms above target-only's median round, by "
+               "whether an earlier round had scored as many tokens at the same context length (new, met; plain: "
+               "one token scored), and the mean round over target-only's median", ["stalled", "mean"],
+               shape_stalls(rounds), lambda row: [f"{row['stalled']:.2f}", f"{row['mean']:.2f}"])
 
 
 if __name__ == "__main__":

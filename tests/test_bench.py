@@ -839,6 +839,33 @@ def test_rounds_keep_their_phases_and_round_kinds_tables_them() -> None:
     assert round_phases({"target-only": [old]}) == {}
 
 
+def test_shape_stalls_split_rounds_by_whether_their_shape_was_met_before() -> None:
+    """round_kinds.shape_stalls: a round scoring 2+ tokens counts as "met" when an earlier turn (any system's, this
+    reply's or an earlier one's) scored as many tokens at the same context length, else "new"; stalled = over the
+    prompt's median target-only round + 30 ms. A per-shape cost shows as new >> met; a cost by round kind alone
+    (every drafting round dear) would not split."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from round_kinds import shape_stalls
+
+    def reply(prompt: int, rows: list[list]) -> list:
+        return [prompt, "qa", len(rows), 10, 1.0, rows]
+
+    # gamma=1 meets (2, 102) first, on prompt 0's turn 0, and stalls; hybrid meets it again at turn 1 and gamma=1 on
+    # prompt 1 (an earlier reply's shape), both cheap; hybrid's (3, 104) is new
+    rounds = {"target-only": [reply(0, [[0, 100, 10.0, 0], [0, 101, 10.0, 0], [0, 102, 55.0, 0]]),
+                              reply(1, [[0, 100, 20.0, 0]])],
+              "gamma=1": [reply(0, [[1, 100, 60.0, 0], [1, 102, 12.0, 0]]), reply(1, [[1, 100, 30.0, 0]])],
+              "hybrid auto": [reply(0, [[0, 100, 10.0, 1], [1, 100, 15.0, 0], [2, 101, 58.0, 0, 1]])]}
+    table = shape_stalls(rounds)  # stalled: over the prompt's median target-only round (10, 20 ms) + 30 ms
+    assert table["target-only"] == {"plain": {"rounds": 4, "stalled": 0.25, "mean": pytest.approx(8.5 / 4)}}
+    assert table["gamma=1"] == {"met": {"rounds": 1, "stalled": 0.0, "mean": 1.5},
+                                "new": {"rounds": 2, "stalled": 0.5, "mean": pytest.approx((6.0 + 1.2) / 2)}}
+    assert table["hybrid auto"] == {"met": {"rounds": 1, "stalled": 0.0, "mean": 1.5},  # its scoring round left out
+                                    "new": {"rounds": 1, "stalled": 1.0, "mean": 5.8}}
+    with pytest.raises(ValueError, match="target-only"):
+        shape_stalls({"gamma=1": rounds["gamma=1"]})
+
+
 def test_forward_shapes_times_each_width_in_runs_in_turns_and_at_a_growing_context(tiny_target, monkeypatch) -> None:
     """benchmarks/forward_shapes.py: `calls` timings per width after a warm-up call, one width's calls in a row or
     the widths in turn, the context held (the cache rolled back each time) or one token longer every call; too
@@ -867,23 +894,30 @@ def test_forward_shapes_times_each_width_in_runs_in_turns_and_at_a_growing_conte
     assert "| 1 | 1.00 (1.50) | 1.00 (1.50) | 1.00 (1.50) |" in forward_shapes.render(report)
 
 
-def test_attention_option_limits_the_sdpa_kernels_for_its_context() -> None:
-    """`--attention` (adaptive.py, forward_shapes.py): no-cudnn leaves every SDPA kernel but cuDNN's, math only the
-    reference one, default changes nothing; the flags come back when the context ends; a wrong name is refused."""
+def test_attention_option_limits_the_sdpa_kernels_for_its_context(tiny_target) -> None:
+    """`--attention` (adaptive.py, forward_shapes.py): engine leaves the runtimes' own choice, torch lets them run
+    cuDNN's kernels too, no-cudnn leaves every SDPA kernel but cuDNN's, math only the reference one; flags and the
+    models' switches come back when the context ends; a wrong name, or a runtime without the switch, is refused."""
     import torch
     from specsample.bench.run import attention_backends
 
     flags = torch.backends.cuda
     before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
-    with attention_backends("no-cudnn"):
+    assert tiny_target.cudnn_attention is False
+    with attention_backends("no-cudnn", [tiny_target]):
         assert not flags.cudnn_sdp_enabled() and flags.flash_sdp_enabled() and flags.math_sdp_enabled()
-    with attention_backends("math"):
+    with attention_backends("math", [tiny_target]):
         assert not (flags.flash_sdp_enabled() or flags.mem_efficient_sdp_enabled()) and flags.math_sdp_enabled()
-    with attention_backends("default"):
-        assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    for choice, allowed in (("engine", False), ("torch", True)):
+        with attention_backends(choice, [tiny_target]):
+            assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+            assert tiny_target.cudnn_attention is allowed
     assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    assert tiny_target.cudnn_attention is False
     with pytest.raises(ValueError, match="attention must be one of"):
-        attention_backends("cudnn-only")
+        attention_backends("cudnn-only", [tiny_target]).__enter__()
+    with pytest.raises(ValueError, match="object has none"):
+        attention_backends("torch", [object()]).__enter__()
 
 
 def test_draft_delay_slows_each_drafting_step_and_the_report_says_so(monkeypatch) -> None:

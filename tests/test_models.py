@@ -127,6 +127,57 @@ def test_greedy_speculation_with_each_runtime(folders, name) -> None:
         assert [c.token_ids for c in spec.completions] == [c.token_ids for c in plain.completions]
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_cached_forwards_of_several_tokens_run_without_cudnn_attention(folders, name, monkeypatch) -> None:
+    """cuDNN's attention builds a graph per context length, which cost a GPU ~45 ms per drafting round
+    (models/sdpa.py): both runtimes turn it off for cached forwards of several tokens, leave one-token decoding to
+    torch, put the flag back after, and leave it on throughout when the model's `cudnn_attention` is set."""
+    import torch.nn.functional as F
+
+    model = load_model(str(folders[name]), dtype="float32", device=DEVICE).model
+    flag = torch.backends.cuda.cudnn_sdp_enabled
+    assert flag()
+    real, seen = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        seen.append(flag())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+
+    def flags_in(tokens: list[int], cache, length: int) -> set[bool]:
+        seen.clear()
+        cache.truncate(torch.tensor([0]), torch.tensor([length]))
+        model.forward_cached(torch.tensor([tokens]), cache, torch.tensor([0]))
+        assert seen and flag()  # the runtime called SDPA, and the flag is back
+        return set(seen)
+
+    cache = model.new_cache(1, 64)
+    assert flags_in(list(range(5, 15)), cache, 0) == {False}  # a prefill
+    assert flags_in([3, 4, 5], cache, 10) == {False}  # a draft scored
+    assert flags_in([3], cache, 10) == {True}  # a decode step
+    model.cudnn_attention = True
+    assert flags_in([3, 4, 5], cache, 10) == {True}
+
+
+def test_masked_attention_turns_only_cudnn_off_and_keeps_a_callers_choice() -> None:
+    """The switch composes with `sdpa_kernel`: kernels a caller restricted stay restricted, cuDNN comes back on
+    exit, and a caller who left cuDNN's kernels alone on keeps them (turning them off would leave SDPA nothing)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from specsample.models.sdpa import masked_attention
+
+    flags = torch.backends.cuda
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):
+        with masked_attention(False):
+            assert not flags.cudnn_sdp_enabled() and flags.math_sdp_enabled() and not flags.flash_sdp_enabled()
+        assert flags.cudnn_sdp_enabled()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), masked_attention(False):
+        assert flags.cudnn_sdp_enabled()
+    with masked_attention(True):
+        assert flags.cudnn_sdp_enabled()
+
+
 def test_tokenizer_stop_ids_chat_and_streaming(folders) -> None:
     tokenizer = load_model(str(folders["llama"]), dtype="float32").tokenizer
     vocab = tokenizer.hf.get_vocab()

@@ -86,12 +86,12 @@ def test_forward_shapes_runs_on_the_shipped_pair(tmp_path) -> None:
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "forward_shapes.py"
     subprocess.run([sys.executable, str(script), "--device", DEVICE, "--widths", "1,3", "--draft-widths", "2",
-                    "--calls", "2", "--context", "16", "--backends", "default,math", "--out", str(tmp_path / "f.json")],
+                    "--calls", "2", "--context", "16", "--backends", "torch,math", "--out", str(tmp_path / "f.json")],
                    check=True, capture_output=True)
     result = json.loads((tmp_path / "f.json").read_text())["results"]
-    assert set(result) == {"default", "math"} and set(result["math"]) == {"target", "draft"}
-    assert set(result["default"]["target"]["growing"]) == {"1", "3"} and set(result["math"]["draft"]["runs"]) == {"2"}
-    assert all(row["median_ms"] > 0 for row in result["default"]["target"]["turns"].values())
+    assert set(result) == {"torch", "math"} and set(result["math"]) == {"target", "draft"}
+    assert set(result["torch"]["target"]["growing"]) == {"1", "3"} and set(result["math"]["draft"]["runs"]) == {"2"}
+    assert all(row["median_ms"] > 0 for row in result["torch"]["target"]["turns"].values())
     assert "| 3 |" in (tmp_path / "f.md").read_text()
     bad = subprocess.run([sys.executable, str(script), "--backends", "cudnn-only"], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown ['cudnn-only']" in bad.stderr

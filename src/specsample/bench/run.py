@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,10 +97,13 @@ def add_pair_options(parser: argparse.ArgumentParser, dtype: str = "auto") -> No
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where both models run")
 
 
-# `--attention`: the SDPA kernels torch may pick. cuDNN's attention builds a graph per shape (per context length, at
-# decoding), a suspect for the GPU's dear multi-token rounds of session 36 (docs/cuda.md)
+# `--attention`: which SDPA kernels the runtimes may pick. engine: their own choice (every kernel but cuDNN's in
+# forwards that pass a mask, models/sdpa.py); torch: torch's pick everywhere (cuDNN's on Hopper, which builds a graph
+# per context length); no-cudnn: every kernel but cuDNN's everywhere, one-token decoding included; math: the
+# reference kernel only. Values: the kernels an outer `sdpa_kernel` allows (None: any).
 ATTENTION_BACKENDS: dict[str, tuple[SDPBackend, ...] | None] = {
-    "default": None,
+    "engine": None,
+    "torch": None,
     "no-cudnn": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
     "math": (SDPBackend.MATH,),
 }
@@ -107,17 +111,30 @@ ATTENTION_BACKENDS: dict[str, tuple[SDPBackend, ...] | None] = {
 
 def add_attention_option(parser: argparse.ArgumentParser) -> None:
     """`--attention` for the benchmark scripts (see ATTENTION_BACKENDS)."""
-    parser.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="default",
-                        help="SDPA kernels torch may choose: default (torch's pick), no-cudnn (all but cuDNN's), "
+    parser.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="engine",
+                        help="SDPA kernels: engine (the runtimes' choice: no cuDNN where a forward passes a mask; "
+                             "default), torch (torch's pick everywhere), no-cudnn (all but cuDNN's everywhere), "
                              "math (the reference kernel only)")
 
 
-def attention_backends(choice: str) -> contextlib.AbstractContextManager:
-    """A context in which scaled_dot_product_attention may only use the kernels `choice` names."""
+@contextlib.contextmanager
+def attention_backends(choice: str, models: Sequence[CausalLM]) -> Iterator[None]:
+    """A context in which `models` run attention with the kernels `choice` names (see ATTENTION_BACKENDS)."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    missing = [type(m).__name__ for m in models if not hasattr(m, "cudnn_attention")]
+    if missing:  # a runtime without the switch would silently keep its own choice
+        raise ValueError(f"--attention needs runtimes with a cudnn_attention switch; {', '.join(missing)} has none")
+    allowed = {id(m): m.cudnn_attention for m in models}
     backends = ATTENTION_BACKENDS[choice]
-    return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends))
+    try:
+        for m in models:
+            m.cudnn_attention = choice == "torch"
+        with contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends)):
+            yield
+    finally:
+        for m in models:
+            m.cudnn_attention = allowed[id(m)]
 
 
 def add_pad_rows_option(parser: argparse.ArgumentParser) -> None:

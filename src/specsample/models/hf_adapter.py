@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from specsample.kv_cache import RowLengths
+from specsample.models.sdpa import masked_attention
 
 
 class HFCache(RowLengths):
@@ -52,6 +53,8 @@ class HFCausalLM:
         self.max_seq_len = int(getattr(config, "max_position_embeddings", 2048))
         # transformers renamed past_key_values to cache (5.x); pass whichever this version takes
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # let torch pick cuDNN's attention for forwards of several tokens: it builds a graph per context length
+        self.cudnn_attention = False  # (models/sdpa.py)
 
     @property
     def device(self) -> torch.device:
@@ -67,6 +70,11 @@ class HFCausalLM:
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
         """Run each row on its own cache; returns logits `[b, n, vocab]` in float32."""
+        n = tokens.shape[1]
+        with masked_attention(self.cudnn_attention or n == 1):  # transformers masks forwards of several tokens
+            return self._forward_rows(tokens, cache, slots)
+
+    def _forward_rows(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
         from transformers import DynamicCache
 
         n = tokens.shape[1]
