@@ -9,8 +9,8 @@
 #                                                  # PER_CATEGORY, STEP_LIMIT (seconds per temperature)
 #   bash benchmarks/cuda_check.sh rounds OUT_DIR   # a round's phases, launches and waits on the GPU (needs the alias)
 #   bash benchmarks/cuda_check.sh stalls OUT_DIR   # forward time by shape and attention kernels, then a short
-#                                                  # adaptive run per STALL_RUNS (default "engine torch";
-#                                                  # also no-cudnn, threads1)
+#                                                  # adaptive run per STALL_RUNS (default engine; also torch,
+#                                                  # no-cudnn, threads1) and TEMPERATURES (default 0.7 0)
 #
 # Each step has its own time limit, so one slow step cannot hide the others' results; all output
 # goes to OUT_DIR/log.txt. CI never runs this (it has no GPU); docs/cuda.md records what it printed.
@@ -60,31 +60,36 @@ elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases,
         --temperatures 0,0.7 --auto --out "$out/round_phases_cuda.json"
     step round_ops 120 "$py" benchmarks/round_ops.py --device cuda --auto --gammas 1,2 --prompts 4 --tokens 32 \
         --out "$out/round_ops_cuda.json"
-elif [ "$part" = stalls ]; then  # the dear drafting, lookup and scoring rounds of session 36 (~7 min)
+elif [ "$part" = stalls ]; then  # session 37's fix for the dear rounds of session 36 (~7 min)
     # one forward by tokens scored (one width's calls in a row, widths in turn, widths in turn at a growing context)
-    # under three attention kernel sets: a cost per attention shape (cuDNN's attention builds a graph per shape)
-    # shows as growing >> turns under torch's pick and not under the engine's (no cuDNN where a forward is masked)
-    step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --out "$out/forward_shapes_cuda.json"
-    # then the same short adaptive run (rounds keep their phases; round_kinds.py tables them, and splits rounds at
-    # shapes met before from new ones) per STALL_RUNS entry: engine (the runtimes' own kernels, since session 37);
-    # torch (--attention torch: cuDNN's on Hopper, as every run before session 37); no-cudnn (none of cuDNN's, one-
-    # token decoding included); threads1 (one CPU thread: OpenMP threads that spin under a CPU quota get
-    # throttled); each with the hybrid also priced at its rounds' mean cost (stall_costs), interleaved
+    # under the engine's kernels and torch's pick: a cost per attention shape (cuDNN's attention builds a graph per
+    # shape) shows as growing >> turns under torch's pick, and should not under the engine's
+    step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --backends engine,torch \
+        --out "$out/forward_shapes_cuda.json"
+    # then a short adaptive run per STALL_RUNS entry and temperature (rounds keep their phases; round_kinds.py tables
+    # them, and splits rounds at shapes met before from new ones): engine (the runtimes' own kernels, since session
+    # 37; the default); torch (--attention torch: cuDNN's on Hopper, as every run before session 37: sessions 35 and
+    # 36 stored five such runs); no-cudnn (none of cuDNN's, one-token decoding included); threads1 (one CPU thread:
+    # OpenMP threads that spin under a CPU quota get throttled); each with the hybrid also priced at its rounds'
+    # mean cost (stall_costs), interleaved
     unset OMP_NUM_THREADS MKL_NUM_THREADS  # torch's own thread count, not the caller's
-    for run in ${STALL_RUNS:-engine torch}; do
+    for run in ${STALL_RUNS:-engine}; do
         attention=engine
         case "$run" in
             torch | no-cudnn) attention=$run ;;
             threads1) export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ;;
         esac
-        result="$out/adaptive_cuda_$run"
-        step "adaptive_$run" 150 "$py" benchmarks/adaptive.py --device cuda --attention "$attention" --per-category 1 \
-            --max-new-tokens 64 --temperatures 0.7 --systems 'target-only,gamma=1,gamma=auto,hybrid auto' \
-            --variant 'hybrid auto stalls:stall_costs=true' --out "$result.json"
+        for t in ${TEMPERATURES:-0.7 0}; do
+            result="$out/adaptive_cuda_${run}_t$t"
+            step "adaptive_${run}_t$t" "${STEP_LIMIT:-150}" "$py" benchmarks/adaptive.py --device cuda \
+                --attention "$attention" --per-category 1 --max-new-tokens 64 --temperatures "$t" \
+                --systems 'target-only,gamma=1,gamma=auto,hybrid auto' --variant 'hybrid auto stalls:stall_costs=true' \
+                --out "$result.json"
+            [ -f "$result.json" ] || result="$result.partial"  # cut off by its limit: what it finished
+            [ -f "$result.json" ] && "$py" benchmarks/adaptive.py --report-only "$result.json" >/dev/null 2>&1
+            "$py" benchmarks/round_kinds.py "$result.json" >>"$out/log.txt" 2>&1 || true
+        done
         unset OMP_NUM_THREADS MKL_NUM_THREADS
-        [ -f "$result.json" ] || result="$result.partial"  # cut off by its limit: what it finished
-        [ -f "$result.json" ] && "$py" benchmarks/adaptive.py --report-only "$result.json" >/dev/null 2>&1
-        "$py" benchmarks/round_kinds.py "$result.json" >>"$out/log.txt" 2>&1 || true
     done
 else
     step pytest_real 150 "$py" -m pytest -q -p no:cacheprovider tests/test_real_smollm2.py tests/test_shipped_draft.py
