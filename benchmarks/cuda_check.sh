@@ -76,8 +76,11 @@ elif [ "$part" = stalls ]; then  # session 37's fix for the dear rounds of sessi
     for run in ${STALL_RUNS:-engine}; do
         attention=engine
         case "$run" in
+            engine) ;;
             torch | no-cudnn) attention=$run ;;
             threads1) export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 ;;
+            *) echo "=== STALL_RUNS: unknown run '$run' (engine, torch, no-cudnn, threads1): skipped" | tee -a "$out/log.txt"
+               continue ;;
         esac
         for t in ${TEMPERATURES:-0.7 0}; do
             result="$out/adaptive_cuda_${run}_t$t"
@@ -87,6 +90,7 @@ elif [ "$part" = stalls ]; then  # session 37's fix for the dear rounds of sessi
                 --out "$result.json"
             [ -f "$result.json" ] || result="$result.partial"  # cut off by its limit: what it finished
             [ -f "$result.json" ] && "$py" benchmarks/adaptive.py --report-only "$result.json" >/dev/null 2>&1
+            echo "=== round kinds of $result.json" >>"$out/log.txt"
             "$py" benchmarks/round_kinds.py "$result.json" >>"$out/log.txt" 2>&1 || true
         done
         unset OMP_NUM_THREADS MKL_NUM_THREADS

@@ -17,7 +17,7 @@ rounds leaves its median alone and shows in its mean, and the phase it lands in 
 
 A last table splits the rounds that scored 2+ tokens by whether an earlier round of the run had scored as many
 tokens at the same context length, and gives each group's share of rounds over 30 ms above target-only's median
-round: a cost paid once per attention shape (cuDNN's graphs, models/sdpa.py) shows as new >> met.
+round and its mean: a cost paid once per attention shape (cuDNN's graphs, models/sdpa.py) shows as new >> met.
 
     python benchmarks/round_kinds.py docs/cuda/adaptive_cuda_t0.json
 """
@@ -104,22 +104,26 @@ def round_phases(rounds: dict[str, list[list]]) -> dict[str, dict[str, dict]]:
     return out
 
 
-STALL_MS = 30.0  # a round this much over the prompt's median target-only round stalled (GPU rounds: ~10 ms)
+STALL_MS = 30.0  # a round this much over the prompt's median target-only round stalled (GPU medians: 10-54 ms)
 
 
 def shape_stalls(rounds: dict[str, list[list]], baseline: str = "target-only",
                  stall_ms: float = STALL_MS) -> dict[str, dict[str, dict]]:
-    """system -> "new" / "met" / "plain" -> {"rounds": count, "stalled": share over the prompt's median baseline
-    round + `stall_ms`, "mean": the mean round over the prompt's median baseline round}. A round whose target
-    forward scored 2+ tokens is "met" when an earlier turn of the run (any system's round, this reply's or an
-    earlier reply's) had scored as many tokens at the same context length, else "new"; "plain" rounds scored one
-    token. Backlog scorings are left out (their draft forward's shape is not recorded), and so are prompts without
-    a baseline reply (their rounds still mark shapes met). A cost paid once per attention shape and then cached
-    (cuDNN's graphs) shows as new >> met; session 36's GPU: 71-99% against 0-19% (docs/cuda.md)."""
+    """system -> "new" / "tied" / "met" / "plain" -> {"rounds": count, "stalled": share over the prompt's median
+    baseline round + `stall_ms`, "mean": the mean round over that median, "ms": the mean round in ms}.
+
+    A round whose target forward scored 2+ tokens is "met" when an earlier turn of this temperature's rounds (any
+    system's round, this reply's or an earlier reply's) had scored as many tokens at the same context length; "new"
+    when this round alone met it first; "tied" when other systems' rounds met it in the same turn too (the systems
+    take turns within a turn in an order the run does not store, so one of them met it first). "plain" rounds
+    scored one token. Backlog scorings are left out (their draft forward's shape is not recorded), and so are
+    prompts without a baseline round (their rounds still mark shapes met). A cost paid once per attention shape
+    and then cached (cuDNN's graphs) shows as new >> met, tied in between; see docs/cuda.md."""
     if baseline not in rounds:
         raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
-    base = {row[0]: statistics.median(r[2] for r in row[5]) for row in rounds[baseline]}
+    base = {row[0]: statistics.median(r[2] for r in row[5]) for row in rounds[baseline] if row[5]}
     first: dict[tuple[int, int], tuple[int, int]] = {}  # (tokens, context length) -> (reply, turn) first met
+    meeting: dict[tuple[int, int], int] = defaultdict(int)  # shape -> rounds that met it at that first (reply, turn)
     events = []
     for name, replies in rounds.items():
         for order, (prompt, _, _, _, _, rows) in enumerate(replies):  # every system's replies in the run's order
@@ -127,22 +131,25 @@ def shape_stalls(rounds: dict[str, list[list]], baseline: str = "target-only",
                 shape = (drafted + 1, context + drafted + 1)
                 if drafted:
                     first[shape] = min(first.get(shape, (order, turn)), (order, turn))
-                scored = bool(flags and flags[0])
-                if prompt in base:
-                    events.append((name, shape, (order, turn), ms, base[prompt], scored))
+                events.append((name, shape, (order, turn), ms, base.get(prompt), bool(flags and flags[0])))
+    for _, shape, when, *_ in events:
+        if shape[0] > 1 and first[shape] == when:
+            meeting[shape] += 1
     out: dict[str, dict[str, dict]] = {}
     for name, shape, when, ms, unit, scored in events:
-        if scored:
+        if scored or unit is None:
             continue
-        group = "plain" if shape[0] == 1 else ("met" if first[shape] < when else "new")
-        cell = out.setdefault(name, {}).setdefault(group, {"rounds": 0, "stalled": 0, "mean": 0.0})
+        group = ("plain" if shape[0] == 1 else "met" if first[shape] < when
+                 else "new" if meeting[shape] == 1 else "tied")
+        cell = out.setdefault(name, {}).setdefault(group, {"rounds": 0, "stalled": 0, "mean": 0.0, "ms": 0.0})
         cell["rounds"] += 1
         cell["stalled"] += ms > unit + stall_ms
         cell["mean"] += ms / unit
+        cell["ms"] += ms
     for groups in out.values():
         for cell in groups.values():
-            cell["stalled"] /= cell["rounds"]
-            cell["mean"] /= cell["rounds"]
+            for key in ("stalled", "mean", "ms"):
+                cell[key] /= cell["rounds"]
     return {name: dict(sorted(groups.items())) for name, groups in out.items()}
 
 
@@ -174,9 +181,10 @@ def main() -> None:
             _table(f"### Temperature {temperature}: ms per phase, mean (median), all prompts pooled", list(PHASES),
                    phases, lambda row: [f"{row['mean'][p]:.2f} ({row['median'][p]:.2f})" for p in PHASES])
         _table(f"### Temperature {temperature}: rounds over {STALL_MS:g} ms above target-only's median round, by "
-               "whether an earlier round had scored as many tokens at the same context length (new, met; plain: "
-               "one token scored), and the mean round over target-only's median", ["stalled", "mean"],
-               shape_stalls(rounds), lambda row: [f"{row['stalled']:.2f}", f"{row['mean']:.2f}"])
+               "whether an earlier round had scored as many tokens at the same context length (new: this round "
+               "first; tied: it and another system's in the same turn; met; plain: one token scored), and the mean "
+               "round over target-only's median and in ms", ["stalled", "mean", "mean ms"],
+               shape_stalls(rounds), lambda row: [f"{row['stalled']:.2f}", f"{row['mean']:.2f}", f"{row['ms']:.1f}"])
 
 
 if __name__ == "__main__":

@@ -841,8 +841,9 @@ def test_rounds_keep_their_phases_and_round_kinds_tables_them() -> None:
 
 def test_shape_stalls_split_rounds_by_whether_their_shape_was_met_before() -> None:
     """round_kinds.shape_stalls: a round scoring 2+ tokens counts as "met" when an earlier turn (any system's, this
-    reply's or an earlier one's) scored as many tokens at the same context length, else "new"; stalled = over the
-    prompt's median target-only round + 30 ms. A per-shape cost shows as new >> met; a cost by round kind alone
+    reply's or an earlier one's, a prompt without a target-only round included) scored as many tokens at the same
+    context length, "tied" when another system's round met it first in the same turn, else "new"; stalled = over
+    the prompt's median target-only round + 30 ms. A per-shape cost shows as new >> met; a cost by round kind alone
     (every drafting round dear) would not split."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from round_kinds import shape_stalls
@@ -850,18 +851,21 @@ def test_shape_stalls_split_rounds_by_whether_their_shape_was_met_before() -> No
     def reply(prompt: int, rows: list[list]) -> list:
         return [prompt, "qa", len(rows), 10, 1.0, rows]
 
-    # gamma=1 meets (2, 102) first, on prompt 0's turn 0, and stalls; hybrid meets it again at turn 1 and gamma=1 on
-    # prompt 1 (an earlier reply's shape), both cheap; hybrid's (3, 104) is new
+    # gamma=1 meets (2, 102) first on prompt 0's turn 0 and stalls; hybrid meets it again at turn 1 and gamma=1 on
+    # prompt 1, both cheap; both meet (3, 104) at turn 2; prompt 2 has no target-only round, yet its (3, 203)
+    # makes prompt 3's the shape's second meeting
     rounds = {"target-only": [reply(0, [[0, 100, 10.0, 0], [0, 101, 10.0, 0], [0, 102, 55.0, 0]]),
-                              reply(1, [[0, 100, 20.0, 0]])],
-              "gamma=1": [reply(0, [[1, 100, 60.0, 0], [1, 102, 12.0, 0]]), reply(1, [[1, 100, 30.0, 0]])],
+                              reply(1, [[0, 100, 20.0, 0]]), reply(2, []), reply(3, [[0, 200, 10.0, 0]])],
+              "gamma=1": [reply(0, [[1, 100, 60.0, 0], [1, 102, 12.0, 0], [2, 101, 20.0, 0]]),
+                          reply(1, [[1, 100, 30.0, 0]]), reply(2, [[2, 200, 90.0, 0]]), reply(3, [[2, 200, 22.0, 0]])],
               "hybrid auto": [reply(0, [[0, 100, 10.0, 1], [1, 100, 15.0, 0], [2, 101, 58.0, 0, 1]])]}
-    table = shape_stalls(rounds)  # stalled: over the prompt's median target-only round (10, 20 ms) + 30 ms
-    assert table["target-only"] == {"plain": {"rounds": 4, "stalled": 0.25, "mean": pytest.approx(8.5 / 4)}}
-    assert table["gamma=1"] == {"met": {"rounds": 1, "stalled": 0.0, "mean": 1.5},
-                                "new": {"rounds": 2, "stalled": 0.5, "mean": pytest.approx((6.0 + 1.2) / 2)}}
-    assert table["hybrid auto"] == {"met": {"rounds": 1, "stalled": 0.0, "mean": 1.5},  # its scoring round left out
-                                    "new": {"rounds": 1, "stalled": 1.0, "mean": 5.8}}
+    table = shape_stalls(rounds)  # stalled: over the prompt's median target-only round (10, 20, 10 ms) + 30 ms
+    assert table["target-only"] == {"plain": {"rounds": 5, "stalled": 0.2, "mean": pytest.approx(1.9), "ms": 21.0}}
+    assert table["gamma=1"] == {"met": {"rounds": 2, "stalled": 0.0, "mean": pytest.approx(1.85), "ms": 26.0},
+                                "new": {"rounds": 2, "stalled": 0.5, "mean": pytest.approx(3.6), "ms": 36.0},
+                                "tied": {"rounds": 1, "stalled": 0.0, "mean": 2.0, "ms": 20.0}}
+    assert table["hybrid auto"] == {"met": {"rounds": 1, "stalled": 0.0, "mean": 1.5, "ms": 15.0},  # no scoring
+                                    "tied": {"rounds": 1, "stalled": 1.0, "mean": 5.8, "ms": 58.0}}
     with pytest.raises(ValueError, match="target-only"):
         shape_stalls({"gamma=1": rounds["gamma=1"]})
 
@@ -914,9 +918,12 @@ def test_attention_option_limits_the_sdpa_kernels_for_its_context(tiny_target) -
             assert tiny_target.cudnn_attention is allowed
     assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
     assert tiny_target.cudnn_attention is False
-    with pytest.raises(ValueError, match="attention must be one of"):
+    with pytest.raises(RuntimeError, match="inside"), attention_backends("torch", [tiny_target]):
+        raise RuntimeError("inside")  # an error inside: the switch still comes back
+    assert tiny_target.cudnn_attention is False
+    with pytest.raises(ValueError, match="must be one of"):
         attention_backends("cudnn-only", [tiny_target]).__enter__()
-    with pytest.raises(ValueError, match="object has none"):
+    with pytest.raises(ValueError, match="these have none: object"):
         attention_backends("torch", [object()]).__enter__()
 
 

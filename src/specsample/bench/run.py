@@ -97,15 +97,15 @@ def add_pair_options(parser: argparse.ArgumentParser, dtype: str = "auto") -> No
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where both models run")
 
 
-# `--attention`: which SDPA kernels the runtimes may pick. engine: their own choice (every kernel but cuDNN's in
-# forwards that pass a mask, models/sdpa.py); torch: torch's pick everywhere (cuDNN's on Hopper, which builds a graph
-# per context length); no-cudnn: every kernel but cuDNN's everywhere, one-token decoding included; math: the
-# reference kernel only. Values: the kernels an outer `sdpa_kernel` allows (None: any).
-ATTENTION_BACKENDS: dict[str, tuple[SDPBackend, ...] | None] = {
-    "engine": None,
-    "torch": None,
-    "no-cudnn": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
-    "math": (SDPBackend.MATH,),
+# `--attention`: which SDPA kernels the runtimes may pick, as (their `cudnn_attention` switch, the kernels an outer
+# `sdpa_kernel` allows, None: any). engine: their own choice (every kernel but cuDNN's in forwards that pass a mask,
+# models/sdpa.py); torch: torch's pick everywhere (cuDNN's on Hopper, which builds a graph per context length);
+# no-cudnn: every kernel but cuDNN's everywhere, one-token decoding included; math: the reference kernel only.
+ATTENTION_BACKENDS: dict[str, tuple[bool, tuple[SDPBackend, ...] | None]] = {
+    "engine": (False, None),
+    "torch": (True, None),
+    "no-cudnn": (False, (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
+    "math": (False, (SDPBackend.MATH,)),
 }
 
 
@@ -118,23 +118,25 @@ def add_attention_option(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def attention_backends(choice: str, models: Sequence[CausalLM]) -> Iterator[None]:
-    """A context in which `models` run attention with the kernels `choice` names (see ATTENTION_BACKENDS)."""
+def attention_backends(choice: str, models: Sequence[Any]) -> Iterator[None]:
+    """A context in which `models` (runtimes with a `cudnn_attention` switch) run attention with the kernels
+    `choice` names (see ATTENTION_BACKENDS); their switches and torch's flags come back after."""
     if choice not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
-    missing = [type(m).__name__ for m in models if not hasattr(m, "cudnn_attention")]
+        raise ValueError(f"attention kernels must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    missing = sorted({type(m).__name__ for m in models if not hasattr(m, "cudnn_attention")})
     if missing:  # a runtime without the switch would silently keep its own choice
-        raise ValueError(f"--attention needs runtimes with a cudnn_attention switch; {', '.join(missing)} has none")
-    allowed = {id(m): m.cudnn_attention for m in models}
-    backends = ATTENTION_BACKENDS[choice]
+        raise ValueError(f"choosing attention kernels needs runtimes with a cudnn_attention switch; "
+                         f"these have none: {', '.join(missing)}")
+    allow_cudnn, backends = ATTENTION_BACKENDS[choice]
+    before = [m.cudnn_attention for m in models]
     try:
         for m in models:
-            m.cudnn_attention = choice == "torch"
+            m.cudnn_attention = allow_cudnn
         with contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends)):
             yield
     finally:
-        for m in models:
-            m.cudnn_attention = allowed[id(m)]
+        for m, allowed in zip(models, before):
+            m.cudnn_attention = allowed
 
 
 def add_pad_rows_option(parser: argparse.ArgumentParser) -> None:

@@ -53,7 +53,7 @@ class HFCausalLM:
         self.max_seq_len = int(getattr(config, "max_position_embeddings", 2048))
         # transformers renamed past_key_values to cache (5.x); pass whichever this version takes
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # let torch pick cuDNN's attention for forwards of several tokens: it builds a graph per context length
+        # let torch pick cuDNN's attention in cached forwards: it builds a graph per context length
         self.cudnn_attention = False  # (models/sdpa.py)
 
     @property
@@ -70,11 +70,12 @@ class HFCausalLM:
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
         """Run each row on its own cache; returns logits `[b, n, vocab]` in float32."""
-        n = tokens.shape[1]
-        with masked_attention(self.cudnn_attention or n == 1):  # transformers masks forwards of several tokens
+        # every forward: transformers passes a mask whenever its model needs one (a sliding window, at one token too)
+        with masked_attention(self.cudnn_attention):
             return self._forward_rows(tokens, cache, slots)
 
     def _forward_rows(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
+        """`forward_cached`'s work, row by row."""
         from transformers import DynamicCache
 
         n = tokens.shape[1]
