@@ -69,7 +69,7 @@ elif [ "$part" = stalls ]; then  # session 37's fix for the dear rounds of sessi
     # then a short adaptive run per STALL_RUNS entry and temperature (rounds keep their phases; round_kinds.py tables
     # them, and splits rounds at shapes met before from new ones): engine (the runtimes' own kernels, since session
     # 37; the default); torch (--attention torch: cuDNN's on Hopper, as every run before session 37: sessions 35 and
-    # 36 stored five such runs); no-cudnn (none of cuDNN's, one-token decoding included); threads1 (one CPU thread:
+    # 36 stored five such runs); no-cudnn (none of cuDNN's anywhere); threads1 (one CPU thread:
     # OpenMP threads that spin under a CPU quota get throttled); each with the hybrid also priced at its rounds'
     # mean cost (stall_costs), interleaved
     unset OMP_NUM_THREADS MKL_NUM_THREADS  # torch's own thread count, not the caller's

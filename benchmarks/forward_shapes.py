@@ -7,11 +7,11 @@ round; a fixed gamma keeps one width; `--pad-rows auto` times each width at one 
 model's forward over W new tokens `--calls` times in three modes: `runs` (the context held, the cache rolled back
 after each call, all calls of one width before the next), `turns` (the context held, the widths taking turns
 call by call) and `growing` (widths taking turns, the context one token longer every call, as decoding), under
-each attention kernel set in `--backends` (`engine`: the runtimes' own choice, no cuDNN where a forward passes a
-mask; `torch`: torch's pick, cuDNN's on Hopper; `no-cudnn`: every SDPA kernel but cuDNN's, one-token forwards
-included; `math`: the reference kernel), and prints median and mean milliseconds. A cost per attention shape (a
-kernel chosen or a graph built per shape and cached) shows as growing >> turns; one that a switch of width brings (a
-small cache) as turns >> runs.
+each attention kernel set in `--backends` (`engine`: the runtimes' own choice, no cuDNN in cached forwards;
+`torch`: torch's pick, cuDNN's on Hopper; `no-cudnn`: every SDPA kernel but cuDNN's, everywhere; `math`: the
+reference kernel), and prints median and mean milliseconds. A cost per attention shape (a kernel chosen or a
+graph built per shape and cached) shows as growing >> turns; one that a switch of width brings (a small cache) as
+turns >> runs.
 
     python benchmarks/forward_shapes.py --device cuda --out out/forward_shapes.json
 """

@@ -15,9 +15,9 @@ before drafting); for them a second table gives each kind's mean and median mill
 of the round (the controller's bookkeeping of the round's timing and statistics, and the harness). Means, not only medians: a stall that hits a third of a kind's
 rounds leaves its median alone and shows in its mean, and the phase it lands in says what stalled.
 
-A last table splits the rounds that scored 2+ tokens by whether an earlier round of the run had scored as many
-tokens at the same context length, and gives each group's share of rounds over 30 ms above target-only's median
-round and its mean: a cost paid once per attention shape (cuDNN's graphs, models/sdpa.py) shows as new >> met.
+A last table splits the rounds by whether an earlier round of the run had scored as many tokens at the same context
+length, and gives each group's share of rounds over 30 ms above target-only's median round and its mean: a cost
+paid once per attention shape (cuDNN's graphs, models/sdpa.py) shows as new >> met.
 
     python benchmarks/round_kinds.py docs/cuda/adaptive_cuda_t0.json
 """
@@ -109,16 +109,16 @@ STALL_MS = 30.0  # a round this much over the prompt's median target-only round 
 
 def shape_stalls(rounds: dict[str, list[list]], baseline: str = "target-only",
                  stall_ms: float = STALL_MS) -> dict[str, dict[str, dict]]:
-    """system -> "new" / "tied" / "met" / "plain" -> {"rounds": count, "stalled": share over the prompt's median
-    baseline round + `stall_ms`, "mean": the mean round over that median, "ms": the mean round in ms}.
+    """system -> group -> {"rounds": count, "stalled": share over the prompt's median baseline round + `stall_ms`,
+    "mean": the mean round over that median, "ms": the mean round in ms}.
 
-    A round whose target forward scored 2+ tokens is "met" when an earlier turn of this temperature's rounds (any
-    system's round, this reply's or an earlier reply's) had scored as many tokens at the same context length; "new"
+    Each round's target forward has a shape, (tokens scored, context length). A round is "met" when an earlier turn
+    of this temperature's rounds (any system's round, this reply's or an earlier reply's) had met its shape; "new"
     when this round alone met it first; "tied" when other systems' rounds met it in the same turn too (the systems
-    take turns within a turn in an order the run does not store, so one of them met it first). "plain" rounds
-    scored one token. Backlog scorings are left out (their draft forward's shape is not recorded), and so are
-    prompts without a baseline round (their rounds still mark shapes met). A cost paid once per attention shape
-    and then cached (cuDNN's graphs) shows as new >> met, tied in between; see docs/cuda.md."""
+    take turns within a turn in an order the run does not store, so one of them met it first). Groups of one-token
+    rounds are prefixed "plain". Backlog scorings are left out (their draft forward's shape is not recorded), and
+    so are prompts without a baseline round (their rounds still mark shapes met). A cost paid once per attention
+    shape and then cached (cuDNN's graphs) shows as new >> met, tied in between; see docs/cuda.md."""
     if baseline not in rounds:
         raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
     base = {row[0]: statistics.median(r[2] for r in row[5]) for row in rounds[baseline] if row[5]}
@@ -129,18 +129,17 @@ def shape_stalls(rounds: dict[str, list[list]], baseline: str = "target-only",
         for order, (prompt, _, _, _, _, rows) in enumerate(replies):  # every system's replies in the run's order
             for turn, (drafted, context, ms, *flags) in enumerate(rows):
                 shape = (drafted + 1, context + drafted + 1)
-                if drafted:
-                    first[shape] = min(first.get(shape, (order, turn)), (order, turn))
+                first[shape] = min(first.get(shape, (order, turn)), (order, turn))
                 events.append((name, shape, (order, turn), ms, base.get(prompt), bool(flags and flags[0])))
     for _, shape, when, *_ in events:
-        if shape[0] > 1 and first[shape] == when:
+        if first[shape] == when:
             meeting[shape] += 1
     out: dict[str, dict[str, dict]] = {}
     for name, shape, when, ms, unit, scored in events:
         if scored or unit is None:
             continue
-        group = ("plain" if shape[0] == 1 else "met" if first[shape] < when
-                 else "new" if meeting[shape] == 1 else "tied")
+        group = "met" if first[shape] < when else "new" if meeting[shape] == 1 else "tied"
+        group = f"plain {group}" if shape[0] == 1 else group
         cell = out.setdefault(name, {}).setdefault(group, {"rounds": 0, "stalled": 0, "mean": 0.0, "ms": 0.0})
         cell["rounds"] += 1
         cell["stalled"] += ms > unit + stall_ms

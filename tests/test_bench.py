@@ -840,10 +840,10 @@ def test_rounds_keep_their_phases_and_round_kinds_tables_them() -> None:
 
 
 def test_shape_stalls_split_rounds_by_whether_their_shape_was_met_before() -> None:
-    """round_kinds.shape_stalls: a round scoring 2+ tokens counts as "met" when an earlier turn (any system's, this
-    reply's or an earlier one's, a prompt without a target-only round included) scored as many tokens at the same
-    context length, "tied" when another system's round met it first in the same turn, else "new"; stalled = over
-    the prompt's median target-only round + 30 ms. A per-shape cost shows as new >> met; a cost by round kind alone
+    """round_kinds.shape_stalls: a round counts as "met" when an earlier turn (any system's, this reply's or an
+    earlier one's, a prompt without a target-only round included) scored as many tokens at the same context length,
+    "tied" when another system's round met it first in the same turn, else "new", one-token rounds apart ("plain");
+    stalled = over the prompt's median target-only round + 30 ms. A per-shape cost shows as new >> met; a cost by round kind alone
     (every drafting round dear) would not split."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from round_kinds import shape_stalls
@@ -860,7 +860,10 @@ def test_shape_stalls_split_rounds_by_whether_their_shape_was_met_before() -> No
                           reply(1, [[1, 100, 30.0, 0]]), reply(2, [[2, 200, 90.0, 0]]), reply(3, [[2, 200, 22.0, 0]])],
               "hybrid auto": [reply(0, [[0, 100, 10.0, 1], [1, 100, 15.0, 0], [2, 101, 58.0, 0, 1]])]}
     table = shape_stalls(rounds)  # stalled: over the prompt's median target-only round (10, 20, 10 ms) + 30 ms
-    assert table["target-only"] == {"plain": {"rounds": 5, "stalled": 0.2, "mean": pytest.approx(1.9), "ms": 21.0}}
+    assert table["target-only"] == {  # one-token rounds by shape too: its first round ties with hybrid's scoring
+        "plain met": {"rounds": 1, "stalled": 0.0, "mean": 1.0, "ms": 20.0},
+        "plain new": {"rounds": 3, "stalled": pytest.approx(1 / 3), "mean": pytest.approx(2.5), "ms": 25.0},
+        "plain tied": {"rounds": 1, "stalled": 0.0, "mean": 1.0, "ms": 10.0}}
     assert table["gamma=1"] == {"met": {"rounds": 2, "stalled": 0.0, "mean": pytest.approx(1.85), "ms": 26.0},
                                 "new": {"rounds": 2, "stalled": 0.5, "mean": pytest.approx(3.6), "ms": 36.0},
                                 "tied": {"rounds": 1, "stalled": 0.0, "mean": 2.0, "ms": 20.0}}

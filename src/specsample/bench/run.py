@@ -98,9 +98,9 @@ def add_pair_options(parser: argparse.ArgumentParser, dtype: str = "auto") -> No
 
 
 # `--attention`: which SDPA kernels the runtimes may pick, as (their `cudnn_attention` switch, the kernels an outer
-# `sdpa_kernel` allows, None: any). engine: their own choice (every kernel but cuDNN's in forwards that pass a mask,
+# `sdpa_kernel` allows, None: any). engine: their own choice (every kernel but cuDNN's in eager cached forwards,
 # models/sdpa.py); torch: torch's pick everywhere (cuDNN's on Hopper, which builds a graph per context length);
-# no-cudnn: every kernel but cuDNN's everywhere, one-token decoding included; math: the reference kernel only.
+# no-cudnn: every kernel but cuDNN's everywhere, uncached and compiled forwards included; math: the reference one.
 ATTENTION_BACKENDS: dict[str, tuple[bool, tuple[SDPBackend, ...] | None]] = {
     "engine": (False, None),
     "torch": (True, None),
@@ -112,7 +112,7 @@ ATTENTION_BACKENDS: dict[str, tuple[bool, tuple[SDPBackend, ...] | None]] = {
 def add_attention_option(parser: argparse.ArgumentParser) -> None:
     """`--attention` for the benchmark scripts (see ATTENTION_BACKENDS)."""
     parser.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="engine",
-                        help="SDPA kernels: engine (the runtimes' choice: no cuDNN where a forward passes a mask; "
+                        help="SDPA kernels: engine (the runtimes' choice: no cuDNN in cached forwards; "
                              "default), torch (torch's pick everywhere), no-cudnn (all but cuDNN's everywhere), "
                              "math (the reference kernel only)")
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from specsample.kv_cache import RowLengths
-from specsample.models.sdpa import masked_attention
+from specsample.models.sdpa import without_cudnn_attention
 
 
 class HFCache(RowLengths):
@@ -70,8 +70,7 @@ class HFCausalLM:
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
         """Run each row on its own cache; returns logits `[b, n, vocab]` in float32."""
-        # every forward: transformers passes a mask whenever its model needs one (a sliding window, at one token too)
-        with masked_attention(self.cudnn_attention):
+        with without_cudnn_attention(self.cudnn_attention):
             return self._forward_rows(tokens, cache, slots)
 
     def _forward_rows(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models.rope import rope_inv_freq
-from specsample.models.sdpa import masked_attention
+from specsample.models.sdpa import without_cudnn_attention
 
 if TYPE_CHECKING:
     from specsample.models.compiled import CompiledDecode
@@ -267,7 +267,6 @@ class Attention:
         if window is not None and self.kv_len > window:  # shorter rows never reach past the window
             self.window_mask = self._grouped(visible & (key_pos > self.positions.unsqueeze(-1) - window), groups)
         self.window_layers = window_layers(config)
-        self.masked = self.mask is not None or self.window_mask is not None  # some layer passes SDPA a mask
 
     @staticmethod
     def _grouped(visible: Tensor, groups: int) -> Tensor:
@@ -340,8 +339,8 @@ class LlamaModel(nn.Module):
         self.rope_scale = scale
         self.window_layers = window_layers(config) if config.sliding_window is not None else frozenset()
         self.compiled: CompiledDecode | None = None  # see compile_decode()
-        # let torch pick cuDNN's attention for masked cached forwards: it builds a graph per context length
-        self.cudnn_attention = False  # (models/sdpa.py)
+        # let torch pick cuDNN's attention in eager cached forwards: it builds a graph per context length
+        self.cudnn_attention = False  # (models/sdpa.py); the compiled decode step's shapes never change
 
     @property
     def device(self) -> torch.device:
@@ -482,7 +481,7 @@ class LlamaModel(nn.Module):
             hidden = self.compiled(tokens.to(self.device), cache, starts)
         else:
             attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device)
-            with masked_attention(self.cudnn_attention or not attend.masked):
+            with without_cudnn_attention(self.cudnn_attention):
                 hidden = self.hidden_states(tokens.to(self.device), attend)
         cache.lengths[slots.cpu()] = starts + n
         return hidden, compiled
