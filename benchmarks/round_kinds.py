@@ -38,13 +38,19 @@ def _kind(drafted: int, flags: list) -> str:
     return ("S" if scored else "") + ("L" if lookup else "") + (str(drafted) if drafted < 4 else "4+")
 
 
+def _baseline_times(rounds: dict[str, list[list]], baseline: str) -> dict[int, list[float]]:
+    """Reply -> the baseline system's round times (ms) in it, for replies with rounds; an error naming the baseline
+    where the run has none."""
+    if baseline not in rounds:
+        raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
+    return {row[0]: [r[2] for r in row[5]] for row in rounds[baseline] if row[5]}
+
+
 def round_kinds(rounds: dict[str, list[list]], baseline: str = "target-only") -> dict[str, dict[str, dict]]:
     """system -> kind -> {"rounds": count, "median": ratio, "min": ratio} from one temperature's recorded rounds
     ([prompt, category, tokens, prompt tokens, prefill ms, [[drafted, context, ms, scored, lookup], ...]] per
     reply; runs before session 35 recorded no lookup)."""
-    if baseline not in rounds:
-        raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
-    base = {row[0]: [r[2] for r in row[5]] for row in rounds[baseline]}
+    base = _baseline_times(rounds, baseline)
     out: dict[str, dict[str, dict]] = {}
     for name, replies in rounds.items():
         medians, minima, counts = defaultdict(list), defaultdict(list), defaultdict(int)
@@ -67,9 +73,7 @@ def pooled_kinds(rounds: dict[str, list[list]], baseline: str = "target-only") -
     """system -> kind -> {"rounds": count, "mean": ratio, "median": ratio}: every prompt's rounds of the kind pooled,
     their mean and median over the baseline's median round pooled the same way. Means, where stalls show: a kind
     whose rounds stall often has a mean far above its median (on session 36's GPU, drafting rounds 5.2 against 2.1)."""
-    if baseline not in rounds:
-        raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
-    unit = statistics.median(r[2] for row in rounds[baseline] for r in row[5])
+    unit = statistics.median(ms for times in _baseline_times(rounds, baseline).values() for ms in times)
     out: dict[str, dict[str, dict]] = {}
     for name, replies in rounds.items():
         kinds: dict[str, list[float]] = defaultdict(list)
@@ -119,9 +123,7 @@ def shape_stalls(rounds: dict[str, list[list]], baseline: str = "target-only",
     rounds are prefixed "plain". Backlog scorings are left out (their draft forward's shape is not recorded), and
     so are prompts without a baseline round (their rounds still mark shapes met). A cost paid once per attention
     shape and then cached (cuDNN's graphs) shows as new >> met, tied in between; see docs/cuda.md."""
-    if baseline not in rounds:
-        raise ValueError(f"the run has no {baseline!r} system to measure rounds against")
-    base = {row[0]: statistics.median(r[2] for r in row[5]) for row in rounds[baseline] if row[5]}
+    base = {prompt: statistics.median(times) for prompt, times in _baseline_times(rounds, baseline).items()}
     first: dict[tuple[int, int], tuple[int, int]] = {}  # (tokens, context length) -> (reply, turn) first met
     meeting: dict[tuple[int, int], int] = defaultdict(int)  # shape -> rounds that met it at that first (reply, turn)
     events = []
