@@ -189,6 +189,40 @@ def test_without_cudnn_attention_turns_only_cudnn_off_and_keeps_a_callers_choice
     assert flags.cudnn_sdp_enabled()
 
 
+def test_without_cudnn_attention_holds_across_threads() -> None:
+    """The flag is process-wide: a forward in one thread ending must not turn cuDNN back on under another thread's
+    forward still running; the last one out restores it (an error in one thread included)."""
+    import threading
+
+    from specsample.models.sdpa import without_cudnn_attention
+
+    flags = torch.backends.cuda
+    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        with pytest.raises(RuntimeError), without_cudnn_attention(False):
+            a_inside.set()
+            b_inside.wait(5)
+            raise RuntimeError("first forward fails")
+        a_done.set()
+
+    def second() -> None:
+        a_inside.wait(5)
+        with without_cudnn_attention(False):
+            b_inside.set()
+            a_done.wait(5)
+            seen["after the first left"] = flags.cudnn_sdp_enabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert a_done.is_set() and seen == {"after the first left": False}
+    assert flags.cudnn_sdp_enabled()
+
+
 def test_tokenizer_stop_ids_chat_and_streaming(folders) -> None:
     tokenizer = load_model(str(folders["llama"]), dtype="float32").tokenizer
     vocab = tokenizer.hf.get_vocab()

@@ -11,33 +11,53 @@ scored one token, 0-19% of the time when it scored several (its draft's forward 
 (`benchmarks/round_kinds.py`, its last table; docs/cuda.md). The systems of a benchmark decode the same prompts in
 turns, so the one ahead paid for the others: that priced drafting rounds at ~5 plain rounds. The cost per new shape
 is measured; that it is cuDNN's graph building is inferred (torch's order on that GPU, cuDNN's per-shape graphs),
-not yet measured: `benchmarks/cuda_check.sh stalls` runs the engine's kernels against torch's pick.
+not yet measured: `benchmarks/cuda_check.sh stalls` runs the engine's kernels against torch's pick. Upstream reads
+the same: torch's opt-in `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` (pytorch pull request 155958) exists to avoid
+"recompiling for different sequence lengths", but only without a mask and with query, keys and values laid out
+sequence-major, which the runtimes' head-major caches are not; MLX's cuDNN attention (ml-explore/mlx pull request
+2743) recreated its graph whenever the sequence length grew, and left decoding to another kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
 
+_lock = threading.Lock()
+_holders = 0  # forwards inside that turned cuDNN's attention off or rely on it staying off; the last one out restores
+
+
 @contextlib.contextmanager
 def without_cudnn_attention(allow_cudnn: bool) -> Iterator[None]:
-    """Run the body with cuDNN's attention kernels off, unless `allow_cudnn`, they are off already, or no kernel that
-    takes a mask (memory-efficient, math) is left on by a caller's `torch.nn.attention.sdpa_kernel`, whose choice
-    that is to keep.
+    """Run the body with cuDNN's attention kernels off, unless `allow_cudnn`, a caller turned them off already, or no
+    kernel that takes a mask (memory-efficient, math) is left on by a caller's `torch.nn.attention.sdpa_kernel`,
+    whose choice that is to keep.
 
     Only that flag changes: kernels a caller has restricted stay restricted. The flag is process-wide, like
-    `sdpa_kernel`'s; two threads in forwards at once can at worst let cuDNN run.
+    `sdpa_kernel`'s, so forwards in several threads share one hold: the first in turns cuDNN off, the last out turns
+    it back on, and none runs with cuDNN while another thread's forward ends (other attention in the process also
+    runs without cuDNN meanwhile).
     """
+    global _holders
     flags = torch.backends.cuda
-    masked_alternative = flags.mem_efficient_sdp_enabled() or flags.math_sdp_enabled()  # flash takes no mask
-    if allow_cudnn or not flags.cudnn_sdp_enabled() or not masked_alternative:
+    with _lock:
+        masked_alternative = flags.mem_efficient_sdp_enabled() or flags.math_sdp_enabled()  # flash takes no mask
+        hold = not allow_cudnn and masked_alternative and (_holders > 0 or flags.cudnn_sdp_enabled())
+        if hold:
+            if _holders == 0:
+                flags.enable_cudnn_sdp(False)
+            _holders += 1
+    if not hold:
         yield
         return
-    flags.enable_cudnn_sdp(False)
     try:
         yield
     finally:
-        flags.enable_cudnn_sdp(True)
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                flags.enable_cudnn_sdp(True)
