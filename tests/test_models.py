@@ -203,12 +203,12 @@ def test_without_cudnn_attention_holds_across_threads() -> None:
     def first() -> None:
         with pytest.raises(RuntimeError), without_cudnn_attention(False):
             a_inside.set()
-            b_inside.wait(5)
+            seen["second came in"] = b_inside.wait(5)
             raise RuntimeError("first forward fails")
         a_done.set()
 
     def second() -> None:
-        a_inside.wait(5)
+        seen["first came in"] = a_inside.wait(5)
         with without_cudnn_attention(False):
             b_inside.set()
             a_done.wait(5)
@@ -219,7 +219,16 @@ def test_without_cudnn_attention_holds_across_threads() -> None:
         thread.start()
     for thread in threads:
         thread.join(10)
-    assert a_done.is_set() and seen == {"after the first left": False}
+    assert a_done.is_set() and seen == {"first came in": True, "second came in": True, "after the first left": False}
+    assert flags.cudnn_sdp_enabled()
+    # a caller's sdpa_kernel that turns cuDNN on inside a hold: the next forward still runs without it
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with without_cudnn_attention(False):
+        with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):
+            assert flags.cudnn_sdp_enabled()
+            with without_cudnn_attention(False):
+                assert not flags.cudnn_sdp_enabled()
     assert flags.cudnn_sdp_enabled()
 
 

@@ -28,7 +28,7 @@ import torch
 
 
 _lock = threading.Lock()
-_holders = 0  # forwards inside that turned cuDNN's attention off or rely on it staying off; the last one out restores
+_holders = 0  # forwards inside that rely on cuDNN's attention being off; the last one out turns it back on
 
 
 @contextlib.contextmanager
@@ -38,26 +38,24 @@ def without_cudnn_attention(allow_cudnn: bool) -> Iterator[None]:
     whose choice that is to keep.
 
     Only that flag changes: kernels a caller has restricted stay restricted. The flag is process-wide, like
-    `sdpa_kernel`'s, so forwards in several threads share one hold: the first in turns cuDNN off, the last out turns
-    it back on, and none runs with cuDNN while another thread's forward ends (other attention in the process also
-    runs without cuDNN meanwhile).
+    `sdpa_kernel`'s, so this function's callers share one hold on it: the first in turns cuDNN off, the last out
+    turns it back on, and none of their forwards runs with cuDNN while another one ends, in any thread. It cannot
+    coordinate with other code that sets the flag meanwhile: an `sdpa_kernel` context in another thread that
+    overlaps a hold can turn cuDNN back on under it, or leave it off after it, as such contexts can with each other.
     """
     global _holders
     flags = torch.backends.cuda
-    with _lock:
-        masked_alternative = flags.mem_efficient_sdp_enabled() or flags.math_sdp_enabled()  # flash takes no mask
-        hold = not allow_cudnn and masked_alternative and (_holders > 0 or flags.cudnn_sdp_enabled())
-        if hold:
-            if _holders == 0:
-                flags.enable_cudnn_sdp(False)
-            _holders += 1
-    if not hold:
-        yield
-        return
+    held = False
     try:
+        with _lock:
+            masked_alternative = flags.mem_efficient_sdp_enabled() or flags.math_sdp_enabled()  # flash takes no mask
+            if not allow_cudnn and masked_alternative and (_holders > 0 or flags.cudnn_sdp_enabled()):
+                flags.enable_cudnn_sdp(False)  # also when held already: a caller's sdpa_kernel may have turned it on
+                _holders, held = _holders + 1, True
         yield
     finally:
-        with _lock:
-            _holders -= 1
-            if _holders == 0:
-                flags.enable_cudnn_sdp(True)
+        if held:
+            with _lock:
+                _holders -= 1
+                if _holders == 0:
+                    flags.enable_cudnn_sdp(True)
