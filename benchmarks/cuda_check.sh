@@ -63,7 +63,8 @@ elif [ "$part" = rounds ]; then  # where a round's time goes on the GPU: phases,
 elif [ "$part" = stalls ]; then  # session 37's fix for the dear rounds of session 36 (~7 min)
     # one forward by tokens scored (one width's calls in a row, widths in turn, widths in turn at a growing context)
     # under the engine's kernels and torch's pick: a cost per attention shape (cuDNN's attention builds a graph per
-    # shape) shows as growing >> turns under torch's pick, and should not under the engine's
+    # shape) shows as growing >> turns under torch's pick, and should not under the engine's; each table is followed
+    # by the SDPA implementation the forwards dispatched (`_scaled_dot_product_cudnn_attention` is cuDNN's)
     step forward_shapes 120 "$py" benchmarks/forward_shapes.py --device cuda --backends engine,torch \
         --out "$out/forward_shapes_cuda.json"
     # then a short adaptive run per STALL_RUNS entry and temperature (rounds keep their phases; round_kinds.py tables

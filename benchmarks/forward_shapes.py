@@ -11,7 +11,8 @@ each attention kernel set in `--backends` (`engine`: the runtimes' own choice, n
 `torch`: torch's pick, cuDNN's on Hopper; `no-cudnn`: every SDPA kernel but cuDNN's, everywhere; `math`: the
 reference kernel), and prints median and mean milliseconds. A cost per attention shape (a kernel chosen or a
 graph built per shape and cached) shows as growing >> turns; one that a switch of width brings (a small cache) as
-turns >> runs.
+turns >> runs. Each model's forward is also profiled once per width and backend, to name the SDPA implementation
+torch dispatched (since session 38: cuDNN's shows as `_scaled_dot_product_cudnn_attention`).
 
     python benchmarks/forward_shapes.py --device cuda --out out/forward_shapes.json
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +63,34 @@ def time_shapes(model: CausalLM, widths: list[int], context: int, calls: int, mo
             if call:
                 times[width].append(time.perf_counter() - begin)
     return times
+
+
+def attention_kernels(model: CausalLM, widths: list[int], context: int) -> dict[int, dict[str, int]]:
+    """Per width, which SDPA implementations one cached forward over that many tokens after `context` cached ones
+    dispatched, and how often (aten op names such as `_scaled_dot_product_cudnn_attention`, read off torch's
+    profiler): which kernel torch picked, measured rather than inferred from its rules."""
+    total = context + max(widths) + 1
+    if total > model.max_seq_len:
+        raise ValueError(f"context {context} + width {max(widths)} passes the model's {model.max_seq_len} tokens")
+    cache = model.new_cache(1, total)
+    slot = torch.tensor([0])
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (1, total), generator=generator).to(model.device)
+    kernels: dict[int, dict[str, int]] = {}
+    with torch.inference_mode():
+        model.prefill(tokens[:, :context], cache, slot)
+        for width in widths:
+            cache.truncate(slot, torch.tensor([context]))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+                model.forward_cached(tokens[:, context:context + width], cache, slot)
+                _sync(model.device)
+            counts: dict[str, int] = {}
+            for event in profiler.events():
+                name = event.name.removeprefix("aten::")
+                if name.startswith("_") and "attention" in name:  # the implementation, not the public entry point
+                    counts[name] = counts.get(name, 0) + 1
+            kernels[width] = counts
+    return kernels
 
 
 def _sync(device: torch.device) -> None:
@@ -106,6 +136,13 @@ def main() -> None:
                 results.setdefault(backend, {}).setdefault(name, {})[mode] = {
                     str(w): {"median_ms": 1000 * statistics.median(t), "mean_ms": 1000 * statistics.fmean(t)}
                     for w, t in times.items()}
+            try:
+                with attention_backends(backend, [model]):
+                    ops = attention_kernels(model, widths, args.context)
+            except RuntimeError as error:  # a profiler that cannot start must not cost the timings above
+                print(f"forward_shapes.py: {name}, {backend}: no kernel names ({error})", file=sys.stderr)
+                continue
+            results[backend][name]["kernels"] = {str(w): counts for w, counts in ops.items()}
     report = {"command": command_line("benchmarks/forward_shapes.py", args),
               "machine": machine_info(pair.target.model.device), "context": args.context, "calls": args.calls,
               "results": results}
@@ -127,6 +164,10 @@ def render(report: dict) -> str:
                 cells = [f"{by_mode[m][width]['median_ms']:.2f} ({by_mode[m][width]['mean_ms']:.2f})" for m in MODES]
                 lines.append(f"| {width} | " + " | ".join(cells) + " |")
             lines.append("")
+            if "kernels" in by_mode:  # runs before session 38 did not record them
+                lines += ["SDPA implementations one forward dispatched, by tokens: " + "; ".join(
+                    f"{width}: " + (", ".join(f"`{op}` ×{n}" for op, n in sorted(ops.items())) or "none")
+                    for width, ops in by_mode["kernels"].items()), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -901,6 +901,31 @@ def test_forward_shapes_times_each_width_in_runs_in_turns_and_at_a_growing_conte
     assert "| 1 | 1.00 (1.50) | 1.00 (1.50) | 1.00 (1.50) |" in forward_shapes.render(report)
 
 
+
+def test_forward_shapes_names_the_attention_implementation_each_backend_dispatched(tiny_target) -> None:
+    """benchmarks/forward_shapes.py's kernel names come from the forward run under the backend's context: the math
+    backend dispatches the math implementation once per layer at every width, the engine's choice never does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import forward_shapes
+
+    from specsample.bench.run import attention_backends
+
+    layers = len(tiny_target.layers)
+    with attention_backends("math", [tiny_target]):
+        assert forward_shapes.attention_kernels(tiny_target, [1, 3], context=8) == {
+            w: {"_scaled_dot_product_attention_math": layers} for w in (1, 3)}
+    with attention_backends("engine", [tiny_target]):
+        engine = forward_shapes.attention_kernels(tiny_target, [1, 3], context=8)
+    assert all(sum(ops.values()) == layers and "_scaled_dot_product_attention_math" not in ops
+               for ops in engine.values())
+    with pytest.raises(ValueError, match="passes"):
+        forward_shapes.attention_kernels(tiny_target, [4], context=tiny_target.max_seq_len - 4)
+    row = {"median_ms": 1.0, "mean_ms": 1.5}
+    report = {"command": "c", "machine": {"device": "cpu"}, "context": 8, "calls": 2,
+              "results": {"math": {"target": {**{mode: {"1": row} for mode in forward_shapes.MODES},
+                                              "kernels": {"1": {"_scaled_dot_product_attention_math": 2}}}}}}
+    assert "1: `_scaled_dot_product_attention_math` ×2" in forward_shapes.render(report)
+
 def test_attention_option_limits_the_sdpa_kernels_for_its_context(tiny_target) -> None:
     """`--attention` (adaptive.py, forward_shapes.py): engine leaves the runtimes' own choice, torch lets them run
     cuDNN's kernels too, no-cudnn leaves every SDPA kernel but cuDNN's, math only the reference one; flags and the
