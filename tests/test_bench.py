@@ -902,6 +902,38 @@ def test_forward_shapes_times_each_width_in_runs_in_turns_and_at_a_growing_conte
 
 
 
+def test_controller_calls_times_gamma_autos_own_work_in_place_and_restores_the_methods(tiny_target, tiny_draft) -> None:
+    """benchmarks/controller_calls.py: every per-round call of the controller is timed while gamma auto decodes (the
+    first prompt untimed), per round figures add up, and the wrapped methods are the originals again afterwards,
+    also when the block raises."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import controller_calls
+
+    from specsample.config import SamplingParams
+    from specsample.controller import ControllerConfig, GammaController
+    from specsample.drafters.model import ModelDrafter
+
+    plan = GammaController.__dict__["plan"]
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    params = [SamplingParams(temperature=0.7, max_new_tokens=24, seed=i) for i in range(3)]
+    # a controller that never falls back: tiny models' drafts cost about a target step, so it would decode plain
+    never_plain = ControllerConfig(max_gamma=4, fallback_below=0.0)
+    result = controller_calls.call_costs(tiny_target, ModelDrafter(tiny_draft), prompts, params, frozenset(),
+                                         max_gamma=4, controller_config=never_plain)
+    calls = result["calls"]
+    assert result["rounds"] >= 2 * 24 // 9 and calls["GammaController.plan"]["calls"] == result["rounds"]
+    assert calls["GammaController.observe_timing"]["calls"] == result["rounds"]
+    assert "GammaController.gate" in calls and "Engine._acceptance" in calls
+    assert result["per_round_us"] == pytest.approx(sum(c["per_round_us"] for c in calls.values()))
+    assert GammaController.__dict__["plan"] is plan
+    with pytest.raises(RuntimeError, match="inside"), controller_calls.timed_calls():
+        assert GammaController.__dict__["plan"] is not plan
+        raise RuntimeError("inside")
+    assert GammaController.__dict__["plan"] is plan
+    with pytest.raises(ValueError, match="warm_up"):
+        controller_calls.call_costs(tiny_target, ModelDrafter(tiny_draft), prompts[:1], params[:1], frozenset())
+
+
 def test_forward_shapes_names_the_attention_implementation_each_backend_dispatched(tiny_target) -> None:
     """benchmarks/forward_shapes.py's kernel names come from the forward run under the backend's context: the math
     backend dispatches the math implementation once per layer at every width, the engine's choice never does."""
