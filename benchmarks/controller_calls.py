@@ -21,8 +21,6 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import torch
-
 from specsample.api import generate
 from specsample.bench.report import command_line, machine_info, publish
 from specsample.config import SamplingParams, SpecConfig
@@ -67,8 +65,8 @@ def call_costs(target: CausalLM, drafter: Drafter, prompts: list[list[int]], par
                eos: frozenset[int], max_gamma: int = 8, warm_up: int = 1,
                controller_config: ControllerConfig | None = None) -> dict:
     """Decode every prompt with gamma auto (one controller throughout; the first `warm_up` prompts untimed, so the
-    controller is calibrated as in a running server; `controller_config` replaces the default one) and return per timed call its count, median and mean
-    microseconds and microseconds per round, and the timed rounds."""
+    controller is calibrated as in a running server; `controller_config` replaces the default one) and return per
+    timed call its count, median and mean microseconds and microseconds per round, and the timed rounds."""
     if not prompts or len(params) != len(prompts) or not 0 <= warm_up < len(prompts):
         raise ValueError(f"need prompts, one SamplingParams each and 0 <= warm_up < {len(prompts)} prompts")
     controller = GammaController(controller_config or ControllerConfig(max_gamma=max_gamma))
@@ -128,5 +126,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
     main()

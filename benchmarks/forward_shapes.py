@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from specsample.bench.report import command_line, machine_info, publish
 from specsample.bench.run import ATTENTION_BACKENDS, add_pair_options, attention_backends, load_model_draft_pair
-from specsample.models.base import CausalLM
+from specsample.models.base import CausalLM, ModelCache
 
 MODES = ("runs", "turns", "growing")
 
@@ -39,14 +40,8 @@ def time_shapes(model: CausalLM, widths: list[int], context: int, calls: int, mo
     (see MODES): one width's calls in a row or the widths in turn, the context held or one token longer every call."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    total = context + calls + max(widths) + 1
-    if total > model.max_seq_len:
-        raise ValueError(f"context {context} + calls {calls} + width {max(widths)} passes the model's "
-                         f"{model.max_seq_len} tokens")
-    cache = model.new_cache(1, total)
-    slot = torch.tensor([0])
-    generator = torch.Generator().manual_seed(0)  # any tokens will do; leave the global random state alone
-    tokens = torch.randint(0, model.vocab_size, (1, total), generator=generator).to(model.device)
+    cache, slot, tokens = _one_row(model, context + calls + max(widths) + 1,
+                                   f"context {context} + calls {calls} + width {max(widths)}")
     times: dict[int, list[float]] = {w: [] for w in widths}
     # (call, width) in the order they run; call 0 of each width warms kernels and allocators up
     order = ([(call, width) for width in widths for call in range(calls + 1)] if mode == "runs"
@@ -69,13 +64,7 @@ def attention_kernels(model: CausalLM, widths: list[int], context: int) -> dict[
     """Per width, which SDPA implementations one cached forward over that many tokens after `context` cached ones
     dispatched, and how often (aten op names such as `_scaled_dot_product_cudnn_attention`, read off torch's
     profiler): which kernel torch picked, measured rather than inferred from its rules."""
-    total = context + max(widths) + 1
-    if total > model.max_seq_len:
-        raise ValueError(f"context {context} + width {max(widths)} passes the model's {model.max_seq_len} tokens")
-    cache = model.new_cache(1, total)
-    slot = torch.tensor([0])
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.vocab_size, (1, total), generator=generator).to(model.device)
+    cache, slot, tokens = _one_row(model, context + max(widths) + 1, f"context {context} + width {max(widths)}")
     kernels: dict[int, dict[str, int]] = {}
     with torch.inference_mode():
         model.prefill(tokens[:, :context], cache, slot)
@@ -91,6 +80,16 @@ def attention_kernels(model: CausalLM, widths: list[int], context: int) -> dict[
                     counts[name] = counts.get(name, 0) + 1
             kernels[width] = counts
     return kernels
+
+
+def _one_row(model: CausalLM, total: int, what: str) -> tuple[ModelCache, Tensor, Tensor]:
+    """A one-row cache of `total` positions, its slot and `total` random tokens (`what` names the sum in the error
+    when the model's context is shorter)."""
+    if total > model.max_seq_len:
+        raise ValueError(f"{what} passes the model's {model.max_seq_len} tokens")
+    generator = torch.Generator().manual_seed(0)  # any tokens will do; leave the global random state alone
+    tokens = torch.randint(0, model.vocab_size, (1, total), generator=generator).to(model.device)
+    return model.new_cache(1, total), torch.tensor([0]), tokens
 
 
 def _sync(device: torch.device) -> None:
