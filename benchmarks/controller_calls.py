@@ -4,11 +4,14 @@ In the adaptive benchmark's rounds (round_kinds.py's phase table) gamma auto's o
 than fixed gamma 1's on the same prompts: its draft phase (which holds the controller's planning and gate), its
 verify phase (which holds the acceptance probabilities it learns from and its observation) and the rest (its timing
 bookkeeping). This decodes with gamma auto (one controller kept across the prompts, as the server keeps it) and times
-every call of the controller's per-round methods and of the engine's acceptance computation, in place, with
-`time.perf_counter` around each (the wrappers are removed afterwards); it prints per call its count, median and
-mean microseconds, and what it adds per engine round.
+every call of the controller's per-round methods, of the engine's planning (which holds the controller's plan and,
+with `--drafter hybrid`, the prompt lookups) and of its acceptance computation, in place, with `time.perf_counter`
+around each (the wrappers are removed afterwards); it prints per call its count, median and mean microseconds, and
+what it adds per engine round. Every call runs right after the target's forward has left the caches cold: a call
+costs several times what it costs when timed in a loop.
 
     python benchmarks/controller_calls.py --per-category 1 --out docs/controller_calls.json
+    python benchmarks/controller_calls.py --per-category 1 --drafter hybrid --out docs/controller_calls_hybrid.json
 """
 
 from __future__ import annotations
@@ -26,13 +29,19 @@ from specsample.bench.report import command_line, machine_info, publish
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.base import Drafter
+from specsample.drafters.hybrid import HybridDrafter
 from specsample.engine import Engine
 from specsample.models.base import CausalLM
 
 # (owner, method): the controller's per-round calls, and the engine's acceptance probabilities (gamma auto only)
 TIMED = ((GammaController, "plan"), (GammaController, "scores_planned"), (GammaController, "lookups_planned"),
          (GammaController, "gate"), (GammaController, "observe"), (GammaController, "observe_scores"),
-         (GammaController, "observe_timing"), (Engine, "_acceptance"))
+         (GammaController, "observe_timing"), (Engine, "_acceptance"), (Engine, "_plan"), (Engine, "_note_plain_tokens"),
+         (HybridDrafter, "lookup_lengths"))
+# calls of TIMED that hold others of them (the engine's planning holds the controller's plan and the lookups): shown,
+# not added into the total per round
+HOLDERS = ("Engine._plan",)
+DRAFTERS = {"model": "the draft model alone", "hybrid": "prompt lookup and the draft model (the hybrid drafter)"}
 
 
 @contextlib.contextmanager
@@ -80,18 +89,20 @@ def call_costs(target: CausalLM, drafter: Drafter, prompts: list[list[int]], par
     calls = {label: {"calls": len(times), "median_us": 1e6 * statistics.median(times),
                      "mean_us": 1e6 * statistics.fmean(times), "per_round_us": 1e6 * sum(times) / rounds}
              for label, times in seconds.items() if times}
-    return {"rounds": rounds, "calls": calls, "per_round_us": sum(c["per_round_us"] for c in calls.values())}
+    return {"rounds": rounds, "calls": calls,
+            "per_round_us": sum(c["per_round_us"] for label, c in calls.items() if label not in HOLDERS)}
 
 
 def render(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()), "",
-             "gamma auto decoding with one controller kept across the prompts (the first untimed); each call timed in "
-             "place. Microseconds.", ""]
+             f"gamma auto decoding with {DRAFTERS[report.get('drafter', 'model')]}, one controller kept across the prompts "
+             "(the first untimed); each call timed in place. Microseconds.", ""]
     for temperature, result in report["results"].items():
         lines += [f"Temperature {temperature}, {result['rounds']} rounds: {result['per_round_us']:.1f} us per round in "
                   "all.", "", "| call | calls | median | mean | per round |", "|---|---|---|---|---|"]
-        lines += [f"| `{label}` | {c['calls']} | {c['median_us']:.1f} | {c['mean_us']:.1f} | {c['per_round_us']:.1f} |"
+        lines += [f"| `{label}`{' (holds others: not in the total)' if label in HOLDERS else ''} | {c['calls']} | "
+                  f"{c['median_us']:.1f} | {c['mean_us']:.1f} | {c['per_round_us']:.1f} |"
                   for label, c in result["calls"].items()]
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
@@ -102,6 +113,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperatures", default="0.7,0")
+    parser.add_argument("--drafter", choices=tuple(DRAFTERS), default="model",
+                        help="the draft model alone, or with prompt lookup (the default drafter of the CLI and server)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (.json, and .md beside)")
     args = parser.parse_args()
     if args.per_category < 1 or args.tokens < 2:
@@ -118,9 +131,10 @@ def main() -> None:
     for temperature in (float(t) for t in args.temperatures.split(",")):
         params = [SamplingParams(temperature=temperature, max_new_tokens=args.tokens, seed=i)
                   for i in range(len(prompts))]
-        results[str(temperature)] = call_costs(pair.target.model, pair.drafter, prompts, params,
+        drafter = HybridDrafter(pair.drafter) if args.drafter == "hybrid" else pair.drafter
+        results[str(temperature)] = call_costs(pair.target.model, drafter, prompts, params,
                                                frozenset(tokenizer.eos_token_ids))
-    report = {"command": command_line("benchmarks/controller_calls.py", args),
+    report = {"command": command_line("benchmarks/controller_calls.py", args), "drafter": args.drafter,
               "machine": machine_info(pair.target.model.device), "results": results}
     publish(report, render(report), args.out)
 

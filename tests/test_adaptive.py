@@ -12,29 +12,55 @@ import torch
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.hybrid import HybridDrafter
-from specsample.drafters.ngram import NgramDrafter, find_continuation
+from specsample.drafters.ngram import NgramDrafter, NgramIndex, find_continuation
 from specsample.theory import expected_speedup, optimal_gamma
 
 
-def test_longest_match_wins() -> None:
+def _indexed(history: list[int], max_tokens: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
+    return NgramIndex(history, min_n, max_n).find(max_tokens)
+
+
+FINDERS = pytest.mark.parametrize("find", [find_continuation, _indexed], ids=["scan", "index"])
+
+
+@FINDERS
+def test_longest_match_wins(find) -> None:
     # suffix [7, 8, 9] occurs once (-> 1); suffix [8, 9] also occurs later (-> 5): the longer match wins
     history = [7, 8, 9, 1, 2, 3, 8, 9, 5, 6, 0, 7, 8, 9]
-    assert find_continuation(history, 3, min_n=1, max_n=3) == ([1, 2, 3], 3)
+    assert find(history, 3, min_n=1, max_n=3) == ([1, 2, 3], 3)
 
 
-def test_most_recent_occurrence_wins_ties() -> None:
+@FINDERS
+def test_most_recent_occurrence_wins_ties(find) -> None:
     history = [4, 5, 1, 1, 4, 5, 2, 2, 4, 5]
-    assert find_continuation(history, 2, min_n=1, max_n=2) == ([2, 2], 2)
+    assert find(history, 2, min_n=1, max_n=2) == ([2, 2], 2)
 
 
-def test_no_match_no_draft_and_limits() -> None:
-    assert find_continuation([1, 2, 3, 4], 5, min_n=1, max_n=3) == ([], 0)
-    assert find_continuation([1, 2, 3, 1, 2], 5, min_n=3, max_n=4) == ([], 0)  # only a 2-gram repeats
-    assert find_continuation([1, 2, 3, 1, 2], 5, min_n=2, max_n=4) == ([3, 1, 2], 2)  # runs to the end
-    assert find_continuation([1, 2, 3, 1, 2], 1, min_n=1, max_n=4) == ([3], 2)
-    assert find_continuation([5], 3) == ([], 0)
+@FINDERS
+def test_no_match_no_draft_and_limits(find) -> None:
+    assert find([1, 2, 3, 4], 5, min_n=1, max_n=3) == ([], 0)
+    assert find([1, 2, 3, 1, 2], 5, min_n=3, max_n=4) == ([], 0)  # only a 2-gram repeats
+    assert find([1, 2, 3, 1, 2], 5, min_n=2, max_n=4) == ([3, 1, 2], 2)  # runs to the end
+    assert find([1, 2, 3, 1, 2], 1, min_n=1, max_n=4) == ([3], 2)
+    assert find([5], 3) == ([], 0)
+    assert find([2, 2, 2, 2], 3, min_n=1, max_n=4) == ([2], 3)  # a match may overlap the suffix it matches
     with pytest.raises(ValueError, match="min_n"):
         NgramDrafter(min_n=3, max_n=2)
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 1), (1, 4), (2, 4), (3, 4), (3, 3)])
+def test_ngram_index_answers_as_the_scan_while_tokens_arrive(min_n: int, max_n: int) -> None:
+    # a small vocabulary repeats n-grams of every length; tokens arrive 0-3 at a time, as committed per round
+    rng = random.Random(min_n * 10 + max_n)
+    history = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+    index = NgramIndex(history, min_n, max_n)
+    for _ in range(300):
+        new = [rng.randrange(4) for _ in range(rng.randrange(4))]
+        history += new
+        index.extend(new)
+        max_tokens = rng.randrange(1, 9)
+        assert index.find(max_tokens) == find_continuation(history, max_tokens, min_n, max_n)
+        assert index.tokens == history
 
 
 def test_ngram_drafter_rows_and_commit() -> None:
@@ -45,7 +71,7 @@ def test_ngram_drafter_rows_and_commit() -> None:
     assert proposal.probs is None and proposal.num_drafted.tolist() == [3, 0]
     assert proposal.tokens[0, :3].tolist() == [3, 1, 2]
     drafter.commit([0, 3], [[3, 1], [9]])
-    assert drafter.history[3] == [9, 8, 7, 9]
+    assert drafter.rows[3].tokens == [9, 8, 7, 9]
     assert drafter.propose([3], 4, [2], [SamplingParams()], gens[:1]).tokens[0].tolist() == [8, 7, 0, 0]
 
 
