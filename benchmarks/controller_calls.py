@@ -29,26 +29,34 @@ from specsample.bench.report import command_line, machine_info, publish
 from specsample.config import SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.base import Drafter
+from specsample.drafters import hybrid
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.engine import Engine
 from specsample.models.base import CausalLM
 
-# (owner, method): the controller's per-round calls, and the engine's acceptance probabilities (gamma auto only)
+# (owner, method): the controller's per-round calls, the engine's acceptance probabilities (gamma auto only), and with
+# the hybrid drafter its lookups and its merge of the model's and the lookups' proposals (a module's function: as named
+# where the hybrid calls it)
 TIMED = ((GammaController, "plan"), (GammaController, "scores_planned"), (GammaController, "lookups_planned"),
          (GammaController, "gate"), (GammaController, "observe"), (GammaController, "observe_scores"),
          (GammaController, "observe_timing"), (Engine, "_acceptance"), (Engine, "_plan"), (Engine, "_note_plain_tokens"),
-         (HybridDrafter, "lookup_lengths"))
+         (HybridDrafter, "lookup_lengths"), (hybrid, "merge_proposals"))
 # calls of TIMED that hold others of them (the engine's planning holds the controller's plan and the lookups): shown,
 # not added into the total per round
 HOLDERS = ("Engine._plan",)
 DRAFTERS = {"model": "the draft model alone", "hybrid": "prompt lookup and the draft model (the hybrid drafter)"}
 
 
+def _label(owner: object, name: str) -> str:
+    """'Owner.method' (a module's function: 'module.function', the module's last name)."""
+    return f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
+
+
 @contextlib.contextmanager
 def timed_calls(methods: Sequence[tuple[type, str]] = TIMED) -> Iterator[dict[str, list[float]]]:
     """Within the block every call of each method records its seconds under 'Owner.method'; the methods are restored
     on exit, an error inside included."""
-    seconds: dict[str, list[float]] = {f"{owner.__name__}.{name}": [] for owner, name in methods}
+    seconds: dict[str, list[float]] = {_label(owner, name): [] for owner, name in methods}
     originals = [(owner, name, owner.__dict__[name]) for owner, name in methods]
 
     def timer(function, label: str):
@@ -63,7 +71,7 @@ def timed_calls(methods: Sequence[tuple[type, str]] = TIMED) -> Iterator[dict[st
 
     try:
         for owner, name, function in originals:
-            setattr(owner, name, timer(function, f"{owner.__name__}.{name}"))
+            setattr(owner, name, timer(function, _label(owner, name)))
         yield seconds
     finally:
         for owner, name, function in originals:

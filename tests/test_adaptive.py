@@ -888,3 +888,25 @@ def test_a_short_backlog_in_a_batch_is_still_fed_on_its_own(tiny_draft) -> None:
     proposal = drafter.propose([0, 1], 2, [2, 2], [SamplingParams(temperature=0)] * 2, gens)
     assert proposal.num_drafted.tolist() == [2, 2]
     assert [int(drafter.cache.lengths[s]) for s in (0, 1)] == [len(drafter.history[s]) + 1 for s in (0, 1)]
+
+
+def test_merge_proposals_returns_a_whole_proposal_and_copies_parts() -> None:
+    from specsample.drafters.base import Proposal, merge_proposals
+
+    tokens = torch.tensor([[3, 4], [5, 0]])
+    probs = torch.softmax(torch.randn(2, 2, 9), dim=-1)  # vocab 9
+    whole = Proposal(tokens, probs, torch.tensor([2, 1]), torch.rand(2, 2))
+    assert merge_proposals([([0, 1], whole)], 2, 2) is whole  # every row, full width: nothing to copy
+    # rows out of order, a narrower part, or a dtype the merge widens: copied into a fresh proposal
+    for rows, batch, gamma, part in (([1, 0], 2, 2, whole), ([0, 1], 2, 3, whole),
+                                     ([0, 1], 2, 2, Proposal(tokens, probs.bfloat16(), whole.num_drafted))):
+        merged = merge_proposals([(rows, part)], batch, gamma)
+        assert merged is not part and merged.probs.dtype == torch.float32 and merged.tokens.shape == (batch, gamma)
+        assert merged.tokens[rows[0], :2].tolist() == part.tokens[0].tolist()
+        assert torch.equal(merged.probs[rows[0], :2], part.probs[0].float())
+    lookup = Proposal(torch.tensor([[7, 8]]), None, torch.tensor([2]))
+    model = Proposal(torch.tensor([[1, 0]]), probs[:1], torch.tensor([1]), torch.tensor([[0.5, 0.0]]))
+    merged = merge_proposals([([1], lookup), ([0], model)], 2, 2)
+    assert merged.tokens.tolist() == [[1, 0], [7, 8]] and merged.num_drafted.tolist() == [1, 2]
+    assert merged.probs[1, 0, 7] == 1 and merged.probs[1, 1, 8] == 1  # the lookup's row one-hot
+    assert torch.isnan(merged.confidence[1]).all() and merged.confidence[0, 0] == 0.5
