@@ -53,9 +53,9 @@ def _label(owner: object, name: str) -> str:
 
 
 @contextlib.contextmanager
-def timed_calls(methods: Sequence[tuple[type, str]] = TIMED) -> Iterator[dict[str, list[float]]]:
-    """Within the block every call of each method records its seconds under 'Owner.method'; the methods are restored
-    on exit, an error inside included."""
+def timed_calls(methods: Sequence[tuple[object, str]] = TIMED) -> Iterator[dict[str, list[float]]]:
+    """Within the block every call of each method (a class's, or a module's function) records its seconds under
+    'Owner.method' ('module.function'); the originals are restored on exit, an error inside included."""
     seconds: dict[str, list[float]] = {_label(owner, name): [] for owner, name in methods}
     originals = [(owner, name, owner.__dict__[name]) for owner, name in methods]
 

@@ -940,6 +940,36 @@ def test_controller_calls_times_gamma_autos_own_work_in_place_and_restores_the_m
         controller_calls.call_costs(tiny_target, ModelDrafter(tiny_draft), prompts[:1], params[:1], frozenset())
 
 
+def test_controller_calls_times_the_hybrids_lookups_and_merge_and_restores_a_modules_function(tiny_target,
+                                                                                               tiny_draft) -> None:
+    """With the hybrid drafter the lookups and the merge (a module's function, wrapped where the hybrid looks it up)
+    are timed too, and the module's function is the original again afterwards, also when the block raises."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import controller_calls
+
+    from specsample.config import SamplingParams
+    from specsample.controller import ControllerConfig
+    from specsample.drafters import hybrid
+    from specsample.drafters.hybrid import HybridDrafter
+    from specsample.drafters.model import ModelDrafter
+    from specsample.drafters.ngram import NgramDrafter
+
+    merge = hybrid.__dict__["merge_proposals"]
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4, 5], [7, 8, 9, 7, 8, 9, 7, 8]]
+    params = [SamplingParams(temperature=0.7, max_new_tokens=24, seed=i) for i in range(3)]
+    drafter = HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2)
+    result = controller_calls.call_costs(tiny_target, drafter, prompts, params, frozenset(), max_gamma=4,
+                                         controller_config=ControllerConfig(max_gamma=4, fallback_below=0.0))
+    calls = result["calls"]
+    assert calls["HybridDrafter.lookup_lengths"]["calls"] == result["rounds"]  # every adaptive row, every round
+    assert 0 < calls["hybrid.merge_proposals"]["calls"] <= result["rounds"]  # every round that drafted
+    assert hybrid.__dict__["merge_proposals"] is merge
+    with pytest.raises(RuntimeError, match="inside"), controller_calls.timed_calls():
+        assert hybrid.__dict__["merge_proposals"] is not merge
+        raise RuntimeError("inside")
+    assert hybrid.__dict__["merge_proposals"] is merge
+
+
 def test_forward_shapes_names_the_attention_implementation_each_backend_dispatched(tiny_target) -> None:
     """benchmarks/forward_shapes.py's kernel names come from the forward run under the backend's context: the math
     backend dispatches the math implementation once per layer at every width, the engine's choice never does."""

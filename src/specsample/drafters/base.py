@@ -191,6 +191,7 @@ def _whole(part: tuple[Sequence[int], Proposal], batch: int, gamma: int) -> bool
     probabilities (if any) in a dtype the merge keeps."""
     rows, proposal = part
     return (list(rows) == list(range(batch)) and proposal.tokens.shape == (batch, gamma)
-            and proposal.tokens.device.type == "cpu"
+            and proposal.tokens.device.type == "cpu" and proposal.num_drafted.device.type == "cpu"
+            and (proposal.confidence is None or proposal.confidence.device.type == "cpu")
             and (proposal.probs is None
                  or (proposal.probs.device.type == "cpu" and proposal.probs.dtype in (torch.float32, torch.float64))))

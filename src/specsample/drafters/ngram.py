@@ -50,8 +50,8 @@ class NgramIndex:
     """One row's tokens and, per n-gram length n in [min_n, max_n], where each n-gram last ended: `find` gives
     `find_continuation`'s answer with a few dictionary reads. The hybrid drafter looks up every row every round,
     right after the target's forward has left the caches cold: there converting the history list and the dozen
-    numpy calls over it took a median 126-136 us per round, with this index 13-14 us (`benchmarks/controller_calls.py
-    --drafter hybrid`; ~0.8% of a round on the dev CPU)."""
+    numpy calls over it took a median 126-136 us per round, with this index ~15 us (`benchmarks/controller_calls.py
+    --drafter hybrid`; ~0.8% of a round on the dev CPU). Indexing costs ~1 us per token, the prompt's at admission."""
 
     def __init__(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
         self.tokens = [int(t) for t in tokens]
