@@ -135,11 +135,11 @@ def main() -> None:
                                 pair.target.model.max_seq_len, args.tokens)
     if len(prompts) < 2:
         raise SystemExit("need at least two prompts (the first warms the controller up)")
+    drafter = HybridDrafter(pair.drafter) if args.drafter == "hybrid" else pair.drafter
     results = {}
     for temperature in (float(t) for t in args.temperatures.split(",")):
         params = [SamplingParams(temperature=temperature, max_new_tokens=args.tokens, seed=i)
                   for i in range(len(prompts))]
-        drafter = HybridDrafter(pair.drafter) if args.drafter == "hybrid" else pair.drafter
         results[str(temperature)] = call_costs(pair.target.model, drafter, prompts, params,
                                                frozenset(tokenizer.eos_token_ids))
     report = {"command": command_line("benchmarks/controller_calls.py", args), "drafter": args.drafter,

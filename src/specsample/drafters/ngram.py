@@ -94,34 +94,22 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.rows: dict[int, NgramIndex] = {}  # slot -> its prompt and output so far, indexed for lookups
-        # slot -> (history length, tokens asked, continuation, n) of its last lookup: the engine asks what a lookup
-        # offers, then has it proposed, on the same history (answered once)
-        self._last: dict[int, tuple[int, int, list[int], int]] = {}
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.rows.clear()
-        self._last.clear()
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         for slot, prompt in zip(slots, prompts):
             self.rows[slot] = NgramIndex(prompt, self.min_n, self.max_n)
-            self._last.pop(slot, None)
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self.rows.pop(slot, None)
-            self._last.pop(slot, None)
 
     def continuation(self, slot: int, max_tokens: int) -> tuple[list[int], int]:
-        """`find_continuation` over the row's history (reusing the last lookup while the history is unchanged)."""
-        row = self.rows[slot]
-        length = len(row.tokens)
-        last = self._last.get(slot)
-        if last is not None and last[0] == length and last[1] >= max_tokens:
-            return last[2][:max_tokens], last[3]
-        found, n = row.find(max_tokens)
-        self._last[slot] = (length, max_tokens, found, n)
-        return found, n
+        """`find_continuation` over the row's history, from its index (the engine asks what a lookup offers, then has
+        it proposed: two reads of the same tables)."""
+        return self.rows[slot].find(max_tokens)
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
                 params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
