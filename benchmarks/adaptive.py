@@ -307,7 +307,7 @@ PLACEBO_SEEDS = 1_000_000_007  # the copies' seed shift: far past any reply's se
 AGAIN = again("target-only")  # target-only run a second time: the run's own timing noise
 SYSTEMS = ("target-only", AGAIN, *(f"gamma={g}" for g in range(1, 9)), *(again(f"gamma={g}") for g in range(1, 9)),
            "gamma=auto", "gamma=auto fresh", "ngram",
-           "ngram auto", "hybrid", "hybrid auto")
+           "ngram auto", "hybrid", "hybrid auto", "hybrid auto offer3")
 
 
 def parse_variant(spec: str) -> tuple[str, ControllerConfig]:
@@ -353,6 +353,9 @@ def make_systems(chosen: list[str], target, draft: ModelDrafter, eos: frozenset[
         "ngram auto": lambda: system("ngram auto", NgramDrafter(), 8, adaptive=True),
         "hybrid": lambda: system("hybrid", HybridDrafter(model()), 5),
         "hybrid auto": lambda: system("hybrid auto", HybridDrafter(model()), 8, adaptive=True),
+        # the default before session 40: gamma auto was offered only prompt-lookup matches of 3 tokens or more
+        "hybrid auto offer3": lambda: system("hybrid auto offer3", HybridDrafter(model(), offer_match=3), 8,
+                                             adaptive=True),
     }
     return ([builders[name]() for name in SYSTEMS if name in chosen]
             + [system(name, HybridDrafter(model()) if name.startswith("hybrid") else model(), 8, adaptive=True,

@@ -200,8 +200,10 @@ def test_the_adaptive_benchmark_drafts_with_the_loaded_window(tiny_target, tiny_
     assert [s.name for s in systems] == list(SYSTEMS)
     drafters = [s.drafter.model if isinstance(s.drafter, HybridDrafter) else s.drafter for s in systems]
     models = [d for d in drafters if isinstance(d, ModelDrafter)]
-    # fixed gammas 1-8, their placebo copies, gamma auto kept and fresh, hybrid fixed and auto
-    assert len(models) == 8 + 8 + 2 + 2 and all(d.window == window for d in models)
+    # fixed gammas 1-8, their placebo copies, gamma auto kept and fresh, hybrid fixed, auto and auto offer3
+    assert len(models) == 8 + 8 + 2 + 3 and all(d.window == window for d in models)
+    offers = {s.name: s.drafter.offer_match for s in systems if isinstance(s.drafter, HybridDrafter)}
+    assert offers == {"hybrid": 2, "hybrid auto": 2, "hybrid auto offer3": 3}  # the previous default, for comparison
     copies = [s for s in systems if s.name.endswith(" again") and s.drafter is not None]
     assert len(copies) == 8 and all(s.seed_offset for s in copies)  # the copies sample texts of their own
     assert not any(s.seed_offset for s in systems if s not in copies)

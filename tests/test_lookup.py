@@ -101,7 +101,7 @@ def test_lookup_rounds_are_timed_apart_from_model_rounds() -> None:
 
 def test_lookup_lengths_match_what_propose_takes() -> None:
     hybrid = HybridDrafter.__new__(HybridDrafter)  # no model needed to look up
-    hybrid.ngram, hybrid.min_match = NgramDrafter(min_n=2, max_n=3), 2
+    hybrid.ngram, hybrid.min_match, hybrid.offer_match = NgramDrafter(min_n=2, max_n=3), 2, 2
     hybrid.ngram.add_rows([0, 1, 2], [[1, 2, 3, 4, 1, 2], [5, 6, 7], [1, 2, 3, 1, 2]])
     assert hybrid.lookup_lengths([0, 1, 2], [3, 3, 0]) == [3, 0, 0]
     ngram = NgramDrafter(min_n=2, max_n=3)
@@ -113,6 +113,24 @@ def test_lookup_lengths_match_what_propose_takes() -> None:
     routed = RoutedDrafter(ngram)
     assert isinstance(routed, PromptLookup) and not isinstance(ModelDrafter.__new__(ModelDrafter), PromptLookup)
     assert routed.lookup_lengths([1, 0], [4, 2]) == [3, 2]
+
+
+def test_hybrid_offers_the_controller_shorter_matches_than_it_takes_alone(tiny_draft) -> None:
+    hybrid = HybridDrafter(ModelDrafter(tiny_draft))  # takes matches of 3 alone, offers 2 to gamma auto
+    assert (hybrid.min_match, hybrid.offer_match) == (3, 2)
+    history = [5, 6, 9, 1, 2, 3, 5, 6]  # its suffix [5, 6] occurred before (then 9, 1, 2); no 3-token match
+    hybrid.allocate(2, 64)
+    hybrid.add_rows([0], [history])
+    assert hybrid.lookup_lengths([0], [3]) == [3]
+    params, generators = [SamplingParams()], [torch.Generator().manual_seed(0)]
+    chosen = hybrid.propose_chosen([0], 3, [3], params, generators, (), [True])  # the controller took the offer
+    assert chosen.probs is None and chosen.tokens[0].tolist() == [9, 1, 2]
+    alone = hybrid.propose_chosen([0], 3, [3], params, generators, (), [None])  # fixed gamma: the model drafts
+    assert alone.probs is not None
+    hybrid.commit([0], [[9]])  # the suffix [5, 6, 9] now matches 3 tokens: taken alone too
+    assert hybrid.propose_chosen([0], 2, [2], params, generators, (), [None]).probs is None
+    with pytest.raises(ValueError, match="offer_match"):
+        HybridDrafter(ModelDrafter(tiny_draft), min_match=2, offer_match=3)
 
 
 def test_engine_runs_lookups_and_model_drafts_and_reports_them(tiny_target, tiny_draft) -> None:

@@ -14,12 +14,20 @@ from specsample.drafters.ngram import NgramDrafter
 
 class HybridDrafter:
     """Per row and round: an n-gram continuation if the longest match is at least `min_match`
-    tokens long, otherwise the draft model. Which one a row uses depends only on its history."""
+    tokens long, otherwise the draft model. Which one a row uses depends only on its history.
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None, min_match: int = 3) -> None:
+    Under gamma auto the controller chooses per row between lookup and model, pricing each: it is offered
+    matches from `offer_match` tokens on (default min(2, min_match)), which it takes only where it predicts them
+    faster than the model (docs/adaptive.md, session 40: offered 2-token matches, the hybrid ran faster)."""
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None, min_match: int = 3,
+                 offer_match: int | None = None) -> None:
+        offer_match = min(2, min_match) if offer_match is None else offer_match
+        if not 1 <= offer_match <= min_match:
+            raise ValueError(f"need 1 <= offer_match <= min_match, got offer_match={offer_match}, min_match={min_match}")
         self.model = model
-        self.ngram = ngram or NgramDrafter(min_n=min_match, max_n=max(min_match, 4))
-        self.min_match = min_match
+        self.ngram = ngram or NgramDrafter(min_n=offer_match, max_n=max(min_match, 4))
+        self.min_match, self.offer_match = min_match, offer_match
         self.vocab_size = model.vocab_size
 
     def allocate(self, num_slots: int, max_len: int) -> None:
@@ -34,14 +42,15 @@ class HybridDrafter:
         self.model.release_rows(slots)
         self.ngram.release_rows(slots)
 
-    def _lookup(self, slot: int, max_tokens: int) -> list[int]:
-        """The row's n-gram continuation (up to `max_tokens`) if its match is long enough to use, else []."""
+    def _lookup(self, slot: int, max_tokens: int, shortest: int) -> list[int]:
+        """The row's n-gram continuation (up to `max_tokens`) if its match is at least `shortest` long, else []."""
         found, n = self.ngram.continuation(slot, max_tokens)
-        return found if n >= self.min_match else []
+        return found if n >= shortest else []
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
-        """Tokens an n-gram lookup offers per row, up to `max_tokens[i]` (0: none long enough)."""
-        return [len(self._lookup(s, m)) if m > 0 else 0 for s, m in zip(slots, max_tokens)]
+        """Tokens an n-gram lookup offers the controller per row, up to `max_tokens[i]` (0: no match of
+        `offer_match` tokens)."""
+        return [len(self._lookup(s, m, self.offer_match)) if m > 0 else 0 for s, m in zip(slots, max_tokens)]
 
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """Every row can draft with the model instead of its lookup."""
@@ -57,13 +66,14 @@ class HybridDrafter:
                        params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
                        stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
                        extension: Extension | None = None) -> Proposal:
-        """Rows the caller sends to their lookup (True) propose it, rows it sends to the model (False) draft
-        with the model; the rest (None) use a long enough n-gram match where there is one. Only rows sent to
-        the model may be extended past their plan (a lookup's length is its `max_drafts`)."""
+        """Rows the caller sends to their lookup (True) propose it (the offer of `lookup_lengths`), rows it sends
+        to the model (False) draft with the model; the rest (None) use an n-gram match of `min_match` tokens
+        where there is one. Only rows sent to the model may be extended past their plan (a lookup's length is
+        its `max_drafts`)."""
         refuse_extension(extension, max_drafts, [i for i, use in enumerate(use_lookup) if use is not False],
                          "only rows sent to the draft model (use_lookup False) can be extended")
-        lookups = [self._lookup(s, min(gamma, m)) if use is not False else []
-                   for s, m, use in zip(slots, max_drafts, use_lookup)]
+        lookups = [self._lookup(s, min(gamma, m), self.offer_match if use else self.min_match) if use is not False
+                   else [] for s, m, use in zip(slots, max_drafts, use_lookup)]
         ngram_rows = [i for i, found in enumerate(lookups) if found]
         model_rows = [i for i in range(len(slots)) if not lookups[i] and use_lookup[i] is not True]
         parts = []
