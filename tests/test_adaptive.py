@@ -12,15 +12,16 @@ import torch
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.hybrid import HybridDrafter
-from specsample.drafters.ngram import NgramDrafter, NgramIndex, find_continuation
+from specsample.drafters.ngram import NgramDrafter, NgramIndex
 from specsample.theory import expected_speedup, optimal_gamma
+from ngram_reference import reference_continuation
 
 
 def _indexed(history: list[int], max_tokens: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
     return NgramIndex(history, min_n, max_n).find(max_tokens)
 
 
-FINDERS = pytest.mark.parametrize("find", [find_continuation, _indexed], ids=["scan", "index"])
+FINDERS = pytest.mark.parametrize("find", [reference_continuation, _indexed], ids=["definition", "index"])
 
 
 @FINDERS
@@ -49,7 +50,7 @@ def test_no_match_no_draft_and_limits(find) -> None:
 
 
 @pytest.mark.parametrize("min_n, max_n", [(1, 1), (1, 4), (2, 4), (3, 4), (3, 3)])
-def test_ngram_index_answers_as_the_scan_while_tokens_arrive(min_n: int, max_n: int) -> None:
+def test_ngram_index_answers_as_the_definition_while_tokens_arrive(min_n: int, max_n: int) -> None:
     # a small vocabulary repeats n-grams of every length; tokens arrive 0-3 at a time, as committed per round
     rng = random.Random(min_n * 10 + max_n)
     history = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
@@ -59,7 +60,7 @@ def test_ngram_index_answers_as_the_scan_while_tokens_arrive(min_n: int, max_n: 
         history += new
         index.extend(new)
         max_tokens = rng.randrange(1, 9)
-        assert index.find(max_tokens) == find_continuation(history, max_tokens, min_n, max_n)
+        assert index.find(max_tokens) == reference_continuation(history, max_tokens, min_n, max_n)
         assert index.tokens == history
 
 

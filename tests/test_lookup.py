@@ -12,8 +12,9 @@ from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
 from specsample.controller import ControllerConfig, GammaController
 from specsample.drafters.base import PromptLookup
 from specsample.drafters.hybrid import HybridDrafter
-from specsample.drafters.ngram import NgramDrafter, find_continuation
+from specsample.drafters.ngram import NgramDrafter, NgramIndex
 from specsample.drafters.routed import RoutedDrafter
+from ngram_reference import reference_continuation
 
 
 def _lookup_rounds(controller: GammaController, accept: float, rounds: int, available: int = 8,
@@ -186,27 +187,17 @@ def test_greedy_hybrid_auto_equals_target_only(tiny_target, tiny_draft, seed: in
     torch.manual_seed(0)
 
 
-def _reference_continuation(history: list[int], max_tokens: int, min_n: int, max_n: int) -> tuple[list[int], int]:
-    """The definition, spelt out: longest suffix n-gram with an earlier occurrence, most recent occurrence."""
-    for n in range(min(max_n, len(history) - 1), min_n - 1, -1):
-        suffix = history[-n:]
-        for end in range(len(history) - 2, n - 2, -1):  # an occurrence ending at `end` has a next token
-            if history[end - n + 1:end + 1] == suffix:
-                return history[end + 1:end + 1 + max_tokens], n
-    return [], 0
-
-
-def test_find_continuation_matches_its_definition() -> None:
+def test_ngram_index_matches_its_definition() -> None:
     rng = random.Random(7)
     for _ in range(3000):
         history = [rng.randrange(rng.randrange(1, 5)) for _ in range(rng.randrange(0, 25))]
         min_n = rng.randrange(1, 4)
         max_n, max_tokens = rng.randrange(min_n, 6), rng.randrange(0, 6)
-        assert (find_continuation(history, max_tokens, min_n, max_n)
-                == _reference_continuation(history, max_tokens, min_n, max_n)), (history, max_tokens, min_n, max_n)
+        assert (NgramIndex(history, min_n, max_n).find(max_tokens)
+                == reference_continuation(history, max_tokens, min_n, max_n)), (history, max_tokens, min_n, max_n)
 
 
-def test_a_lookup_is_reused_only_on_the_same_history() -> None:
+def test_a_rows_lookup_follows_its_commits() -> None:
     ngram = NgramDrafter(min_n=1, max_n=2)
     ngram.add_rows([0], [[1, 2, 3, 1]])
     assert ngram.continuation(0, 3) == ([2, 3, 1], 1)

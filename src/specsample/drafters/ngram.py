@@ -8,50 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from specsample.config import SamplingParams
 from specsample.drafters.base import Extension, Proposal, refuse_extension
 
 
-def find_continuation(history: Sequence[int] | np.ndarray, max_tokens: int, min_n: int = 1,
-                      max_n: int = 4) -> tuple[list[int], int]:
-    """Tokens that followed the most recent earlier occurrence of the longest suffix n-gram.
-
-    Tries n = max_n down to min_n; the longest matching n wins, the most recent occurrence wins
-    among equals. Returns `(continuation, n)`; `([], 0)` when nothing matches.
-    """
-    tokens = np.asarray(history, dtype=np.int64)
-    length = len(tokens)
-    longest = min(max_n, length - 1)
-    if longest < min_n:
-        return [], 0
-    # earlier positions holding the last token, then how far back each agrees with the suffix: one pass over
-    # the history and a few over the candidates (a sliding window per n cost ~80 us per lookup on 600 tokens)
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [candidates]
-    if not ends.size:
-        return [], 0
-    matched = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for back in range(1, longest):
-        alive &= ends >= back
-        alive[alive] = tokens[ends[alive] - back] == tokens[length - 1 - back]
-        matched += alive
-    ok = np.flatnonzero(matched >= min_n)
-    if not ok.size:
-        return [], 0
-    n = int(matched[ok].max())
-    start = int(ends[ok[matched[ok] == n][-1]]) + 1
-    return tokens[start:start + max_tokens].tolist(), n
-
-
 class NgramIndex:
-    """One row's tokens and, per n-gram length n in [min_n, max_n], where each n-gram last ended: `find` gives
-    `find_continuation`'s answer with a few dictionary reads. The hybrid drafter looks up every row every round,
-    right after the target's forward has left the caches cold: there converting the history list and the dozen
-    numpy calls over it took a median 126-136 us per round, with this index ~15 us (`benchmarks/controller_calls.py
-    --drafter hybrid`; ~0.8% of a round on the dev CPU). Indexing costs ~1 us per token, the prompt's at admission."""
+    """One row's tokens and, per n-gram length n in [min_n, max_n], where each n-gram last ended: `find` gives the
+    tokens that followed the most recent earlier occurrence of the longest suffix n-gram with a few dictionary reads.
+    The hybrid drafter looks up every row every round, right after the target's forward has left the caches cold:
+    there the numpy scan this replaced (converting the history list, a dozen numpy calls over it) took a median
+    126-136 us per round, this index ~15 us (`benchmarks/controller_calls.py --drafter hybrid`; ~0.8% of a round on
+    the dev CPU). Indexing costs ~1 us per token, the prompt's at admission."""
 
     def __init__(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
         self.tokens = [int(t) for t in tokens]
@@ -74,7 +43,9 @@ class NgramIndex:
         self._indexed = max(self._indexed, len(tokens) - 1)
 
     def find(self, max_tokens: int) -> tuple[list[int], int]:
-        """`find_continuation(self.tokens, max_tokens, min_n, max_n)`."""
+        """Up to `max_tokens` tokens that followed the most recent earlier occurrence of the longest suffix n-gram
+        (n from max_n down to min_n: the longest n wins, then the most recent occurrence), and n; `([], 0)` when
+        nothing matches."""
         self._index()
         tokens, length = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):  # the longest n with an occurrence wins
@@ -107,8 +78,8 @@ class NgramDrafter:
             self.rows.pop(slot, None)
 
     def continuation(self, slot: int, max_tokens: int) -> tuple[list[int], int]:
-        """`find_continuation` over the row's history, from its index (the engine asks what a lookup offers, then has
-        it proposed: two reads of the same tables)."""
+        """`NgramIndex.find` over the row's history (the engine asks what a lookup offers, then has it proposed: two
+        reads of the same tables)."""
         return self.rows[slot].find(max_tokens)
 
     def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
