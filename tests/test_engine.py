@@ -179,3 +179,22 @@ def test_decoding_accepts_any_attention_output_layout(tiny_target, monkeypatch) 
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
     assert _tokens(generate(tiny_target, PROMPTS, GREEDY)) == reference
+
+
+def test_a_draft_row_that_stopped_early_keeps_its_last_committed_token_unfed(tiny_target) -> None:
+    """In a batch where one row drafts further than another, the short row's cache is fed filler past its drafts;
+    when that filler equals what the verifier commits, the row must still lack its last token (the next round's
+    first forward feeds it), or the next proposal has nothing to score."""
+    drafter = ModelDrafter(tiny_target)
+    drafter.allocate(2, 64)
+    drafter.add_rows([0, 1], [[1, 2, 3], [4, 5, 6]])
+    greedy = SamplingParams(temperature=0.0)
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    proposal = drafter.propose([0, 1], 3, [1, 3], [greedy, greedy], generators)
+    assert proposal.num_drafted.tolist() == [1, 3]
+    filler = drafter._drafted[0][1]  # what row 0's cache was fed after its only draft
+    drafter.commit([0, 1], [[int(proposal.tokens[0, 0]), filler], [int(proposal.tokens[1, 0])]])
+    for slot in (0, 1):
+        assert drafter._fed(slot) < len(drafter.history[slot])
+    again = drafter.propose([0, 1], 2, [2, 2], [greedy, greedy], generators)
+    assert again.num_drafted.tolist() == [2, 2]

@@ -277,9 +277,11 @@ class ModelDrafter:
             base = len(self.history[slot])
             drafted = self._drafted.get(slot, [])
             if drafted:  # without drafts the cache holds history only (at most all of it): nothing to roll back
-                # the cache holds history + drafts[:-1]; entries stay valid while drafts match what was kept
+                # the cache holds history + drafts[:-1]; entries stay valid while drafts match what was kept, but
+                # the last committed token is never counted as fed: the next round's first forward feeds it. (A row
+                # that stopped early while the batch drew on holds filler past its drafts, which may equal it.)
                 matched = 0
-                while matched < min(len(drafted) - 1, len(new)) and drafted[matched] == new[matched]:
+                while matched < min(len(drafted) - 1, len(new) - 1) and drafted[matched] == new[matched]:
                     matched += 1
                 rolled.append(slot)
                 keep.append(min(self._fed(slot), base + matched) - self._skipped[slot])
