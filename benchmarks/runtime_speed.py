@@ -10,8 +10,8 @@ writes each byte while a decode step only reads its weights, so the table also g
 read bandwidth (a `sum()` over 256 MiB): a reference, not a hard floor, since a well-tuned
 matrix-vector kernel can read a little faster than a reduction.
 
-    python benchmarks/runtime_speed.py --repeats 5 --out docs/runtime_speed.json
-    python benchmarks/runtime_speed.py --device cuda --out docs/runtime_speed_cuda.json   # on a GPU
+    python benchmarks/runtime_speed.py --repeats 5 --out docs/results/runtime_speed.json
+    python benchmarks/runtime_speed.py --device cuda --out docs/results/runtime_speed_cuda.json   # on a GPU
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from specsample import SamplingParams, generate
-from specsample.bench.report import command_line
 from specsample.bench.systems import load_hf_peer
 from specsample.models.loader import load_model
 
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("docs/runtime_speed.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/runtime_speed.json"))
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
                         help="also time our runtime with compile_decode (default on)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -156,7 +157,7 @@ def main() -> None:
             if ours in times:
                 ratios[ours] = theirs / statistics.median(times[ours])
     report = {
-        "command": command_line("benchmarks/runtime_speed.py", args),
+        "command": shlex.join(["python", *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "copy_bandwidth_gb_s": bandwidth / 1e9,

@@ -4,7 +4,7 @@ Starts two servers (speculative, and `--speculative-model none`), then for each 
 Poisson arrival schedule against each in turn, streaming with the async `openai` client. Reports
 throughput, TTFT and TPOT p50/p99 per rate, and the rate above which speculation stops paying.
 
-    python benchmarks/serve_load.py --rates 0.25,0.5,1,2,4 --requests 24 --out docs/serve_load.json
+    python benchmarks/serve_load.py --rates 0.25,0.5,1,2,4 --requests 24 --out docs/results/serve_load.json
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -22,7 +23,6 @@ from pathlib import Path
 import httpx
 import openai
 
-from specsample.bench.report import command_line
 from specsample.datasets import sharegpt_prompts
 from specsample.metrics import percentile
 
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("docs/serve_load.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/serve_load.json"))
     args = parser.parse_args()
 
     prompts = [p.turns[0][:1500] for p in sharegpt_prompts(skip=16500, limit=args.requests)]
@@ -111,7 +111,7 @@ def main() -> None:
             if next(x for x in rows if x["rate"] == r and x["mode"] == "speculative")["tpot_p50_ms"]
             < next(x for x in rows if x["rate"] == r and x["mode"] == "plain")["tpot_p50_ms"]]
     stops_paying = next((r for r in rates if r not in pays), None)
-    report = {"command": command_line("benchmarks/serve_load.py", args),
+    report = {"command": shlex.join(["python", *sys.argv]),
               "cpu_count": os.cpu_count(), "rows": rows, "speculation_stops_paying_at_rate": stops_paying}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

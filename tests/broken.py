@@ -60,14 +60,15 @@ class GateDropsToken(WrappedDrafter):
     """A confidence gate that drops the low-confidence token instead of keeping it: whether a draft
     is proposed then depends on that very draw, which biases the output. Wraps a ModelDrafter."""
 
-    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=(), extension=None):
+    def propose(self, request):
         from specsample.drafters.base import Proposal
 
-        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
+        proposal = self.inner.propose(request)
         drafted = proposal.num_drafted.clone()
-        for row in range(len(slots)):
+        thresholds = request.stop_thresholds
+        for row in range(len(request.slots)):
             n = int(drafted[row])
-            if n and n <= len(stop_thresholds) and float(proposal.confidence[row, n - 1]) < stop_thresholds[n - 1]:
+            if n and n <= len(thresholds) and float(proposal.confidence[row, n - 1]) < thresholds[n - 1]:
                 drafted[row] = n - 1
         return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)
 
@@ -76,14 +77,14 @@ class ExtensionDropsToken(WrappedDrafter):
     """Drafting past the plan that, where the extension declines to go on, drops the draft it judged instead of
     keeping it: whether that draft is proposed then depends on its own draw. Wraps a ModelDrafter."""
 
-    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=(), extension=None):
+    def propose(self, request):
         from specsample.drafters.base import Proposal
 
-        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
+        proposal = self.inner.propose(request)
         drafted = proposal.num_drafted.clone()
-        for row in range(len(slots)):
+        for row in range(len(request.slots)):
             n = int(drafted[row])
-            if extension is not None and extension.planned[row] <= n < max_drafts[row]:
+            if request.extension is not None and request.drafts[row] <= n < request.reach[row]:
                 drafted[row] = n - 1  # the extension stopped the row here: drop the token it stopped on
         return Proposal(proposal.tokens, proposal.probs, drafted, proposal.confidence)
 
@@ -93,8 +94,8 @@ class SubsetProbsUnmapped(WrappedDrafter):
     instead of at the tokens' vocabulary ids: the tokens are right, the q the verifier reads is not.
     Wraps a ModelDrafter whose model has an output subset."""
 
-    def propose(self, slots, gamma, max_drafts, params, generators, stop_thresholds=(), extension=None):
-        proposal = self.inner.propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
+    def propose(self, request):
+        proposal = self.inner.propose(request)
         subset = self.inner.model.output_subset.cpu()
         unmapped = torch.zeros_like(proposal.probs)
         unmapped[..., : len(subset)] = proposal.probs[..., subset]  # column j holds token subset[j]'s q

@@ -1,7 +1,9 @@
-"""`specsample generate` through a subprocess: JSON fields, streaming output, one-line errors."""
+"""`specsample generate` as a user runs it: JSON fields, streaming output, flags, one-line errors."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from model_factory import make_tokenizer, write_hf_model
+from specsample.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +27,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specsample.cli", *args], capture_output=True, text=True,
-                          timeout=600)
+    """`specsample ARGS` in this process (the console script's `main`), its exit status and output captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's exits: --help, bad flags
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["specsample", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_json_output(models) -> None:
@@ -102,7 +111,9 @@ def test_errors_are_one_line(models, case, message) -> None:
 
 @pytest.mark.slow
 def test_defaults_run_the_embedded_models() -> None:
-    done = run_cli("generate", "Name a color.", "--json", "--max-new-tokens", "8", "--temperature", "0")
+    """The installed console script, in a process of its own, on the default models."""
+    done = subprocess.run([sys.executable, "-m", "specsample.cli", "generate", "Name a color.", "--json",
+                           "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["stats"]["target"] == "smollm2-135m-instruct" and out["text"]

@@ -8,11 +8,24 @@ from devices import DEVICE
 
 from specsample import SamplingParams, SpecConfig, generate
 from specsample.models.base import prefill_ragged
+import specsample.models.compiled as compiled_module
 from specsample.models.compiled import CompiledDecode
 from specsample.models.llama import LlamaModel
 from specsample.models.tiny import tiny_lm
 
 VOCAB = 64
+SHIPPED = dict(compiled_module.CPU_INDUCTOR_CONFIG)
+AUTOTUNING = ("max_autotune", "max_autotune_gemm_backends", "autotune_num_choices_displayed",
+              "max_autotune_report_choices_stats")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quick_compiles():
+    """Inductor without kernel autotuning (compiles take about a third of the time); the warm-up test keeps the
+    shipped configuration, autotuning included."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_module, "CPU_INDUCTOR_CONFIG", {k: v for k, v in SHIPPED.items() if k not in AUTOTUNING})
+        yield
 
 
 def twin(seed: int = 1, sliding_window: int | None = None) -> tuple[LlamaModel, LlamaModel]:
@@ -161,11 +174,13 @@ def test_output_subset_goes_through_the_compiled_head() -> None:
     assert float((expected[torch.isfinite(expected)] - got[torch.isfinite(got)]).abs().max()) < 1e-4
 
 
-def test_warm_up_covers_what_generation_calls() -> None:
+def test_warm_up_covers_what_generation_calls(monkeypatch) -> None:
     """After load_model's warm-up, generating compiles nothing more (a recompile costs ~70 s on SmolLM2),
-    whether the token tensors come from the engine (inference mode) or from a caller outside it."""
+    whether the token tensors come from the engine (inference mode) or from a caller outside it; with the shipped
+    inductor configuration."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(compiled_module, "CPU_INDUCTOR_CONFIG", SHIPPED)
     model = tiny_lm(VOCAB, 21, init_scale=0.2, device=DEVICE)
     model.compile_decode(warm_up=True)
     graphs = counters["stats"]["unique_graphs"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from specsample import ModelDrafter, SamplingParams, tiny_lm
+from specsample import DraftRequest, ModelDrafter, SamplingParams, tiny_lm
 from specsample.models.convert import save_hf_folder
 from specsample.models.hf_names import export_hf_state_dict
-from specsample.models.llama import PACK_MIN_FLOAT32_ELEMENTS, prepack
+from specsample.models.layers import PACK_MIN_FLOAT32_ELEMENTS, prepack
 from specsample.models.loader import LoadedModel, resolve_dtype
 from specsample.pair import SMALL_DRAFT_HIDDEN, load_drafter
 
@@ -56,7 +56,8 @@ def test_subset_drafting_draws_what_full_vocabulary_drafting_draws() -> None:
             drafter.allocate(2, 64)
             drafter.add_rows([0, 1], [[1, 2, 3, 4], [5, 6]])
         for _ in range(4):
-            got = {d: d.propose([0, 1], 3, [3, 2], [params] * 2, gens[d]) for d in (fast, plain)}
+            got = {d: d.propose(DraftRequest((0, 1), (3, 2), (3, 2), (params,) * 2, tuple(gens[d]), width=3))
+                   for d in (fast, plain)}
             a, b = got[fast], got[plain]
             assert a.tokens.tolist() == b.tokens.tolist() and a.num_drafted.tolist() == b.num_drafted.tolist()
             assert torch.allclose(a.probs, b.probs, atol=1e-6) and torch.allclose(a.confidence, b.confidence, atol=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
+from specsample import DraftRequest, Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.models.base import prefill_ragged
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
@@ -190,11 +190,11 @@ def test_a_draft_row_that_stopped_early_keeps_its_last_committed_token_unfed(tin
     drafter.add_rows([0, 1], [[1, 2, 3], [4, 5, 6]])
     greedy = SamplingParams(temperature=0.0)
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
-    proposal = drafter.propose([0, 1], 3, [1, 3], [greedy, greedy], generators)
+    proposal = drafter.propose(DraftRequest((0, 1), (1, 3), (1, 3), (greedy, greedy), tuple(generators)))
     assert proposal.num_drafted.tolist() == [1, 3]
     filler = drafter._drafted[0][1]  # what row 0's cache was fed after its only draft
     drafter.commit([0, 1], [[int(proposal.tokens[0, 0]), filler], [int(proposal.tokens[1, 0])]])
     for slot in (0, 1):
         assert drafter._fed(slot) < len(drafter.history[slot])
-    again = drafter.propose([0, 1], 2, [2, 2], [greedy, greedy], generators)
+    again = drafter.propose(DraftRequest((0, 1), (2, 2), (2, 2), (greedy, greedy), tuple(generators)))
     assert again.num_drafted.tolist() == [2, 2]

@@ -18,7 +18,10 @@ from broken import BROKEN, ExtensionDropsToken, GateDropsToken, SubsetProbsUnmap
 from devices import DEVICE
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
-from specsample.controller import ControllerConfig, GammaController
+from specsample.drafters.base import Extension
+from specsample.planner import GammaController, RoundPlan, RowPlan
+from specsample.planner.acceptance import Acceptance
+from specsample.planner.costs import CostModel
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
@@ -55,10 +58,10 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
 
 
 def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive: bool = False,
-                  controller=None, prompt: list[int] = PROMPT) -> np.ndarray:
+                  planner=None, prompt: list[int] = PROMPT) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES independent rows of one batch."""
     config = SpecConfig(gamma=gamma, adaptive=adaptive, max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH)
-    engine = Engine(target, as_drafter(drafter), config, controller=controller)
+    engine = Engine(target, as_drafter(drafter), config, planner=planner)
     ids = [engine.add_request(prompt, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
     out: dict[str, list[int]] = {i: [] for i in ids}
     for result in engine.stream():
@@ -88,53 +91,68 @@ def test_broken_verifier_fails(pair, monkeypatch, broken: str) -> None:
 REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # the context repeats itself, so prompt lookup proposes tokens
 
 
-class FixedGate(GammaController):
-    """The adaptive controller with its timing-dependent inputs pinned, so the gate always acts."""
+class PinnedCosts(CostModel):
+    """Round costs 1 + `per_draft` per draft, whatever the timings."""
+
+    def __init__(self, per_draft: float) -> None:
+        super().__init__()
+        self.per_draft = per_draft
 
     def round_cost(self, batch_size: int, drafts: int) -> float:
-        return 1.0 + 0.05 * drafts
+        return 1.0 + self.per_draft * drafts
 
-    def gate(self, batch_size: int):
-        return [0.5] * self.config.max_gamma, None
 
-    def _prior_centre(self, state) -> float:
-        self.confidence_priors = getattr(self, "confidence_priors", 0) + (state.predicted_trials > 0)
-        return super()._prior_centre(state)
+class CountedPriors(Acceptance):
+    """Acceptance estimates that count the priors centred by past drafts' confidences."""
+
+    confidence_priors = 0
+
+    def prior_centre(self, state) -> float:
+        self.confidence_priors += state.predicted_trials > 0
+        return super().prior_centre(state)
+
+
+class FixedGate(GammaController):
+    """Gamma auto with its timing-dependent inputs pinned, so the gate always acts."""
+
+    def __init__(self, max_gamma: int, per_draft: float = 0.05) -> None:
+        super().__init__(max_gamma)
+        self.costs, self.acceptance = PinnedCosts(per_draft), CountedPriors()
+
+    def _gate(self, size: int, exploring: bool):
+        return [0.5] * self.max_gamma, None
 
 
 class Extends(FixedGate):
-    """FixedGate planning one draft a row, then drafting past the plan while a pinned extension allows (each
-    confidence bin b accepted at (b + 0.5) / 10, a bar of 0.25 per position): the extension always acts."""
+    """FixedGate planning one draft a row (no neighbours tried), then drafting past the plan while a pinned extension
+    allows (each confidence bin b accepted at (b + 0.5) / 10, a bar of 0.25 per position): the extension always
+    acts."""
 
     extended = 0  # rounds a row drafted past its plan of one
 
     def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
         return 1, 2.0
 
-    def gate(self, batch_size: int):
-        return [], (tuple((b + 0.5) / 10 for b in range(10)), (0.25,) * (self.config.max_gamma - 1))
+    def _neighbour(self, gamma: int, size: int) -> int:
+        return gamma
 
-    def observe(self, request_id, num_drafted, num_accepted, confidences=None, expected=None) -> None:
-        self.extended += int(num_drafted > 1)
-        super().observe(request_id, num_drafted, num_accepted, confidences, expected)
+    def _gate(self, size: int, exploring: bool):
+        return [], Extension(tuple((b + 0.5) / 10 for b in range(10)), (0.25,) * (self.max_gamma - 1))
 
-
-class DearDraft(FixedGate):
-    """FixedGate with model rounds priced so that a request's lookups and its model drafts each win some rounds."""
-
-    def round_cost(self, batch_size: int, drafts: int) -> float:
-        return 1.0 + 0.3 * drafts
+    def learn(self, plan, outcome) -> None:
+        self.extended += sum(row.num_drafted > 1 for row in outcome.rows)
+        super().learn(plan, outcome)
 
 
 class ScoresThenDrafts(FixedGate):
-    """A plain round, then rounds whose rows first have their draft score the token it missed, then draft:
-    a draft caught up by scoring must go on to propose from exactly the committed text."""
+    """A plain round, then rounds whose rows first have their draft score the token it missed, then draft: a draft
+    caught up by scoring must go on to propose from exactly the committed text."""
 
-    def plan(self, request_ids, batch_size, remaining=None, scorable=None, lookup=None, otherwise=None):
-        self._round += 1
-        self._planned_rows = tuple(request_ids)
-        self._scores = {rid: n for rid, n in zip(request_ids, scorable or []) if n > 0}
-        return [0 if self._round == 1 else 2] * len(request_ids)
+    def plan(self, batch):
+        self.round += 1
+        drafts = [0 if self.round == 1 else max(0, min(2, r.remaining - 1)) for r in batch.rows]
+        rows = tuple(RowPlan(drafts=d, reach=d, score_backlog=r.backlog) for d, r in zip(drafts, batch.rows))
+        return RoundPlan(rows, chosen_ids=tuple(r.request_id for r in batch.rows))
 
 
 SUBSET = [6, 0, 3, 2, 5]  # the draft's output tokens (FR-Spec), in no particular order; 1, 4, 7 get q = 0
@@ -151,17 +169,17 @@ def _adaptive_cases(draft):
     return {
         "ngram": (NgramDrafter(min_n=1, max_n=2), False, None),
         "hybrid": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), False, None),
-        "auto_gamma_with_gate": (ModelDrafter(draft), True, FixedGate(ControllerConfig(max_gamma=4))),
+        "auto_gamma_with_gate": (ModelDrafter(draft), True, FixedGate(3)),
         # lookups sized by the controller from their own acceptance, the model drafting (gated) where none matches
         "hybrid_auto": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), True,
-                        DearDraft(ControllerConfig(max_gamma=4))),
+                        FixedGate(3, per_draft=0.3)),  # lookups and model drafts each win some rounds
         # the draft sees 3 of the prompt's 7 fed tokens (a re-windowed row is a fresh draft on another
         # view: tests/test_draft_window.py; 3 new tokens are too few to reach a limit)
         "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True,
-                         FixedGate(ControllerConfig(max_gamma=3))),
-        "backlog_scoring": (ModelDrafter(draft), True, ScoresThenDrafts(ControllerConfig(max_gamma=3))),
+                         FixedGate(3)),
+        "backlog_scoring": (ModelDrafter(draft), True, ScoresThenDrafts(3)),
         # one draft planned, more while the drafts so far were likely accepted (no exploring: plans stay at one)
-        "extension": (ModelDrafter(draft), True, Extends(ControllerConfig(max_gamma=4, explore_every=10**6))),
+        "extension": (ModelDrafter(draft), True, Extends(3)),
         "output_subset": (ModelDrafter(subset_draft()), False, None),
     }
 
@@ -172,14 +190,14 @@ def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
     drafter, adaptive, controller = _adaptive_cases(draft)[case]
     params = WARPS["temperature_1"]
-    counts = engine_counts(target, drafter, params, gamma=3, adaptive=adaptive, controller=controller, prompt=REPEATING)
+    counts = engine_counts(target, drafter, params, gamma=3, adaptive=adaptive, planner=controller, prompt=REPEATING)
     if case == "backlog_scoring":
         assert controller.scored >= SAMPLES  # every row's draft scored the token of its plain round
     elif case == "extension":
         assert controller.extended >= SAMPLES // 4  # rows drafted past their plan of one
     elif controller is not None:
-        assert any(t > 0 for t in controller._gate_trials)  # the gate had drafts to act on
-        assert controller.confidence_priors > 0  # ...and plans used priors centred by past drafts' confidences
+        assert any(t > 0 for t in controller.acceptance.bin_trials)  # the gate had drafts to act on
+        assert controller.acceptance.confidence_priors > 0  # ...and plans used priors centred by their confidences
     if case == "hybrid_auto":
         assert controller.lookup_rounds >= SAMPLES // 4  # lookups ran, beside the model's gated drafts above
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
@@ -190,7 +208,7 @@ def test_gate_that_drops_the_token_fails(pair) -> None:
     target, draft = pair
     params = WARPS["temperature_1"]
     counts = engine_counts(target, GateDropsToken(ModelDrafter(draft)), params, gamma=3, adaptive=True,
-                           controller=FixedGate(ControllerConfig(max_gamma=4)), prompt=REPEATING)
+                           planner=FixedGate(3), prompt=REPEATING)
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic > threshold, f"the broken gate was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 
@@ -199,7 +217,7 @@ def test_extension_that_drops_the_token_fails(pair) -> None:
     target, draft = pair
     params = WARPS["temperature_1"]
     counts = engine_counts(target, ExtensionDropsToken(ModelDrafter(draft)), params, gamma=3, adaptive=True,
-                           controller=Extends(ControllerConfig(max_gamma=4, explore_every=10**6)), prompt=REPEATING)
+                           planner=Extends(3), prompt=REPEATING)
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic > threshold, f"the broken extension was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 

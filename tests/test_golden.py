@@ -59,37 +59,30 @@ def _drafter(kind: str, draft, clock: VirtualClock, window):
 
 
 def _run(case: dict, models) -> tuple[list[list[int]], list[str], list[list[int]]]:
-    import specsample.engine as engine_module
-
     target, draft, window = models
     clock = VirtualClock()
     gamma = case["gamma"]
     config = SpecConfig(gamma=6 if gamma == "auto" else gamma, adaptive=gamma == "auto",
                         speculative=case["drafter"] != "none", max_batch_size=case["max_batch_size"],
                         max_seq_len=case["max_seq_len"], target_widths=tuple(case["target_widths"]))
-    real_time = engine_module.time
-    engine_module.time = type("Clock", (), {"perf_counter": staticmethod(clock)})
-    try:
-        engine = Engine(ClockedLM(target, clock, *COSTS["target"]), _drafter(case["drafter"], draft, clock, window),
-                        config, case["eos"])
-        ids = [engine.add_request(r["prompt"], SamplingParams(
-                   temperature=r["temperature"], top_k=r.get("top_k"), top_p=r.get("top_p", 1.0),
-                   max_new_tokens=r["max_new_tokens"], seed=r["seed"]),
-               speculative=r.get("speculative", True), gamma=r.get("gamma")) for r in case["requests"]]
-        outputs: dict[str, list[int]] = {i: [] for i in ids}
-        finish: dict[str, str] = {}
-        rounds = []
-        for result in engine.stream():
-            s = result.stats
-            if s.batch_size:
-                rounds.append([s.batch_size, s.drafted, s.accepted, s.fallback_rows, s.scored_rows, s.lookup_rows,
-                               s.extended_rows])
-            for update in result.rows:
-                outputs[update.request_id].extend(update.new_tokens)
-                if update.finish_reason:
-                    finish[update.request_id] = update.finish_reason
-    finally:
-        engine_module.time = real_time
+    engine = Engine(ClockedLM(target, clock, *COSTS["target"]), _drafter(case["drafter"], draft, clock, window),
+                    config, case["eos"], clock=clock)
+    ids = [engine.add_request(r["prompt"], SamplingParams(
+               temperature=r["temperature"], top_k=r.get("top_k"), top_p=r.get("top_p", 1.0),
+               max_new_tokens=r["max_new_tokens"], seed=r["seed"]),
+           speculative=r.get("speculative", True), gamma=r.get("gamma")) for r in case["requests"]]
+    outputs: dict[str, list[int]] = {i: [] for i in ids}
+    finish: dict[str, str] = {}
+    rounds = []
+    for result in engine.stream():
+        s = result.stats
+        if s.batch_size:
+            rounds.append([s.batch_size, s.drafted, s.accepted, s.fallback_rows, s.scored_rows, s.lookup_rows,
+                           s.extended_rows])
+        for update in result.rows:
+            outputs[update.request_id].extend(update.new_tokens)
+            if update.finish_reason:
+                finish[update.request_id] = update.finish_reason
     return [outputs[i] for i in ids], [finish[i] for i in ids], rounds
 
 

@@ -69,13 +69,13 @@ def _client(url: str, cls=openai.OpenAI):
 
 @pytest.fixture(scope="module")
 def single_process(folders):
-    from specsample.config import SpecConfig
-    from specsample.pair import load_pair
-    from specsample.server.app import ServerOptions, SpecServer
+    from specsample.server.app import SpecServer
+    from specsample.server.options import ServerOptions
+    from specsample.speculator import EngineOptions, load
 
-    pair = load_pair(str(folders["target"]), str(folders["draft"]), dtype="float32")
-    server = LiveServer(SpecServer(pair, SpecConfig(gamma=4, max_batch_size=4, max_seq_len=256),
-                                   ServerOptions(model_name=MODEL)))
+    speculator = load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4,
+                                    dtype="float32"))
+    server = LiveServer(SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=4, max_model_len=256)))
     yield server
     server.close()
 

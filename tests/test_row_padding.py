@@ -7,7 +7,7 @@ import torch
 
 import specsample.engine as engine_module
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
-from specsample.models.row_padding import fastest_widths, measure_target_widths, with_target_widths
+from specsample.models.row_padding import fastest_widths, measure_target_widths
 from test_engine import PROMPTS, _fresh_cache_matches
 
 
@@ -71,16 +71,6 @@ def test_measured_widths_fit_the_config(tiny_target) -> None:
 def test_bad_widths_are_refused(widths) -> None:
     with pytest.raises(ValueError, match=r"target_widths\[\d\] \(the width to score"):
         SpecConfig(gamma=2, target_widths=widths)
-
-
-def test_with_target_widths_modes(tiny_target) -> None:
-    config = SpecConfig(gamma=2)
-    assert with_target_widths(config, tiny_target, "off") is config
-    assert with_target_widths(SpecConfig(speculative=False), tiny_target).target_widths == ()
-    measured = with_target_widths(config, tiny_target, "auto").target_widths
-    assert len(measured) == 3 and all(w >= n for n, w in enumerate(measured, start=1))
-    with pytest.raises(ValueError, match="pad-rows must be one of auto, off"):
-        with_target_widths(config, tiny_target, "on")
 
 
 def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: SamplingParams) -> list[list[int]]:

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer
 from model_factory import make_tokenizer, write_hf_model
-from specsample.config import SpecConfig
-from specsample.pair import load_pair
-from specsample.server.app import ServerOptions, SpecServer
+from specsample.server.app import SpecServer
+from specsample.server.options import ServerOptions
+from specsample.speculator import EngineOptions, load
 from specsample.server.protocol import TextAssembler
 
 MODEL = "tiny"
@@ -35,9 +35,10 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 def _server(folders, api_key=None, max_batch=8) -> LiveServer:
-    pair = load_pair(str(folders["target"]), str(folders["draft"]), dtype="float32")
-    config = SpecConfig(gamma=4, max_batch_size=max_batch, max_seq_len=128)
-    return LiveServer(SpecServer(pair, config, ServerOptions(model_name=MODEL, api_key=api_key, min_acceptance=0.7)))
+    speculator = load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4,
+                                    dtype="float32"))
+    return LiveServer(SpecServer(speculator, ServerOptions(model_name=MODEL, api_key=api_key, min_acceptance=0.7,
+                                                           max_batch_size=max_batch, max_model_len=128)))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specsample.config import SamplingParams, SpecConfig
-from specsample.controller import GammaController
+from specsample.planner import Planner
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import ModelDrafter
 from specsample.engine import Engine, RoundResult
@@ -61,13 +61,14 @@ def generate_stream(
     draft: CausalLM | Drafter | None = None,
     config: SpecConfig = SpecConfig(),
     eos_token_ids: Iterable[int] = (),
-    controller: GammaController | None = None,
+    planner: Planner | None = None,
 ) -> Iterator[tuple[list[str], RoundResult]]:
-    """Yield `(request_ids, round_result)` per round while the prompts decode as one batch.
+    """Yield `(request_ids, round_result)` per round while the prompts decode.
 
-    Request ids are in prompt order; each round's `rows` carry the tokens committed for each id.
-    With `draft=None` (or `config.speculative=False`) this is plain decoding through the same loop.
-    Pass the same `controller` to successive calls to keep what gamma auto learned (costs, a pooled
+    Up to `config.max_batch_size` prompts decode together; more wait in a queue, in order, and each joins the
+    batch when a running one finishes. Request ids are in prompt order; each round's `rows` carry the tokens
+    committed for each id. With `draft=None` (or `config.speculative=False`) this is plain decoding through the
+    same loop. Pass the same `planner` to successive calls to keep what gamma auto learnt (costs, a pooled
     acceptance rate), as a long-running server does; by default each call starts afresh.
     """
     if not prompts:
@@ -78,7 +79,7 @@ def generate_stream(
         config, max_batch_size=min(config.max_batch_size, len(prompts)),
         max_seq_len=config.max_seq_len or min(longest, target.max_seq_len),
     )
-    engine = Engine(target, as_drafter(draft), sized, eos_token_ids, controller)
+    engine = Engine(target, as_drafter(draft), sized, eos_token_ids, planner)
     ids = [engine.add_request(p, rp) for p, rp in zip(prompts, row_params)]
     for result in engine.stream():
         yield ids, result
@@ -91,16 +92,17 @@ def generate(
     draft: CausalLM | Drafter | None = None,
     config: SpecConfig = SpecConfig(),
     eos_token_ids: Iterable[int] = (),
-    controller: GammaController | None = None,
+    planner: Planner | None = None,
 ) -> GenerationResult:
-    """Generate for a batch of token-id prompts; returns completions in order and statistics."""
+    """Generate for token-id prompts; returns completions in prompt order and statistics. Up to
+    `config.max_batch_size` prompts decode together, the rest queue (see `generate_stream`)."""
     row_params = _row_params(params, len(prompts))
     collector = StatsCollector()
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     started = time.perf_counter()
     request_ids: list[str] = []
-    for request_ids, result in generate_stream(target, prompts, row_params, draft, config, eos_token_ids, controller):
+    for request_ids, result in generate_stream(target, prompts, row_params, draft, config, eos_token_ids, planner):
         if not collector.requests:
             for rid in request_ids:
                 collector.request_started(rid, started)

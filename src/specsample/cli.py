@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import shlex
@@ -12,18 +11,24 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsample.config import SamplingParams, SpecConfig
+from specsample.config import SamplingParams
 from specsample.drafters.model import WINDOW_MODES
-from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
-from specsample.models.row_padding import PAD_MODES, with_target_widths
-
-DEFAULT_TARGET = "smollm2-135m-instruct"
+from specsample.models.loader import RUNTIMES
+from specsample.models.row_padding import PAD_MODES
+from specsample.speculator import DEFAULT_TARGET, EngineOptions, parse_gamma
 
 
 class CliError(Exception):
     """An error shown to the user as one line, without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one line on stderr and exit status 2, like every other error of the command line."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +46,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "context); never changes the output's distribution (default auto)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in float32 on a CPU), float32, bfloat16")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--runtime", default="auto", choices=("auto", "ours", "hf"),
+    parser.add_argument("--runtime", default="auto", choices=RUNTIMES,
                         help="model runtime: ours for Llama-family, transformers otherwise (default auto)")
 
 
@@ -59,38 +64,20 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _gamma_arg(value: str) -> int | str:
-    if value == "auto":
-        return value
     try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {value!r}") from None
+        return parse_gamma(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def spec_config(gamma: int | str, max_gamma: int, speculative: bool, max_batch_size: int,
-                max_seq_len: int | None = None) -> SpecConfig:
-    """SpecConfig from the CLI's --gamma (int or 'auto') and --max-gamma."""
-    if gamma == "auto":
-        return SpecConfig(gamma=max_gamma, adaptive=True, speculative=speculative, max_batch_size=max_batch_size,
-                          max_seq_len=max_seq_len)
-    return SpecConfig(gamma=gamma, speculative=speculative, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-
-
-def _measure_widths(config: SpecConfig, model, mode: str) -> SpecConfig:
-    """--pad-rows: measure the target's scoring widths (auto) and say what was chosen."""
-    if mode == "auto":
-        print("specsample: timing the target's forward per tokens scored (--pad-rows auto)", file=sys.stderr, flush=True)
-    config = with_target_widths(config, model, mode)
-    if config.target_widths:
-        print(f"specsample: rounds of 1..{len(config.target_widths)} tokens scored as {config.target_widths}",
-              file=sys.stderr, flush=True)
-    return config
+def _say(message: str) -> None:
+    print(f"specsample: {message}", file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from specsample import __version__
 
-    parser = argparse.ArgumentParser(prog="specsample", description="Exact speculative sampling for LLM decoding.")
+    parser = _Parser(prog="specsample", description="Exact speculative sampling for LLM decoding.")
     parser.add_argument("--version", action="version", version=f"specsample {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streaming it as rounds commit")
@@ -126,27 +113,34 @@ def _csv(kind):
 
 
 def _add_bench_parser(sub) -> None:
+    from specsample.bench.config import COMPARE_CHOICES, DEFAULT_SUITES, SUITES
+
     bench = sub.add_parser("bench", help="speed, acceptance and losslessness, side by side with peers")
+    bench.add_argument("--suite", type=_csv(str), default=None,
+                       help=f"suites to run, comma-separated: {', '.join(SUITES)} (default {','.join(DEFAULT_SUITES)})")
     bench.add_argument("--target", default=DEFAULT_TARGET)
     bench.add_argument("--draft", default=None, help="draft spec (default: the target alias's draft)")
-    bench.add_argument("--dataset", default="spec-bench", help="spec-bench (or a path in its format), humaneval, sharegpt")
+    bench.add_argument("--dataset", default="spec-bench",
+                       help="spec-bench (bundled), a file in its format, humaneval, sharegpt")
     bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise")
     bench.add_argument("--max-new-tokens", type=int, default=None)
     bench.add_argument("--gamma", type=_csv(int), default=None,
-                       help="gammas to sweep ('auto' allowed); the first is used for the main comparison")
+                       help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "
+                            "suite's bars")
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
-    bench.add_argument("--compare", type=_csv(str), default=(), help=f"peers: {', '.join(('hf', 'hf-assisted', 'hf-lookup'))}")
-    bench.add_argument("--sweep-prompts", type=int, default=None)
+    bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
+    bench.add_argument("--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)")
     bench.add_argument("--lossless-samples", type=int, default=None)
-    bench.add_argument("--lossless-prompts", type=int, default=None)
-    bench.add_argument("--dtype", default="auto")
-    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--lossless-prompts", type=int, default=None, help="prompts of the losslessness test (0: skip)")
+    bench.add_argument("--dtype", default=None)
+    bench.add_argument("--device", default=None)
     bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
                        help="auto (default): score our rounds at the target's fastest width, measured at start-up")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=None)
     bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
-    bench.add_argument("--out", type=Path, default=Path("bench-out"))
+    bench.add_argument("--out", type=Path, default=None, help="folder for results.json, results.md, plots "
+                                                              "(default bench-out)")
     bench.set_defaults(func=cmd_bench)
 
 
@@ -227,34 +221,23 @@ def _add_distill_parsers(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     """Stream one generation to stdout; the summary line goes to stderr (or everything as JSON)."""
-    from specsample.pair import load_pair
+    from specsample.speculator import load
 
+    # bad flags fail here, before any model is loaded
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    # bad --gamma fails before any model is loaded; the cache length is fixed once the prompt is known
-    config = spec_config(args.gamma, args.max_gamma, not args.no_speculation, max_batch_size=1,
-                         max_seq_len=args.max_new_tokens + 1)
-    if args.compile:
-        if args.runtime == "hf":
-            raise CliError("--compile needs our Llama-family runtime (compile_decode), not --runtime hf")
-        print("specsample: compiling the decode steps after loading (20-80 s on a small CPU, once per process)",
-              file=sys.stderr, flush=True)
-    pair = load_pair(args.target, "none" if args.no_speculation else args.draft, args.dtype, args.device,
-                     args.runtime, compile_decode=args.compile, draft_window=args.draft_window)
-    tokenizer = pair.target.tokenizer
+    options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
+                            speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
+                            runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
+                            draft_window=args.draft_window)
+    speculator = load(options, say=_say)
+    tokenizer = speculator.pair.target.tokenizer
     if tokenizer is None:
         raise CliError(f"{args.target} has no tokenizer files; text generation needs one")
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     prompt_ids = tokenizer.encode(args.prompt, chat=chat, system=args.system)
-    context = pair.target.model.max_seq_len
-    if len(prompt_ids) + args.max_new_tokens > context:
-        raise CliError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the "
-                       f"context window ({context} tokens)")
     # caches sized to this request, not to the model's whole context window
-    config = dataclasses.replace(config, max_seq_len=len(prompt_ids) + args.max_new_tokens)
-    if pair.drafter is not None:
-        config = _measure_widths(config, pair.target.model, args.pad_rows)
-    engine = Engine(pair.target.model, pair.drafter, config, tokenizer.eos_token_ids)
+    engine = speculator.engine(max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens)
     collector = StatsCollector()
     request_id = engine.add_request(prompt_ids, params)
     collector.request_started(request_id, time.perf_counter())
@@ -270,9 +253,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 sys.stdout.write(decoder.push(update.new_tokens))
                 sys.stdout.flush()
     stats = collector.summary()
-    stats.update(gamma=args.gamma if pair.drafter else 0, draft=pair.draft_spec if pair.drafter else "none",
-                 target=args.target)
-    if args.gamma == "auto" and pair.drafter:
+    drafting = speculator.draft_spec != "none"
+    stats.update(gamma=args.gamma if drafting else 0, draft=speculator.draft_spec, target=args.target)
+    if args.gamma == "auto" and drafting:
         stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
     if args.json:
         print(json.dumps({"text": tokenizer.decode(token_ids), "token_ids": token_ids,
@@ -353,68 +336,64 @@ def eval_prompt_set(name: str, num: int | None) -> list:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Load the pair, then serve the OpenAI API with uvicorn (or on Ray Serve) until interrupted."""
+    from specsample.server.options import ServerOptions
+
+    options = EngineOptions(target=args.model, draft=args.speculative_model, gamma=args.num_speculative_tokens,
+                            max_gamma=args.max_gamma, dtype=args.dtype, device=args.device, pad_rows=args.pad_rows,
+                            draft_window=args.draft_window)
+    serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                            min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
+                            max_model_len=args.max_model_len)
     if args.replicas is not None or args.autoscale is not None:
-        _serve_on_ray(args)
+        _serve_on_ray(args, options, serving)
         return
     import uvicorn
 
-    from specsample.pair import load_pair
-    from specsample.server.app import ServerOptions, SpecServer, build_app
+    from specsample.server.app import SpecServer, build_app
+    from specsample.speculator import load
 
-    config = spec_config(args.num_speculative_tokens, args.max_gamma, True, args.max_batch_size, args.max_model_len)
-    pair = load_pair(args.model, args.speculative_model, args.dtype, args.device, draft_window=args.draft_window)
-    if pair.drafter is not None:  # a server started without a draft keeps decoding plain
-        config = _measure_widths(config, pair.target.model, args.pad_rows)
-    server = SpecServer(pair, config, ServerOptions(model_name=args.served_model_name or args.model,
-                                                    api_key=args.api_key, min_acceptance=args.min_acceptance))
+    server = SpecServer(load(options, say=_say), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
-    print(f"specsample: serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
+    _say(f"serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    """Run the benchmark suites and write results.json, results.md and plots to --out."""
-    from specsample.bench.run import BenchConfig, run
+    """Run the benchmark suites, writing results.json, results.md and plots to --out as they are measured."""
+    from specsample.bench.config import BenchConfig
+    from specsample.bench.run import run
 
     overrides = {k: v for k, v in {
-        "target": args.target, "draft": args.draft, "dataset": args.dataset, "num_prompts": args.num_prompts,
-        "max_new_tokens": args.max_new_tokens, "gammas": args.gamma, "temperatures": args.temperature,
-        "batch_sizes": args.batch_size, "compare": tuple(args.compare), "sweep_prompts": args.sweep_prompts,
-        "lossless_samples": args.lossless_samples, "lossless_prompts": args.lossless_prompts,
-        "dtype": args.dtype, "device": args.device, "pad_rows": args.pad_rows, "seed": args.seed,
-        "out": args.out}.items() if v is not None}
-    config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
-    results = run(config, progress=sys.stderr.isatty())
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots "
-          f"({results['wall_seconds'] / 60:.1f} min)")
+        "suites": args.suite, "target": args.target, "draft": args.draft, "dataset": args.dataset,
+        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "gammas": args.gamma,
+        "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
+        "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
+        "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
+        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out}.items() if v is not None}
+    config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
+    results = run(config, command=args.command_line, say=_say)
+    print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "
+          f"({results['wall_seconds'] / 60:.1f} min; {results['status']})")
 
 
-def _serve_on_ray(args: argparse.Namespace) -> None:
+def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving) -> None:
     """The same API on Ray Serve: N replicas (or autoscaling), each with its own pair and batch."""
     try:
         import ray
         from ray import serve
     except ImportError:
         raise CliError("--replicas/--autoscale need Ray Serve: pip install 'ray[serve]'") from None
-    from dataclasses import asdict
-
     from specsample.deploy import ReplicaSettings, SpecsampleReplica, deployment_options
 
-    settings = ReplicaSettings(
-        model=args.model, draft=args.speculative_model, gamma=str(args.num_speculative_tokens), max_gamma=args.max_gamma,
-        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-        api_key=args.api_key, min_acceptance=args.min_acceptance, dtype=args.dtype, device=args.device,
-        pad_rows=args.pad_rows, draft_window=args.draft_window)
-    options = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
-                                 args.num_gpus_per_replica, args.max_batch_size)
+    settings = ReplicaSettings.of(options, serving)
+    placement = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
+                                   args.num_gpus_per_replica, serving.max_batch_size)
     ray.init(address=args.ray_address)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(SpecsampleReplica.options(**options).bind(asdict(settings)), name="specsample", route_prefix="/")
-    print(f"specsample: serving {args.model} on Ray Serve at http://{args.host}:{args.port}/v1 "
-          f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops",
-          file=sys.stderr)
+    serve.run(SpecsampleReplica.options(**placement).bind(settings.as_args()), name="specsample", route_prefix="/")
+    _say(f"serving {args.model} on Ray Serve at http://{args.host}:{args.port}/v1 "
+         f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops")
     try:
         while True:
             time.sleep(3600)
@@ -446,7 +425,7 @@ def _controller_rounds(stats: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `specsample` console script."""
-    logging.basicConfig(level=logging.WARNING, format="specsample: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="specsample: %(message)s", force=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["specsample", *argv])  # recorded in reports and model cards

@@ -44,8 +44,8 @@ class SamplingParams:
 class SpecConfig:
     """How the engine speculates. `gamma` is the number of draft tokens per round."""
 
-    gamma: int = 5  # drafts per round; with `adaptive`, the most the controller may choose
-    adaptive: bool = False  # choose gamma per request online (see specsample.controller)
+    gamma: int = 5  # drafts per round; with `adaptive`, the most gamma auto may choose
+    adaptive: bool = False  # choose gamma per request online (gamma auto: specsample.planner.GammaController)
     speculative: bool = True  # False: plain autoregressive decoding through the same loop
     max_batch_size: int = 16
     max_seq_len: int | None = None  # cache length per row; None = the target's context window

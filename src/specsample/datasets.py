@@ -11,19 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_SPEC_BENCH_REL = Path("shared") / "datasets" / "spec-bench" / "questions-dev.jsonl"
-
-
 def spec_bench_default() -> Path:
-    """$SPECSAMPLE_SPEC_BENCH, else ../shared beside the working directory, else beside this checkout."""
-    import os
-
-    if os.environ.get("SPECSAMPLE_SPEC_BENCH"):
-        return Path(os.environ["SPECSAMPLE_SPEC_BENCH"])
-    for base in (Path.cwd().parent, Path(__file__).resolve().parents[3]):
-        if (base / _SPEC_BENCH_REL).exists():
-            return base / _SPEC_BENCH_REL
-    return Path.cwd().parent / _SPEC_BENCH_REL
+    """The Spec-Bench prompts bundled with the package (see assets/spec_bench/README.md)."""
+    return Path(__file__).parent / "assets" / "spec_bench" / "questions-dev.jsonl"
 
 
 @dataclass(frozen=True)
@@ -106,32 +96,12 @@ def sharegpt_prompts(path: Path | None = None, limit: int | None = None, skip: i
             return
 
 
-HARD_LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese")
-
-
-def sharegpt_hard_prompts(per_kind: int, skip: int = 16000, path: Path | None = None) -> list[Prompt]:
-    """ShareGPT prompts a small English draft finds hard, `per_kind` of each: "translate" (a ShareGPT
-    reply of 200-700 characters to translate into one of five languages) and "long" (a first turn of
-    2500-5000 characters). A tuning set for low acceptance that is not Spec-Bench."""
-    translate: list[Prompt] = []
-    long_: list[Prompt] = []
-    for p in sharegpt_prompts(path, skip=skip):
-        if len(translate) >= per_kind and len(long_) >= per_kind:
-            break
-        if p.replies and 200 < len(p.replies[0]) < 700 and len(translate) < per_kind:
-            language = HARD_LANGUAGES[len(translate) % len(HARD_LANGUAGES)]
-            translate.append(Prompt(id=f"{p.id}-translate", category="translate",
-                                    turns=(f"Translate the following text into {language}:\n\n{p.replies[0]}",)))
-        elif 2500 < len(p.turns[0]) < 5000 and len(long_) < per_kind:
-            long_.append(Prompt(id=p.id, category="long", turns=p.turns[:1]))
-    return translate + long_
-
-
 def spec_bench_prompts(path: Path | str | None = None) -> list[Prompt]:
-    """Spec-Bench questions (question_id, category, turns). Evaluation only."""
+    """Spec-Bench questions (question_id, category, turns): the bundled ones, or a file of that format. Evaluation
+    only."""
     path = Path(path) if path else spec_bench_default()
     if not path.exists():
-        raise ValueError(f"Spec-Bench file not found at {path}; pass its path")
+        raise ValueError(f"Spec-Bench file not found at {path}")
     out = []
     for line in path.read_text().splitlines():
         if line.strip():

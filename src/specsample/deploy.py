@@ -21,8 +21,8 @@ from typing import Any
 
 from ray import serve
 
-from specsample.drafters.model import WINDOW_MODES
-from specsample.models.row_padding import PAD_MODES
+from specsample.server.options import ServerOptions
+from specsample.speculator import DEFAULT_TARGET, EngineOptions
 
 log = logging.getLogger("specsample.deploy")
 HUB_NAME = "specsample-metrics-hub"
@@ -33,7 +33,7 @@ HUB_NAMESPACE = "specsample"
 class ReplicaSettings:
     """Per-replica settings (flags of `specsample serve`, or `args` in a Serve config YAML)."""
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_TARGET
     draft: str | None = None
     gamma: str = "auto"  # an integer, or "auto"
     max_gamma: int = 8
@@ -48,10 +48,30 @@ class ReplicaSettings:
     draft_window: str = "auto"  # see `specsample serve --draft-window`
 
     def __post_init__(self) -> None:
-        if self.pad_rows not in PAD_MODES:  # before any replica loads a model
-            raise ValueError(f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
-        if self.draft_window not in WINDOW_MODES:
-            raise ValueError(f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}")
+        self.engine_options()  # bad settings fail here, before any replica loads a model
+        self.server_options()
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(target=self.model, draft=self.draft, gamma=self.gamma, max_gamma=self.max_gamma,
+                             dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
+                             draft_window=self.draft_window)
+
+    def server_options(self, replica_id: str | None = None) -> ServerOptions:
+        return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
+                             min_acceptance=self.min_acceptance, max_batch_size=self.max_batch_size,
+                             max_model_len=self.max_model_len, replica_id=replica_id)
+
+    @classmethod
+    def of(cls, options: EngineOptions, serving: ServerOptions) -> ReplicaSettings:
+        """The settings of `specsample serve`'s options."""
+        return cls(model=options.target, draft=options.draft, gamma=str(options.gamma), max_gamma=options.max_gamma,
+                   max_batch_size=serving.max_batch_size, max_model_len=serving.max_model_len,
+                   served_model_name=serving.model_name, api_key=serving.api_key,
+                   min_acceptance=serving.min_acceptance, dtype=options.dtype, device=options.device,
+                   pad_rows=options.pad_rows, draft_window=options.draft_window)
+
+    def as_args(self) -> dict[str, Any]:
+        return asdict(self)
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ReplicaSettings:
@@ -90,22 +110,13 @@ class SpecsampleReplica:
     """One replica: loads the pair, runs its own engine thread, serves the shared FastAPI routes."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        from specsample.cli import spec_config
-        from specsample.models.row_padding import with_target_widths
-        from specsample.pair import load_pair
-        from specsample.server.app import ServerOptions, SpecServer
+        from specsample.server.app import SpecServer
+        from specsample.speculator import load
 
         s = ReplicaSettings(**settings)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context is not None else "local"
-        gamma = s.gamma if s.gamma == "auto" else int(s.gamma)
-        config = spec_config(gamma, s.max_gamma, True, s.max_batch_size, s.max_model_len)
-        pair = load_pair(s.model, s.draft, s.dtype, s.device, draft_window=s.draft_window)
-        if pair.drafter is not None:  # a replica started without a draft keeps decoding plain
-            config = with_target_widths(config, pair.target.model, s.pad_rows)
-        self.server = SpecServer(pair, config, ServerOptions(
-            model_name=s.served_model_name or s.model, api_key=s.api_key, min_acceptance=s.min_acceptance,
-            replica_id=self.replica_id))
+        self.server = SpecServer(load(s.engine_options()), s.server_options(self.replica_id))
         self.hub = _hub()
         self.server.metrics_text = self._aggregated_metrics
         self._pusher = threading.Thread(target=self._push_metrics, daemon=True)

@@ -1,6 +1,10 @@
-"""The engine loop: prefill -> draft gamma tokens -> one target forward over gamma + 1 positions ->
-verify -> commit / roll back -> repeat, as one `step()` that the CLI, the server and the benchmarks
-all drive. Plain autoregressive decoding is the same loop with gamma = 0.
+"""The engine loop, one round per `step()`: plan -> propose -> score -> verify -> commit -> learn.
+
+The planner (fixed gamma, or gamma auto) hands back a plan per round; the drafter proposes up to that many
+tokens per row; the target scores every row's pending token and drafts in one forward; the verifier accepts a
+prefix and draws the recovered or bonus token; the caches keep the accepted prefix; the planner learns from
+what happened. Plain decoding is the same loop with no drafts. The CLI, the server, Ray and the benchmarks all
+drive this one loop.
 """
 
 from __future__ import annotations
@@ -11,17 +15,18 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, SpecConfig
-from specsample.controller import ControllerConfig, GammaController
-from specsample.drafters.base import BacklogScorer, Drafter, Extension, PromptLookup
+from specsample.drafters.base import BacklogScorer, Drafter, DraftRequest, PromptLookup, Proposal
 from specsample.models.base import CausalLM, prefill_ragged
 from specsample.models.row_padding import score_padded
+from specsample.planner import FixedGamma, GammaController, Planner
+from specsample.planner.base import BatchState, RoundOutcome, RoundPlan, RowOutcome, RowState
 from specsample.sampling import warp_rows
 from specsample.verify import Verdict, acceptance_probabilities, verify, verify_greedy
 
@@ -56,10 +61,10 @@ class RoundStats:
     draft_seconds: float
     target_seconds: float
     verify_seconds: float
-    fallback_rows: int = 0  # rows the gamma controller kept from drafting this round
-    scored_rows: int = 0  # rows whose draft scored the tokens it missed (the controller's probes in fallback)
-    lookup_rows: int = 0  # rows the gamma controller had propose a prompt lookup instead of drafting with a model
-    extended_rows: int = 0  # rows that drafted past the gamma the controller planned (confident drafts)
+    fallback_rows: int = 0  # rows gamma auto kept from drafting this round
+    scored_rows: int = 0  # rows whose draft scored the tokens it missed (gamma auto's probes in fallback)
+    lookup_rows: int = 0  # rows gamma auto had propose a prompt lookup instead of drafting with a model
+    extended_rows: int = 0  # rows that drafted past the gamma planned (confident drafts)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,11 @@ class _Row:
         return self.output[-1] if self.output else self.prompt[-1]
 
 
+def default_planner(config: SpecConfig) -> Planner:
+    """Gamma auto up to `config.gamma` when the config is adaptive, else that gamma for every row."""
+    return GammaController(config.gamma) if config.adaptive else FixedGamma(config.gamma)
+
+
 class Engine:
     """Runs a batch of requests through speculative (or plain) decoding, one round per `step()`.
 
@@ -109,28 +119,31 @@ class Engine:
         drafter: Drafter | None = None,
         config: SpecConfig = SpecConfig(),
         eos_token_ids: Iterable[int] = (),
-        controller: GammaController | None = None,
+        planner: Planner | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """`controller` overrides the gamma controller an adaptive config would create."""
+        """`planner` defaults to `default_planner(config)`; pass one to keep what gamma auto learnt across
+        engines. `clock` times the rounds the planner learns costs from."""
         if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({drafter.vocab_size}) differs from target vocabulary "
                 f"({target.vocab_size}); pick a draft trained with the target's tokenizer, or use an "
                 "n-gram drafter"
             )
+        self.planner = planner if planner is not None else default_planner(config)
+        if self.planner.max_gamma > config.gamma:
+            raise ValueError(f"the planner may plan {self.planner.max_gamma} drafts per round, but the engine's caches "
+                             f"hold {config.gamma} (SpecConfig.gamma)")
         self.target = target
         self.config = config
+        self.clock = clock
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
         # slack past max_len: padded positions of a round may be written (never read) beyond it
         widest = max(config.gamma + 1, max(config.target_widths, default=0))
         self.cache = target.new_cache(config.max_batch_size, self.max_len + widest + 1)
         self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.gamma + 2)
-        self._abilities: tuple[Drafter | None, bool, bool] = (None, False, False)  # see _can_score, _can_look_up
-        self._use_lookup: list[bool | None] | None = None  # this round, per row: its lookup chosen (see _plan)
-        if controller is None and config.adaptive:
-            controller = GammaController(ControllerConfig(max_gamma=config.gamma))
-        self.controller = controller
+        self._abilities: tuple[Drafter | None, bool, bool] = (None, False, False)  # see _abilities_of
         self._free_slots = list(range(config.max_batch_size))
         self._waiting: deque[_Row] = deque()
         self._running: dict[int, _Row] = {}  # slot -> row
@@ -205,76 +218,55 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> RoundResult:
         """Run one round for every running request (admitting waiting ones first)."""
-        cancelled_updates = self._apply_cancellations()
-        start = time.perf_counter()
+        cancelled = self._apply_cancellations()
+        start = self.clock()
         self._admit()
         prefill_done = self._now()
         rows = [self._running[s] for s in sorted(self._running)]
         if not rows:
             stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0)
-            return RoundResult(tuple(cancelled_updates), stats, time.perf_counter())
-        gamma, max_drafts, fallback_rows, lookup_rows = self._plan(rows)
-        slots = [r.slot for r in rows]
-        scored_rows = self._score_backlogs(rows)
-        draft_tokens, draft_probs, num_drafted, confidence = self._draft(rows, slots, gamma, max_drafts)
-        gamma = draft_tokens.shape[1]  # the drafter may have stopped every row early
+            return RoundResult(tuple(cancelled), stats, self.clock())
+        plan = self.planner.plan(self._batch_state(rows))  # drafts per row, the gate: a value
+        backlog = self._score_backlogs(rows, plan)  # row -> min(1, q / p) of tokens plain rounds committed
+        proposal = self._propose(rows, plan)  # [b, gamma] drafts, on the target's device
         draft_done = self._now()
-        device = self.target.device
-        slot_tensor = torch.tensor(slots, dtype=torch.long)
-        pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=device)
-        device_tokens = draft_tokens.to(device)  # one copy for the scoring, the verdict and the acceptance estimate
-        target_input = torch.cat([pending, device_tokens], dim=1)  # [b, gamma + 1]
-        # scored at the width the target runs fastest (measured); the commit rolls the padding back
-        width = self._scoring_width(len(rows), target_input.shape[1])
-        target_logits = score_padded(self.target, target_input, self.cache, slot_tensor, width)  # [b, gamma + 1, vocab]
+        target_logits = self._score(rows, proposal)  # [b, gamma + 1, vocab], one forward
         target_done = self._now()
-        verdict, target_probs = self._verify(rows, device_tokens, draft_probs, target_logits, num_drafted.to(device))
-        num_accepted = verdict.num_accepted.cpu()  # [b]; one device-to-host copy per round
-        self._note_plain_tokens(rows, num_drafted, verdict, target_probs)
-        self._observe(rows, num_drafted, num_accepted, confidence,
-                      self._acceptance(device_tokens, draft_probs, target_probs))
-        updates = self._commit(rows, slot_tensor, draft_tokens, verdict, num_drafted, num_accepted)
+        verdict, target_probs = self._verify(rows, proposal, target_logits)
+        learnt = self._row_outcomes(rows, proposal, verdict, target_probs, backlog)
+        updates = self._commit(rows, proposal, verdict)  # caches keep the accepted prefix
         verify_done = self._now()
-        if self.controller is not None:  # whole rounds: scoring and verifying drafts cost too, not only drafting
-            self.controller.observe_timing(len(rows), gamma, draft_done - prefill_done, target_done - draft_done,
-                                           verify_done - target_done)
-        stats = _round_stats(len(rows), gamma, num_drafted, num_accepted, updates,
-                             prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                             verify_done - target_done, fallback_rows, scored_rows, lookup_rows,
-                             int((num_drafted > torch.tensor(max_drafts)).sum()) if gamma else 0)
-        return RoundResult(tuple(cancelled_updates + updates), stats, time.perf_counter())
+        # learning comes last: the round's time it learns from includes the commit
+        self.planner.learn(plan, RoundOutcome(learnt, proposal.tokens.shape[1], draft_done - prefill_done,
+                                              target_done - draft_done, verify_done - target_done))
+        self._release([r for r, u in zip(rows, updates) if u.finish_reason is not None])
+        stats = _round_stats(plan, proposal, verdict, updates, len(backlog),
+                             (prefill_done - start, draft_done - prefill_done, target_done - draft_done,
+                              verify_done - target_done))
+        return RoundResult(tuple(cancelled + updates), stats, self.clock())
+
+    def _batch_state(self, rows: list[_Row]) -> BatchState:
+        """What the planner sees of the running rows; lookup offers and backlogs only for a planner that reads them
+        (each costs a little every round)."""
+        adaptive = self.planner.adaptive
+        offers, can_score = adaptive and self._can_look_up(), adaptive and self._can_score()
+        chosen = [r for r in rows if r.speculative and r.gamma is None]
+        lookups: dict[int, tuple[int, bool]] = {}
+        if offers and chosen:  # what prompt lookup offers each row now (it depends on the past only)
+            slots = [r.slot for r in chosen]
+            lengths = self.drafter.lookup_lengths(slots, [max(0, min(self.config.gamma, r.remaining - 1))
+                                                          for r in chosen])
+            lookups = dict(zip(slots, zip(lengths, self.drafter.drafts_otherwise(slots))))
+        states = tuple(RowState(r.request_id, r.remaining, r.gamma, r.speculative,
+                                backlog=len(r.plain_probs) if can_score else 0,
+                                lookup=lookups.get(r.slot, (0, True))[0],
+                                drafts_otherwise=lookups.get(r.slot, (0, True))[1]) for r in rows)
+        return BatchState(states, can_score=can_score, offers_lookups=offers)
 
     def _scoring_width(self, batch_size: int, tokens: int) -> int:
         """Tokens to score for `tokens` asked: `config.target_widths` was measured at batch 1."""
         widths = self.config.target_widths
         return widths[tokens - 1] if batch_size == 1 and tokens <= len(widths) else tokens
-
-    def _plan(self, rows: list[_Row]) -> tuple[int, list[int], int, int]:
-        """Drafts per row: fixed or chosen by the controller, never more than a row can use; the largest, and
-        how many rows the controller kept from drafting and how many it had propose a prompt lookup."""
-        adaptive = [r for r in rows if r.speculative and r.gamma is None and self.controller is not None]
-        scorable = [len(r.plain_probs) for r in adaptive] if self._can_score() else None
-        lookup = otherwise = None
-        if adaptive and self._can_look_up():  # what prompt lookup offers each row now (it depends on the past only)
-            slots = [r.slot for r in adaptive]
-            lookup = self.drafter.lookup_lengths(slots, [max(0, min(self.config.gamma, r.remaining - 1))
-                                                         for r in adaptive])
-            otherwise = self.drafter.drafts_otherwise(slots)
-        chosen = dict(zip((r.request_id for r in adaptive),
-                          self.controller.plan([r.request_id for r in adaptive], len(rows), [r.remaining for r in adaptive],
-                                               scorable, lookup, otherwise) if adaptive else []))
-        max_drafts = []
-        for row in rows:
-            wanted = 0 if not row.speculative else chosen.get(row.request_id, row.gamma or self.config.gamma)
-            # the draft's cache holds gamma + 2 positions of slack: never draft past config.gamma
-            max_drafts.append(max(0, min(wanted, self.config.gamma, row.remaining - 1)))
-        fallback = sum(1 for r in adaptive if chosen[r.request_id] == 0)
-        planned = self.controller.lookups_planned() if lookup is not None else {}
-        # the controller chose per adaptive row between its lookup and the model; other rows keep the drafter's rule
-        adaptive_ids = {r.request_id for r in adaptive}
-        self._use_lookup = ([(r.request_id in planned) if r.request_id in adaptive_ids else None for r in rows]
-                            if lookup is not None else None)
-        return max(max_drafts), max_drafts, fallback, len(planned)
 
     def _can_score(self) -> bool:
         """Whether the drafter scores backlogs (see `_abilities_of`)."""
@@ -293,30 +285,91 @@ class Engine:
                                isinstance(self.drafter, PromptLookup))
         return self._abilities
 
-    def _score_backlogs(self, rows: list[_Row]) -> int:
-        """Rows in fallback whose scoring the controller planned: the draft scores the tokens plain rounds
-        committed, teacher-forced, and the controller learns from min(1, q / p) of each: what drafting there
-        would have been accepted with, without drafting. Only the past is read, so sampling stays exact."""
-        wanted = self.controller.scores_planned() if self.controller is not None else {}
-        chosen = [r for r in rows if wanted.get(r.request_id, 0) > 0 and r.plain_probs]
+    def _score_backlogs(self, rows: list[_Row], plan: RoundPlan) -> dict[int, tuple[float, ...]]:
+        """Rows whose scoring the plan asks for: the draft scores the tokens plain rounds committed, teacher-forced;
+        per token, min(1, q / p) is what drafting there would have been accepted with. Only the past is read, so
+        sampling stays exact."""
+        chosen = [i for i, r in enumerate(rows) if plan.rows[i].score_backlog > 0 and r.plain_probs]
         if not chosen or not self._can_score():
-            return 0
-        counts = [min(wanted[r.request_id], len(r.plain_probs)) for r in chosen]
-        scored = self.drafter.score_backlog([r.slot for r in chosen], counts, [r.params for r in chosen])
-        for row, draft_probs in zip(chosen, scored):
+            return {}
+        counts = [min(plan.rows[i].score_backlog, len(rows[i].plain_probs)) for i in chosen]
+        scored = self.drafter.score_backlog([rows[i].slot for i in chosen], counts, [rows[i].params for i in chosen])
+        out = {}
+        for i, draft_probs in zip(chosen, scored):
+            row = rows[i]
             target_probs = row.plain_probs[len(row.plain_probs) - len(draft_probs):]
-            self.controller.observe_scores(
-                row.request_id, [min(1.0, q / p) if p > 0 else 0.0 for q, p in zip(draft_probs, target_probs)])
+            out[i] = tuple(min(1.0, q / p) if p > 0 else 0.0 for q, p in zip(draft_probs, target_probs))
             row.plain_probs.clear()
-        return len(chosen)
+        return out
 
-    def _note_plain_tokens(self, rows: list[_Row], num_drafted: Tensor, verdict: Verdict,
+    def _propose(self, rows: list[_Row], plan: RoundPlan) -> Proposal:
+        """The drafter's proposal for the plan, its columns no row used dropped, its tokens on the target's device."""
+        device = self.target.device
+        if plan.width == 0 or self.drafter is None:
+            empty = torch.zeros(len(rows), 0, dtype=torch.long)
+            return Proposal(empty.to(device), None, torch.zeros(len(rows), dtype=torch.long))
+        reach = tuple(r.reach for r in plan.rows)
+        if plan.width > self.config.gamma:
+            raise ValueError(f"the planner planned {plan.width} drafts for a row, more than the engine's caches hold "
+                             f"({self.config.gamma})")
+        proposal = self.drafter.propose(DraftRequest(
+            tuple(r.slot for r in rows), tuple(r.drafts for r in plan.rows), reach, tuple(r.params for r in rows),
+            tuple(r.generator for r in rows), tuple(r.source for r in plan.rows), plan.stop_thresholds,
+            plan.extension))
+        num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(reach))
+        used = int(num_drafted.max())  # the drafter may have stopped every row early
+        return Proposal(proposal.tokens[:, :used].to(device),
+                        proposal.probs[:, :used] if proposal.probs is not None else None, num_drafted,
+                        proposal.confidence[:, :used] if proposal.confidence is not None else None)
+
+    def _score(self, rows: list[_Row], proposal: Proposal) -> Tensor:
+        """Target logits `[b, gamma + 1, vocab]` at each row's pending token and drafts, in one forward (at the
+        width the target runs fastest, measured; the commit rolls the padding back)."""
+        pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=self.target.device)
+        tokens = torch.cat([pending, proposal.tokens], dim=1)  # [b, gamma + 1]
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        return score_padded(self.target, tokens, self.cache, slots, self._scoring_width(len(rows), tokens.shape[1]))
+
+    def _verify(self, rows: list[_Row], proposal: Proposal, target_logits: Tensor) -> tuple[Verdict, Tensor | None]:
+        """The verdict, and the warped target probabilities it sampled from (None: every row greedy)."""
+        params = [r.params for r in rows]
+        num_drafted = proposal.num_drafted.to(target_logits.device)
+        if all(p.greedy for p in params):
+            return verify_greedy(proposal.tokens, target_logits, num_drafted), None
+        target_probs = warp_rows(target_logits, params)  # [b, gamma + 1, vocab]
+        verdict = verify(proposal.tokens, proposal.probs, target_probs, [r.generator for r in rows], num_drafted)
+        return verdict, target_probs
+
+    def _row_outcomes(self, rows: list[_Row], proposal: Proposal, verdict: Verdict, target_probs: Tensor | None,
+                      backlog: dict[int, tuple[float, ...]]) -> tuple[RowOutcome, ...]:
+        """What each row's round teaches the planner (nothing for one that does not learn); keeps, for rows decoded
+        plain, the target's probability of the token they committed, for their draft to be scored against."""
+        if not self.planner.adaptive:
+            return tuple(RowOutcome(r.request_id, 0, 0) for r in rows)
+        drafted = proposal.num_drafted.tolist()
+        accepted = verdict.num_accepted.cpu().tolist()  # one device-to-host copy per round
+        self._note_plain_tokens(rows, drafted, verdict, target_probs)
+        acceptance = (acceptance_probabilities(proposal.tokens, proposal.probs, target_probs).cpu().tolist()
+                      if target_probs is not None and proposal.tokens.shape[1] > 0 else None)  # [b, gamma]
+        confidence = proposal.confidence
+        out = []
+        for i, row in enumerate(rows):
+            n, k = drafted[i], accepted[i]
+            reached = min(k + 1, n)  # the accepted drafts and the first rejected one
+            out.append(RowOutcome(
+                row.request_id, n, k,
+                confidence=tuple(confidence[i, :n].tolist()) if confidence is not None and n else None,
+                acceptance=(tuple(acceptance[i][:reached]) if acceptance is not None and n and not row.params.greedy
+                            else None),
+                backlog_scores=backlog.get(i)))
+        return tuple(out)
+
+    def _note_plain_tokens(self, rows: list[_Row], drafted: list[int], verdict: Verdict,
                            target_probs: Tensor | None) -> None:
-        """Keep, for adaptive rows decoded plain this round, the target's probability of the token it
+        """Keep, for rows gamma auto chose to decode plain this round, the target's probability of the token it
         committed (1 under greedy); a row that drafted has fed its draft everything before."""
-        if self.controller is None or not self._can_score():
+        if not self._can_score():
             return
-        drafted = num_drafted.tolist()
         plain = [i for i, r in enumerate(rows) if drafted[i] == 0 and r.speculative and r.gamma is None]
         for i, row in enumerate(rows):
             if drafted[i] > 0:
@@ -325,7 +378,7 @@ class Engine:
             return
         if target_probs is None:  # every row greedy: the target's token had probability 1
             chosen = [1.0] * len(plain)
-        else:  # every row's in one gather and one copy (a plain round's few extra ops are ~0.5% of it)
+        else:  # every row's in one gather and one copy
             every = target_probs[:, 0].gather(-1, verdict.next_token.unsqueeze(-1)).squeeze(-1).tolist()  # [b]
             chosen = [every[i] for i in plain]
         for i, p in zip(plain, chosen):
@@ -333,98 +386,25 @@ class Engine:
             row.plain_probs.append(p)
             del row.plain_probs[:-BACKLOG_KEPT]
 
-    def _draft(self, rows: list[_Row], slots: list[int], gamma: int,
-               max_drafts: list[int]) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-        """Tokens `[b, g]` (g <= gamma: trailing columns no row used are dropped), probs, counts, confidence."""
-        if gamma == 0 or self.drafter is None:
-            empty = torch.zeros(len(rows), 0, dtype=torch.long)
-            return empty, None, torch.zeros(len(rows), dtype=torch.long), None
-        thresholds, rule = self.controller.gate(len(rows)) if self.controller is not None else ([], None)
-        extension, reach = self._extension(rows, max_drafts, rule)
-        gamma = max(reach)
-        params, generators = [r.params for r in rows], [r.generator for r in rows]
-        if self._use_lookup is not None:
-            proposal = self.drafter.propose_chosen(slots, gamma, reach, params, generators, thresholds,
-                                                   self._use_lookup, extension)
-        else:
-            proposal = self.drafter.propose(slots, gamma, reach, params, generators, thresholds, extension)
-        num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(reach))
-        used = int(num_drafted.max())
-        probs = proposal.probs[:, :used] if proposal.probs is not None else None
-        confidence = proposal.confidence[:, :used] if proposal.confidence is not None else None
-        return proposal.tokens[:, :used], probs, num_drafted, confidence
-
-    def _extension(self, rows: list[_Row], max_drafts: list[int],
-                   rule: tuple[tuple[float, ...], tuple[float, ...]] | None) -> tuple[Extension | None, list[int]]:
-        """The controller's extension for this round (`GammaController.gate`), and each row's reach: rows gamma
-        auto has drafting with the draft model may draw past their plan, up to what the draft cache and the row's
-        budget allow; any other row's reach is its plan."""
-        if rule is None:
-            return None, max_drafts
-        limit = min(self.config.gamma, self.controller.config.max_gamma)
-        reach = [max(planned, min(limit, row.remaining - 1))
-                 if planned > 0 and row.speculative and row.gamma is None
-                 and (self._use_lookup is None or self._use_lookup[i] is False) else planned
-                 for i, (row, planned) in enumerate(zip(rows, max_drafts))]
-        if reach == max_drafts:
-            return None, max_drafts
-        return Extension(tuple(max_drafts), *rule), reach
-
-    def _acceptance(self, draft_tokens: Tensor, draft_probs: Tensor | None,
-                    target_probs: Tensor | None) -> list[list[float]] | None:
-        """Per row, the acceptance probability at each draft position (`acceptance_probabilities`) for the
-        controller to learn from in place of the coins; None where it does not (greedy rows' coins are exact)."""
-        if (self.controller is None or not self.controller.config.expected_acceptance or target_probs is None
-                or draft_tokens.shape[1] == 0):
-            return None
-        return acceptance_probabilities(draft_tokens, draft_probs, target_probs).cpu().tolist()  # [b, gamma]
-
-    def _observe(self, rows: list[_Row], num_drafted: Tensor, num_accepted: Tensor, confidence: Tensor | None,
-                 acceptance: list[list[float]] | None = None) -> None:
-        if self.controller is None:
-            return
-        drafted, accepted = num_drafted.tolist(), num_accepted.tolist()  # one copy each, not one per row
-        for i, row in enumerate(rows):
-            if drafted[i] == 0:
-                continue  # nothing to observe: a plain round
-            conf = confidence[i, : drafted[i]].tolist() if confidence is not None else None
-            # positions reached: the accepted drafts and the first rejected one
-            expected = (acceptance[i][: min(accepted[i] + 1, drafted[i])]
-                        if acceptance is not None and not row.params.greedy else None)
-            self.controller.observe(row.request_id, drafted[i], accepted[i], conf, expected)
-
-    def _verify(self, rows: list[_Row], draft_tokens: Tensor, draft_probs: Tensor | None,
-                target_logits: Tensor, num_drafted: Tensor) -> tuple[Verdict, Tensor | None]:
-        """The verdict, and the warped target probabilities it sampled from (None: every row greedy)."""
-        params = [r.params for r in rows]
-        if all(p.greedy for p in params):
-            return verify_greedy(draft_tokens, target_logits, num_drafted), None
-        target_probs = warp_rows(target_logits, params)  # [b, gamma + 1, vocab]
-        verdict = verify(draft_tokens, draft_probs, target_probs, [r.generator for r in rows], num_drafted)
-        return verdict, target_probs
-
-    def _commit(self, rows: list[_Row], slot_tensor: Tensor, draft_tokens: Tensor, verdict: Verdict,
-                num_drafted: Tensor, num_accepted: Tensor) -> list[RowUpdate]:
+    def _commit(self, rows: list[_Row], proposal: Proposal, verdict: Verdict) -> list[RowUpdate]:
+        """Each row's new tokens (its accepted drafts and the next token, cut at EOS or its budget); the target's
+        cache keeps the prompt, earlier output and the accepted drafts, the drafter follows."""
         next_tokens = verdict.next_token.cpu().tolist()
-        drafts = draft_tokens.cpu().tolist()
-        updates, committed, finished = [], [], []
-        target_lengths = []
+        drafts = proposal.tokens.cpu().tolist()
+        updates, committed, target_lengths = [], [], []
         for row, accepted, nxt, drafted_row, n_drafted in zip(
-            rows, num_accepted.tolist(), next_tokens, drafts, num_drafted.tolist()
+            rows, verdict.num_accepted.cpu().tolist(), next_tokens, drafts, proposal.num_drafted.tolist()
         ):
             new = drafted_row[:accepted] + [nxt]
-            # the target cache keeps the prompt, earlier output and the accepted drafts
             target_lengths.append(len(row.prompt) + len(row.output) + accepted)
             new, reason = self._apply_stops(row, new)
             row.output.extend(new)
             committed.append(new)
             updates.append(RowUpdate(row.request_id, tuple(new), n_drafted, accepted, reason))
-            if reason is not None:
-                finished.append(row)
-        self.cache.truncate(slot_tensor, torch.tensor(target_lengths, dtype=torch.long))
+        slots = [r.slot for r in rows]
+        self.cache.truncate(torch.tensor(slots, dtype=torch.long), torch.tensor(target_lengths, dtype=torch.long))
         if self.drafter is not None:
-            self.drafter.commit([r.slot for r in rows], committed)
-        self._release(finished)
+            self.drafter.commit(slots, committed)
         return updates
 
     def _apply_stops(self, row: _Row, new: list[int]) -> tuple[list[int], str | None]:
@@ -479,9 +459,8 @@ class Engine:
         self.cache.reset(torch.tensor(slots, dtype=torch.long))
         if self.drafter is not None:
             self.drafter.release_rows(slots)
-        if self.controller is not None:
-            for row in rows:
-                self.controller.release(row.request_id)
+        for row in rows:
+            self.planner.forget(row.request_id)
         with self._lock:
             for row in rows:
                 del self._running[row.slot]
@@ -491,7 +470,7 @@ class Engine:
     def _now(self) -> float:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)  # timings must include queued GPU work
-        return time.perf_counter()
+        return self.clock()
 
 
 def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Drafter | None:
@@ -506,17 +485,21 @@ def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Draf
     return drafter
 
 
-def _round_stats(batch: int, gamma: int, num_drafted: Tensor, num_accepted: Tensor, updates: list[RowUpdate],
-                 prefill_s: float, draft_s: float, target_s: float, verify_s: float,
-                 fallback_rows: int, scored_rows: int = 0, lookup_rows: int = 0, extended_rows: int = 0) -> RoundStats:
+def _round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates: list[RowUpdate], scored_rows: int,
+                 seconds: tuple[float, float, float, float]) -> RoundStats:
+    """Counters of the round; `seconds`: its prefill, draft, target and verify-and-commit time."""
+    gamma = proposal.tokens.shape[1]
+    num_drafted, num_accepted = proposal.num_drafted, verdict.num_accepted.cpu()
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]
     drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
     accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
+    planned = torch.tensor([r.drafts for r in plan.rows])
     return RoundStats(
-        batch_size=batch, gamma=gamma,
+        batch_size=len(updates), gamma=gamma,
         drafted=int(num_drafted.sum()), accepted=int(num_accepted.sum()),
         emitted=sum(len(u.new_tokens) for u in updates),
         drafted_per_position=tuple(drafted_at.tolist()), accepted_per_position=tuple(accepted_at.tolist()),
-        prefill_seconds=prefill_s, draft_seconds=draft_s, target_seconds=target_s, verify_seconds=verify_s,
-        fallback_rows=fallback_rows, scored_rows=scored_rows, lookup_rows=lookup_rows, extended_rows=extended_rows,
+        prefill_seconds=seconds[0], draft_seconds=seconds[1], target_seconds=seconds[2], verify_seconds=seconds[3],
+        fallback_rows=sum(r.fallback for r in plan.rows), scored_rows=scored_rows, lookup_rows=plan.lookups,
+        extended_rows=int((num_drafted > planned).sum()) if gamma else 0,
     )

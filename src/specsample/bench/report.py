@@ -1,48 +1,18 @@
-"""Turn benchmark results into results.md (tables) and PNG plots."""
+"""results.md (tables) and PNG plots from a benchmark's results, complete or not: each suite's section summarises
+what it measured so far. Speedups are paired bootstrap ratios over prompts (90% intervals)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import shlex
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
+from specsample.bench.stats import acceptance_summary, bootstrap, predicted_speedup
 
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    """Where a benchmark decoded: the CPU, its threads, torch, the device, and the GPU's name when on one."""
-    about: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                             "torch": torch.__version__, "device": str(device)}
-    if device.type == "cuda":
-        about["gpu"] = torch.cuda.get_device_name(device)
-    return about
-
-
-def command_line(script: str, args: argparse.Namespace) -> str:
-    """The command that reproduces a run: every option spelled out, booleans as --x / --no-x, a repeated option
-    (a list) once per value, values quoted for the shell where they need it, and options left at None (a default
-    resolved later, such as the target's own draft) or empty left out so the line runs."""
-    parts = []
-    for key, value in vars(args).items():
-        flag = key.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(f"--{'' if value else 'no-'}{flag}")
-        elif isinstance(value, list):
-            parts.extend(f"--{flag} {shlex.quote(str(item))}" for item in value)
-        elif value is not None and value != "":
-            parts.append(f"--{flag} {shlex.quote(str(value))}")
-    return f"python {script} " + " ".join(parts)
-
-
-def publish(report: dict[str, Any], text: str, out: Path | None) -> None:
-    """Print a benchmark's report and, with `out`, write its raw result there (.json) and the report beside (.md)."""
-    print(text)
-    if out is not None:
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        out.with_suffix(".md").write_text(text + "\n")
+LEVEL = 0.9
+GOAL = 0.97  # gamma auto within 3% of the best fixed gamma, and never more than 3% slower than target-only
+BASELINE = "target-only"
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -53,65 +23,208 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def compare_tables(results: dict[str, Any]) -> list[str]:
-    lines = []
-    for temperature, table in results["compare"].items():
-        lines += [f"### Temperature {temperature}", "",
-                  "| system | category | tokens/s | speedup | alpha | accepted/round | TTFT p50 ms | TPOT p50 ms | "
-                  "TPOT p99 ms | predicted | measured/predicted |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for system, cats in table.items():
-            for cat, row in cats.items():
-                if cat != "overall" and len(cats) > 2 and system.startswith("transformers"):
-                    continue  # peers: overall only, to keep the table readable
-                lines.append(
-                    f"| {system} | {cat} | {_fmt(row['tokens_per_s'], 1)} | {_fmt(row['speedup'])}x | "
-                    f"{_fmt(row.get('alpha'))} | {_fmt(row.get('mean_accepted_length') and row['mean_accepted_length'] - 1)} | "
-                    f"{_fmt(row['ttft_p50_ms'], 0)} | {_fmt(row['tpot_p50_ms'], 1)} | {_fmt(row['tpot_p99_ms'], 1)} | "
-                    f"{_fmt(row.get('predicted_speedup'))} | {_fmt(row.get('measured_over_predicted'))} |")
-        lines.append("")
-        positions = [(system, cats["overall"].get("acceptance_per_position")) for system, cats in table.items()]
-        for system, per_pos in positions:
+def _interval(cell: list[float] | None, digits: int = 2) -> str:
+    if cell is None:
+        return "–"
+    point, low, high = cell
+    return f"{point:.{digits}f} ({low:.{digits}f}–{high:.{digits}f})"
+
+
+def _verdict(cell: list[float]) -> str:
+    """Whether a ratio's interval clears the goal (met), misses it entirely (missed), or straddles it."""
+    return "met" if cell[1] >= GOAL else "missed" if cell[2] < GOAL else "within noise"
+
+
+def _prompt_rows(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, tuple[int, float]]]]:
+    return [(row["category"], {name: (r["tokens"], r["seconds"]) for name, r in row["systems"].items()})
+            for row in rows]
+
+
+def _speedups(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Each system's speed over target-only, per category and overall, with its interval."""
+    def ratios(speeds: dict[str, float]) -> dict[str, float]:
+        base = speeds.get(BASELINE, 0.0)
+        return {name: speeds.get(name, 0.0) / base if base else 0.0 for name in systems}
+
+    return bootstrap(_prompt_rows(rows), ratios, LEVEL)
+
+
+def _pooled(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """A system's tokens/s, latencies and acceptance over rows."""
+    records = [row["systems"][name] for row in rows if name in row["systems"]]
+    tokens, seconds = sum(r["tokens"] for r in records), sum(r["seconds"] for r in records)
+    ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
+    tpots = [r["tpot_p50"] for r in records if r["tpot_p50"] is not None]
+    out: dict[str, Any] = {"tokens_per_s": tokens / seconds if seconds else 0.0,
+                           "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
+                           "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
+                           "tpot_ms": 1000 * statistics.median(tpots) if tpots else None}
+    stats = [r["stats"] for r in records if r["stats"].get("drafted")]
+    if stats:
+        out.update(acceptance_summary(stats))
+    return out
+
+
+def _cost_ratio(rows: list[dict[str, Any]], name: str) -> float | None:
+    """c from whole rounds: what each drafted position adds to a round, over a target-only round's time."""
+    def per_round(system: str) -> tuple[float, int, float]:
+        stats = [row["systems"][system]["stats"] for row in rows]
+        rounds = sum(s.get("rounds", 0) for s in stats)
+        seconds = sum(s.get("draft_seconds", 0) + s.get("target_seconds", 0) + s.get("verify_seconds", 0)
+                      for s in stats)
+        gamma = sum(s.get("gamma_mean", 0) * s.get("rounds", 0) for s in stats) / rounds if rounds else 0.0
+        return (seconds / rounds if rounds else 0.0), rounds, gamma
+
+    plain, _, _ = per_round(BASELINE)
+    spec, rounds, gamma = per_round(name)
+    gamma = max(1, round(gamma))
+    return max(0.0, (spec / plain - 1) / gamma) if plain and spec and rounds else None
+
+
+def compare_section(store: dict[str, Any]) -> list[str]:
+    systems = store.get("systems", [])
+    lines = ["## Speed and acceptance (baseline: target-only on our runtime)", ""]
+    for temperature, rows in store.get("runs", {}).items():
+        if not rows:
+            continue
+        speed = _speedups(rows, systems)
+        lines += [f"### Temperature {temperature} ({len(rows)} prompts)", "",
+                  "| system | tokens/s | speedup (90% interval) | acceptance | accepted/round | TTFT p50 ms | "
+                  "TPOT p50 ms |", "|---|---|---|---|---|---|---|"]
+        for name in systems:
+            pooled = _pooled(rows, name)
+            accepted = pooled["mean_accepted_length"] - 1 if "mean_accepted_length" in pooled else None
+            lines.append(f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
+                         f"{_fmt(pooled.get('acceptance_rate'))} | {_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | "
+                         f"{_fmt(pooled['tpot_ms'], 1)} |")
+        cats = sorted(c for c in speed[BASELINE] if c != "overall")
+        others = [n for n in systems if n != BASELINE]
+        lines += ["", "Speedup by category:", "", "| category | " + " | ".join(others) + " |",
+                  "|---" * (len(others) + 1) + "|"]
+        lines += [f"| {c} | " + " | ".join(_interval(speed[n][c]) for n in others) + " |" for c in cats]
+        for name in others:
+            per_pos = _pooled(rows, name).get("acceptance_per_position")
             if per_pos:
-                lines.append(f"Acceptance by draft position ({system}): " + ", ".join(f"{a:.2f}" for a in per_pos))
+                lines += ["", f"Acceptance by draft position ({name}): " + ", ".join(f"{a:.2f}" for a in per_pos)]
         lines.append("")
     return lines
 
 
-def write_report(results: dict[str, Any], out: Path) -> None:
-    """results.md and the plots, from the results dict alone."""
-    env = results["environment"]
-    cfg = results["config"]
-    lines = ["# specsample bench", "",
-             f"Target `{env['target']}`, draft `{env['draft']}`, dataset `{cfg['dataset']}`, "
-             f"{cfg['max_new_tokens']} new tokens, dtype {env['dtype']}, {env['threads']} threads, "
-             f"torch {env['torch']}, {env['machine']}. Wall time {results['wall_seconds'] / 60:.1f} min.", ""]
+def gamma_section(store: dict[str, Any]) -> list[str]:
+    rows = store.get("rows", [])
+    if not rows:
+        return []
+    systems = store["systems"]
+    speed = _speedups(rows, systems)
+    lines = ["## Gamma sweep", "",
+             f"Temperature {store['temperature']}, {len(rows)} prompts; the prediction is the theory's "
+             "E(alpha, gamma) / (1 + gamma c) at the alpha and c measured for that gamma.", "",
+             "| gamma | speedup (90% interval) | ms/token | alpha | c | predicted |", "|---|---|---|---|---|---|"]
+    for gamma, name in zip(store["gammas"], systems[1:]):
+        pooled, cost = _pooled(rows, name), _cost_ratio(rows, name)
+        alpha = pooled.get("alpha")
+        predicted = (predicted_speedup(alpha, pooled["gamma_mean"], cost)
+                     if alpha is not None and cost is not None else None)
+        lines.append(f"| {gamma} | {_interval(speed[name]['overall'])} | {pooled['ms_per_token']:.1f} | "
+                     f"{_fmt(alpha)} | {_fmt(cost, 3)} | {_fmt(predicted)} |")
+    return lines + [""]
+
+
+def batch_section(store: dict[str, Any]) -> list[str]:
+    rows = store.get("rows", [])
+    if not rows:
+        return []
+    lines = ["## Batch size", "", f"Temperature {store['temperature']}, gamma {store['gamma']}.", "",
+             "| batch | target-only tokens/s | speculative tokens/s | speedup |", "|---|---|---|---|"]
+    lines += [f"| {b['batch_size']} | {b['target_only_tokens_per_s']:.1f} | {b['speculative_tokens_per_s']:.1f} | "
+              f"{b['speedup']:.2f}x |" for b in rows]
+    return lines + [""]
+
+
+def lossless_section(store: dict[str, Any]) -> list[str]:
+    tests = store.get("tests", [])
+    if not tests:
+        return []
+    lines = ["## Losslessness (two-sample chi-square test, speculative against target-only, temperature 1)", "",
+             "| prompt | category | samples each | tokens | cells | chi2 | dof | p-value |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {t['prompt']} | {t['category']} | {t['samples']} | {t['tokens']} | {t['categories']} | "
+              f"{t['statistic']:.1f} | {t['dof']} | {t['p_value']:.3f} |" for t in tests]
+    return lines + [""]
+
+
+def goal_intervals(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Per category, each gamma auto policy's speed over the best fixed gamma (picked afresh in every resample, so
+    picking the best of several noisy ones is part of the interval) and over target-only."""
+    fixed = [n for n in systems if re.fullmatch(r"gamma=\d+", n)]
+    policies = [n for n in systems if n != BASELINE and n not in fixed]
+
+    def ratios(speeds: dict[str, float]) -> dict[str, float]:
+        best = max(speeds[g] for g in fixed)
+        out = {}
+        for name in policies:
+            out[f"{name} / best fixed"] = speeds[name] / best if best else 0.0
+            out[f"{name} / target-only"] = speeds[name] / speeds[BASELINE] if speeds[BASELINE] else 0.0
+        return out
+
+    return bootstrap(_prompt_rows(rows), ratios, LEVEL) if fixed and policies else {}
+
+
+def adaptive_section(store: dict[str, Any]) -> list[str]:
+    systems = store.get("systems", [])
+    lines = ["## Adaptive gamma", "",
+             "Every policy decodes every prompt, taking turns round by round (turns shuffled each round). Goals per "
+             "category: gamma auto within 3% of the best fixed gamma, and never more than 3% slower than "
+             "target-only; 'met' when the whole 90% interval clears 0.97, 'missed' when it lies below, else "
+             "'within noise'.", ""]
+    for temperature, rows in store.get("runs", {}).items():
+        if not rows:
+            continue
+        speed = _speedups(rows, systems)
+        cats = sorted(c for c in speed[BASELINE] if c != "overall") + ["overall"]
+        others = [n for n in systems if n != BASELINE]
+        lines += [f"### Temperature {temperature} ({len(rows)} prompts)", "", "Speed over target-only:", "",
+                  "| category | " + " | ".join(others) + " |", "|---" * (len(others) + 1) + "|"]
+        lines += [f"| {c} | " + " | ".join(f"{speed[n][c][0]:.3f}" for n in others) + " |" for c in cats]
+        goals = goal_intervals(rows, systems)
+        policies = [n for n in systems if f"{n} / best fixed" in goals]
+        for name in policies:
+            to_best, to_base = goals[f"{name} / best fixed"], goals[f"{name} / target-only"]
+            lines += ["", f"`{name}`:", "", "| category | / best fixed gamma | within 3% of best | / target-only | "
+                      "not 3% slower |", "|---|---|---|---|---|"]
+            lines += [f"| {c} | {_interval(to_best[c], 3)} | {_verdict(to_best[c])} | {_interval(to_base[c], 3)} | "
+                      f"{_verdict(to_base[c])} |" for c in cats]
+        lines.append("")
+    return lines
+
+
+SECTIONS = {"compare": compare_section, "gamma": gamma_section, "batch": batch_section,
+            "lossless": lossless_section, "adaptive": adaptive_section}
+
+
+def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> None:
+    """results.md (and, with `plots`, the PNG plots) from the results dict alone."""
+    cfg, env = results["config"], results.get("environment", {})
+    lines = ["# specsample bench", "", f"`{results['command']}`", "",
+             f"Status: {results['status']}; wall time {results.get('wall_seconds', 0) / 60:.1f} min; commit "
+             f"{results.get('commit') or 'unknown'}.", ""]
+    if env:
+        machine = (f"{env['cpu']}, {env['cores']} cores, {env['threads']} torch threads, torch {env['torch']}, "
+                   f"device {env['device']}" + (f" ({env['gpu']})" if env.get("gpu") else ""))
+        lines += [f"Target `{env['target']}` ({env['dtype']}), draft `{env['draft']}`; dataset `{cfg['dataset']}`, "
+                  f"{cfg['max_new_tokens']} new tokens. Machine: {machine}.", ""]
     for note in results.get("notes", []):
-        lines.append(f"> note: {note}")
-    lines += ["", "## Speed and acceptance (baseline: target-only on our runtime)", "", *compare_tables(results)]
-    sweep = results["gamma_sweep"]
-    lines += ["## Gamma sweep", "",
-              f"Temperature {sweep['temperature']}; theory curve E(alpha, gamma) / (1 + gamma c) with alpha "
-              f"{sweep['alpha']:.3f} and c {sweep['cost_ratio']:.3f} measured in this sweep.", "",
-              "| gamma | speedup | ms/token | alpha | predicted |", "|---|---|---|---|---|"]
-    for p in sweep["points"]:
-        lines.append(f"| {p['gamma']} | {_fmt(p['speedup'])}x | {_fmt(p['ms_per_token'], 1)} | {_fmt(p['alpha'])} | "
-                     f"{_fmt(p['predicted_speedup'])} |")
-    lines += ["", "## Batch size", "", "| batch | target-only tokens/s | speculative tokens/s | speedup |",
-              "|---|---|---|---|"]
-    for b in results["batch_sweep"]:
-        lines.append(f"| {b['batch_size']} | {b['target_only_tokens_per_s']:.1f} | {b['speculative_tokens_per_s']:.1f} | "
-                     f"{b['speedup']:.2f}x |")
-    lines += ["", "## Losslessness (two-sample chi-square test, speculative vs target-only)", "",
-              "| prompt | category | samples each | tokens | categories | chi2 | dof | p-value |",
-              "|---|---|---|---|---|---|---|---|"]
-    for t in results["losslessness"]:
-        lines.append(f"| {t['prompt_id']} | {t['category']} | {t['samples']} | {t['tokens']} | {t['categories']} | "
-                     f"{t['statistic']:.1f} | {t['dof']} | {t['p_value']:.3f} |")
-    lines += ["", "Plots: speedup_vs_gamma.png, acceptance_by_position.png, speedup_by_category.png, "
-              "speedup_vs_batch.png."]
+        lines += [f"> note: {note}", ""]
+    for name, store in results.get("suites", {}).items():
+        if "skipped" in store:
+            lines += [f"## {name}", "", f"Skipped ({store['skipped']}).", ""]
+            continue
+        lines += SECTIONS[name](store)
+        if "error" in store:
+            lines += [f"> suite {name} failed: {store['error']}", ""]
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    _plots(results, out)
+    if plots:
+        _plots(results, out)
 
 
 def _plots(results: dict[str, Any], out: Path) -> None:
@@ -120,62 +233,48 @@ def _plots(results: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sweep = results["gamma_sweep"]
-    fixed = [p for p in sweep["points"] if p["gamma"] != "auto"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p["gamma"] for p in fixed], [p["speedup"] for p in fixed], "o-", label="measured")
-    ax.plot([t["gamma"] for t in sweep["theory"]], [t["speedup"] for t in sweep["theory"]], "--", label="theory")
-    auto = [p for p in sweep["points"] if p["gamma"] == "auto"]
-    if auto:
-        ax.axhline(auto[0]["speedup"], color="gray", linestyle=":", label="gamma auto")
-    ax.axhline(1.0, color="black", linewidth=0.5)
-    ax.set_xlabel("gamma")
-    ax.set_ylabel("speedup over target-only")
-    ax2 = ax.twinx()
-    ax2.plot([p["gamma"] for p in fixed], [p["ms_per_token"] for p in fixed], "s:", color="tab:red", alpha=0.6)
-    ax2.set_ylabel("ms / token", color="tab:red")
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_gamma.png", dpi=110)
-    plt.close(fig)
-
-    first = next(iter(results["compare"].values()))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for system, cats in first.items():
-        per_pos = cats["overall"].get("acceptance_per_position")
-        if per_pos:
-            ax.bar(range(1, len(per_pos) + 1), per_pos, alpha=0.7, label=system)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_by_position.png", dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    spec = [name for name in first if name.startswith("specsample")]
-    if spec:
-        cats = [c for c in first[spec[0]] if c != "overall"] + ["overall"]
-        for i, (temperature, table) in enumerate(results["compare"].items()):
-            ax.bar([j + 0.8 * i / len(results["compare"]) for j in range(len(cats))],
-                   [table[spec[0]][c]["speedup"] for c in cats], width=0.8 / len(results["compare"]),
-                   label=f"T={temperature}")
-        ax.set_xticks(range(len(cats)))
-        ax.set_xticklabels(cats, rotation=45, ha="right")
-    ax.axhline(1.0, color="black", linewidth=0.5)
-    ax.set_ylabel("speedup")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "speedup_by_category.png", dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    batches = results["batch_sweep"]
-    ax.plot([b["batch_size"] for b in batches], [b["speedup"] for b in batches], "o-")
-    ax.axhline(1.0, color="black", linewidth=0.5)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("speculative / target-only throughput")
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_batch.png", dpi=110)
-    plt.close(fig)
+    suites = results.get("suites", {})
+    gamma_rows = suites.get("gamma", {}).get("rows", [])
+    if gamma_rows:
+        store = suites["gamma"]
+        speed = _speedups(gamma_rows, store["systems"])
+        points = [(g, speed[n]["overall"]) for g, n in zip(store["gammas"], store["systems"][1:]) if g != "auto"]
+        if points:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.errorbar([g for g, _ in points], [c[0] for _, c in points],
+                        yerr=[[c[0] - c[1] for _, c in points], [c[2] - c[0] for _, c in points]], fmt="o-")
+            ax.axhline(1.0, color="black", linewidth=0.5)
+            ax.set_xlabel("gamma")
+            ax.set_ylabel("speedup over target-only")
+            fig.tight_layout()
+            fig.savefig(out / "speedup_vs_gamma.png", dpi=110)
+            plt.close(fig)
+    batch_rows = suites.get("batch", {}).get("rows", [])
+    if batch_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([b["batch_size"] for b in batch_rows], [b["speedup"] for b in batch_rows], "o-")
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speculative / target-only throughput")
+        fig.tight_layout()
+        fig.savefig(out / "speedup_vs_batch.png", dpi=110)
+        plt.close(fig)
+    compare = suites.get("compare", {})
+    runs = {t: rows for t, rows in compare.get("runs", {}).items() if rows}
+    if runs:
+        ours = compare["systems"][1]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for i, (temperature, rows) in enumerate(runs.items()):
+            speed = _speedups(rows, compare["systems"])[ours]
+            cats = sorted(c for c in speed if c != "overall") + ["overall"]
+            ax.bar([j + 0.8 * i / len(runs) for j in range(len(cats))], [speed[c][0] for c in cats],
+                   width=0.8 / len(runs), label=f"T={temperature}")
+            ax.set_xticks(range(len(cats)))
+            ax.set_xticklabels(cats, rotation=45, ha="right")
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_ylabel(f"speedup ({ours})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "speedup_by_category.png", dpi=110)
+        plt.close(fig)

@@ -1,23 +1,67 @@
-"""Statistics for benchmarks: percentiles, acceptance summaries, and a two-sample test."""
+"""Statistics for benchmarks: paired bootstrap intervals of speed ratios, acceptance summaries, a two-sample test."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+import random
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 
 from specsample.metrics import percentile
 from specsample.theory import expected_speedup
 
-__all__ = ["percentile", "two_sample_test", "predicted_speedup", "acceptance_summary"]
+__all__ = ["percentile", "two_sample_test", "predicted_speedup", "acceptance_summary", "bootstrap", "PromptRow"]
+
+PromptRow = tuple[str, dict[str, tuple[int, float]]]  # (category, {system: (tokens, seconds)}) of one prompt
+
+
+def _speeds(rows: Sequence[PromptRow]) -> dict[str, float]:
+    """Each system's tokens per second over `rows` (their tokens and seconds summed)."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for _, systems in rows:
+        for name, (tokens, seconds) in systems.items():
+            sums[name][0] += tokens
+            sums[name][1] += seconds
+    return {name: tokens / seconds if seconds > 0 else 0.0 for name, (tokens, seconds) in sums.items()}
+
+
+def bootstrap(rows: Sequence[PromptRow], statistic: Callable[[dict[str, float]], dict[str, float]],
+              level: float = 0.9, resamples: int = 1000, seed: int = 0) -> dict[str, dict[str, list[float]]]:
+    """Paired bootstrap over prompts, per category and overall: `statistic(speeds)` (speeds: system -> tokens/s over
+    the chosen prompts) at its point value and its `level` interval. Every system is paired on the same resampled
+    prompts; prompts are resampled within their category (overall: every category at once, so its mix stays).
+    Returns {name: {category: [point, low, high]}}."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    groups: dict[str, list[PromptRow]] = defaultdict(list)
+    for row in rows:
+        groups[row[0]].append(row)
+    cats = sorted(groups)
+    rng = random.Random(seed)
+    draws: dict[str, list[dict[str, float]]] = {cat: [] for cat in [*cats, "overall"]}
+    for _ in range(resamples):
+        chosen = {cat: [rng.choice(group) for _ in group] for cat, group in groups.items()}
+        for cat in cats:
+            draws[cat].append(statistic(_speeds(chosen[cat])))
+        draws["overall"].append(statistic(_speeds([r for cat in cats for r in chosen[cat]])))
+    low, high = int((1 - level) / 2 * resamples), min(resamples - 1, int((1 + level) / 2 * resamples))
+    out: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for cat in [*cats, "overall"]:
+        point = statistic(_speeds(rows if cat == "overall" else groups[cat]))
+        for name, value in point.items():
+            values = sorted(d[name] for d in draws[cat])
+            out[name][cat] = [value, values[low], values[high]]
+    return dict(out)
 
 
 def two_sample_test(first: Sequence[tuple[int, ...]], second: Sequence[tuple[int, ...]],
                     min_expected: float = 5.0) -> dict[str, float]:
     """Chi-square test of homogeneity: were two samples of token sequences drawn from one distribution?
 
-    Categories whose expected count (under the pooled distribution) is below `min_expected` in
-    either sample are pooled into one "other" category, so the chi-square approximation holds.
-    Returns the statistic, degrees of freedom and p-value.
+    Categories whose expected count (under the pooled distribution) is below `min_expected` in either sample
+    are pooled into one "other" category, so the chi-square approximation holds. Returns the statistic,
+    degrees of freedom and p-value.
     """
     from scipy import stats
 
@@ -45,8 +89,8 @@ def two_sample_test(first: Sequence[tuple[int, ...]], second: Sequence[tuple[int
 
 
 def acceptance_summary(stats: Sequence[dict]) -> dict[str, object]:
-    """Pool engine statistics of several runs: acceptance rate, alpha (MLE), mean accepted length,
-    acceptance per draft position, mean gamma."""
+    """Pool engine statistics of several runs: acceptance rate, alpha (MLE), mean accepted length, acceptance
+    per draft position, mean gamma."""
     drafted = sum(s["drafted"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)
     drafts = sum(s["drafts"] for s in stats)

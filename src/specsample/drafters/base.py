@@ -24,25 +24,23 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Extension:
-    """Drafting past a row's plan on confident drafts (gamma auto): once a row has drawn its planned drafts,
-    it draws one more after its j-th while its drafts so far were all accepted with probability at least
-    `bars[j - 1]`, that probability read as the product of their confidence bins' past acceptance. The rule
-    reads only the draft's own probabilities of tokens it already drew, so sampling stays exact."""
+    """Drafting past a row's plan on confident drafts (gamma auto): once a row has drawn its planned drafts, it
+    draws one more after its j-th while its drafts so far were all accepted with probability at least
+    `bars[j - 1]`, that probability read as the product of their confidence bins' past acceptance. The rule reads
+    only the draft's own probabilities of tokens it already drew, so sampling stays exact."""
 
-    planned: tuple[int, ...]  # per row: drafts planned (the gate may stop it before; past them only as this allows)
     bin_acceptance: tuple[float, ...]  # past acceptance of drafts per confidence bin, len(...) equal bins of [0, 1]
     bars: tuple[float, ...]  # per draft position j (index j - 1): the least chance all j were accepted to draw j + 1
 
     def __post_init__(self) -> None:
         if not self.bin_acceptance or any(not 0.0 <= a <= 1.0 for a in self.bin_acceptance):
             raise ValueError(f"bin_acceptance needs one probability per bin, got {self.bin_acceptance}")
-        if any(p < 0 for p in self.planned):
-            raise ValueError(f"planned drafts must be >= 0, got {self.planned}")
 
-    def draws_on(self, row: int, confidences: Sequence[float]) -> bool:
-        """Whether `row`, having drawn tokens with these confidences (at least its plan), draws one more."""
+    def draws_on(self, planned: int, confidences: Sequence[float]) -> bool:
+        """Whether a row planned for `planned` drafts, having drawn tokens with these confidences (at least its
+        plan), draws one more."""
         drawn = len(confidences)
-        if drawn < max(self.planned[row], 1) or drawn > len(self.bars):
+        if drawn < max(planned, 1) or drawn > len(self.bars):
             return False
         bins = len(self.bin_acceptance)
         chance = 1.0
@@ -52,9 +50,49 @@ class Extension:
             chance *= self.bin_acceptance[min(int(q * bins), bins - 1)]
         return chance >= self.bars[drawn - 1]
 
-    def rows(self, indices: Sequence[int]) -> Extension:
-        """The same rule for a subset of the rows (a drafter handing some rows to another)."""
-        return Extension(tuple(self.planned[i] for i in indices), self.bin_acceptance, self.bars)
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a round asks of a drafter, per row of the batch (index i) and for the round."""
+
+    slots: tuple[int, ...]  # the rows' slots in the drafter's state
+    drafts: tuple[int, ...]  # drafts planned per row (the gate may stop a row sooner)
+    reach: tuple[int, ...]  # most drafts per row (> drafts only as `extension` allows)
+    params: tuple[SamplingParams, ...]
+    generators: tuple[torch.Generator, ...]
+    source: tuple[bool | None, ...] = ()  # True: the row's prompt lookup; False: its model; None (or empty): the
+    # drafter's own rule
+    stop_thresholds: tuple[float, ...] = ()  # per draft position j (index j - 1): stop after a less confident draft
+    extension: Extension | None = None
+    width: int = -1  # the round's widest reach: proposals are this wide (-1: max(reach))
+
+    def __post_init__(self) -> None:
+        rows = len(self.slots)
+        if any(len(part) != rows for part in (self.drafts, self.reach, self.params, self.generators)):
+            raise ValueError("a draft request needs one plan, reach, params and generator per slot")
+        if self.source and len(self.source) != rows:
+            raise ValueError(f"a draft request of {rows} rows got {len(self.source)} sources")
+        if any(r < d or d < 0 for d, r in zip(self.drafts, self.reach)):
+            raise ValueError(f"need 0 <= drafts <= reach per row, got {self.drafts} and {self.reach}")
+        if self.width < 0:
+            object.__setattr__(self, "width", max(self.reach, default=0))
+
+    def source_of(self, row: int) -> bool | None:
+        return self.source[row] if self.source else None
+
+    def select(self, rows: Sequence[int]) -> DraftRequest:
+        """The same request for some of its rows (a drafter handing them to another), as wide as the round."""
+        return DraftRequest(tuple(self.slots[i] for i in rows), tuple(self.drafts[i] for i in rows),
+                            tuple(self.reach[i] for i in rows), tuple(self.params[i] for i in rows),
+                            tuple(self.generators[i] for i in rows),
+                            tuple(self.source[i] for i in rows) if self.source else (),
+                            self.stop_thresholds, self.extension, self.width)
+
+    def refuse_extension(self, rows: Sequence[int], why: str) -> None:
+        """Raise where one of `rows` may draft past its plan, which the caller cannot honour (`why`)."""
+        past = [i for i in rows if self.reach[i] > self.drafts[i]]
+        if past:
+            raise ValueError(f"rows {past} may draft past their plan, but {why}")
 
 
 @runtime_checkable
@@ -78,23 +116,14 @@ class Drafter(Protocol):
         """Forget rows that finished or were cancelled."""
         ...
 
-    def propose(
-        self,
-        slots: Sequence[int],
-        gamma: int,
-        max_drafts: Sequence[int],  # per row: never draft more than this (<= gamma)
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator],
-        stop_thresholds: Sequence[float] = (),
-        extension: Extension | None = None,
-    ) -> Proposal:
-        """Draft up to `gamma` tokens per row, each drawn from its (warped) draft distribution.
+    def propose(self, request: DraftRequest) -> Proposal:
+        """Draft up to `request.reach[i]` tokens for row i, each drawn from its (warped) draft distribution, as a
+        `[rows, request.width]` proposal.
 
-        A drafter that reports confidence stops a row after a token whose confidence is below
-        `stop_thresholds[j - 1]` after its j-th token (the token itself is kept, so the rule depends on
-        past draws only; positions past the list's end never stop). With `extension`, a row's plan is
-        `extension.planned[i]` and `max_drafts[i]` its reach: past its plan it draws on only as the
-        extension allows. A drafter without confidences raises on an extension that could reach past a plan.
+        A drafter that reports confidence stops a row after its j-th token if its confidence is below
+        `stop_thresholds[j - 1]` (the token itself is kept, so the rule depends on past draws only), and past its
+        plan (`drafts[i]`) draws on only as `request.extension` allows. A drafter without confidences raises on a
+        row whose reach passes its plan.
         """
         ...
 
@@ -105,51 +134,29 @@ class Drafter(Protocol):
 
 @runtime_checkable
 class BacklogScorer(Protocol):
-    """A drafter that can score, teacher-forced, tokens the target committed without it (plain rounds):
-    the gamma controller learns a request's acceptance in fallback from them instead of drafting."""
+    """A drafter that can score, teacher-forced, tokens the target committed without it (plain rounds): gamma auto
+    learns a request's acceptance in fallback from them instead of drafting."""
 
     def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
                       params: Sequence[SamplingParams]) -> list[list[float]]:
-        """Per row, the warped draft probability of each of its last `counts[i]` committed tokens (fewer
-        where the drafter already fed them), oldest first; afterwards the row lacks only its last token."""
+        """Per row, the warped draft probability of each of its last `counts[i]` committed tokens (fewer where the
+        drafter already fed them), oldest first; afterwards the row lacks only its last token."""
         ...
 
 
 @runtime_checkable
 class PromptLookup(Protocol):
-    """A drafter that proposes prompt-lookup continuations (an n-gram drafter, the hybrid): the gamma controller
-    sizes those rounds by the lookups' own acceptance and cost, apart from a draft model's, and runs them
-    even where it keeps the model from drafting."""
+    """A drafter that proposes prompt-lookup continuations (an n-gram drafter, the hybrid): gamma auto sizes those
+    rounds by the lookups' own acceptance and cost, apart from a draft model's, and runs them even where it keeps
+    the model from drafting. A request's `source[i]` True sends row i to its lookup, False away from it."""
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
-        """Per row, how many tokens (up to `max_tokens[i]`) a prompt lookup offers now; 0 where it offers none
-        (no match it would use)."""
+        """Per row, how many tokens (up to `max_tokens[i]`) a prompt lookup offers now; 0 where it offers none."""
         ...
 
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """Per row, whether it can draft without its lookup (with a draft model) when it declines one."""
         ...
-
-    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
-                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
-                       extension: Extension | None = None) -> Proposal:
-        """`propose`, with the choice made per row: True proposes the lookup's first `max_drafts[i]` tokens
-        (at most what `lookup_lengths` offered), False drafts without it (nothing where `drafts_otherwise` is
-        False), None leaves the choice to the drafter's own rule. An extension may reach past the plan only
-        on rows drafting with a model (False)."""
-        ...
-
-
-def refuse_extension(extension: Extension | None, max_drafts: Sequence[int], rows: Sequence[int], why: str) -> None:
-    """Raise where `extension` would let one of `rows` draft past its plan, which the caller cannot honour (`why`)."""
-    if extension is None:
-        return
-    if len(extension.planned) != len(max_drafts):
-        raise ValueError(f"the extension plans {len(extension.planned)} rows for a batch of {len(max_drafts)}")
-    past = [i for i in rows if max_drafts[i] > extension.planned[i]]
-    if past:
-        raise ValueError(f"rows {past} may draft past their plan, but {why}")
 
 
 def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int) -> Proposal:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Extension, Proposal, merge_proposals, refuse_extension
+from specsample.drafters.base import DraftRequest, Proposal, merge_proposals
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 
@@ -16,9 +16,9 @@ class HybridDrafter:
     """Per row and round: an n-gram continuation if the longest match is at least `min_match`
     tokens long, otherwise the draft model. Which one a row uses depends only on its history.
 
-    Under gamma auto the controller chooses per row between lookup and model, pricing each: it is offered
-    matches from `offer_match` tokens on (default min(2, min_match)), which it takes only where it predicts them
-    faster than the model (docs/adaptive.md, session 40: offered 2-token matches, the hybrid ran faster)."""
+    Under gamma auto the planner chooses per row between lookup and model, pricing each: it is offered matches from
+    `offer_match` tokens on (default min(2, min_match)), which it takes only where it predicts them faster than
+    the model; a fixed gamma takes only matches of `min_match` tokens on its own."""
 
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None, min_match: int = 3,
                  offer_match: int | None = None) -> None:
@@ -56,39 +56,28 @@ class HybridDrafter:
         """Every row can draft with the model instead of its lookup."""
         return [True] * len(slots)
 
-    def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = (),
-                extension: Extension | None = None) -> Proposal:
-        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots),
-                                   extension)
-
-    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
-                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
-                       extension: Extension | None = None) -> Proposal:
-        """Rows the caller sends to their lookup (True) propose it (the offer of `lookup_lengths`), rows it sends
-        to the model (False) draft with the model; the rest (None) use an n-gram match of `min_match` tokens
-        where there is one. Only rows sent to the model may be extended past their plan (a lookup's length is
-        its `max_drafts`)."""
-        refuse_extension(extension, max_drafts, [i for i, use in enumerate(use_lookup) if use is not False],
-                         "only rows sent to the draft model (use_lookup False) can be extended")
-        lookups = [self._lookup(s, min(gamma, m), self.offer_match if use else self.min_match) if use is not False
-                   else [] for s, m, use in zip(slots, max_drafts, use_lookup)]
-        ngram_rows = [i for i, found in enumerate(lookups) if found]
-        model_rows = [i for i in range(len(slots)) if not lookups[i] and use_lookup[i] is not True]
+    def propose(self, request: DraftRequest) -> Proposal:
+        """Rows sent to their lookup (source True) propose it (the offer of `lookup_lengths`), rows sent to the model
+        (False) draft with the model; the rest (None) use an n-gram match of `min_match` tokens where there is one.
+        Only rows sent to the model may be extended past their plan (a lookup's length is its reach)."""
+        rows = range(len(request.slots))
+        request.refuse_extension([i for i in rows if request.source_of(i) is not False],
+                                 "only rows sent to the draft model (source False) can be extended")
+        lookups = [self._lookup(slot, min(request.width, reach), self.offer_match if request.source_of(i)
+                                else self.min_match) if request.source_of(i) is not False else []
+                   for i, (slot, reach) in enumerate(zip(request.slots, request.reach))]
+        ngram_rows = [i for i in rows if lookups[i]]
+        model_rows = [i for i in rows if not lookups[i] and request.source_of(i) is not True]
         parts = []
         if model_rows:
-            parts.append((model_rows, self.model.propose(
-                [slots[i] for i in model_rows], gamma, [max_drafts[i] for i in model_rows],
-                [params[i] for i in model_rows], [generators[i] for i in model_rows], stop_thresholds,
-                extension.rows(model_rows) if extension is not None else None)))
+            parts.append((model_rows, self.model.propose(request.select(model_rows))))
         if ngram_rows:
-            tokens = torch.zeros(len(ngram_rows), gamma, dtype=torch.long)
+            tokens = torch.zeros(len(ngram_rows), request.width, dtype=torch.long)
             for j, i in enumerate(ngram_rows):
                 tokens[j, : len(lookups[i])] = torch.tensor(lookups[i], dtype=torch.long)
             counts = torch.tensor([len(lookups[i]) for i in ngram_rows], dtype=torch.long)
             parts.append((ngram_rows, Proposal(tokens=tokens, probs=None, num_drafted=counts)))
-        return merge_proposals(parts, len(slots), gamma)
+        return merge_proposals(parts, len(request.slots), request.width)
 
     def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
                       params: Sequence[SamplingParams]) -> list[list[float]]:

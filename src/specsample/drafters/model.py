@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Extension, Proposal
+from specsample.drafters.base import DraftRequest, Proposal
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import sample, warp_rows
 
@@ -127,30 +127,21 @@ class ModelDrafter:
         """History tokens the row's cache accounts for (held, or skipped by the window)."""
         return int(self.cache.lengths[slot]) + self._skipped[slot]
 
-    def propose(
-        self,
-        slots: Sequence[int],
-        gamma: int,
-        max_drafts: Sequence[int],
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator],
-        stop_thresholds: Sequence[float] = (),
-        extension: Extension | None = None,
-    ) -> Proposal:
-        """Draw up to `max_drafts[i]` tokens per row; a row stops after its j-th token if it gave it less
-        than `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only.
-        With `extension`, a row's plan is `extension.planned[i]`: past it, it draws on only as that allows."""
+    def propose(self, request: DraftRequest) -> Proposal:
+        """Draw up to `request.reach[i]` tokens per row; a row stops after its j-th token if it gave it less than
+        `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only. Past its plan
+        (`request.drafts[i]`) a row draws on only as `request.extension` allows."""
+        slots, gamma, params, generators = request.slots, request.width, request.params, request.generators
+        stop_thresholds, extension = request.stop_thresholds, request.extension
         batch = len(slots)
-        if extension is not None and len(extension.planned) != batch:
-            raise ValueError(f"the extension plans {len(extension.planned)} rows for a batch of {batch}")
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self._catch_up(slots, gamma)
         pending = [self.history[s][self._fed(s):] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
         inputs, last = pad_right(pending, self.model.device)
         logits, subset = self._logits(inputs, slot_tensor, last)  # [b, K]: K the draft's output tokens
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
-        limits = [min(gamma, m) for m in max_drafts]
-        planned = list(limits) if extension is None else [min(p, m) for p, m in zip(extension.planned, limits)]
+        limits = [min(gamma, m) for m in request.reach]
+        planned = list(limits) if extension is None else [min(p, m) for p, m in zip(request.drafts, limits)]
         drafted = [0] * batch
         tokens, probs, confidence = [], [], []
         drawn: list[list[float]] = [[] for _ in range(batch)]  # per row, its confidence in each token it drew
@@ -173,7 +164,7 @@ class ModelDrafter:
                     if step + 1 < planned[r]:
                         if step < len(stop_thresholds) and own_list[r] < stop_thresholds[step]:
                             limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
-                    elif extension is None or not extension.draws_on(r, drawn[r]):
+                    elif extension is None or not extension.draws_on(request.drafts[r], drawn[r]):
                         limits[r] = step + 1  # the plan is drawn and the drafts are not sure enough to go on
             if step + 1 < gamma and any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
                 logits, _ = self._logits(token.unsqueeze(1), slot_tensor, torch.zeros_like(token))

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specsample.config import SamplingParams
-from specsample.drafters.base import Extension, Proposal, refuse_extension
+from specsample.drafters.base import DraftRequest, Proposal
 
 
 class NgramIndex:
@@ -82,27 +81,19 @@ class NgramDrafter:
         reads of the same tables)."""
         return self.rows[slot].find(max_tokens)
 
-    def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
-                params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                stop_thresholds: Sequence[float] = (), extension: Extension | None = None) -> Proposal:
-        return self.propose_chosen(slots, gamma, max_drafts, params, generators, stop_thresholds, [None] * len(slots),
-                                   extension)
-
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """No row can draft without its lookup: there is no model."""
         return [False] * len(slots)
 
-    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
-                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
-                       extension: Extension | None = None) -> Proposal:
-        """`propose` where rows sent away from their lookup (False) propose nothing."""
-        refuse_extension(extension, max_drafts, [i for i, use in enumerate(use_lookup) if use is not False],
-                         "an n-gram draft has no confidence to extend by")
-        tokens = torch.zeros(len(slots), gamma, dtype=torch.long)
+    def propose(self, request: DraftRequest) -> Proposal:
+        """Each row's lookup (up to its reach); rows sent away from their lookup (source False) propose nothing."""
+        request.refuse_extension([i for i in range(len(request.slots)) if request.source_of(i) is not False],
+                                 "an n-gram draft has no confidence to extend by")
+        tokens = torch.zeros(len(request.slots), request.width, dtype=torch.long)
         counts = []
-        for row, (slot, limit, use) in enumerate(zip(slots, max_drafts, use_lookup)):
-            found, _ = self.continuation(slot, min(gamma, limit)) if use is not False else ([], 0)
+        for row, (slot, limit) in enumerate(zip(request.slots, request.reach)):
+            found, _ = (self.continuation(slot, min(request.width, limit)) if request.source_of(row) is not False
+                        else ([], 0))
             tokens[row, : len(found)] = torch.tensor(found, dtype=torch.long)
             counts.append(len(found))
         return Proposal(tokens=tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long))

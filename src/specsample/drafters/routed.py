@@ -10,10 +10,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from specsample.config import SamplingParams
-from specsample.drafters.base import BacklogScorer, Drafter, Extension, PromptLookup, Proposal, merge_proposals
+from specsample.drafters.base import BacklogScorer, DraftRequest, Drafter, PromptLookup, Proposal, merge_proposals
 
 
 class RoutedDrafter:
@@ -59,17 +57,12 @@ class RoutedDrafter:
         for slot in slots:
             self._owner.pop(slot, None)
 
-    def propose(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator], stop_thresholds: Sequence[float] = (),
-                extension: Extension | None = None) -> Proposal:
-        groups = self._groups(list(range(len(slots))), slots)
+    def propose(self, request: DraftRequest) -> Proposal:
+        groups = self._groups(list(range(len(request.slots))), request.slots)
         if len(groups) == 1:
-            return groups[0][0].propose(slots, gamma, max_drafts, params, generators, stop_thresholds, extension)
-        parts = [(rows, drafter.propose([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows],
-                                        [params[i] for i in rows], [generators[i] for i in rows], stop_thresholds,
-                                        extension.rows(rows) if extension is not None else None))
-                 for drafter, rows in groups]
-        return merge_proposals(parts, len(slots), gamma)
+            return groups[0][0].propose(request)
+        parts = [(rows, drafter.propose(request.select(rows))) for drafter, rows in groups]
+        return merge_proposals(parts, len(request.slots), request.width)
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
         """Each row's drafter's prompt lookup (0 for rows whose drafter has none)."""
@@ -83,21 +76,6 @@ class RoutedDrafter:
         found = self._per_row(slots, PromptLookup,
                               lambda drafter, rows: drafter.drafts_otherwise([slots[i] for i in rows]))
         return [found.get(i, True) for i in range(len(slots))]
-
-    def propose_chosen(self, slots: Sequence[int], gamma: int, max_drafts: Sequence[int],
-                       params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                       stop_thresholds: Sequence[float], use_lookup: Sequence[bool | None],
-                       extension: Extension | None = None) -> Proposal:
-        """`propose` with each row's lookup choice passed to its drafter (one without lookups never has one)."""
-        parts = []
-        for drafter, rows in self._groups(list(range(len(slots))), slots):
-            args = ([slots[i] for i in rows], gamma, [max_drafts[i] for i in rows], [params[i] for i in rows],
-                    [generators[i] for i in rows], stop_thresholds)
-            part = extension.rows(rows) if extension is not None else None
-            chosen = (drafter.propose_chosen(*args, [use_lookup[i] for i in rows], part)
-                      if isinstance(drafter, PromptLookup) else drafter.propose(*args, part))
-            parts.append((rows, chosen))
-        return parts[0][1] if len(parts) == 1 else merge_proposals(parts, len(slots), gamma)
 
     def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
                       params: Sequence[SamplingParams]) -> list[list[float]]:

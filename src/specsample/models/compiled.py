@@ -21,17 +21,13 @@ import time
 import types
 import warnings
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
-from specsample.models.llama import apply_rope, weight_version
-
-if TYPE_CHECKING:
-    from specsample.models.llama import LlamaModel
+from specsample.models.layers import apply_rope, weight_version
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +45,7 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 class DecodeStep(nn.Module):
     """Hidden states `[b, 1, hidden]` after appending one token per row at `positions [b]`."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: nn.Module) -> None:  # a LlamaModel
         super().__init__()
         self.model = model
 
@@ -90,7 +86,7 @@ class DecodeHead(nn.Module):
     rows), so freezing makes them constants that inductor packs for its generated matrix-vector kernel.
     """
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: nn.Module) -> None:  # a LlamaModel
         super().__init__()
         self.vocab_size = model.vocab_size
         self.subset = model.output_subset
@@ -127,7 +123,7 @@ def _total_version(tensors: list[Tensor]) -> int:
 class CompiledDecode:
     """A compiled `DecodeStep` for one model, plus the rule for when it may be used."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: nn.Module) -> None:  # a LlamaModel
         self.model = model
         self.step = torch.compile(_private_forward(DecodeStep(model).eval()), fullgraph=True)
         self.head: tuple[Tensor | None, nn.Module] | None = None  # (output subset it was built for, compiled head)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from specsample.models.llama import LlamaConfig
 
-
-def rope_inv_freq(config: LlamaConfig) -> tuple[Tensor, float]:
-    """Inverse frequencies `[head_dim / 2]` and the attention scaling of the RoPE variant."""
+def rope_inv_freq(config: Any) -> tuple[Tensor, float]:
+    """Inverse frequencies `[head_dim / 2]` and the attention scaling of the RoPE variant of `config` (a
+    `LlamaConfig`: head_dim, rope_theta, rope_scaling, max_position_embeddings)."""
     dim = config.head_dim
     steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")  # never on meta, even at init
     inv_freq = 1.0 / (config.rope_theta ** (steps / dim))

@@ -1,7 +1,7 @@
 """Score a round's tokens at the width the target runs fastest: measured per device, once, at start-up.
 
-Matrix kernels do not get dearer monotonically with the number of rows: on the 2-core AVX512-BF16 dev
-box the bfloat16 oneDNN kernels score 2 tokens about 1 ms (4-6%) slower than 3 to 5 (docs/runtime.md).
+Matrix kernels do not get dearer monotonically with the number of rows: on a 2-core AVX512-BF16 CPU the
+bfloat16 oneDNN kernels score 2 tokens about 1 ms (4-6%) slower than 3 to 5 (docs/runtime.md).
 A round of one draft scores 2 tokens (the pending token and the draft), so it pays for the slow shape.
 Scoring a wider block (the extra positions repeat the last token) and reading only the real positions'
 logits leaves the verifier's inputs as they were: attention is causal, so padding after a position
@@ -12,7 +12,6 @@ another kernel: in low precision the real positions' logits can differ in the la
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -21,7 +20,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from specsample.config import SpecConfig
 from specsample.models.base import CausalLM, ModelCache
 
 log = logging.getLogger("specsample")
@@ -54,11 +52,10 @@ def fastest_widths(seconds: Sequence[float], min_gain: float = MIN_GAIN) -> tupl
 def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, repeats: int = 12,
                           clock: Callable[[], float] = time.perf_counter) -> tuple[int, ...]:
     """Time one row's forward over 1..`max_tokens` new tokens after `context` cached ones (interleaved,
-    after a warm-up pass) and return the width to score each count at (`fastest_widths`): pass it as
-    `SpecConfig(target_widths=...)`. A count is padded only where the medians of both halves of the
-    repeats pick the same width (on a shared box one pass can cross the 3% bar by noise). Takes
-    ~`repeats` x `max_tokens` forwards (2 s for the default 135M target at gamma 8 on the dev box).
-    Applies to batches of one row, where it was measured."""
+    after a warm-up pass) and return the width to score each count at (`fastest_widths`). A count is
+    padded only where the medians of both halves of the repeats pick the same width (on a shared machine one pass can cross the 3% bar by noise). Takes
+    ~`repeats` x `max_tokens` forwards (about 2 s for the default 135M target at gamma 8 on a 2-core CPU).
+    Applies to batches of one row, where it was measured: pass it as `SpecConfig(target_widths=...)`."""
     if repeats < 2:
         raise ValueError(f"repeats must be >= 2 (two halves must agree), got {repeats}")
     times = time_forward_widths(model, max_tokens, context, repeats, clock)
@@ -95,16 +92,6 @@ def time_forward_widths(model: CausalLM, max_tokens: int, context: int = 128, re
                     times[width].append(clock() - start)
                 cache.truncate(slot, torch.tensor([context]))
     return times
-
-
-def with_target_widths(config: SpecConfig, model: CausalLM, mode: str = "auto") -> SpecConfig:
-    """`--pad-rows`: 'auto' measures the widths for rounds of up to `config.gamma` drafts (a few seconds, once:
-    worth it for a server or a benchmark, not for one short generation); 'off' scores what is asked."""
-    if mode not in PAD_MODES:
-        raise ValueError(f"pad-rows must be one of {', '.join(PAD_MODES)}, got {mode!r}")
-    if mode == "off" or not config.speculative:
-        return config  # plain decoding scores one token per round: nothing to pad
-    return dataclasses.replace(config, target_widths=measure_target_widths(model, config.gamma + 1))
 
 
 def _sync(device: torch.device) -> None:

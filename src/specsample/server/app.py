@@ -12,45 +12,36 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from specsample.config import SamplingParams, SpecConfig
+from specsample.config import SamplingParams
 from specsample.drafters.routed import RoutedDrafter
-from specsample.engine import Engine, RowUpdate
-from specsample.pair import Pair
+from specsample.engine import RowUpdate
 from specsample.server.metrics import ServerMetrics
+from specsample.server.options import ServerOptions
 from specsample.server.protocol import ChatRequest, CompletionRequest, ProtocolError, TextAssembler
 from specsample.server.runner import EngineRunner, RequestHandle
+from specsample.speculator import Speculator
 
 log = logging.getLogger("specsample.server")
-
-
-@dataclass
-class ServerOptions:
-    """What `specsample serve` (or a Ray replica) was started with."""
-
-    model_name: str
-    api_key: str | None = None
-    min_acceptance: float | None = None
-    replica_id: str | None = None  # set under Ray Serve: labels metrics, tagged on responses
-    extra_labels: dict[str, str] = field(default_factory=dict)
 
 
 class SpecServer:
     """The engine, its runner thread, the tokenizer and the metrics of one serving process."""
 
-    def __init__(self, pair: Pair, config: SpecConfig, options: ServerOptions) -> None:
-        if pair.target.tokenizer is None:
-            raise ValueError(f"{pair.target.spec} has no tokenizer; serving text needs one")
-        self.pair, self.options, self.tokenizer = pair, options, pair.target.tokenizer
-        drafter = RoutedDrafter(pair.drafter) if pair.drafter is not None else None
-        self.engine = Engine(pair.target.model, drafter, config, self.tokenizer.eos_token_ids)
-        self.draft_spec = pair.draft_spec if drafter is not None else "none"
+    def __init__(self, speculator: Speculator, options: ServerOptions) -> None:
+        target = speculator.pair.target
+        if target.tokenizer is None:
+            raise ValueError(f"{target.spec} has no tokenizer; serving text needs one")
+        self.speculator, self.options, self.tokenizer = speculator, options, target.tokenizer
+        drafter = RoutedDrafter(speculator.drafter) if speculator.drafter is not None else None
+        self.engine = speculator.engine(options.max_batch_size, options.max_model_len, drafter=drafter)
+        self.draft_spec = speculator.draft_spec
         labels = {"replica": options.replica_id} if options.replica_id else {}
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.runner = EngineRunner(self.engine, self._observe)
@@ -140,12 +131,12 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
             spec = body.get("draft") if isinstance(body, dict) else None
             if not isinstance(spec, str) or not spec:
                 raise ProtocolError("give the new draft as {\"draft\": \"SPEC\"}", "draft")
-            drafter = await asyncio.to_thread(srv.pair.load_draft, spec)
+            drafter = await asyncio.to_thread(srv.speculator.pair.load_draft, spec)
             if drafter is None:
                 raise ProtocolError(f"draft {spec!r} could not be loaded", "draft")
-            if drafter.vocab_size is not None and drafter.vocab_size != srv.pair.target.model.vocab_size:
+            if drafter.vocab_size is not None and drafter.vocab_size != srv.speculator.pair.target.model.vocab_size:
                 raise ProtocolError(f"draft vocabulary ({drafter.vocab_size}) differs from target vocabulary "
-                                    f"({srv.pair.target.model.vocab_size}): refused", "draft")
+                                    f"({srv.speculator.pair.target.model.vocab_size}): refused", "draft")
             await asyncio.to_thread(srv.runner.replace_drafter, drafter)
         except ProtocolError as exc:
             return error_response(exc.status, str(exc), exc.param, exc.kind)

@@ -1,0 +1,113 @@
+"""What one `specsample bench` run does: its suites, prompts, models and sweeps (the CLI's flags)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
+from specsample.speculator import DEFAULT_TARGET
+
+COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
+SUITES = ("compare", "gamma", "batch", "lossless", "adaptive")
+DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run (the CLI's flags)."""
+
+    target: str = DEFAULT_TARGET
+    draft: str | None = None  # None: the target alias's default
+    suites: tuple[str, ...] = DEFAULT_SUITES
+    dataset: str = "spec-bench"  # spec-bench (bundled), a file in its format, humaneval, sharegpt
+    num_prompts: int | None = None  # per category for spec-bench, in total otherwise
+    max_new_tokens: int = 128
+    gammas: tuple[int | str, ...] = ("auto", 1, 2, 3, 4, 5, 6, 7, 8)  # the first: the compare suite's gamma
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup
+    sweep_prompts: int = 24  # prompts of the gamma and batch sweeps (0: skip them)
+    lossless_prompts: int = 3  # prompts of the losslessness test (0: skip it)
+    lossless_samples: int = 2000
+    lossless_tokens: int = 4
+    dtype: str = "auto"
+    device: str = "cpu"
+    pad_rows: str = "auto"  # score our rounds at the target's fastest width (measured at start-up)
+    seed: int = 0
+    out: Path = Path("bench-out")
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.suites if s not in SUITES]
+        if unknown or not self.suites:
+            raise ValueError(f"unknown or no suite {unknown}; choose from {', '.join(SUITES)}")
+        peers = set(self.compare) - set(COMPARE_CHOICES)
+        if peers:
+            raise ValueError(f"unknown --compare system(s) {', '.join(sorted(peers))}; choose from "
+                             f"{', '.join(COMPARE_CHOICES)}")
+        if not self.gammas or not self.temperatures or not self.batch_sizes:
+            raise ValueError("--gamma, --temperature and --batch-size each need at least one value")
+        for gamma in self.gammas:
+            if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+                raise ValueError(f"--gamma values must be integers >= 1 or 'auto', got {gamma!r}")
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError(f"--temperature values must be >= 0, got {self.temperatures}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"--batch-size values must be >= 1, got {self.batch_sizes}")
+        for name in ("max_new_tokens", "lossless_samples", "lossless_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("sweep_prompts", "lossless_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num-prompts must be >= 1, got {self.num_prompts}")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> BenchConfig:
+        """A preset that finishes in minutes: one prompt per category, short generations, small sweeps."""
+        base = cls(num_prompts=1, max_new_tokens=32, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
+                   batch_sizes=(1, 4), sweep_prompts=4, lossless_prompts=2, lossless_samples=400)
+        return dataclasses.replace(base, **overrides)
+
+    @property
+    def max_gamma(self) -> int:
+        """The widest round any system of the run drafts (gamma auto's bound: 8, or the widest fixed gamma)."""
+        return max([8] + [g for g in self.gammas if g != "auto"])
+
+
+def load_prompts(name: str, num: int | None) -> list[Prompt]:
+    """Benchmark prompts: spec-bench (bundled; `num` per category), a file in its format, humaneval or sharegpt
+    (`num` in all)."""
+    if name == "humaneval":
+        prompts = humaneval_prompts()
+        return prompts[:num] if num else prompts
+    if name == "sharegpt":
+        return list(sharegpt_prompts(skip=16000, limit=num or 200))  # far from what drafts are trained on
+    prompts = spec_bench_prompts(None if name == "spec-bench" else name)
+    if num is None:
+        return prompts
+    seen: dict[str, int] = defaultdict(int)
+    picked = []
+    for p in prompts:
+        if seen[p.category] < num:
+            picked.append(p)
+            seen[p.category] += 1
+    return picked
+
+
+def spread(items: list, count: int, category: Callable[[Any], str]) -> list:
+    """The first `count` items taken round-robin over their categories, so a small sample covers them all."""
+    queues: dict[str, list] = {}
+    for item in items:
+        queues.setdefault(category(item), []).append(item)
+    out: list = []
+    while len(out) < min(count, len(items)):
+        for queue in queues.values():
+            if queue and len(out) < count:
+                out.append(queue.pop(0))
+    return out

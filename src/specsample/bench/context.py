@@ -1,0 +1,196 @@
+"""A benchmark run's loaded models, prompts and systems, its progress lines and its results file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specsample.bench.config import BenchConfig, load_prompts
+from specsample.bench.systems import HFGenerate, Ours, load_hf_peer
+from specsample.config import SamplingParams
+from specsample.drafters.base import Drafter
+from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.model import ModelDrafter
+from specsample.drafters.ngram import NgramDrafter
+from specsample.planner import FixedGamma, GammaController, Planner
+from specsample.speculator import EngineOptions, Speculator, load
+
+class Progress:
+    """A bar on a terminal; elsewhere (a log, CI) one line per step on stderr."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, file=sys.stderr)
+
+    def step(self, detail: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            print(f"specsample bench: {self.label} {self.done}/{self.total}: {detail}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Recorder:
+    """The run's results dict, written to `out/results.json` (atomically) and `out/results.md` on every `save()`."""
+
+    def __init__(self, out: Path, results: dict[str, Any]) -> None:
+        self.out, self.results = out, results
+        out.mkdir(parents=True, exist_ok=True)
+
+    def save(self, plots: bool = False) -> None:
+        from specsample.bench.report import write_report
+
+        self.results["wall_seconds"] = time.time() - self.results["started"]
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1) + "\n")
+        os.replace(tmp, self.out / "results.json")
+        write_report(self.results, self.out, plots=plots)
+
+
+class Bench:
+    """Loads the pair, the prompts and the peers once; builds every system the suites run."""
+
+    def __init__(self, config: BenchConfig, say: Callable[[str], None]) -> None:
+        self.config = config
+        self.notes: list[str] = []
+        options = EngineOptions(target=config.target, draft=config.draft, gamma="auto", max_gamma=config.max_gamma,
+                                dtype=config.dtype, device=config.device, pad_rows=config.pad_rows)
+        self.speculator: Speculator = load(options, say=say)
+        tokenizer = self.speculator.pair.target.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{config.target} has no tokenizer; benchmarks need text prompts")
+        self.eos = tokenizer.eos_token_ids
+        loaded = load_prompts(config.dataset, config.num_prompts)
+        chat = tokenizer.has_chat_template and config.dataset != "humaneval"
+        context = self.speculator.pair.target.model.max_seq_len
+        encoded = [(p, tokenizer.encode(p.turns[0], chat=chat)) for p in loaded]
+        kept = [(p, ids) for p, ids in encoded if len(ids) + config.max_new_tokens <= context]
+        if not kept:
+            raise ValueError("no prompt fits the target's context window with --max-new-tokens")
+        if len(kept) < len(loaded):
+            self.notes.append(f"{len(loaded) - len(kept)} prompts longer than the context window were skipped")
+        self.prompts = [p for p, _ in kept]
+        self.prompt_ids = [ids for _, ids in kept]
+        self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens
+        if self.speculator.target_widths:
+            self.notes.append(f"target rounds of 1..{len(self.speculator.target_widths)} tokens scored as "
+                              f"{self.speculator.target_widths} (measured at start-up, --pad-rows auto)")
+        self.peers = self._load_peers()
+
+    # ----- systems ----------------------------------------------------------------------------
+
+    def params(self, temperature: float, index: int, max_new_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+                              seed=self.config.seed * 100_003 + index)
+
+    def system(self, name: str, drafter: Drafter | None, make_planner: Callable[[], Planner],
+               keep_planner: bool = True) -> Ours:
+        """One of ours: `drafter` (None: target-only) under planners from `make_planner`."""
+        def make_engine(batch: int, drafter: Drafter | None, planner: Planner):
+            return self.speculator.engine(batch, self.max_len, drafter=drafter, planner=planner)
+
+        return Ours(name, make_engine, drafter, make_planner, keep_planner)
+
+    def target_only(self) -> Ours:
+        return self.system("target-only", None, lambda: FixedGamma(1))
+
+    def ours(self, gamma: int | str, drafter: Drafter | None = None) -> Ours:
+        """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto."""
+        if self.speculator.drafter is None:
+            raise ValueError(f"no draft for {self.config.target}: pass --draft")
+        make = (lambda: GammaController(self.config.max_gamma)) if gamma == "auto" else (lambda: FixedGamma(gamma))
+        return self.system(f"specsample gamma={gamma}", drafter or self.speculator.drafter, make)
+
+    def draft_model(self) -> ModelDrafter | None:
+        """A new drafter on the loaded draft model (its own cache), or None without one."""
+        loaded = self.speculator.drafter
+        model = loaded.model if isinstance(loaded, HybridDrafter) else loaded
+        if not isinstance(model, ModelDrafter):
+            return None
+        return ModelDrafter(model.model, model.folder, model.window)
+
+    def fresh(self, kind: str) -> Drafter | None:
+        """A new drafter of `kind` ('model', 'ngram', 'hybrid'), None where the pair has no draft model for it."""
+        if kind == "ngram":
+            return NgramDrafter()
+        model = self.draft_model()
+        if model is None:
+            return None
+        return model if kind == "model" else HybridDrafter(model)
+
+    def _load_peers(self) -> list[HFGenerate]:
+        peers = []
+        if not self.config.compare:
+            return peers
+        folder = self.speculator.pair.target.folder
+        if folder is None:
+            self.notes.append("the target was not loaded from a folder: transformers peers skipped")
+            return peers
+        dtype = getattr(self.speculator.pair.target.model, "dtype", torch.float32)
+        hf_target = load_hf_peer(folder, dtype, self.config.device)
+        if "hf" in self.config.compare:
+            peers.append(HFGenerate("transformers generate", hf_target, self.eos))
+        if "hf-assisted" in self.config.compare:
+            model = self.draft_model()  # the default hybrid's model is transformers' assistant
+            if model is not None and model.folder is not None:
+                peers.append(HFGenerate("transformers assisted", hf_target, self.eos,
+                                        assistant=load_hf_peer(model.folder, dtype, self.config.device)))
+            else:
+                self.notes.append(f"hf-assisted skipped: the draft ({self.speculator.draft_spec}) is not a model "
+                                  "folder transformers can load")
+        if "hf-lookup" in self.config.compare:
+            peers.append(HFGenerate("transformers prompt lookup", hf_target, self.eos, prompt_lookup=5))
+        return peers
+
+
+def environment(bench: Bench) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    model = bench.speculator.pair.target.model
+    device = model.device
+    about: dict[str, Any] = {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                             "torch": torch.__version__, "python": platform.python_version(),
+                             "machine": platform.platform(), "device": str(device),
+                             "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
+                             "target": bench.config.target, "draft": bench.speculator.draft_spec}
+    if device.type == "cuda":
+        about["gpu"] = torch.cuda.get_device_name(device)
+    return about
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str | None:
+    """The git commit of the package's checkout (marked when the tree has changes beside it), when it is one."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).parent,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + (" with uncommitted changes" if dirty else "")) if head else None

@@ -1,0 +1,170 @@
+"""The suites of `specsample bench`. Each appends its measurements to its part of the results as they are taken
+(`Recorder.save()` after every prompt), so a cut-off run keeps them; `report.py` summarises whatever is there.
+
+- compare: target-only, ours at the first --gamma, and the peers, on every prompt, at every temperature;
+- gamma: target-only and every --gamma on --sweep-prompts prompts (the paper's speedup-against-gamma figure);
+- batch: throughput of target-only and ours as the batch grows;
+- lossless: many samples of the first tokens from speculative and target-only sampling, a two-sample test;
+- adaptive: target-only, every fixed gamma, gamma auto, prompt lookup and the hybrid, round by round in
+  lockstep on every prompt: does gamma auto come within 3% of the best fixed gamma without being told the
+  category, and is it never more than 3% slower than target-only?
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from specsample.bench.config import spread
+from specsample.bench.context import Bench, Progress, Recorder
+from specsample.bench.stats import two_sample_test
+from specsample.bench.systems import Ours, RunRecord, run_lockstep
+from specsample.metrics import percentile
+from specsample.planner import FixedGamma, GammaController
+
+STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
+              "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
+              "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings")
+
+
+def record(run: RunRecord) -> dict[str, Any]:
+    """What the report reads of one generation."""
+    return {"tokens": len(run.tokens), "seconds": run.seconds, "ttft": run.ttft,
+            "tpot_p50": percentile(run.tpots, 50) if run.tpots else None,
+            "tpot_p99": percentile(run.tpots, 99) if run.tpots else None,
+            "stats": {k: run.stats[k] for k in STATS_KEPT if k in run.stats}}
+
+
+def _line(row: dict[str, Any]) -> str:
+    return f"{row['category']} {row['prompt']}: " + ", ".join(
+        f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0)
+
+
+def _interleaved(bench: Bench, systems: list, indices: list[int], temperature: float, rows: list[dict[str, Any]],
+                 recorder: Recorder, label: str) -> None:
+    """Every system on each prompt in turn, the order rotating prompt by prompt; a row per prompt."""
+    progress = Progress(label, len(indices))
+    for n, i in enumerate(indices):
+        order = systems[n % len(systems):] + systems[: n % len(systems)]  # no system always runs first
+        prompt = bench.prompts[i]
+        row = {"prompt": prompt.id, "category": prompt.category, "systems": {}}
+        for system in order:
+            row["systems"][system.name] = record(system.run([bench.prompt_ids[i]], [bench.params(temperature, i)])[0])
+        row["systems"] = {s.name: row["systems"][s.name] for s in systems}
+        rows.append(row)
+        recorder.save()
+        progress.step(_line(row))
+    progress.close()
+
+
+def compare(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """Main table: every system on every prompt, per temperature, interleaved."""
+    systems = [bench.target_only(), bench.ours(bench.config.gammas[0]), *bench.peers]
+    store.update(systems=[s.name for s in systems], runs={})
+    for temperature in bench.config.temperatures:
+        rows = store["runs"].setdefault(str(temperature), [])
+        _interleaved(bench, systems, list(range(len(bench.prompts))), temperature, rows, recorder,
+                     f"compare T={temperature}")
+
+
+def gamma(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """Speed against gamma at the first temperature, on --sweep-prompts prompts spread over the categories."""
+    config = bench.config
+    if config.sweep_prompts == 0:
+        store["skipped"] = "--sweep-prompts 0"
+        return
+    indices = spread(list(range(len(bench.prompts))), config.sweep_prompts, lambda i: bench.prompts[i].category)
+    systems = [bench.target_only()] + [bench.ours(g) for g in config.gammas]
+    store.update(temperature=config.temperatures[0], systems=[s.name for s in systems],
+                 gammas=list(config.gammas), rows=[])
+    _interleaved(bench, systems, indices, config.temperatures[0], store["rows"], recorder, "gamma sweep")
+
+
+def batch(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """Throughput of target-only and ours (first --gamma) as the batch grows, at the first temperature."""
+    config = bench.config
+    if config.sweep_prompts == 0:
+        store["skipped"] = "--sweep-prompts 0"
+        return
+    indices = spread(list(range(len(bench.prompts))), config.sweep_prompts, lambda i: bench.prompts[i].category)
+    store.update(temperature=config.temperatures[0], gamma=config.gammas[0], rows=[])
+    progress = Progress("batch sweep", len(config.batch_sizes))
+    for size in config.batch_sizes:
+        systems = [bench.target_only(), bench.ours(config.gammas[0])]
+        totals = {s.name: [0, 0.0] for s in systems}
+        for start in range(0, len(indices), size):
+            group = indices[start:start + size]
+            params = [bench.params(config.temperatures[0], i) for i in group]
+            for system in systems:
+                runs = system.run([bench.prompt_ids[i] for i in group], params)
+                totals[system.name][0] += sum(len(r.tokens) for r in runs)
+                totals[system.name][1] += runs[0].seconds
+        base, spec = (totals[s.name][0] / totals[s.name][1] for s in systems)
+        store["rows"].append({"batch_size": size, "target_only_tokens_per_s": base, "speculative_tokens_per_s": spec,
+                              "speedup": spec / base if base else 0.0})
+        recorder.save()
+        progress.step(f"batch {size}: {spec / base:.2f}x")
+    progress.close()
+
+
+def lossless(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """First tokens of many samples from speculative and target-only sampling at temperature 1: a two-sample
+    test per prompt (a p-value far below its level on several prompts would mean the output is not the target's)."""
+    config = bench.config
+    if config.lossless_prompts == 0:
+        store["skipped"] = "--lossless-prompts 0"
+        return
+    n, tokens = config.lossless_samples, config.lossless_tokens
+    indices = spread(list(range(len(bench.prompts))), config.lossless_prompts, lambda i: bench.prompts[i].category)
+    store["tests"] = []
+    progress = Progress("lossless", len(indices))
+    for i in indices:
+        samples = {}
+        for speculative in (False, True):
+            system = bench.ours(config.gammas[0]) if speculative else bench.target_only()
+            seqs = []
+            for start in range(0, n, 256):
+                count = min(256, n - start)
+                offset = 10**6 * (2 + speculative) + start  # disjoint seeds for the two samples
+                params = [bench.params(1.0, offset + j, tokens) for j in range(count)]
+                seqs += [tuple(r.tokens) for r in system.run([bench.prompt_ids[i]] * count, params)]
+            samples[speculative] = seqs
+        test = two_sample_test(samples[False], samples[True])
+        store["tests"].append({"prompt": bench.prompts[i].id, "category": bench.prompts[i].category, "samples": n,
+                               "tokens": tokens, "temperature": 1.0, **test})
+        recorder.save()
+        progress.step(f"{bench.prompts[i].category} {bench.prompts[i].id}: p = {test['p_value']:.3f}")
+    progress.close()
+
+
+def adaptive_systems(bench: Bench) -> list[Ours]:
+    """Target-only, each fixed gamma, gamma auto, prompt lookup under gamma auto and (with a draft model) the hybrid,
+    each with a drafter of its own; gamma auto keeps one planner across prompts, as a server does."""
+    kind = "model" if bench.draft_model() is not None else "ngram"
+    fixed = sorted({g for g in bench.config.gammas if g != "auto"}) or list(range(1, 9))
+    systems = [bench.target_only()]
+    systems += [bench.system(f"gamma={g}", bench.fresh(kind), lambda g=g: FixedGamma(g)) for g in fixed]
+    auto = lambda: GammaController(bench.config.max_gamma)  # noqa: E731
+    systems.append(bench.system("gamma=auto", bench.fresh(kind), auto))
+    if kind == "model":
+        systems.append(bench.system("ngram auto", bench.fresh("ngram"), auto))
+        systems.append(bench.system("hybrid auto", bench.fresh("hybrid"), auto))
+    return systems
+
+
+def adaptive(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """Every policy on every prompt in lockstep (turns shuffled every round), per temperature."""
+    systems = adaptive_systems(bench)
+    store.update(systems=[s.name for s in systems], runs={})
+    shuffle = random.Random(bench.config.seed)
+    for temperature in bench.config.temperatures:
+        rows = store["runs"].setdefault(str(temperature), [])
+        progress = Progress(f"adaptive T={temperature}", len(bench.prompts))
+        for i, prompt in enumerate(bench.prompts):
+            runs = run_lockstep(systems, [bench.prompt_ids[i]], [bench.params(temperature, i)], shuffle)
+            row = {"prompt": prompt.id, "category": prompt.category,
+                   "systems": {s.name: record(r[0]) for s, r in zip(systems, runs)}}
+            rows.append(row)
+            recorder.save()
+            progress.step(_line(row))
+        progress.close()

@@ -1,0 +1,274 @@
+"""Gamma auto: per request, the gamma that maximises the predicted speedup E(alpha, gamma) / R(gamma), from
+measured acceptance (`acceptance.py`) and measured round costs (`costs.py`); fallback to plain decoding where
+drafting does not pay (`fallback.py`); prompt lookups priced against the model; a confidence gate that stops a
+round early and an extension that drafts past the plan on confident drafts.
+
+Every decision depends only on the past (acceptance and timings of earlier rounds, and the draft's own
+probability of a token it already drew), so the verifier's guarantee still holds: the output is distributed
+exactly as sampling from the target.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import specsample.planner.fallback as fallback
+from specsample.planner.acceptance import BINS, Acceptance
+from specsample.drafters.base import Extension
+from specsample.planner.base import (BatchState, RoundOutcome, RoundPlan, RowPlan, RowState,
+                                     fixed_drafts)
+from specsample.planner.costs import CostModel, RoundKind
+from specsample.planner.fallback import RequestChoice
+from specsample.theory import expected_tokens_per_round
+
+log = logging.getLogger("specsample.controller")
+
+HYSTERESIS = 0.03  # switch a request's gamma only for a > 3% better predicted speedup
+EXPLORE_EVERY = 16  # rounds between tries of a neighbouring gamma, so round costs are measured
+
+
+class GammaController:
+    """Plans each row's drafts under gamma auto and learns from every round (see the module docstring)."""
+
+    adaptive = True
+
+    def __init__(self, max_gamma: int = 8) -> None:
+        if not isinstance(max_gamma, int) or max_gamma < 1:
+            raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
+        self.max_gamma = max_gamma
+        self.acceptance = Acceptance()
+        self.costs = CostModel()
+        self.choices: dict[str, RequestChoice] = {}
+        self.round = 0  # rounds planned with at least one row to choose for
+        self.switches: list[tuple[str, str]] = []  # (request id, "off" | "on"): fallback switches, for stats
+        self.scored = 0  # backlog scorings learnt from
+        self.lookup_rounds = 0  # row-rounds sent to a prompt lookup
+
+    # ----- prices ---------------------------------------------------------------------------
+
+    def speedup(self, alpha: float, gamma: int, batch_size: int) -> float:
+        """Predicted speedup over plain decoding: E(alpha, gamma) tokens per round over the round's cost."""
+        return expected_tokens_per_round(alpha, gamma) / self.costs.round_cost(batch_size, gamma)
+
+    def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
+        """The gamma in 1..max_gamma maximising the predicted speedup (the shorter on ties), and that speedup."""
+        best, best_speedup = 1, -1.0
+        for gamma in range(1, self.max_gamma + 1):
+            speedup = self.speedup(alpha, gamma, batch_size)
+            if speedup > best_speedup:
+                best, best_speedup = gamma, speedup
+        return best, best_speedup
+
+    def lookup_length(self, request_id: str, available: int, batch_size: int) -> tuple[int, float]:
+        """Lookup tokens to propose out of `available` and the predicted speedup: the count maximising E(alpha, n)
+        over the round's cost at the request's lookup acceptance (0 and 1.0 when none beats a plain round)."""
+        alpha, best, best_speedup = self.acceptance.lookup_alpha(request_id), 0, 1.0
+        for tokens in range(1, min(available, self.max_gamma) + 1):
+            speedup = expected_tokens_per_round(alpha, tokens) / self.costs.lookup_cost(batch_size, tokens)
+            if speedup > best_speedup:
+                best, best_speedup = tokens, speedup
+        return best, best_speedup
+
+    def in_fallback(self, request_id: str) -> bool:
+        return self._choice(request_id).fallback
+
+    def _choice(self, request_id: str) -> RequestChoice:
+        if request_id not in self.choices:
+            self.choices[request_id] = RequestChoice()
+        return self.choices[request_id]
+
+    # ----- plan -----------------------------------------------------------------------------
+
+    def plan(self, batch: BatchState) -> RoundPlan:
+        """Drafts per row: the chosen gamma (a neighbour now and then, to time it), 0 in fallback but for probes
+        or backlog scorings, or a prompt lookup where one is predicted faster; rows with a gamma of their own
+        draft it. Then the round's gate and extension, if any row drafts."""
+        size = len(batch)
+        rows = [RowPlan(drafts=d, reach=d) for d in (fixed_drafts(r, self.max_gamma) for r in batch.rows)]
+        chosen = [i for i, r in enumerate(batch.rows) if r.chosen]
+        facts = {}
+        if chosen:
+            chosen_rows, facts = self._choose([batch.rows[i] for i in chosen], batch, size)
+            for i, row_plan in zip(chosen, chosen_rows):
+                rows[i] = row_plan
+        thresholds, extension = (), None
+        if max((r.drafts for r in rows), default=0) > 0:
+            thresholds, extension = self._gate(size, facts.get("exploring", False))
+        if extension is not None:
+            rows = [RowPlan(r.drafts, max(r.drafts, min(self.max_gamma, state.remaining - 1)), r.source,
+                            r.score_backlog, r.fallback)
+                    if state.chosen and r.drafts > 0 and r.source is not True else r
+                    for r, state in zip(rows, batch.rows)]
+            if all(r.reach == r.drafts for r in rows):
+                extension = None
+        return RoundPlan(rows=tuple(rows), stop_thresholds=tuple(thresholds), extension=extension,
+                         chosen_ids=tuple(batch.rows[i].request_id for i in chosen), **facts)
+
+    def _choose(self, rows: list[RowState], batch: BatchState, size: int) -> tuple[list[RowPlan], dict]:
+        """Plans for the rows gamma auto chooses for (see `plan`), and the round's facts for learning."""
+        self.round += 1
+        self.acceptance.age_pools()
+        if self.costs.calibration_due(size, self.round):
+            # time one round without drafts (needed for c); a choice from the past alone, so still exact
+            self.costs.calibrating(size, self.round)
+            return self._planned(rows, [0] * len(rows), {}, {}, False, batch.offers_lookups)
+        exploring = self.round % EXPLORE_EVERY == 0 and self.costs.timed_drafting(size)
+        explored = False
+        scores: dict[str, int] = {}
+        out = []
+        for row in rows:
+            drafts, probe_scores = self._decide(row, batch.can_score, size, exploring)
+            if probe_scores:
+                scores[row.request_id] = row.backlog
+            explored |= exploring and not self._choice(row.request_id).fallback
+            out.append(drafts)
+        lookups: dict[str, int] = {}
+        if batch.offers_lookups:
+            for i, row in enumerate(rows):
+                if row.lookup <= 0:
+                    if not row.drafts_otherwise:  # no lookup and no model to draft with: a plain round
+                        out[i] = 0
+                    continue
+                tokens, speedup = self.lookup_length(row.request_id, row.lookup, size)
+                # the model's plan at its own estimate: a plain round (1) in fallback or calibration
+                planned = self.speedup(self.acceptance.alpha(row.request_id), out[i], size) if out[i] > 0 else 1.0
+                if not row.drafts_otherwise or (tokens > 0 and speedup >= planned):
+                    out[i] = tokens
+                    if tokens > 0:
+                        lookups[row.request_id] = tokens
+            self.lookup_rounds += len(lookups)
+        return self._planned(rows, out, scores, lookups, explored, batch.offers_lookups)
+
+    def _decide(self, row: RowState, can_score: bool, size: int, exploring: bool) -> tuple[int, bool]:
+        """One row's drafts from the model (before lookups), and whether its draft scores its backlog."""
+        rid, choice = row.request_id, self._choice(row.request_id)
+        alpha = self.acceptance.alpha(rid)
+        best, speedup = self.best_gamma(alpha, size)
+        # a new request starts at the best gamma for its prior; later, switch only for a clear gain
+        if not choice.gamma or speedup > self.speedup(alpha, choice.gamma, size) * (1 + HYSTERESIS):
+            choice.gamma = best
+        # stop drafting only when even a generous alpha predicts a loss: at the ~25 trials the estimate remembers,
+        # its noise near break-even sent requests that gained by drafting into fallback
+        if (not choice.fallback and speedup < fallback.FALLBACK_BELOW and not self.costs.settling(size)
+                and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1]
+                < fallback.FALLBACK_BELOW):
+            choice.fallback, choice.rounds_since_probe, choice.scorings = True, 0, 0
+            self._switch(rid, "off", alpha, size, speedup)
+        elif choice.fallback and speedup > fallback.RESUME_ABOVE:
+            choice.fallback = False
+            self._switch(rid, "on", alpha, size, speedup)
+        if not choice.fallback:
+            return (self._neighbour(choice.gamma, size) if exploring else choice.gamma), False
+        choice.rounds_since_probe += 1
+        if can_score:  # the draft scores its backlog (once it holds SCORE_MIN_TOKENS) instead of drafting
+            cost = self.costs.scoring_cost(size)
+            interval = fallback.score_interval(cost, choice.scorings, row.remaining)
+            # while a generous alpha says drafting may pay, keep the first scoring's cadence: the next scoring may
+            # end a fallback that a slow start began
+            first = fallback.score_interval(cost, 0, row.remaining)
+            if (first <= choice.rounds_since_probe < interval
+                    and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1]
+                    > fallback.RESUME_ABOVE):
+                interval = first
+            if row.backlog < fallback.SCORE_MIN_TOKENS:
+                interval = max(interval, choice.rounds_since_probe + 1)  # not yet: wait for a backlog
+        else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
+            interval = fallback.probe_interval(self.acceptance.alpha_upper(rid, fallback.MARGIN), choice.gamma,
+                                               self.costs.round_cost(size, choice.gamma))
+        if choice.rounds_since_probe < interval or not fallback.worth_probing(row.remaining):
+            return 0, False
+        choice.rounds_since_probe = 0
+        if can_score:
+            choice.scorings += 1
+            return 0, True
+        return choice.gamma, False  # a probe drafts the gamma the formula picks for the current alpha
+
+    def _planned(self, rows: list[RowState], out: list[int], scores: dict[str, int], lookups: dict[str, int],
+                 exploring: bool, offers_lookups: bool) -> tuple[list[RowPlan], dict]:
+        """Row plans from the choices (each row is sent to its lookup or its model where the drafter offers
+        lookups); notes which rows draft right after a plain round: a model draft then first feeds itself the
+        tokens it missed, a cost of the plain rounds, not of drafting."""
+        catching_up = model_drafting = False
+        plans = []
+        for row, n in zip(rows, out):
+            choice = self._choice(row.request_id)
+            lookup = row.request_id in lookups
+            if lookup:  # the draft model sits this round out: its next round catches up
+                choice.planned = 0
+            else:
+                catching_up |= n > 0 and choice.planned == 0
+                model_drafting |= n > 0
+                choice.planned = n
+            drafts = max(0, min(n, self.max_gamma, row.remaining - 1))
+            plans.append(RowPlan(drafts=drafts, reach=drafts, source=lookup if offers_lookups else None,
+                                 score_backlog=scores.get(row.request_id, 0), fallback=n == 0))
+        return plans, {"exploring": exploring, "catching_up": catching_up, "model_drafting": model_drafting}
+
+    def _neighbour(self, gamma: int, size: int) -> int:
+        """The gamma next to `gamma` timed least recently (one more on ties): an exploring round measures it, so a
+        cost the affine model overstates is found, and both neighbours stay fresh."""
+        options = [g for g in (gamma + 1, gamma - 1) if 1 <= g <= self.max_gamma]
+        return self.costs.least_recent(options, size) if options else gamma
+
+    def _gate(self, size: int, exploring: bool) -> tuple[list[float], Extension | None]:
+        """The round's confidence gate and extension; an exploring round has neither (it times its gamma in full).
+
+        A draft drawn with confidence q is accepted with probability a(q), estimated per bin. One more draft adds
+        about a(q) a_mean tokens for R(j + 1) - R(j) plain rounds' time; worth it while that beats the S tokens per
+        plain round drafting makes anyway (S: the best predicted speedup at the pooled alpha, at least 1). So the
+        bar at position j is S (R(j + 1) - R(j)) / a_mean; the gate stops after the j-th draft below the top of the
+        highest bin whose a(q) is under it, and past the plan a round draws draft j + 1 while a(q_1) ... a(q_j)
+        reaches it, as one more draft adds tokens only if every draft so far is accepted."""
+        acceptance = self.acceptance
+        if not acceptance.calibrated() or exploring:
+            return [], None
+        mean = acceptance.mean_bin_acceptance()
+        if mean <= 0:
+            return [], None
+        rate = max(self.best_gamma(acceptance.pooled_alpha(), size)[1], 1.0)
+        bars = [rate * self.costs.one_more_draft(size, j) / mean for j in range(1, self.max_gamma)]
+        thresholds = [self._threshold(bar) for bar in bars]
+        # a bin not yet read counts as never accepted: no extension on a confidence without a past
+        bins = tuple(acceptance.bin_acceptance(b) or 0.0 for b in range(BINS))
+        return thresholds, Extension(bins, tuple(bars))
+
+    def _threshold(self, bar: float) -> float:
+        """Top of the highest confidence bin, counting up, whose acceptance stays under `bar`."""
+        threshold = 0.0
+        for b in range(BINS):
+            accepted = self.acceptance.bin_acceptance(b)
+            if accepted is not None:
+                if accepted < bar:
+                    threshold = (b + 1) / BINS
+                else:
+                    break
+        return threshold
+
+    # ----- learn ----------------------------------------------------------------------------
+
+    def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
+        """Backlog scores, each drafting row's trials, the round's timing; then forget the finished requests."""
+        for row in outcome.rows:
+            if row.backlog_scores is not None:
+                self.acceptance.observe_scores(row.request_id, row.backlog_scores)
+                self.scored += 1
+        for row, row_plan in zip(outcome.rows, plan.rows):
+            if row.num_drafted > 0:
+                self.acceptance.observe(row.request_id, row.num_drafted, row.num_accepted, row_plan.source is True,
+                                        row.confidence, row.acceptance)
+        kind = RoundKind(drafts=outcome.width, lookups=plan.lookups > 0, scoring=plan.scoring > 0,
+                         model_drafting=plan.model_drafting, catching_up=plan.catching_up)
+        self.costs.record(len(outcome.rows), kind, plan.chosen_ids, self.round, outcome.draft_seconds,
+                          outcome.target_seconds, outcome.verify_seconds)
+        for request_id in outcome.finished:
+            self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's state."""
+        self.choices.pop(request_id, None)
+        self.acceptance.forget(request_id)
+
+    def _switch(self, rid: str, to: str, alpha: float, size: int, speedup: float) -> None:
+        self.switches.append((rid, to))
+        log.info("request %s: speculation %s (alpha %.2f, cost ratio %.3f, overhead %.3f, predicted speedup %.2f)",
+                 rid, to, alpha, self.costs.cost_ratio(size), self.costs.overhead(size), speedup)

@@ -1,0 +1,136 @@
+"""One set-up path from specs to engines: load the target and its drafter, measure the target's scoring widths,
+size the caches, choose the planner. The CLI, the server, Ray Serve and the benchmarks all start here.
+
+    from specsample import EngineOptions, load
+
+    speculator = load(EngineOptions(target="smollm2-135m-instruct", gamma="auto"))
+    engine = speculator.engine(max_batch_size=8)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specsample.config import SpecConfig
+from specsample.drafters.base import Drafter
+from specsample.drafters.model import WINDOW_MODES
+from specsample.engine import Engine
+from specsample.models.loader import RUNTIMES
+from specsample.models.row_padding import PAD_MODES, measure_target_widths
+from specsample.pair import Pair, load_pair
+from specsample.planner import FixedGamma, GammaController, Planner
+
+log = logging.getLogger("specsample")
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+def parse_gamma(value: int | str) -> int | str:
+    """`--gamma`: 'auto' or an integer >= 1 (given as an int or its text)."""
+    if value == "auto":
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {value!r}")
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {value!r}") from None
+    if gamma < 1 or str(gamma) != str(value).strip():
+        raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {value!r}")
+    return gamma
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything that decides how engines are built (the CLI's, the server's and Ray's settings)."""
+
+    target: str = DEFAULT_TARGET  # alias, Hugging Face folder, .gguf file or hub id
+    draft: str | None = None  # model spec, 'ngram', 'hybrid[:MODEL]', 'none'; None: the target alias's default
+    gamma: int | str = "auto"  # drafts per round, or 'auto': chosen per request, up to max_gamma
+    max_gamma: int = 8
+    speculative: bool = True  # False: plain decoding through the same loop (no draft is loaded)
+    dtype: str = "auto"
+    device: str = "cpu"
+    runtime: str = "auto"  # 'ours' (Llama family), 'hf' (transformers) or 'auto'
+    compile: bool = False  # compile one-token decode steps with torch.compile (our runtime)
+    pad_rows: str = "off"  # 'auto': time the target's forward per tokens scored, score rounds at the fastest width
+    draft_window: str = "auto"  # what a draft model attends to: 'auto' (the window saved with it) or 'off'
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gamma", parse_gamma(self.gamma))
+        if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int) or self.max_gamma < 1:
+            raise ValueError(f"max_gamma must be an integer >= 1, got {self.max_gamma!r}")
+        if self.pad_rows not in PAD_MODES:
+            raise ValueError(f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
+        if self.draft_window not in WINDOW_MODES:
+            raise ValueError(f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        if self.compile and self.runtime == "hf":
+            raise ValueError("--compile needs our Llama-family runtime, not --runtime hf")
+
+    @property
+    def most_drafts(self) -> int:
+        """The most drafts a round may hold: the caches keep that much slack."""
+        return self.max_gamma if self.gamma == "auto" else self.gamma
+
+
+@dataclass
+class Speculator:
+    """A loaded target and drafter, and what engines for them share."""
+
+    pair: Pair
+    options: EngineOptions
+    target_widths: tuple[int, ...] = ()  # per tokens scored at batch 1, the width to score them at (pad_rows auto)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.pair.drafter
+
+    @property
+    def draft_spec(self) -> str:
+        """The draft in use ('none' without one)."""
+        return self.pair.draft_spec if self.pair.drafter is not None else "none"
+
+    def planner(self) -> Planner:
+        """A new planner: gamma auto (learning as it runs) or the fixed gamma."""
+        gamma = self.options.gamma
+        return GammaController(self.options.max_gamma) if gamma == "auto" else FixedGamma(gamma)
+
+    def spec_config(self, max_batch_size: int = 1, max_seq_len: int | None = None) -> SpecConfig:
+        gamma = self.options.most_drafts
+        return SpecConfig(gamma=gamma, adaptive=self.options.gamma == "auto",
+                          speculative=self.options.speculative and self.pair.drafter is not None,
+                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths)
+
+    def engine(self, max_batch_size: int = 1, max_seq_len: int | None = None, *,
+               drafter: Drafter | None | str = "loaded", planner: Planner | None = None) -> Engine:
+        """An engine for up to `max_batch_size` running requests of up to `max_seq_len` tokens each (None: the
+        target's context window). `drafter`: the loaded one ("loaded"), another (e.g. wrapped for swapping, or a
+        fresh one beside an engine running in lockstep), or None for plain decoding; `planner`: one that keeps what
+        an earlier engine's gamma auto learnt, or another policy (its gamma at most the options' most drafts)."""
+        if isinstance(drafter, str) and drafter != "loaded":
+            raise ValueError(f"drafter must be a Drafter, None or 'loaded', got {drafter!r}")
+        target = self.pair.target
+        return Engine(target.model, self.pair.drafter if isinstance(drafter, str) else drafter,
+                      self.spec_config(max_batch_size, max_seq_len),
+                      target.tokenizer.eos_token_ids if target.tokenizer is not None else (),
+                      planner if planner is not None else self.planner())
+
+
+def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None) -> Speculator:
+    """Load the target and drafter `options` name and measure what engines need (`say`: progress lines)."""
+    say = say or log.info
+    if options.compile:
+        say("compiling the decode steps after loading (20-80 s on a small CPU, once per process)")
+    pair = load_pair(options.target, options.draft if options.speculative else "none", options.dtype,
+                     options.device, options.runtime, compile_decode=options.compile,
+                     draft_window=options.draft_window)
+    widths: tuple[int, ...] = ()
+    if options.pad_rows == "auto" and options.speculative and pair.drafter is not None:
+        say("timing the target's forward per tokens scored (pad_rows auto)")
+        widths = measure_target_widths(pair.target.model, options.most_drafts + 1)
+        say(f"rounds of 1..{len(widths)} tokens scored as {widths}")
+    return Speculator(pair, options, widths)
