@@ -121,7 +121,8 @@ def humaneval_prompts() -> list[Prompt]:
 
 
 def text_file_prompts(path: Path | str) -> list[Prompt]:
-    """Prompts from a file: JSON lines with a `turns` list or a `prompt` string, or one prompt per line."""
+    """Prompts from a file: JSON lines with a `turns` list (and optionally `replies`, the assistant's answers) or a
+    `prompt` string, or one prompt per line."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"prompt file {path} does not exist")
@@ -135,7 +136,8 @@ def text_file_prompts(path: Path | str) -> list[Prompt]:
             row = line
         if isinstance(row, dict):
             turns = tuple(row.get("turns") or [row.get("prompt", "")])
-            out.append(Prompt(id=str(row.get("id", i)), category=str(row.get("category", "file")), turns=turns))
+            out.append(Prompt(id=str(row.get("id", i)), category=str(row.get("category", "file")), turns=turns,
+                              replies=tuple(row.get("replies") or ())))
         else:
             out.append(Prompt(id=str(i), category="file", turns=(str(row),)))
     return out

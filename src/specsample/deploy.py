@@ -3,7 +3,7 @@ replica holding its own target, draft and running batch.
 
     serve run specsample.deploy:app                              # defaults: 1 replica, default models
     serve run specsample.deploy:builder model=PATH replicas=2    # application builder with args
-    serve deploy serve_config.yaml                               # see docs/ray.md
+    serve deploy serve_config.yaml                               # see docs/serving.md
     specsample serve --replicas 2 [--ray-address ADDR] [--autoscale 1:4]
 
 Metrics are aggregated at the ingress: every replica pushes its Prometheus exposition (labelled

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, SpecConfig
-from specsample.drafters.base import BacklogScorer, Drafter, DraftRequest, PromptLookup, Proposal
-from specsample.models.base import CausalLM, prefill_ragged
+from specsample.drafters.base import BacklogScorer, Drafter, DraftRequest, FeatureDrafter, PromptLookup, Proposal
+from specsample.models.base import CausalLM, FeatureLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.planner import FixedGamma, GammaController, Planner
 from specsample.planner.base import BatchState, RoundOutcome, RoundPlan, RowOutcome, RowState
@@ -142,8 +142,11 @@ class Engine:
         # slack past max_len: padded positions of a round may be written (never read) beyond it
         widest = max(config.gamma + 1, max(config.target_widths, default=0))
         self.cache = target.new_cache(config.max_batch_size, self.max_len + widest + 1)
+        if isinstance(drafter, FeatureDrafter) and drafter.wants_features and not isinstance(target, FeatureLM):
+            raise ValueError(f"the draft reads the target's hidden states, which the target's runtime "
+                             f"({type(target).__name__}) does not return; use our Llama-family runtime")
         self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.gamma + 2)
-        self._abilities: tuple[Drafter | None, bool, bool] = (None, False, False)  # see _abilities_of
+        self._abilities: tuple[Drafter | None, bool, bool, bool] = (None, False, False, False)  # see _abilities_of
         self._free_slots = list(range(config.max_batch_size))
         self._waiting: deque[_Row] = deque()
         self._running: dict[int, _Row] = {}  # slot -> row
@@ -230,11 +233,11 @@ class Engine:
         backlog = self._score_backlogs(rows, plan)  # row -> min(1, q / p) of tokens plain rounds committed
         proposal = self._propose(rows, plan)  # [b, gamma] drafts, on the target's device
         draft_done = self._now()
-        target_logits = self._score(rows, proposal)  # [b, gamma + 1, vocab], one forward
+        target_logits, features = self._score(rows, proposal)  # [b, gamma + 1, vocab], one forward
         target_done = self._now()
         verdict, target_probs = self._verify(rows, proposal, target_logits)
         learnt = self._row_outcomes(rows, proposal, verdict, target_probs, backlog)
-        updates = self._commit(rows, proposal, verdict)  # caches keep the accepted prefix
+        updates = self._commit(rows, proposal, verdict, features)  # caches keep the accepted prefix
         verify_done = self._now()
         # learning comes last: the round's time it learns from includes the commit
         self.planner.learn(plan, RoundOutcome(learnt, proposal.tokens.shape[1], draft_done - prefill_done,
@@ -276,13 +279,17 @@ class Engine:
         """Whether the drafter says what prompt lookup would propose (see `_abilities_of`)."""
         return self._abilities_of()[2]
 
-    def _abilities_of(self) -> tuple[Drafter | None, bool, bool]:
-        """The drafter, whether it scores backlogs, whether it looks up prompts: a runtime protocol check inspects
-        every member, a visible part of a plain round's own work, so it runs once per drafter (the engine's
-        drafter may be replaced)."""
+    def _wants_features(self) -> bool:
+        """Whether the drafter drafts from the target's hidden states (see `_abilities_of`)."""
+        return self._abilities_of()[3] and self.drafter.wants_features
+
+    def _abilities_of(self) -> tuple[Drafter | None, bool, bool, bool]:
+        """The drafter, whether it scores backlogs, looks up prompts, reads the target's features: a runtime protocol
+        check inspects every member, a visible part of a plain round's own work, so it runs once per drafter (the
+        engine's drafter may be replaced)."""
         if self._abilities[0] is not self.drafter:
             self._abilities = (self.drafter, isinstance(self.drafter, BacklogScorer),
-                               isinstance(self.drafter, PromptLookup))
+                               isinstance(self.drafter, PromptLookup), isinstance(self.drafter, FeatureDrafter))
         return self._abilities
 
     def _score_backlogs(self, rows: list[_Row], plan: RoundPlan) -> dict[int, tuple[float, ...]]:
@@ -322,13 +329,15 @@ class Engine:
                         proposal.probs[:, :used] if proposal.probs is not None else None, num_drafted,
                         proposal.confidence[:, :used] if proposal.confidence is not None else None)
 
-    def _score(self, rows: list[_Row], proposal: Proposal) -> Tensor:
+    def _score(self, rows: list[_Row], proposal: Proposal) -> tuple[Tensor, Tensor | None]:
         """Target logits `[b, gamma + 1, vocab]` at each row's pending token and drafts, in one forward (at the
-        width the target runs fastest, measured; the commit rolls the padding back)."""
+        width the target runs fastest, measured; the commit rolls the padding back), and the target's final hidden
+        states there `[b, gamma + 1, hidden]` where the drafter reads them (else None)."""
         pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=self.target.device)
         tokens = torch.cat([pending, proposal.tokens], dim=1)  # [b, gamma + 1]
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-        return score_padded(self.target, tokens, self.cache, slots, self._scoring_width(len(rows), tokens.shape[1]))
+        return score_padded(self.target, tokens, self.cache, slots, self._scoring_width(len(rows), tokens.shape[1]),
+                            features=self._wants_features())
 
     def _verify(self, rows: list[_Row], proposal: Proposal, target_logits: Tensor) -> tuple[Verdict, Tensor | None]:
         """The verdict, and the warped target probabilities it sampled from (None: every row greedy)."""
@@ -386,9 +395,11 @@ class Engine:
             row.plain_probs.append(p)
             del row.plain_probs[:-BACKLOG_KEPT]
 
-    def _commit(self, rows: list[_Row], proposal: Proposal, verdict: Verdict) -> list[RowUpdate]:
+    def _commit(self, rows: list[_Row], proposal: Proposal, verdict: Verdict,
+                features: Tensor | None = None) -> list[RowUpdate]:
         """Each row's new tokens (its accepted drafts and the next token, cut at EOS or its budget); the target's
-        cache keeps the prompt, earlier output and the accepted drafts, the drafter follows."""
+        cache keeps the prompt, earlier output and the accepted drafts, the drafter follows (with the target's
+        features of the committed positions, where it reads them)."""
         next_tokens = verdict.next_token.cpu().tolist()
         drafts = proposal.tokens.cpu().tolist()
         updates, committed, target_lengths = [], [], []
@@ -405,6 +416,8 @@ class Engine:
         self.cache.truncate(torch.tensor(slots, dtype=torch.long), torch.tensor(target_lengths, dtype=torch.long))
         if self.drafter is not None:
             self.drafter.commit(slots, committed)
+            if features is not None:  # the pending token's position and each accepted draft's
+                self.drafter.add_features(slots, [features[i, : len(new)] for i, new in enumerate(committed)])
         return updates
 
     def _apply_stops(self, row: _Row, new: list[int]) -> tuple[list[int], str | None]:
@@ -429,9 +442,12 @@ class Engine:
         slots = torch.tensor([r.slot for r in admitted], dtype=torch.long)
         self.cache.reset(slots)
         try:
-            prefill_ragged(self.target, self.cache, slots, [r.prompt[:-1] for r in admitted])
+            wants = self._wants_features()
+            features = prefill_ragged(self.target, self.cache, slots, [r.prompt[:-1] for r in admitted], wants)
             if self.drafter is not None:
                 self.drafter.add_rows([r.slot for r in admitted], [r.prompt for r in admitted])
+                if wants:
+                    self.drafter.add_features([r.slot for r in admitted], features)
         except Exception:  # e.g. out of memory on a long prompt: give the slots back, then report
             self.cache.reset(slots)
             if self.drafter is not None:

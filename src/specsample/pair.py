@@ -20,7 +20,7 @@ log = logging.getLogger("specsample")
 
 NO_DRAFT = ("none", "off")
 # a draft this narrow runs in float32 on a CPU when the dtype is "auto": per-op cost, not reading weights, sets
-# its step time there, and float32 ops on its small matrices run faster than bfloat16 ones (docs/draft.md)
+# its step time there, and float32 ops on its small matrices run faster than bfloat16 ones (docs/drafts.md)
 SMALL_DRAFT_HIDDEN = 256
 
 

@@ -108,7 +108,12 @@ class FeatureWriter:
         return self.index["tokens"]
 
     def append(self, sequences: Sequence[FeatureSequence], consumed: int) -> None:
-        """Write one chunk and commit it together with the count of source conversations it used."""
+        """Write one chunk and commit it together with the count of source conversations it used (none written:
+        only the count)."""
+        if not sequences:
+            self.index["consumed"] += consumed
+            _write_json(self.folder / "index.json", self.index)
+            return
         name = f"chunk-{len(self.index['chunks']):05d}.safetensors"
         lengths = torch.tensor([0] + [len(s.tokens) for s in sequences], dtype=torch.long)
         tensors = {
@@ -185,11 +190,30 @@ def _length_batches(items: list[tuple[list[int], list[bool]]], batch_tokens: int
         yield batch
 
 
+def answered(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[Prompt]:
+    """The prompts with their first turn answered by the target itself (sampled at temperature 0.7, seeded)."""
+    from specsample.config import SamplingParams, SpecConfig
+    from specsample.engine import Engine
+
+    ids = [tokenizer.encode(p.turns[0], chat=True) for p in prompts]
+    engine = Engine(model, None, SpecConfig(speculative=False, max_batch_size=min(16, len(prompts)),
+                                            max_seq_len=max(len(i) for i in ids) + max_new_tokens),
+                    tokenizer.eos_token_ids)
+    rids = [engine.add_request(i, SamplingParams(temperature=0.7, max_new_tokens=max_new_tokens, seed=seed + n))
+            for n, i in enumerate(ids)]
+    replies: dict[str, list[int]] = {r: [] for r in rids}
+    for result in engine.stream():
+        for update in result.rows:
+            replies[update.request_id].extend(update.new_tokens)
+    return [Prompt(p.id, p.category, p.turns[:1], (tokenizer.decode(replies[r]),)) for p, r in zip(prompts, rids)]
+
+
 def collect_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], writer: FeatureWriter,
                      max_tokens: int, batch_tokens: int = 8192, chunk_conversations: int = 64,
                      progress: bool = True) -> None:
     """Run the target over conversations (skipping the `writer.consumed` already handled) until the store holds
-    `max_tokens` tokens or the prompts run out. Conversations without a reply token are skipped."""
+    `max_tokens` tokens or the prompts run out. A prompt without replies is answered by the target itself first
+    (up to a quarter of `max_len` tokens); conversations left without a reply token are skipped."""
     bar = tqdm(total=max_tokens, initial=min(writer.num_tokens, max_tokens), desc="target features", unit="tok",
                unit_scale=True, disable=not progress)
     source = iter(prompts)
@@ -197,15 +221,22 @@ def collect_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], wri
         next(source, None)
     max_len = writer.index["max_len"]
     while writer.num_tokens < max_tokens:
-        items, consumed = [], 0
+        items, consumed, chunk = [], 0, []
         for prompt in source:
             consumed += 1
+            chunk.append(prompt)
+            if len(chunk) >= chunk_conversations:
+                break
+        unanswered = [p for p in chunk if not p.replies]
+        if unanswered:
+            own = dict(zip((id(p) for p in unanswered),
+                           answered(model, tokenizer, unanswered, max(8, max_len // 4), seed=writer.consumed)))
+            chunk = [own.get(id(p), p) for p in chunk]
+        for prompt in chunk:
             ids, reply = rendered_conversation(tokenizer, prompt, max_len)
             if any(reply[1:]):
                 items.append((ids, reply))
-            if len(items) >= chunk_conversations:
-                break
-        if not items:
+        if not chunk:
             break
         sequences: list[FeatureSequence | None] = [None] * len(items)
         for batch in _length_batches(items, batch_tokens):

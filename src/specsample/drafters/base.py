@@ -159,6 +159,21 @@ class PromptLookup(Protocol):
         ...
 
 
+@runtime_checkable
+class FeatureDrafter(Protocol):
+    """A drafter that drafts from the target's final hidden states (EAGLE): while `wants_features`, the engine hands
+    it the target's feature of every position it commits. Per row, after each call the drafter knows the features of
+    every committed token but the last (which the target scores next round)."""
+
+    @property
+    def wants_features(self) -> bool: ...
+
+    def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
+        """Per row, the target's final hidden states `[n, hidden]` of the next `n` committed positions (after
+        `add_rows`: the prompt's tokens but the last; after `commit`: the pending token and the accepted drafts)."""
+        ...
+
+
 def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int) -> Proposal:
     """Combine proposals made for disjoint rows of one batch.
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import DraftRequest, Proposal, merge_proposals
-from specsample.drafters.model import ModelDrafter
+from specsample.drafters.base import DraftRequest, Drafter, FeatureDrafter, Proposal, merge_proposals
 from specsample.drafters.ngram import NgramDrafter
 
 
@@ -20,7 +20,7 @@ class HybridDrafter:
     `offer_match` tokens on (default min(2, min_match)), which it takes only where it predicts them faster than
     the model; a fixed gamma takes only matches of `min_match` tokens on its own."""
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None, min_match: int = 3,
+    def __init__(self, model: Drafter, ngram: NgramDrafter | None = None, min_match: int = 3,
                  offer_match: int | None = None) -> None:
         offer_match = min(2, min_match) if offer_match is None else offer_match
         if not 1 <= offer_match <= min_match:
@@ -78,6 +78,15 @@ class HybridDrafter:
             counts = torch.tensor([len(lookups[i]) for i in ngram_rows], dtype=torch.long)
             parts.append((ngram_rows, Proposal(tokens=tokens, probs=None, num_drafted=counts)))
         return merge_proposals(parts, len(request.slots), request.width)
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether its draft model drafts from the target's hidden states (a feature draft)."""
+        return isinstance(self.model, FeatureDrafter) and self.model.wants_features
+
+    def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
+        if self.wants_features:
+            self.model.add_features(slots, features)
 
     def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
                       params: Sequence[SamplingParams]) -> list[list[float]]:

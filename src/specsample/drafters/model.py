@@ -26,7 +26,7 @@ class DraftWindow:
 
     A small draft trained on short sequences drafts worse from a context longer than it learnt: the
     shipped draft saw at most 512 tokens, and on ShareGPT prompts of 800 tokens and more its greedy
-    agreement with the target is 0.34 with this window and 0.20 with the whole prompt (docs/draft.md).
+    agreement with the target is higher with this window than with the whole prompt (docs/drafts.md).
     Keeping the first tokens (the chat template's system block) and the latest ones holds its
     positions within what it was trained on; when a generation grows a row's cache to `limit`
     positions, the row is re-windowed on its latest tokens (one prefill of sink + recent).

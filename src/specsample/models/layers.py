@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 
 # float32 weights smaller than this stay unpacked: a packed oneDNN call costs 13-17 us however small the
-# matrix, while F.linear multiplies a 128-wide draft's matrices in 3-7 us (benchmarks/draft_step.py)
+# matrix, while F.linear multiplies a 128-wide draft's matrices in 3-7 us (2-core AVX512-BF16 CPU)
 PACK_MIN_FLOAT32_ELEMENTS = 1 << 18
 
 
@@ -16,8 +16,8 @@ def prepack(weight: Tensor) -> Tensor | None:
     """oneDNN-prepacked copy of a `[out, in]` weight for CPU inference; None where oneDNN cannot, or where
     it would be slower (a small float32 matrix, see PACK_MIN_FLOAT32_ELEMENTS).
 
-    Measured on a 2-core AVX512-BF16 machine (docs/runtime.md): a prepacked matrix-vector product
-    reads weights about twice as fast as `F.linear`, in float32 and bfloat16 alike.
+    Measured on a 2-core AVX512-BF16 machine: a prepacked matrix-vector product reads weights about twice as
+    fast as `F.linear`, in float32 and bfloat16 alike.
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -73,7 +73,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # one fused op; for bf16 it accumulates in float32 and rounds once (HF rounds twice)
+        # one fused op; for bf16 it accumulates in float32 and rounds once (HF rounds twice). Under autocast a
+        # bfloat16 input meets float32 weights: it is normed in float32, where the op stays fused
+        if x.dtype != self.weight.dtype:
+            x = x.to(self.weight.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
-from specsample.models.rope import rope_inv_freq
+from specsample.models.rope import rope_inv_freq, rope_tables
 from specsample.models.sdpa import without_cudnn_attention
 
 if TYPE_CHECKING:
@@ -289,6 +289,10 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """Preallocate a KV cache for `num_slots` rows of `max_len` tokens in the model's dtype."""
         c = self.config
@@ -315,9 +319,7 @@ class LlamaModel(nn.Module):
         """RoPE cos and sin `[b, n, 1, hd]` in the model's dtype for `positions [b, n]`."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        angles = positions.unsqueeze(-1).float() * self._inv_freq  # [b, n, hd/2]
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [b, n, 1, hd]
-        return (angles.cos() * self.rope_scale).to(self.dtype), (angles.sin() * self.rope_scale).to(self.dtype)
+        return rope_tables(self._inv_freq, self.rope_scale, positions, self.dtype)
 
     def hidden_states(self, tokens: Tensor, attend: Attention) -> Tensor:
         """Final normed hidden states `[b, n, hidden]` for `tokens [b, n]`."""
@@ -389,10 +391,22 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden) if self.output_subset is None else self.subset_logits(hidden)
 
     @torch.inference_mode()
+    def forward_cached_features(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """`forward_cached`, and the final hidden states `[b, n, hidden]` it computed the logits from."""
+        hidden, compiled = self._append(tokens, cache, slots)
+        return (self.compiled.logits(hidden) if compiled else self.logits(hidden)), hidden
+
+    @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
         """Append `tokens [b, n]` to the cache without computing logits, `chunk` positions at a time."""
         for begin in range(0, tokens.shape[1], chunk):
             self._append(tokens[:, begin:begin + chunk], cache, slots)
+
+    @torch.inference_mode()
+    def prefill_features(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> Tensor:
+        """`prefill`, returning the final hidden states `[b, n, hidden]`."""
+        return torch.cat([self._append(tokens[:, begin:begin + chunk], cache, slots)[0]
+                          for begin in range(0, tokens.shape[1], chunk)], dim=1)
 
     def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, bool]:
         """Final hidden states `[b, n, hidden]` after appending `tokens`, and whether the compiled step ran."""

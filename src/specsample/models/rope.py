@@ -41,7 +41,7 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any], factor: float) -
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(config: LlamaConfig, scaling: dict[str, Any], factor: float) -> tuple[Tensor, float]:
+def _yarn_inv_freq(config: Any, scaling: dict[str, Any], factor: float) -> tuple[Tensor, float]:
     dim, base = config.head_dim, config.rope_theta
     old_len = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
     attention_factor = scaling.get("attention_factor") or 0.1 * math.log(factor) + 1.0
@@ -61,3 +61,10 @@ def _yarn_inv_freq(config: LlamaConfig, scaling: dict[str, Any], factor: float) 
     extrapolation_weight = 1 - ramp
     inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1 / pos_freqs) * extrapolation_weight
     return inv_freq, float(attention_factor)
+
+
+def rope_tables(inv_freq: Tensor, scale: float, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """RoPE cos and sin `[b, n, 1, hd]` in `dtype` for `positions [b, n]` (`inv_freq` on the positions' device)."""
+    angles = positions.unsqueeze(-1).float() * inv_freq  # [b, n, hd/2]
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [b, n, 1, hd]
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)

@@ -1,7 +1,8 @@
 """Score a round's tokens at the width the target runs fastest: measured per device, once, at start-up.
 
 Matrix kernels do not get dearer monotonically with the number of rows: on a 2-core AVX512-BF16 CPU the
-bfloat16 oneDNN kernels score 2 tokens about 1 ms (4-6%) slower than 3 to 5 (docs/runtime.md).
+bfloat16 oneDNN kernels were measured scoring 2 tokens a few percent slower than 3 to 5 (`--pad-rows auto` prints
+the timings it measures at start-up).
 A round of one draft scores 2 tokens (the pending token and the draft), so it pays for the slow shape.
 Scoring a wider block (the extra positions repeat the last token) and reading only the real positions'
 logits leaves the verifier's inputs as they were: attention is causal, so padding after a position
@@ -28,13 +29,18 @@ PAD_MODES = ("auto", "off")  # --pad-rows
 MIN_GAIN = 0.03  # pad only where the wider block measured at least 3% faster: below that it is noise
 
 
-def score_padded(model: CausalLM, tokens: Tensor, cache: ModelCache, slots: Tensor, width: int) -> Tensor:
+def score_padded(model: CausalLM, tokens: Tensor, cache: ModelCache, slots: Tensor, width: int,
+                 features: bool = False) -> tuple[Tensor, Tensor | None]:
     """Logits `[b, n, vocab]` of `tokens [b, n]` appended to rows `slots`, scored as a block of `width` >= n
-    tokens (the last one repeated). Each row's cache length grows by `width`: the caller rolls it back."""
+    tokens (the last one repeated), and with `features` the final hidden states `[b, n, hidden]` (a `FeatureLM`;
+    else None). Each row's cache length grows by `width`: the caller rolls it back."""
     scored = tokens.shape[1]
     if width > scored:
         tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, width - scored)], dim=1)
-    return model.forward_cached(tokens, cache, slots)[:, :scored]
+    if features:
+        logits, hidden = model.forward_cached_features(tokens, cache, slots)
+        return logits[:, :scored], hidden[:, :scored]
+    return model.forward_cached(tokens, cache, slots)[:, :scored], None
 
 
 def fastest_widths(seconds: Sequence[float], min_gain: float = MIN_GAIN) -> tuple[int, ...]:

@@ -5,7 +5,7 @@ than 9.15 and CUDA at least 12.9 (pytorch pull requests 162073 and 171627). cuDN
 set of shapes and caches it, and a forward's shapes carry its query and key lengths. Decoding meets a new context
 length every round, so it would build a graph nearly every round: measured on one H200 (torch 2.11.0+cu130), a round
 whose target forward was the first to meet its (tokens, context length) shape was over 30 ms slower than a plain
-round's median most of the time (docs/runtime.md). torch's opt-in `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` (pytorch pull
+round's median most of the time. torch's opt-in `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` (pytorch pull
 request 155958) applies only without a mask and with sequence-major query, keys and values, which the runtimes'
 head-major caches are not. So cached forwards run with cuDNN's attention off; the compiled decode step, whose shapes
 never change, and uncached forwards keep torch's choice.
