@@ -32,7 +32,7 @@ BROKEN = {"residual_as_target": residual_as_target, "bonus_off_by_one": bonus_of
 
 
 class WrappedDrafter:
-    """A ModelDrafter wrapped so a broken variant can override `propose` and pass everything else through."""
+    """A drafter wrapped so a broken variant can override `propose` and pass everything else through."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -51,6 +51,13 @@ class WrappedDrafter:
 
     def commit(self, slots, committed):
         self.inner.commit(slots, committed)
+
+    @property
+    def wants_features(self):  # a wrapped feature draft still reads the target's features
+        return getattr(self.inner, "wants_features", False)
+
+    def add_features(self, slots, features):
+        self.inner.add_features(slots, features)
 
     def __getattr__(self, name):  # anything else the engine asks of a model drafter
         return getattr(self.inner, name)
@@ -92,11 +99,23 @@ class ExtensionDropsToken(WrappedDrafter):
 class SubsetProbsUnmapped(WrappedDrafter):
     """A draft with an output subset (FR-Spec) that reports its probabilities in the subset's column order
     instead of at the tokens' vocabulary ids: the tokens are right, the q the verifier reads is not.
-    Wraps a ModelDrafter whose model has an output subset."""
+    Wraps a drafter (a draft model or a feature draft) with an output subset."""
 
     def propose(self, request):
         proposal = self.inner.propose(request)
-        subset = self.inner.model.output_subset.cpu()
+        owner = self.inner if hasattr(self.inner, "output_subset") else self.inner.model
+        subset = owner.output_subset.cpu()
         unmapped = torch.zeros_like(proposal.probs)
         unmapped[..., : len(subset)] = proposal.probs[..., subset]  # column j holds token subset[j]'s q
         return type(proposal)(proposal.tokens, unmapped, proposal.num_drafted, proposal.confidence)
+
+
+class ProbsOneStepAhead(WrappedDrafter):
+    """Drafts whose reported distributions are one position ahead of the ones their tokens were drawn from (a draft
+    reading a feature one position off): position i reports position i + 1's q."""
+
+    def propose(self, request):
+        proposal = self.inner.propose(request)
+        shifted = proposal.probs.clone()
+        shifted[:, :-1] = proposal.probs[:, 1:]
+        return type(proposal)(proposal.tokens, shifted, proposal.num_drafted, proposal.confidence)

@@ -129,7 +129,8 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"the quick brown fox number {i} jumps"}) for i in range(40)))
     out = tmp_path / "draft"
-    done = subprocess.run([sys.executable, "-m", "specsample.cli", "distill", "--target", str(target), "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "specsample.cli", "distill", "--kind", "model", "--target", str(target),
+                           "--out", str(out),
                            "--prompts", str(prompts), "--num-prompts", "24", "--onpolicy-prompts", "8", "--steps", "20",
                            "--max-len", "64", "--onpolicy-max-new", "12", "--width", "32", "--layers", "1", "--heads", "2",
                            "--kv-heads", "1", "--draft-vocab", "64", "--batch-tokens", "512", "--eval-max-new-tokens", "8"],
@@ -151,5 +152,5 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     card = (out / "README.md").read_text()
     overall = json.loads((out / "eval.json").read_text())["categories"]["overall"]
     assert f"{overall['agree']:.3f}" in card
-    assert f"specsample distill --target {target} --out {out}" in card  # the command that made it
+    assert f"specsample distill --kind model --target {target} --out {out}" in card  # the command that made it
     assert "drafts from the first 4 and the latest 32 tokens" in card  # its window, from --max-len 64

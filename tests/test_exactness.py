@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import specsample.engine as engine_module
-from broken import BROKEN, ExtensionDropsToken, GateDropsToken, SubsetProbsUnmapped
+from broken import BROKEN, ExtensionDropsToken, GateDropsToken, ProbsOneStepAhead, SubsetProbsUnmapped
 from devices import DEVICE
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.drafters.base import Extension
-from specsample.planner import GammaController, RoundPlan, RowPlan
+from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
 from specsample.planner.acceptance import Acceptance
 from specsample.planner.costs import CostModel
 from specsample.drafters.hybrid import HybridDrafter
@@ -228,3 +228,68 @@ def test_subset_draft_probabilities_at_the_wrong_ids_fail(pair) -> None:
     counts = engine_counts(target, SubsetProbsUnmapped(ModelDrafter(subset_draft())), params, gamma=3, prompt=REPEATING)
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic > threshold, f"unmapped subset probabilities were not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+FEATURE_PROMPTS = [REPEATING, [4, 1, 6], [2]]  # ragged: 7, 2 and 0 prompt tokens fed before the first round
+FEATURE_WARP = SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=LENGTH)
+
+
+def feature_draft(target, subset: list[int] | None = SUBSET):
+    """A feature draft (EAGLE head) on the pair's target, its weights random: distributions that differ by position."""
+    from specsample.drafters.eagle import EagleDrafter, EagleHead, HeadConfig
+
+    head = EagleHead(HeadConfig.of(target.config)).double()
+    generator = torch.Generator().manual_seed(30)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.05)
+    return EagleDrafter(head.to(DEVICE), target, None if subset is None else torch.tensor(subset))
+
+
+def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Histograms of the first LENGTH tokens per prompt, the prompts' rows interleaved in one ragged batch."""
+    config = SpecConfig(gamma=3, adaptive=True, max_batch_size=SAMPLES,
+                        max_seq_len=max(len(p) for p in prompts) + LENGTH)
+    engine = Engine(target, drafter, config, planner=planner)
+    ids = [engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, seed=5000 + i))
+           for i in range(SAMPLES)]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    for result in engine.stream():
+        for update in result.rows:
+            out[update.request_id].extend(update.new_tokens)
+    hists = []
+    for p in range(len(prompts)):
+        index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids[p::len(prompts)]]
+        hists.append(np.bincount(index, minlength=VOCAB**LENGTH))
+    return hists
+
+
+def _feature_chi_squares(target, drafter, planner) -> list[tuple[float, float]]:
+    return [chi_square(counts, exact_joint(target, FEATURE_WARP, prompt))
+            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS),
+                                      FEATURE_PROMPTS)]
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["feature_draft", "hybrid_with_feature_draft"])
+def test_feature_drafting_is_exact(pair, hybrid: bool) -> None:
+    """A feature draft under gamma auto (gated), alone or in the hybrid, at temperature 0.7 with top-k and top-p,
+    in a ragged batch: each prompt's tokens follow the target's joint distribution."""
+    target, _ = pair
+    drafter = feature_draft(target)
+    if hybrid:
+        drafter = HybridDrafter(drafter, NgramDrafter(min_n=1), min_match=2)
+    planner = FixedGate(3, per_draft=0.3 if hybrid else 0.05)
+    for statistic, threshold in _feature_chi_squares(target, drafter, planner):
+        assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+    assert any(t > 0 for t in planner.acceptance.bin_trials)  # the head drafted, gated
+
+
+@pytest.mark.parametrize("broken", ["one_step_ahead", "subset_unmapped"])
+def test_broken_feature_drafts_fail(pair, broken: str) -> None:
+    """A feature draft reporting the distribution of the next position (a feature one position off), or its subset
+    probabilities at the subset's column ids, must fail the same test."""
+    target, _ = pair
+    wrapped = {"one_step_ahead": ProbsOneStepAhead, "subset_unmapped": SubsetProbsUnmapped}[broken]
+    results = _feature_chi_squares(target, wrapped(feature_draft(target)), FixedGamma(3))  # two drafts a round
+    assert any(statistic > threshold for statistic, threshold in results), results

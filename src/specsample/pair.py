@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
 from specsample.drafters.base import Drafter
+from specsample.drafters.eagle import EagleDrafter, is_head_folder, load_head_drafter
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import WINDOW_MODES, DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
-from specsample.models.hub import ALIASES, FetchError
+from specsample.models.hub import ALIASES, FetchError, builtin_draft
 from specsample.models.llama import LlamaModel
 from specsample.models.loader import LoadedModel, load_model
 
@@ -73,9 +75,19 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         if model is None:  # the model failed to load (already logged): keep prompt lookup at least
             log.warning("hybrid drafting continues with n-gram lookup only")
             return NgramDrafter()
-        if not isinstance(model, ModelDrafter):
-            raise ValueError(f"hybrid drafting needs a draft model, got {model_spec!r}")
+        if not isinstance(model, (ModelDrafter, EagleDrafter)):
+            raise ValueError(f"hybrid drafting needs a draft model or a feature draft, got {model_spec!r}")
         return HybridDrafter(model)
+    head = builtin_draft(spec) or (Path(spec) if Path(spec).is_dir() else None)
+    if head is not None and is_head_folder(head):
+        if not isinstance(target.model, LlamaModel):
+            raise ValueError(f"{spec} is a feature draft (EAGLE head): it needs the target on our Llama-family "
+                             "runtime, not the transformers adapter")
+        try:
+            return load_head_drafter(head, target.model)
+        except (OSError, RuntimeError, MemoryError, SafetensorError) as exc:
+            log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
+            return None
     try:
         draft = load_model(spec, dtype=dtype, device=device, compile_decode=compile_decode)
         if dtype == "auto" and not compile_decode and _small_on_cpu(draft.model):

@@ -50,9 +50,9 @@ SMOLLM2_DRAFT = "smollm2-135m-instruct-draft"
 
 
 def builtin_draft(name: str) -> Path | None:
-    """The folder of a draft shipped inside the package, or None."""
+    """The folder of a draft shipped inside the package (a draft model or a feature draft), or None."""
     folder = DRAFTS_DIR / name
-    return folder if (folder / "config.json").exists() else None
+    return folder if (folder / "config.json").exists() or (folder / "eagle.json").exists() else None
 
 
 ALIASES: dict[str, Alias] = {
