@@ -266,3 +266,37 @@ def test_bad_files_are_clear_errors(tmp_path) -> None:
         load_model(str(tmp_path / "broken.gguf"))
     with pytest.raises(ValueError, match="no config.json"):
         load_model(str(tmp_path))
+
+
+def test_a_token_tree_scores_each_path_as_a_chain_and_keeps_one_path() -> None:
+    """One forward over a tree (each token seeing the context and its ancestors, at the position of its depth) gives
+    every path the logits of that path decoded as a chain; keeping a path's cache entries leaves the cache as if
+    that path alone had been decoded."""
+    from specsample.models.tiny import tiny_lm
+
+    model = tiny_lm(40, 2, init_scale=0.2, dtype=torch.float64)
+    context, slot = torch.tensor([[1, 2, 3, 4]]), torch.tensor([0])
+    # the pending token 5 at block index 0; its children 6 and 7; 8 under 6; 9 under 8; 10 under 7
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 2]])
+
+    def fresh(prefix: list[int]):
+        cache = model.new_cache(1, 32)
+        model.prefill(torch.tensor([prefix]), cache, slot)
+        return cache
+
+    cache = fresh([1, 2, 3, 4])
+    logits, hidden = model.forward_cached_tree(tokens, cache, slot, parents)
+    assert torch.allclose(logits[0, [0, 1, 3, 4]], model.forward_cached(torch.tensor([[5, 6, 8, 9]]),
+                                                                        fresh([1, 2, 3, 4]), slot)[0], atol=1e-12)
+    assert torch.allclose(logits[0, [2, 5]], model.forward_cached(torch.tensor([[7, 10]]), fresh([1, 2, 3, 4, 5]),
+                                                                  slot)[0], atol=1e-12)
+    with torch.inference_mode():
+        assert torch.allclose(model.logits(hidden), logits)
+    cache.keep_path(0, 4, [0, 1, 3, 4])
+    assert int(cache.lengths[0]) == 8
+    after = model.forward_cached(torch.tensor([[11]]), cache, slot)
+    assert torch.allclose(after, model.forward_cached(torch.tensor([[11]]), fresh([1, 2, 3, 4, 5, 6, 8, 9]), slot),
+                          atol=1e-12)
+    with pytest.raises(ValueError, match="must come before"):
+        model.forward_cached_tree(tokens, fresh([1, 2]), slot, torch.tensor([[-1, 0, 3, 1, 3, 2]]))

@@ -98,10 +98,10 @@ class EagleHead(nn.Module):
 
     def forward(self, embeddings: Tensor, features: Tensor, attend: Attention) -> Tensor:
         """Predicted features `[b, n, hidden]` from token embeddings and features `[b, n, hidden]` each."""
-        if self._inv_freq.device != attend.positions.device:
-            self._inv_freq = self._inv_freq.to(attend.positions.device)
+        if self._inv_freq.device != attend.rope_positions.device:
+            self._inv_freq = self._inv_freq.to(attend.rope_positions.device)
         x = self.fc(torch.cat([embeddings, features], dim=-1))
-        rope = rope_tables(self._inv_freq, self.rope_scale, attend.positions, x.dtype)
+        rope = rope_tables(self._inv_freq, self.rope_scale, attend.rope_positions, x.dtype)
         return self.layer(x, rope, attend)
 
     def forward_cached(self, embeddings: Tensor, features: Tensor, cache: KVCache, slots: Tensor) -> Tensor:

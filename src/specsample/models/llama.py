@@ -154,6 +154,25 @@ class Block(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+def tree_ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """From `parents [b, n]` (token i's parent index, or -1), each token's ancestors and itself `[b, n, n]` (bool) and
+    its depth `[b, n]` (0 for a root). Parents come before their children."""
+    batch, n = parents.shape
+    ancestors = torch.zeros(batch, n, n, dtype=torch.bool)
+    depths = torch.zeros(batch, n, dtype=torch.long)
+    for i in range(n):
+        parent = parents[:, i]
+        if bool(((parent >= i) | (parent < -1)).any()):
+            raise ValueError(f"token {i}'s parent must come before it (or be -1), got {parent.tolist()}")
+        has = parent >= 0
+        rows = torch.nonzero(has).flatten()
+        if len(rows):
+            ancestors[rows, i] = ancestors[rows, parent[rows]]
+            depths[rows, i] = depths[rows, parent[rows]] + 1
+        ancestors[:, i, i] = True
+    return ancestors, depths
+
+
 def window_layers(config: LlamaConfig) -> frozenset[int]:
     """Indices of the layers that attend through the sliding window (when there is one)."""
     return frozenset(range(config.num_layers) if config.window_layers is None else config.window_layers)
@@ -167,7 +186,10 @@ class Attention:
     """
 
     def __init__(self, cache: KVCache | None, slots: Tensor | None, starts: Tensor, n: int,
-                 config: LlamaConfig, groups: int, device: torch.device) -> None:
+                 config: LlamaConfig, groups: int, device: torch.device, parents: Tensor | None = None) -> None:
+        """`parents [b, n]`: the new tokens form a tree per row (token i's parent among them, -1 for the first):
+        each token sees the cached context and its ancestors, at the position of its depth (its cache entry stays
+        at its index in the block, for the caller to compact). None: a causal block."""
         self.cache, self.layer, self.groups = cache, 0, groups
         batch = starts.shape[0]
         self.kv_len = int(starts.max()) + n
@@ -184,6 +206,18 @@ class Attention:
             self.slots = slots.to(device)
         key_pos = torch.arange(self.kv_len, device=device).view(1, 1, -1)
         visible = key_pos <= self.positions.unsqueeze(-1)  # [b, n, kv_len] causal
+        self.rope_positions = self.positions  # [b, n] the positions RoPE rotates by
+        if parents is not None:
+            if config.sliding_window is not None:
+                raise ValueError("token trees are not supported with sliding-window attention")
+            ancestors, depths = tree_ancestors(parents.cpu())  # [b, n, n], [b, n]
+            self.rope_positions = (starts.unsqueeze(1) + depths).to(device)
+            block = torch.zeros(batch, n, self.kv_len, dtype=torch.bool)
+            for row in range(batch):  # the block's columns of each row: its ancestors; before them the context
+                start = int(starts[row])
+                block[row, :, :start] = True
+                block[row, :, start:start + n] = ancestors[row]
+            visible = block.to(device)
         decode = self.start is not None and n == 1  # one query per row sees every cached key
         self.mask = None if decode else self._grouped(visible, groups)
         window = config.sliding_window
@@ -324,7 +358,7 @@ class LlamaModel(nn.Module):
     def hidden_states(self, tokens: Tensor, attend: Attention) -> Tensor:
         """Final normed hidden states `[b, n, hidden]` for `tokens [b, n]`."""
         x = self.embed(tokens)
-        rope = self.rope_tables(attend.positions)
+        rope = self.rope_tables(attend.rope_positions)
         for layer in self.layers:
             x = layer(x, rope, attend)
         return self.norm(x)
@@ -397,6 +431,16 @@ class LlamaModel(nn.Module):
         return (self.compiled.logits(hidden) if compiled else self.logits(hidden)), hidden
 
     @torch.inference_mode()
+    def forward_cached_tree(self, tokens: Tensor, cache: KVCache, slots: Tensor,
+                            parents: Tensor) -> tuple[Tensor, Tensor]:
+        """Append a token tree per row (`parents [b, n]`: each token's parent among them, -1 for the first) and
+        return logits `[b, n, vocab]` and final hidden states `[b, n, hidden]`: each token sees the context and its
+        ancestors, at the position of its depth. Its cache entries sit in block order: keep a path with
+        `KVCache.keep_path`."""
+        hidden, _ = self._append(tokens, cache, slots, parents)
+        return self.logits(hidden), hidden
+
+    @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
         """Append `tokens [b, n]` to the cache without computing logits, `chunk` positions at a time."""
         for begin in range(0, tokens.shape[1], chunk):
@@ -408,17 +452,19 @@ class LlamaModel(nn.Module):
         return torch.cat([self._append(tokens[:, begin:begin + chunk], cache, slots)[0]
                           for begin in range(0, tokens.shape[1], chunk)], dim=1)
 
-    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, bool]:
-        """Final hidden states `[b, n, hidden]` after appending `tokens`, and whether the compiled step ran."""
+    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor,
+                parents: Tensor | None = None) -> tuple[Tensor, bool]:
+        """Final hidden states `[b, n, hidden]` after appending `tokens` (a causal block, or a tree per row: see
+        `Attention`), and whether the compiled step ran."""
         n = tokens.shape[1]
         starts = cache.reserve(slots, n)
-        compiled = self.compiled is not None and self.compiled.applies(tokens, cache, slots)
+        compiled = parents is None and self.compiled is not None and self.compiled.applies(tokens, cache, slots)
         if compiled:
             if self.compiled.stale():
                 self.compile_decode()
             hidden = self.compiled(tokens.to(self.device), cache, starts)
         else:
-            attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device)
+            attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device, parents)
             with without_cudnn_attention(self.cudnn_attention):
                 hidden = self.hidden_states(tokens.to(self.device), attend)
         cache.lengths[slots.cpu()] = starts + n
