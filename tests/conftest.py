@@ -13,6 +13,17 @@ def pytest_report_header(config) -> str:
     return f"specsample model tests on device: {DEVICE}"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The load test runs only when a -m expression names it: another -m (e.g. "not slow") replaces the default
+    "not load" of pyproject.toml, and must not bring the load test back."""
+    if "load" in (config.option.markexpr or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("load") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("load") is not None])
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return tiny_lm(32, seed=1, init_scale=0.2, dtype=torch.float64, device=DEVICE)

@@ -34,11 +34,11 @@ def folders(tmp_path_factory) -> dict[str, Path]:
             "other_vocab": write_hf_model(root / "other", "llama", tokenizer=tokenizer, vocab_size=512)}
 
 
-def _server(folders, api_key=None, max_batch=8) -> LiveServer:
+def _server(folders, api_key=None, max_batch=8, **options) -> LiveServer:
     speculator = load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4,
                                     dtype="float32"))
     return LiveServer(SpecServer(speculator, ServerOptions(model_name=MODEL, api_key=api_key, min_acceptance=0.7,
-                                                           max_batch_size=max_batch, max_model_len=128)))
+                                                           max_batch_size=max_batch, max_model_len=128, **options)))
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def test_metrics_count_what_the_controller_did() -> None:
 
 
 def test_api_key_and_draft_swap(folders) -> None:
-    server = _server(folders, api_key="secret")
+    server = _server(folders, api_key="secret", admin_key="admin", models_dir=str(folders["target"].parent))
     try:
         with pytest.raises(openai.AuthenticationError):
             server.client("wrong").completions.create(model=MODEL, prompt="hi", max_tokens=3)
@@ -259,21 +259,21 @@ def test_api_key_and_draft_swap(folders) -> None:
         client = server.client("secret")
         reference = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0)
 
-        def swap(spec: str, key: str = "secret") -> httpx.Response:
+        def swap(spec: str, key: str = "admin") -> httpx.Response:
             return httpx.post(server.url + "/admin/draft", json={"draft": spec},
                               headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
         stream = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0, stream=True)
         first = next(iter(stream))  # a request in flight on the first draft
-        assert swap(str(folders["draft2"])).status_code == 200  # swapped while it runs
+        assert swap("draft2").status_code == 200  # swapped while it runs (a draft in the models folder, by name)
         rest = "".join(c.choices[0].text for c in stream)
         assert first.choices[0].text + rest == reference.choices[0].text  # finished, not dropped
         after = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0)
         assert after.choices[0].text == reference.choices[0].text
-        assert httpx.get(server.url + "/health").json()["draft"] == str(folders["draft2"])
-        refused = swap(str(folders["other_vocab"]))
-        assert refused.status_code == 400 and "vocabulary" in refused.json()["error"]["message"]
-        assert swap("ngram", key="wrong").status_code == 401
+        assert httpx.get(server.url + "/health").json()["draft"] == "draft2"
+        refused = swap("other")  # its vocabulary differs from the target's
+        assert refused.status_code == 400 and "unknown or unusable draft" in refused.json()["error"]["message"]
+        assert swap("ngram", key="secret").status_code == 403  # the inference key is not the admin key
         assert server.server.engine.drafter.generations <= 2
     finally:
         server.close()

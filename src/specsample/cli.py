@@ -11,13 +11,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsample.config import SamplingParams
+from specsample.config import SamplingParams, SettingError
 from specsample.drafters.model import WINDOW_MODES
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
 from specsample.models.loader import RUNTIMES
 from specsample.models.row_padding import PAD_MODES
-from specsample.speculator import DEFAULT_TARGET, EngineOptions, parse_gamma
+from specsample.server.options import DEFAULT_MAX_BODY_BYTES
+from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device, parse_gamma
 
 
 class CliError(Exception):
@@ -68,6 +69,25 @@ def _gamma_arg(value: str) -> int | str:
         return parse_gamma(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _device_arg(value: str) -> str:
+    """A device this process can use."""
+    try:
+        check_device(value)
+    except SettingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _port_arg(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is an integer in 0..65535, got {value!r}")
+    return port
 
 
 def _say(message: str) -> None:
@@ -156,26 +176,36 @@ def _add_serve_parser(sub) -> None:
                        help="gamma, or 'auto' (default): chosen per request online, up to --max-gamma")
     serve.add_argument("--max-gamma", type=int, default=8)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port_arg, default=8000)
     serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together; more wait in line")
     serve.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
                        help="auto (default): time the target's forward per number of tokens scored at start-up "
                             "(a few seconds) and score single-request rounds at the fastest width >= what they "
                             "need; off: score what is asked")
     serve.add_argument("--max-model-len", type=int, default=2048, help="context length per request (prompt + output)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also enables /admin)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the inference routes")
+    serve.add_argument("--admin-key", default=None,
+                       help="enable /admin/* (live draft replacement), which then needs 'Authorization: Bearer "
+                            "ADMIN_KEY'; without it /admin/* answers 404")
+    serve.add_argument("--models-dir", default=None,
+                       help="folder of drafts /admin/draft may load, named by their path inside it (besides ngram, "
+                            "hybrid and the built-in drafts)")
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES})")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
     serve.add_argument("--min-acceptance", type=float, default=None,
                        help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)")
     serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (checked before any model loads)")
     ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'ray[serve]')")
     ray.add_argument("--replicas", type=int, default=None, help="deploy N replicas behind one endpoint on Ray Serve")
     ray.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="autoscale replicas on ongoing requests")
     ray.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ray.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     ray.add_argument("--num-gpus-per-replica", type=float, default=0.0)
-    serve.set_defaults(func=cmd_serve)
+    # settings named differently here than in EngineOptions and ServerOptions (the others: --NAME-WITH-DASHES)
+    serve.set_defaults(func=cmd_serve, flags={"gamma": "--num-speculative-tokens", "draft": "--speculative-model",
+                                              "target": "--model"})
 
 
 MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
@@ -204,7 +234,8 @@ def _add_distill_parsers(sub) -> None:
                       help="spec-bench (eagle default), heldout (model default; ShareGPT past the training range) "
                            "or a prompt file")
     dist.add_argument("--eval-max-new-tokens", type=int, default=64)
-    dist.add_argument("--device", default="cpu", help="cpu or cuda: where the target scores and the draft trains")
+    dist.add_argument("--device", type=_device_arg, default="cpu",
+                      help="cpu or cuda: where the target scores and the draft trains")
     dist.add_argument("--resume", action="store_true")
     dist.add_argument("--seed", type=int, default=0)
     eagle = dist.add_argument_group("--kind eagle")
@@ -414,12 +445,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """Load the pair, then serve the OpenAI API with uvicorn (or on Ray Serve) until interrupted."""
     from specsample.server.options import ServerOptions
 
+    # bad flags fail here, before any model is loaded
     options = EngineOptions(target=args.model, draft=args.speculative_model, gamma=args.num_speculative_tokens,
                             max_gamma=args.max_gamma, dtype=args.dtype, device=args.device, pad_rows=args.pad_rows,
                             draft_window=args.draft_window)
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
-                            max_model_len=args.max_model_len)
+                            max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
+                            max_body_bytes=args.max_body_bytes)
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
@@ -507,6 +540,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = shlex.join(["specsample", *argv])  # recorded in reports and model cards
     try:
         args.func(args)
+    except SettingError as exc:  # a flag's value, refused before any model loads: name the flag
+        flag = getattr(args, "flags", {}).get(exc.name, "--" + exc.name.replace("_", "-"))
+        print(f"specsample: error: argument {flag}: {exc} (see --help)", file=sys.stderr)
+        return 2
     except (ValueError, FetchError, CliError, OSError) as exc:
         print(f"specsample: error: {exc}", file=sys.stderr)
         return 2

@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+# the smallest temperature above 0 (greedy): float32 logits divided by it stay finite up to |logit| 3.4e34, far
+# beyond any model's, so warping never overflows
+MIN_TEMPERATURE = 1e-4
+SEED_LIMIT = 2**64  # seeds are 0 <= seed < SEED_LIMIT (torch.Generator's range of non-negative seeds)
+
+
+class SettingError(ValueError):
+    """A bad setting; `name` is the setting's field name, for callers that name their own flag or parameter."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; the draft and the target are warped by the same ones.
 
-    Warping order: temperature, then top-k, then top-p, then min-p.
+    Warping order: temperature, then top-k, then top-p, then min-p. Temperature is 0 (greedy) or at least
+    MIN_TEMPERATURE; any top-p in (0, 1] keeps at least the most likely token.
     """
 
     temperature: float = 1.0  # 0 means greedy
@@ -21,18 +44,22 @@ class SamplingParams:
     seed: int | None = None  # None draws a fresh seed per request
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p < 1.0):
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t):
+            raise SettingError("temperature", f"temperature must be a finite number, got {t!r}")
+        if t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise SettingError("temperature", f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                              f"got {t:g}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise SettingError("top_k", f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise SettingError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p < 1.0:
+            raise SettingError("min_p", f"min_p must be in [0, 1), got {self.min_p!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise SettingError("max_new_tokens", f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise SettingError("seed", f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ray import serve
 
-from specsample.server.options import ServerOptions
+from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
 from specsample.speculator import DEFAULT_TARGET, EngineOptions
 
 log = logging.getLogger("specsample.deploy")
@@ -46,6 +46,9 @@ class ReplicaSettings:
     device: str = "cpu"
     pad_rows: str = "auto"  # see `specsample serve --pad-rows`
     draft_window: str = "auto"  # see `specsample serve --draft-window`
+    admin_key: str | None = None  # see `specsample serve --admin-key`
+    models_dir: str | None = None  # see `specsample serve --models-dir`
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # see `specsample serve --max-body-bytes`
 
     def __post_init__(self) -> None:
         self.engine_options()  # bad settings fail here, before any replica loads a model
@@ -59,7 +62,8 @@ class ReplicaSettings:
     def server_options(self, replica_id: str | None = None) -> ServerOptions:
         return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
                              min_acceptance=self.min_acceptance, max_batch_size=self.max_batch_size,
-                             max_model_len=self.max_model_len, replica_id=replica_id)
+                             max_model_len=self.max_model_len, replica_id=replica_id, admin_key=self.admin_key,
+                             models_dir=self.models_dir, max_body_bytes=self.max_body_bytes)
 
     @classmethod
     def of(cls, options: EngineOptions, serving: ServerOptions) -> ReplicaSettings:
@@ -68,7 +72,8 @@ class ReplicaSettings:
                    max_batch_size=serving.max_batch_size, max_model_len=serving.max_model_len,
                    served_model_name=serving.model_name, api_key=serving.api_key,
                    min_acceptance=serving.min_acceptance, dtype=options.dtype, device=options.device,
-                   pad_rows=options.pad_rows, draft_window=options.draft_window)
+                   pad_rows=options.pad_rows, draft_window=options.draft_window, admin_key=serving.admin_key,
+                   models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes)
 
     def as_args(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +84,8 @@ class ReplicaSettings:
         unknown = set(args) - set(known) - {"replicas", "autoscale", "num_cpus", "num_gpus"}
         if unknown:
             raise ValueError(f"unknown specsample deployment argument(s): {', '.join(sorted(unknown))}")
-        casts = {"max_gamma": int, "max_batch_size": int, "max_model_len": int, "min_acceptance": float}
+        casts = {"max_gamma": int, "max_batch_size": int, "max_model_len": int, "min_acceptance": float,
+                 "max_body_bytes": int}
         return cls(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items() if k in known})
 
 

@@ -43,7 +43,9 @@ class RowUpdate:
     new_tokens: tuple[int, ...]  # committed this round (after EOS / length truncation)
     num_drafted: int
     num_accepted: int
-    finish_reason: str | None  # "stop" (EOS), "length", "cancelled"; None while running
+    # "stop" (EOS), "length", "cancelled", or "error" (the row's distributions were unusable: it ends alone, the
+    # other rows of its round go on as without it); None while running
+    finish_reason: str | None
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,11 @@ class Engine:
         """Stop a request; its slot is freed at the next round."""
         with self._lock:
             self._cancelled.add(request_id)
+
+    def waiting_ids(self) -> set[str]:
+        """The requests queued for a slot (not yet admitted)."""
+        with self._lock:
+            return {r.request_id for r in self._waiting}
 
     @property
     def num_running(self) -> int:
@@ -357,12 +364,16 @@ class Engine:
             return tuple(RowOutcome(r.request_id, 0, 0) for r in rows)
         drafted = proposal.num_drafted.tolist()
         accepted = verdict.num_accepted.cpu().tolist()  # one device-to-host copy per round
+        failed = _failed_rows(verdict)
         self._note_plain_tokens(rows, drafted, verdict, target_probs)
         acceptance = (acceptance_probabilities(proposal.tokens, proposal.probs, target_probs).cpu().tolist()
                       if target_probs is not None and proposal.tokens.shape[1] > 0 else None)  # [b, gamma]
         confidence = proposal.confidence
         out = []
         for i, row in enumerate(rows):
+            if failed[i]:  # nothing it did this round means anything: it teaches nothing
+                out.append(RowOutcome(row.request_id, 0, 0))
+                continue
             n, k = drafted[i], accepted[i]
             reached = min(k + 1, n)  # the accepted drafts and the first rejected one
             out.append(RowOutcome(
@@ -399,25 +410,35 @@ class Engine:
                 features: Tensor | None = None) -> list[RowUpdate]:
         """Each row's new tokens (its accepted drafts and the next token, cut at EOS or its budget); the target's
         cache keeps the prompt, earlier output and the accepted drafts, the drafter follows (with the target's
-        features of the committed positions, where it reads them)."""
+        features of the committed positions, where it reads them). A failed row commits nothing and ends with
+        "error"; its caches are reset when it is released."""
         next_tokens = verdict.next_token.cpu().tolist()
         drafts = proposal.tokens.cpu().tolist()
-        updates, committed, target_lengths = [], [], []
-        for row, accepted, nxt, drafted_row, n_drafted in zip(
+        failed = _failed_rows(verdict)
+        updates, kept, committed, target_lengths = [], [], [], []
+        for i, (row, accepted, nxt, drafted_row, n_drafted) in enumerate(zip(
             rows, verdict.num_accepted.cpu().tolist(), next_tokens, drafts, proposal.num_drafted.tolist()
-        ):
+        )):
+            if failed[i]:
+                log.error("request %s: its distributions are not usable (NaN, infinite or no mass): it ends with "
+                          "an error", row.request_id)
+                updates.append(RowUpdate(row.request_id, (), n_drafted, 0, "error"))
+                continue
             new = drafted_row[:accepted] + [nxt]
             target_lengths.append(len(row.prompt) + len(row.output) + accepted)
             new, reason = self._apply_stops(row, new)
             row.output.extend(new)
+            kept.append(i)
             committed.append(new)
             updates.append(RowUpdate(row.request_id, tuple(new), n_drafted, accepted, reason))
-        slots = [r.slot for r in rows]
+        slots = [rows[i].slot for i in kept]
+        if not slots:
+            return updates
         self.cache.truncate(torch.tensor(slots, dtype=torch.long), torch.tensor(target_lengths, dtype=torch.long))
         if self.drafter is not None:
             self.drafter.commit(slots, committed)
             if features is not None:  # the pending token's position and each accepted draft's
-                self.drafter.add_features(slots, [features[i, : len(new)] for i, new in enumerate(committed)])
+                self.drafter.add_features(slots, [features[i, : len(new)] for i, new in zip(kept, committed)])
         return updates
 
     def _apply_stops(self, row: _Row, new: list[int]) -> tuple[list[int], str | None]:
@@ -487,6 +508,12 @@ class Engine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)  # timings must include queued GPU work
         return self.clock()
+
+
+def _failed_rows(verdict: Verdict) -> list[bool]:
+    """Per row, whether the verifier found its distributions unusable."""
+    rows = verdict.num_accepted.shape[0]
+    return [False] * rows if verdict.failed is None else verdict.failed.cpu().tolist()
 
 
 def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Drafter | None:

@@ -20,11 +20,14 @@ Generators = torch.Generator | Sequence[torch.Generator]
 def warp_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """Turn logits `[..., vocab]` into the probabilities sampling draws from under `params`.
 
-    Greedy (temperature 0) gives a one-hot at the argmax (lowest index on ties).
+    Greedy (temperature 0) gives a one-hot at the argmax (lowest index on ties). A row of logits holding NaN
+    gives a row of NaN under any settings, so whoever reads the distribution can tell it is unusable.
     """
     logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
     if params.greedy:
-        return one_hot_like(logits.argmax(dim=-1), logits)
+        top = logits.argmax(dim=-1, keepdim=True)  # a NaN counts as the maximum
+        unusable = logits.gather(-1, top).isnan()
+        return one_hot_like(top.squeeze(-1), logits).masked_fill(unusable, float("nan"))
     scaled = logits / params.temperature
     if params.top_k is not None and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
@@ -40,10 +43,12 @@ def warp_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def _top_p_filter(probs: Tensor, top_p: float) -> Tensor:
-    """Keep the smallest most-likely set whose mass reaches `top_p` (always at least one token)."""
+    """Keep the smallest most-likely set whose mass reaches `top_p`; the most likely token always stays (a top_p
+    too small for the probabilities' dtype, which rounds to 0 there, keeps just that token)."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop_sorted = mass_before >= top_p  # a token is kept while the mass before it is short of top_p
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     kept = probs.masked_fill(drop, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
@@ -115,11 +120,28 @@ def sample(probs: Tensor, generators: Generators, active: Sequence[bool] | None 
     """Draw one token per row from `probs [rows, vocab]` using the given generator(s).
 
     Rows marked inactive consume no randomness (per-row generators) and get the first token with
-    positive probability.
+    positive probability. A row that is no distribution (zero or non-finite mass) draws nothing and gets
+    token 0: it fails alone, and whoever reads the probabilities it was drawn from must refuse it (the
+    verifier does), while the other rows draw exactly as they would without it.
     """
-    counts = None if active is None else [int(a) for a in active]
-    uniforms = draw_uniforms(generators, probs.shape[0], 1, probs.device, counts)[:, 0]
-    return sample_from(probs, uniforms)
+    rows = probs.shape[0]
+    usable = usable_rows(probs)
+    if bool(usable.all()):
+        counts = None if active is None else [int(a) for a in active]
+        return sample_from(probs, draw_uniforms(generators, rows, 1, probs.device, counts)[:, 0])
+    counts = [int(a and ok) for a, ok in zip(active if active is not None else [True] * rows, usable.tolist())]
+    uniforms = draw_uniforms(generators, rows, 1, probs.device, counts)[:, 0]
+    tokens = torch.zeros(rows, dtype=torch.long, device=probs.device)
+    if bool(usable.any()):
+        tokens[usable] = sample_from(probs[usable], uniforms[usable])
+    return tokens
+
+
+def usable_rows(probs: Tensor) -> Tensor:
+    """Which rows of `probs [..., vocab]` (probabilities, unnormalised ok) are distributions: finite, with
+    positive mass. A NaN or an infinity anywhere in a row makes its sum non-finite, so one sum per row decides."""
+    mass = probs.sum(dim=-1)
+    return torch.isfinite(mass) & (mass > 0)
 
 
 def warp_rows(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:

@@ -13,11 +13,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specsample.config import SpecConfig
+import torch
+
+from specsample.config import SettingError, SpecConfig
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import WINDOW_MODES
 from specsample.engine import Engine
-from specsample.models.loader import RUNTIMES
+from specsample.models.loader import RUNTIMES, resolve_dtype
 from specsample.models.row_padding import PAD_MODES, measure_target_widths
 from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner
@@ -42,6 +44,34 @@ def parse_gamma(value: int | str) -> int | str:
     return gamma
 
 
+def parse_device(spec: str | torch.device) -> torch.device:
+    """`spec` as a device of a kind we run on (cpu, cuda[:N], mps), else `SettingError`. Whether this process can use
+    it is `check_device`'s question."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise SettingError("device", f"device must be cpu, cuda or cuda:N, got {spec!r}")
+    return device
+
+
+def check_device(spec: str | torch.device) -> None:
+    """Raise `SettingError` unless this process can use the device `spec` names: cpu, an existing CUDA device, or mps
+    where available."""
+    device = parse_device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+            raise SettingError("device", f"{spec}: CUDA is not available ({why}; torch {torch.__version__})")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise SettingError("device", f"{spec}: this machine has {count} CUDA device{'' if count == 1 else 's'} "
+                                         f"(cuda:0..cuda:{count - 1})")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise SettingError("device", f"{spec}: MPS is not available")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Everything that decides how engines are built (the CLI's, the server's and Ray's settings)."""
@@ -59,15 +89,26 @@ class EngineOptions:
     draft_window: str = "auto"  # what a draft model attends to: 'auto' (the window saved with it) or 'off'
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "gamma", parse_gamma(self.gamma))
+        """Every setting is checked here; whether this process can use the device, by `load` before it loads
+        anything (a Ray driver may lack the GPUs its replicas have)."""
+        try:
+            object.__setattr__(self, "gamma", parse_gamma(self.gamma))
+        except ValueError as exc:
+            raise SettingError("gamma", str(exc)) from None
         if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int) or self.max_gamma < 1:
-            raise ValueError(f"max_gamma must be an integer >= 1, got {self.max_gamma!r}")
+            raise SettingError("max_gamma", f"max_gamma must be an integer >= 1, got {self.max_gamma!r}")
         if self.pad_rows not in PAD_MODES:
-            raise ValueError(f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
+            raise SettingError("pad_rows", f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
         if self.draft_window not in WINDOW_MODES:
-            raise ValueError(f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}")
+            raise SettingError("draft_window",
+                               f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}")
         if self.runtime not in RUNTIMES:
-            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+            raise SettingError("runtime", f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        try:
+            resolve_dtype(self.dtype, torch.device("cpu"))
+        except ValueError as exc:
+            raise SettingError("dtype", str(exc)) from None
+        parse_device(self.device)
         if self.compile and self.runtime == "hf":
             raise ValueError("--compile needs our Llama-family runtime, not --runtime hf")
 
@@ -123,6 +164,7 @@ class Speculator:
 def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None) -> Speculator:
     """Load the target and drafter `options` name and measure what engines need (`say`: progress lines)."""
     say = say or log.info
+    check_device(options.device)
     if options.compile:
         say("compiling the decode steps after loading (20-80 s on a small CPU, once per process)")
     pair = load_pair(options.target, options.draft if options.speculative else "none", options.dtype,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specsample.sampling import Generators, draw_uniforms, one_hot_like, sample_from
+from specsample.sampling import Generators, draw_uniforms, one_hot_like, sample_from, usable_rows
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class Verdict:
     num_accepted: Tensor  # [batch] long, in 0..num_drafted
     next_token: Tensor  # [batch] long: recovered token, or bonus token when all drafts passed
     accepted: Tensor  # [batch, gamma] bool: draft position i was accepted (a prefix per row)
+    # [batch] bool: rows whose target or draft distribution at a position they use is no distribution (NaN,
+    # infinite, zero mass); such a row's tokens mean nothing and it must end. None: every row was usable
+    failed: Tensor | None = None
 
 
 def _num_drafted_or_full(num_drafted: Tensor | None, draft_tokens: Tensor) -> Tensor:
@@ -30,6 +33,13 @@ def _num_drafted_or_full(num_drafted: Tensor | None, draft_tokens: Tensor) -> Te
     if num_drafted is None:
         return torch.full((batch,), gamma, dtype=torch.long, device=draft_tokens.device)
     return num_drafted.to(device=draft_tokens.device, dtype=torch.long)
+
+
+def _failed(bad_read: Tensor, in_range: Tensor, bad_next: Tensor) -> Tensor | None:
+    """Rows `[batch]` that read an unusable value: at an offered draft (`bad_read [batch, gamma]`, where `in_range`)
+    or in the distribution their next token comes from (`bad_next [batch]`). None when every row is usable."""
+    failed = (bad_read & in_range).any(dim=-1) | bad_next
+    return failed if bool(failed.any()) else None
 
 
 def _first_false(mask: Tensor) -> Tensor:
@@ -48,7 +58,8 @@ def verify(
 
     The returned tokens are distributed exactly as sampling from `target_probs` one token at a time.
     Rows may carry fewer than gamma drafts (`num_drafted`): their bonus comes from the target at the
-    position after their last draft.
+    position after their last draft. A row whose distributions are unusable where it reads them is marked
+    in `Verdict.failed` and draws no token; the other rows are verified exactly as without it.
     """
     batch, gamma = draft_tokens.shape
     _check_shapes(draft_tokens, draft_probs, target_probs)
@@ -89,9 +100,18 @@ def verify(
         next_dist = torch.where(rejected.unsqueeze(-1), residual, target_next)
     else:
         next_dist = target_next
-    next_token = sample_from(next_dist, next_uniform)
+    # what the verifier reads: each offered draft's two probabilities and the distribution the next token comes from
+    # (NaN or an infinity in logits spreads over a whole warped row, so these show any row the model broke)
+    bad_read = ~torch.isfinite(target_at_draft) | ~torch.isfinite(draft_at_draft)
+    failed = _failed(bad_read, in_range, ~usable_rows(next_dist))
+    if failed is None:
+        next_token = sample_from(next_dist, next_uniform)
+    else:
+        next_token = torch.zeros(batch, dtype=torch.long, device=target.device)
+        next_token[~failed] = sample_from(next_dist[~failed], next_uniform[~failed])
+        accepted_prefix = accepted_prefix.masked_fill(failed, 0)
     accepted = torch.arange(gamma, device=target.device).unsqueeze(0) < accepted_prefix.unsqueeze(1)
-    return Verdict(num_accepted=accepted_prefix, next_token=next_token, accepted=accepted)
+    return Verdict(num_accepted=accepted_prefix, next_token=next_token, accepted=accepted, failed=failed)
 
 
 def verify_greedy(
@@ -99,7 +119,8 @@ def verify_greedy(
     target_logits: Tensor,  # [batch, gamma + 1, vocab] (logits or probabilities: only argmax is used)
     num_drafted: Tensor | None = None,  # [batch]
 ) -> Verdict:
-    """Greedy verification: accept while the draft token equals the target's argmax."""
+    """Greedy verification: accept while the draft token equals the target's argmax. A row whose target holds NaN
+    (or only -inf) at a position it reads is marked in `Verdict.failed`, its tokens meaningless."""
     batch, gamma = draft_tokens.shape
     if target_logits.shape[:2] != (batch, gamma + 1):
         raise ValueError(
@@ -111,8 +132,13 @@ def verify_greedy(
     in_range = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < drafted.unsqueeze(1)
     num_accepted = _first_false((draft_tokens == target_choice[:, :gamma]) & in_range)
     next_token = target_choice.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
+    top = target_logits.gather(-1, target_choice.unsqueeze(-1)).squeeze(-1)  # argmax takes a NaN as the maximum
+    unusable = top.isnan() | (top == float("-inf"))  # [batch, gamma + 1]
+    failed = _failed(unusable[:, :gamma], in_range, unusable.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
+    if failed is not None:
+        num_accepted = num_accepted.masked_fill(failed, 0)
     accepted = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < num_accepted.unsqueeze(1)
-    return Verdict(num_accepted=num_accepted, next_token=next_token, accepted=accepted)
+    return Verdict(num_accepted=num_accepted, next_token=next_token, accepted=accepted, failed=failed)
 
 
 def acceptance_probabilities(

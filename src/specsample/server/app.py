@@ -1,6 +1,10 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics and /admin/draft. One implementation of the routes, served by `specsample serve` and by
 each Ray Serve replica alike; routes reach the engine through `request.app.state.server`.
+
+Every request passes `Gate` first (keys, body size). A request is parsed, validated and tokenized off
+the event loop; one that validates can be sampled, and one that still fails inside the engine ends
+alone with finish_reason "error" while the others go on.
 """
 
 from __future__ import annotations
@@ -13,18 +17,21 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
-from specsample.config import SamplingParams
+from specsample.config import SamplingParams, SettingError
 from specsample.drafters.routed import RoutedDrafter
 from specsample.engine import RowUpdate
+from specsample.models.hub import ALIASES, DRAFTS_DIR, builtin_draft
+from specsample.pair import is_hybrid
 from specsample.server.metrics import ServerMetrics
 from specsample.server.options import ServerOptions
-from specsample.server.protocol import ChatRequest, CompletionRequest, ProtocolError, TextAssembler
+from specsample.server.protocol import ChatRequest, CompletionRequest, ProtocolError, TextAssembler, validate_request
 from specsample.server.runner import EngineRunner, RequestHandle
 from specsample.speculator import Speculator
 
@@ -65,6 +72,108 @@ def error_response(status: int, message: str, param: str | None = None,
                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
+OPEN_PATHS = ("/health", "/metrics")  # answered without a key
+
+
+class _BodyTooLarge(Exception):
+    """A request body grew past `max_body_bytes` while being read."""
+
+
+class Gate:
+    """Pure ASGI middleware before every route: 503 while the model loads; the admin key on /admin/* (404 when the
+    server has none), the API key elsewhere but /health and /metrics; bodies over `max_body_bytes` refused with 413,
+    by their Content-Length before reading or as soon as they grow past it; the replica tagged on responses.
+
+    Pure ASGI (not a BaseHTTPMiddleware) so the routes read the client's own receive channel: a request notices its
+    client hanging up while it waits for the engine."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        srv: SpecServer | None = getattr(scope["app"].state, "server", None)
+        if srv is None:
+            await error_response(503, "the model is still loading", kind="server_error")(scope, receive, send)
+            return
+        options = srv.options
+        started = False
+
+        async def tagged_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if options.replica_id:
+                    headers = [*message.get("headers", []), (b"x-specsample-replica", options.replica_id.encode())]
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        refusal = _refusal(options, scope)
+        if refusal is not None:
+            await refusal(scope, receive, tagged_send)
+            return
+        limit, received = options.max_body_bytes, 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, tagged_send)
+        except _BodyTooLarge:
+            if not started:
+                await _too_large(limit)(scope, receive, tagged_send)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            pass
+
+
+def _refusal(options: ServerOptions, scope) -> Response | None:
+    """The answer to a request its keys or declared size do not allow, else None."""
+    path = scope["path"]
+    if path == "/admin" or path.startswith("/admin/"):
+        if not options.admin_key:
+            return error_response(404, "Not Found", kind="not_found_error")
+        if not _bearer_matches(scope, options.admin_key):
+            return error_response(403, "admin endpoints need the admin key: Authorization: Bearer ADMIN_KEY",
+                                  kind="permission_error", code="forbidden")
+    elif options.api_key and path not in OPEN_PATHS and not _bearer_matches(scope, options.api_key):
+        return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
+    declared = _header(scope, b"content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            return error_response(400, "Content-Length must be a number of bytes")
+        if int(declared) > options.max_body_bytes:
+            return _too_large(options.max_body_bytes)
+    return None
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value
+    return None
+
+
+def _bearer_matches(scope, key: str) -> bool:
+    """Whether the request carries `Authorization: Bearer KEY`, compared as bytes in constant time (any bytes a
+    client sends compare; none raise)."""
+    header = _header(scope, b"authorization") or b""
+    given = header[len(b"Bearer "):].strip() if header.startswith(b"Bearer ") else b""
+    return secrets.compare_digest(given, key.encode("utf-8"))
+
+
+def _too_large(limit: int) -> Response:
+    return error_response(413, f"request body too large: this server accepts at most {limit} bytes "
+                               "(--max-body-bytes)", code="request_too_large")
+
+
 def build_app(server: SpecServer | None = None) -> FastAPI:
     """The FastAPI app. With `server`, its lifespan starts and stops that server's engine thread."""
 
@@ -79,21 +188,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
 
     app = FastAPI(title="specsample", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        srv: SpecServer | None = getattr(request.app.state, "server", None)
-        if srv is None:
-            return error_response(503, "the model is still loading", kind="server_error")
-        open_paths = ("/health", "/metrics")
-        if srv.options.api_key and request.url.path not in open_paths:
-            header = request.headers.get("authorization", "")
-            given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-            if not secrets.compare_digest(given, srv.options.api_key):
-                return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
-        response = await call_next(request)
-        if srv.options.replica_id:
-            response.headers["x-specsample-replica"] = srv.options.replica_id
-        return response
+    app.add_middleware(Gate)
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
@@ -124,29 +219,84 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     @app.post("/admin/draft")
     async def replace_draft(request: Request):
         srv: SpecServer = request.app.state.server
-        if not srv.options.api_key:
-            return error_response(403, "admin endpoints need the server to run with --api-key", code="forbidden")
         try:
             body = _json(await request.body())
             spec = body.get("draft") if isinstance(body, dict) else None
             if not isinstance(spec, str) or not spec:
                 raise ProtocolError("give the new draft as {\"draft\": \"SPEC\"}", "draft")
-            drafter = await asyncio.to_thread(srv.speculator.pair.load_draft, spec)
-            if drafter is None:
-                raise ProtocolError(f"draft {spec!r} could not be loaded", "draft")
-            if drafter.vocab_size is not None and drafter.vocab_size != srv.speculator.pair.target.model.vocab_size:
-                raise ProtocolError(f"draft vocabulary ({drafter.vocab_size}) differs from target vocabulary "
-                                    f"({srv.speculator.pair.target.model.vocab_size}): refused", "draft")
+            drafter = await asyncio.to_thread(_load_allowed_draft, srv, spec)
             await asyncio.to_thread(srv.runner.replace_drafter, drafter)
         except ProtocolError as exc:
             return error_response(exc.status, str(exc), exc.param, exc.kind)
-        except ValueError as exc:
+        except ValueError as exc:  # a server without a draft cannot swap one in
             return error_response(400, str(exc), "draft")
         srv.draft_spec = spec
         log.warning("draft replaced by %s: requests in flight finish on the previous draft", spec)
         return {"status": "ok", "draft": spec}
 
     return app
+
+
+UNUSABLE_DRAFT = ("unknown or unusable draft: give ngram, hybrid, a built-in draft ({builtin}), hybrid:NAME, or the "
+                  "name of a draft in the server's models folder (--models-dir)")
+
+
+def _load_allowed_draft(srv: SpecServer, spec: str):
+    """The drafter for an allowed draft spec: 'ngram', 'hybrid', a built-in alias or draft, or a folder or .gguf file
+    inside `--models-dir` given by its name there, each also as 'hybrid:NAME'. Anything else, and anything that does
+    not load or does not fit the target, gets one message that says nothing about the filesystem (the reason is
+    logged)."""
+    refusal = ProtocolError(UNUSABLE_DRAFT.format(builtin=", ".join(sorted(_builtin_names()))), "draft")
+    resolved = _allowed_draft(spec, srv.options.models_dir)
+    if resolved is None:
+        log.warning("draft %r refused: not a built-in draft nor in the models folder", spec)
+        raise refusal
+    try:
+        drafter = srv.speculator.pair.load_draft(resolved)
+    except Exception as exc:  # noqa: BLE001 - whatever went wrong, the client learns only that the draft is unusable
+        log.warning("draft %r could not be loaded: %s", spec, exc)
+        raise refusal from None
+    target_vocab = srv.speculator.pair.target.model.vocab_size
+    if drafter is None or (drafter.vocab_size is not None and drafter.vocab_size != target_vocab):
+        log.warning("draft %r refused: %s", spec, "it did not load" if drafter is None else
+                    f"its vocabulary ({drafter.vocab_size}) differs from the target's ({target_vocab})")
+        raise refusal
+    return drafter
+
+
+def _builtin_names() -> set[str]:
+    """The model aliases and the names of the drafts shipped in the package."""
+    shipped = [p.name for p in DRAFTS_DIR.iterdir() if builtin_draft(p.name) is not None] if DRAFTS_DIR.is_dir() else []
+    return set(ALIASES) | set(shipped)
+
+
+def _allowed_draft(spec: str, models_dir: str | None) -> str | None:
+    """The spec to load for an allowed draft spec, else None."""
+    if spec in ("ngram", "hybrid"):
+        return spec
+    if is_hybrid(spec):
+        model = _allowed_model(spec.partition(":")[2], models_dir)
+        return None if model is None else "hybrid:" + model
+    return _allowed_model(spec, models_dir)
+
+
+def _allowed_model(name: str, models_dir: str | None) -> str | None:
+    """A built-in alias or draft by name, or a folder or .gguf file inside `models_dir` by its relative path (which
+    may not leave the folder, through '..' or a link)."""
+    if name in _builtin_names():
+        return name
+    if not models_dir or not name or Path(name).is_absolute() or "\\" in name or "\0" in name:
+        return None
+    root = Path(models_dir).resolve()
+    try:
+        candidate = (root / name).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    if candidate == root or not candidate.is_relative_to(root):
+        return None
+    if candidate.is_dir() or (candidate.is_file() and candidate.suffix == ".gguf"):
+        return str(candidate)
+    return None
 
 
 def _json(body: bytes) -> Any:
@@ -159,21 +309,9 @@ def _json(body: bytes) -> Any:
 async def _serve(request: Request, schema: type, chat: bool):
     srv: SpecServer = request.app.state.server
     try:
-        data = _json(await request.body())
-        if not isinstance(data, dict):
-            raise ProtocolError("request body must be a JSON object")
-        try:
-            req = schema.model_validate(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            message = ("Unrecognized request argument supplied: " + str(param)) if first["type"] == "extra_forbidden" \
-                else f"{param}: {first['msg']}"
-            raise ProtocolError(message, param) from None
-        if req.model not in (None, srv.options.model_name):
-            raise ProtocolError(f"The model `{req.model}` does not exist (this server serves "
-                                f"`{srv.options.model_name}`)", "model", 404)
-        prompt_ids, max_tokens = _prompt(srv, req, chat)
+        body = await request.body()
+        # parsing, validating and tokenizing take time in proportion to the body: never on the event loop
+        req, prompt_ids, max_tokens = await asyncio.to_thread(_prepare, srv, body, schema, chat)
         handles = _submit(srv, req, prompt_ids, max_tokens)
     except ProtocolError as exc:
         return error_response(exc.status, str(exc), exc.param, exc.kind)
@@ -186,6 +324,16 @@ async def _serve(request: Request, schema: type, chat: bool):
         return StreamingResponse(_stream(srv, request_id, chat, choices, len(prompt_ids), include_usage),
                                  media_type="text/event-stream")
     return await _complete(srv, request, request_id, chat, choices, len(prompt_ids))
+
+
+def _prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[Any, list[int], int]:
+    """The validated request, its prompt's token ids and its max_tokens (raises `ProtocolError`)."""
+    req = validate_request(schema, _json(body))
+    if req.model not in (None, srv.options.model_name):
+        raise ProtocolError(f"The model `{req.model}` does not exist (this server serves "
+                            f"`{srv.options.model_name}`)", "model", 404)
+    prompt_ids, max_tokens = _prompt(srv, req, chat)
+    return req, prompt_ids, max_tokens
 
 
 async def _cancel_on_disconnect(srv: SpecServer, request: Request, choices: list[_Choice]) -> None:
@@ -231,7 +379,9 @@ def _submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int) -> lis
     except ValueError as exc:
         for handle in handles:
             srv.runner.cancel(handle.request_id)
-        raise ProtocolError(str(exc)) from None
+        param = {"max_new_tokens": "max_tokens"}.get(exc.name, exc.name) if isinstance(exc, SettingError) else (
+            "prompt" if "prompt" in str(exc) else None)
+        raise ProtocolError(str(exc), param) from None
     return handles
 
 
@@ -245,11 +395,13 @@ class _Choice:
     closed: bool = False  # the response is over (finished, or its stream was torn down)
 
     async def next(self) -> list[tuple[str, str | None]]:
-        """Wait for the next round's update; return (text, finish_reason) pieces to emit."""
+        """Wait for the next round's update; return (text, finish_reason) pieces to emit. A choice the engine failed
+        ends with finish_reason "error" and nothing more."""
         update = await self.handle.queue.get()
-        if isinstance(update, Exception):
-            raise update
         assert isinstance(update, RowUpdate)
+        if update.finish_reason == "error":
+            self.finish_reason = "error"
+            return [("", "error")]
         pieces = []
         for token in update.new_tokens:  # one at a time: usage counts tokens up to the one completing a stop string
             pieces.append(self.text.push((token,)))
@@ -270,8 +422,9 @@ class _Choice:
         return self.finish_reason is not None
 
 
-def _finish(srv: SpecServer, request_id: str, choices: list[_Choice], prompt_tokens: int, status: str) -> None:
-    """Cancel what still runs, and log and count every choice."""
+def _finish(srv: SpecServer, request_id: str, choices: list[_Choice], prompt_tokens: int) -> None:
+    """Cancel what still runs, and log and count every choice: "error" if the engine failed it, "cancelled" if it
+    had not finished (its client went away), else "finished"."""
     for choice in choices:
         choice.closed = True
         h = choice.handle
@@ -280,7 +433,8 @@ def _finish(srv: SpecServer, request_id: str, choices: list[_Choice], prompt_tok
         end = time.perf_counter()
         ttft = None if h.first_token is None else h.first_token - h.submitted
         tpot = (end - h.first_token) / (choice.tokens - 1) if h.first_token is not None and choice.tokens > 1 else None
-        srv.metrics.observe_request(status if choice.done else "cancelled", prompt_tokens, ttft, tpot, end - h.submitted)
+        status = "error" if choice.finish_reason == "error" else "finished" if choice.done else "cancelled"
+        srv.metrics.observe_request(status, prompt_tokens, ttft, tpot, end - h.submitted)
         log.info(json.dumps({
             "event": "request", "id": request_id, "choice": choice.index, "prompt_tokens": prompt_tokens,
             "completion_tokens": choice.tokens, "finish_reason": choice.finish_reason or "cancelled",
@@ -307,7 +461,6 @@ def _chunk(request_id: str, chat: bool, model: str, created: int, index: int, te
 async def _stream(srv: SpecServer, request_id: str, chat: bool, choices: list[_Choice], prompt_tokens: int,
                   include_usage: bool) -> AsyncIterator[str]:
     model, created = srv.options.model_name, int(time.time())
-    status = "finished"
     try:
         if chat:
             for choice in choices:
@@ -329,14 +482,11 @@ async def _stream(srv: SpecServer, request_id: str, chat: bool, choices: list[_C
                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                   "total_tokens": prompt_tokens + completion}})
         yield "data: [DONE]\n\n"
-    except Exception:
-        status = "error"
-        raise
     finally:  # also runs when the client disconnects mid-stream: its rows are cancelled and freed
         if "pending" in locals():
             for task in pending:
                 task.cancel()
-        _finish(srv, request_id, choices, prompt_tokens, status)
+        _finish(srv, request_id, choices, prompt_tokens)
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -360,20 +510,17 @@ async def _complete(srv: SpecServer, request: Request, request_id: str, chat: bo
 
     work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
     watcher = asyncio.ensure_future(watch_disconnect())
-    status = "finished"
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            status = "cancelled"
+        if not work.done():  # the client hung up: _finish cancels its choices
             work.cancel()
             return Response(status_code=499)
         work.result()
-    except RuntimeError as exc:
-        status = "error"
-        return error_response(500, str(exc), kind="server_error")
     finally:
         watcher.cancel()
-        _finish(srv, request_id, choices, prompt_tokens, status)
+        _finish(srv, request_id, choices, prompt_tokens)
+    if any(c.finish_reason == "error" for c in choices):
+        return error_response(500, "generation failed inside the engine", kind="server_error")
     completion = sum(c.tokens for c in choices)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
     created, model = int(time.time()), srv.options.model_name

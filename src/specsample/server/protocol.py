@@ -1,15 +1,18 @@
 """The OpenAI request schema we honour, and the text assembly (stop strings) for one choice.
 
 Every field either changes what we do or is rejected: an unknown field, or a known one set to a
-value that would change the output in a way we do not implement, is a 400 — never ignored.
+value that would change the output in a way we do not implement, is a 400 — never ignored. Types are
+strict (JSON true is not 1, "yes" is not a boolean), and the sampling settings follow the engine's own
+rules (`SamplingParams`), so a request that validates can be sampled.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specsample.config import SamplingParams, SettingError
 from specsample.tokenizer import StreamDecoder
 
 
@@ -22,15 +25,18 @@ class ProtocolError(ValueError):
         self.param, self.status, self.kind = param, status, kind
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -71,13 +77,22 @@ class _Sampling(BaseModel):
     def _neutral(self) -> _Sampling:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported (only 0)")
+                raise ProtocolError(f"{name} is not supported (only 0)", name)
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise ProtocolError("logit_bias is not supported", "logit_bias")
         if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs is not supported")
+            raise ProtocolError("logprobs is not supported", "logprobs")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise ProtocolError("stream_options is only allowed with stream: true", "stream_options")
+        return self
+
+    @model_validator(mode="after")
+    def _samplable(self) -> _Sampling:
+        """The engine's rules for the sampling settings (e.g. temperature 0 or at least MIN_TEMPERATURE)."""
+        try:
+            SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+        except SettingError as exc:
+            raise ProtocolError(str(exc), exc.name) from None
         return self
 
 
@@ -91,24 +106,24 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise ProtocolError("echo is not supported", "echo")
         if self.best_of not in (None, self.n):
-            raise ValueError("best_of is not supported (only equal to n)")
+            raise ProtocolError("best_of is not supported (only equal to n)", "best_of")
         if self.suffix:
-            raise ValueError("suffix is not supported")
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ValueError("prompt is empty")
+            raise ProtocolError("suffix is not supported", "suffix")
+        if not self.prompt:
+            raise ProtocolError("prompt is empty", "prompt")
         return self
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -126,12 +141,73 @@ class ChatRequest(_Sampling):
     @model_validator(mode="after")
     def _chat_only(self) -> ChatRequest:
         if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format is not supported (only {'type': 'text'})")
+            raise ProtocolError("response_format is not supported (only {'type': 'text'})", "response_format")
         return self
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages for the chat template ('developer' is the newer name of 'system')."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def validate_request(schema: type[_Sampling], data: Any) -> _Sampling:
+    """Validate a parsed JSON body against `schema`; raise `ProtocolError` naming the parameter at fault."""
+    if not isinstance(data, dict):
+        raise ProtocolError("request body must be a JSON object")
+    where = _lone_surrogate(data)
+    if where is not None:
+        param = ".".join(map(str, where)) or None
+        raise ProtocolError(f"{param or 'a field name'}: text must be valid Unicode (it holds a lone UTF-16 "
+                            "surrogate)", param)
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise _protocol_error(exc, data) from None
+
+
+def _lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
+    """The path to the first string that is not valid Unicode (a lone surrogate), or None; for a field name, the
+    path of the object holding it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, path)
+            found = found if found is not None else _lone_surrogate(item, path + (key,))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate(item, path + (index,))
+            if found is not None:
+                return found
+    return None
+
+
+def _protocol_error(exc: ValidationError, data: dict) -> ProtocolError:
+    """The validation error that got deepest into the request, as a `ProtocolError` naming its parameter: a rule of
+    ours names its own; otherwise the parameter is the error's location in the body (union branch names left out)."""
+    error = max(exc.errors(), key=lambda e: len(e["loc"]))
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, ProtocolError):
+        return cause
+    path, value = [], data
+    for part in error["loc"]:
+        if isinstance(value, dict) and part in value or isinstance(value, list) and isinstance(part, int) \
+                and 0 <= part < len(value):
+            path.append(part)
+            value = value[part]
+        elif error["type"] == "missing" and part == error["loc"][-1]:
+            path.append(part)
+    param = ".".join(map(str, path)) or None
+    if error["type"] == "extra_forbidden":
+        return ProtocolError(f"Unrecognized request argument supplied: {param}", param)
+    if cause is not None:  # our own rules' messages name what they check
+        return ProtocolError(str(cause), param)
+    return ProtocolError(f"{param}: {error['msg']}" if param else error["msg"], param)
 
 
 class TextAssembler:

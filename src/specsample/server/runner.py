@@ -24,7 +24,7 @@ log = logging.getLogger("specsample.server")
 
 @dataclass
 class RequestHandle:
-    """One request's link to the engine: updates arrive on `queue`; None marks the end."""
+    """One request's link to the engine: its `RowUpdate`s arrive on `queue`, the last with a finish_reason."""
 
     request_id: str
     prompt_tokens: int
@@ -95,8 +95,8 @@ class EngineRunner:
                 continue
             try:
                 result = self.engine.step()
-            except Exception:  # a failed round must not take the server down: fail its requests
-                log.exception("engine round failed; failing the requests in flight")
+            except Exception:  # a round that fails outside any one row's distributions: fail its requests
+                log.exception("engine round failed; failing its requests")
                 self._fail_all()
                 continue
             try:
@@ -125,8 +125,13 @@ class EngineRunner:
         handle.loop.call_soon_threadsafe(handle.queue.put_nowait, update)
 
     def _fail_all(self) -> None:
+        """End every request the failed round held (all but those still queued) with finish_reason "error"; the engine
+        frees their rows next round."""
+        waiting = self.engine.waiting_ids()
         with self._lock:
-            handles, self._handles = list(self._handles.values()), {}
+            handles = [h for rid, h in self._handles.items() if rid not in waiting]
+            for handle in handles:
+                del self._handles[handle.request_id]
         for handle in handles:
             self.engine.cancel(handle.request_id)
-            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, RuntimeError("engine round failed"))
+            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, RowUpdate(handle.request_id, (), 0, 0, "error"))
