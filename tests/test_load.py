@@ -119,6 +119,7 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch) -> None:
                                  sample_memory())
         return time.monotonic() - started
 
+    load_before = os.getloadavg()[0]  # other work on the machine while it ran
     wall = asyncio.run(run())
     rss["end"] = _rss_mib()
     latencies = sorted(latency for latency, _, _ in healthy)
@@ -132,7 +133,8 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch) -> None:
         "latency_p50_seconds": round(p50, 4), "latency_p99_seconds": round(p99, 4),
         "rss_mib_after_warm_up": round(rss["after_warm_up"], 1), "rss_mib_end": round(rss["end"], 1),
         "rss_growth_mib": round(growth, 1), "rss_bound_mib": RSS_BOUND_MIB,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "models": "tiny (tests/model_factory.py), float32",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average_before": round(load_before, 2),
+        "models": "tiny (tests/model_factory.py), float32",
     }
     print(json.dumps(report, indent=1))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
