@@ -24,10 +24,11 @@ def untimed(max_gamma: int = 8) -> GammaController:
     return controller
 
 
-def batch(*rows: str | RowState, can_score: bool = False, offers_lookups: bool = False) -> BatchState:
+def batch(*rows: str | RowState, can_score: bool = False, offers_lookups: bool = False,
+          can_tree: bool = False) -> BatchState:
     """A batch state; a bare request id is a row gamma auto chooses for, with an unlimited budget."""
     states = tuple(RowState(r, UNLIMITED) if isinstance(r, str) else r for r in rows)
-    return BatchState(states, can_score=can_score, offers_lookups=offers_lookups)
+    return BatchState(states, can_score=can_score, offers_lookups=offers_lookups, can_tree=can_tree)
 
 
 def drafts(plan: RoundPlan) -> list[int]:

@@ -94,6 +94,7 @@ def test_pad_rows_flag(models) -> None:
     ("long", "context window"),
     ("gamma", "gamma"),
     ("compile-hf", "--compile needs our Llama-family runtime"),
+    ("tree", "--tree: a tree is NODES or NODESxBRANCHxDEPTH"),
 ])
 def test_errors_are_one_line(models, case, message) -> None:
     args = {
@@ -102,6 +103,7 @@ def test_errors_are_one_line(models, case, message) -> None:
         "long": ["generate", "fox " * 200, "--target", str(models["target"]), "--max-new-tokens", "8"],
         "gamma": ["generate", "hi", "--target", str(models["target"]), "--gamma", "0"],
         "compile-hf": ["generate", "hi", "--target", str(models["target"]), "--runtime", "hf", "--compile"],
+        "tree": ["generate", "hi", "--target", str(models["target"]), "--tree", "8x2"],
     }[case]
     done = run_cli(*args)
     assert done.returncode != 0

@@ -232,3 +232,35 @@ def test_distill_writes_a_head_that_generate_drafts_with(tmp_path) -> None:
     assert main(["distill", "--target", str(folder), "--out", str(out), "--width", "32"]) == 2  # a model-only flag
     assert main(["generate", "the quick brown fox", "--target", str(folder), "--draft", str(out), "--temperature",
                  "0", "--max-new-tokens", "6", "--dtype", "float32", "--json"]) == 0
+
+
+def test_training_steps_draft_as_inference_does(target) -> None:
+    """The training-time test's step s at entry t equals drafting at inference: the true entries up to t - s + 1 in
+    the head's cache, then s - 1 entries fed with the head's own predictions (teacher tokens)."""
+    import torch.nn.functional as F
+
+    from specsample.distill.eagle import UnrolledAttention
+
+    head = random_head(target).eval()
+    tokens = torch.tensor([[1, 5, 9, 2, 7, 3, 8, 4, 6, 10]])
+    cache = target.new_cache(1, 16)
+    features = prefill_ragged(target, cache, torch.tensor([0]), [tokens[0].tolist()], features=True)[0]
+    embeddings = F.embedding(tokens[:, 1:], target.embed.weight)  # [1, 9, hidden]
+    inputs = features[:-1].unsqueeze(0)
+    attend = UnrolledAttention(head.layer_config, 1, 9, torch.device("cpu"))
+    steps = []
+    with torch.no_grad():
+        for _ in range(3):
+            out = head(embeddings, inputs, attend)
+            steps.append(out)
+            inputs = torch.cat([inputs[:, :1], out[:, :-1]], dim=1)
+        for last in (2, 4, 6):  # the last true entry
+            head_cache = head.new_cache(1, 16)
+            slot = torch.tensor([0])
+            predicted = head.forward_cached(embeddings[:, : last + 1], features[: last + 1].unsqueeze(0), head_cache,
+                                            slot)[:, -1:]
+            assert torch.allclose(predicted, steps[0][:, last:last + 1], atol=1e-10)
+            for step in (2, 3):
+                entry = last + step - 1
+                predicted = head.forward_cached(embeddings[:, entry:entry + 1], predicted, head_cache, slot)
+                assert torch.allclose(predicted, steps[step - 1][:, entry:entry + 1], atol=1e-10), (last, step)

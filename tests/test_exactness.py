@@ -18,6 +18,7 @@ from broken import BROKEN, ExtensionDropsToken, GateDropsToken, ProbsOneStepAhea
 from devices import DEVICE
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
+from specsample.config import TreeShape
 from specsample.drafters.base import Extension
 from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
 from specsample.planner.acceptance import Acceptance
@@ -247,10 +248,11 @@ def feature_draft(target, subset: list[int] | None = SUBSET):
     return EagleDrafter(head.to(DEVICE), target, None if subset is None else torch.tensor(subset))
 
 
-def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]]) -> list[np.ndarray]:
+def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]],
+                     tree: TreeShape | None = None) -> list[np.ndarray]:
     """Histograms of the first LENGTH tokens per prompt, the prompts' rows interleaved in one ragged batch."""
     config = SpecConfig(gamma=3, adaptive=True, max_batch_size=SAMPLES,
-                        max_seq_len=max(len(p) for p in prompts) + LENGTH)
+                        max_seq_len=max(len(p) for p in prompts) + LENGTH, tree=tree)
     engine = Engine(target, drafter, config, planner=planner)
     ids = [engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, seed=5000 + i))
            for i in range(SAMPLES)]
@@ -265,9 +267,9 @@ def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: 
     return hists
 
 
-def _feature_chi_squares(target, drafter, planner) -> list[tuple[float, float]]:
+def _feature_chi_squares(target, drafter, planner, tree: TreeShape | None = None) -> list[tuple[float, float]]:
     return [chi_square(counts, exact_joint(target, FEATURE_WARP, prompt))
-            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS),
+            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS, tree),
                                       FEATURE_PROMPTS)]
 
 
@@ -292,4 +294,49 @@ def test_broken_feature_drafts_fail(pair, broken: str) -> None:
     target, _ = pair
     wrapped = {"one_step_ahead": ProbsOneStepAhead, "subset_unmapped": SubsetProbsUnmapped}[broken]
     results = _feature_chi_squares(target, wrapped(feature_draft(target)), FixedGamma(3))  # two drafts a round
+    assert any(statistic > threshold for statistic, threshold in results), results
+
+
+TREE = TreeShape(6, 2, 3)  # two children a node, three deep: side branches at every depth
+
+
+class AlternatingTrees(FixedGamma):
+    """A tree round, then a chain round, and so on: a tree's commit is followed by a chain's and back."""
+
+    def __init__(self) -> None:
+        super().__init__(3, tree=TREE)
+        self.rounds = 0
+
+    def plan(self, batch):
+        self.rounds += 1
+        return super().plan(batch) if self.rounds % 2 else FixedGamma(3).plan(batch)
+
+
+def tree_drafter(pair, kind: str):
+    target, draft = pair
+    if kind == "model":
+        return ModelDrafter(draft)
+    if kind == "feature":
+        return feature_draft(target)
+    return HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=1)  # lookup branches where it matches
+
+
+@pytest.mark.parametrize("kind", ["model", "feature", "hybrid_lookup"])
+def test_tree_drafting_is_exact(pair, kind: str) -> None:
+    """Token trees (deterministic top-k children, multi-candidate rejection sampling) from each drafter, alternating
+    with chains, at temperature 0.7 with top-k and top-p, in a ragged batch: each prompt's tokens follow the target's
+    joint distribution."""
+    target, _ = pair
+    planner = AlternatingTrees()
+    for statistic, threshold in _feature_chi_squares(target, tree_drafter(pair, kind), planner, TREE):
+        assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_tree_verifier_that_keeps_the_residual_fails(pair, monkeypatch) -> None:
+    """A tree verifier that tries a node's next child against the residual from before the last rejection (no
+    norm(max(0, p - q)) update) must fail the same test."""
+    import specsample.verify_tree as tree_module
+
+    monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, token, q: residual)
+    results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE), TREE)
     assert any(statistic > threshold for statistic, threshold in results), results

@@ -112,10 +112,10 @@ def test_reading_the_padding_is_caught(tiny_target, tiny_draft, monkeypatch) -> 
     params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=5)
     plain = _decode(tiny_target, tiny_draft, 2, (), params)
 
-    def wrong_positions(model, tokens, cache, slots, width):
+    def wrong_positions(model, tokens, cache, slots, width, features=False):
         scored = tokens.shape[1]
         tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, width - scored)], dim=1)
-        return model.forward_cached(tokens, cache, slots)[:, -scored:]
+        return model.forward_cached(tokens, cache, slots)[:, -scored:], None
 
     monkeypatch.setattr(engine_module, "score_padded", wrong_positions)
     assert _decode(tiny_target, tiny_draft, 2, (8,) * 8, params) != plain

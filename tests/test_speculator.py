@@ -8,6 +8,7 @@ from model_factory import make_tokenizer, write_hf_model
 from specsample import EngineOptions, SamplingParams, load
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.config import TreeShape
 from specsample.planner import FixedGamma, GammaController
 
 
@@ -28,6 +29,9 @@ def folders(tmp_path_factory):
     (dict(draft_window="half"), "draft_window must be one of auto, off"),
     (dict(runtime="vllm"), "runtime must be one of"),
     (dict(compile=True, runtime="hf"), "--compile needs our Llama-family runtime"),
+    (dict(tree="16x4"), "a tree is NODES or NODESxBRANCHxDEPTH"),
+    (dict(tree="4x2x8"), "a tree of 4 nodes cannot reach depth 8"),
+    (dict(tree=16), "tree must be 'off' or NODES"),
 ])
 def test_bad_options_are_refused_before_anything_loads(fields, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -60,6 +64,17 @@ def test_engines_follow_the_options(folders) -> None:
         fixed.engine(drafter="ngram")
     none = load(EngineOptions(target=str(target), speculative=False))
     assert none.drafter is None and none.draft_spec == "none" and not none.spec_config().speculative
+
+
+def test_trees_reach_the_planner_and_the_caches_or_are_refused(folders) -> None:
+    target, draft = folders
+    auto = load(EngineOptions(target=str(target), draft=f"hybrid:{draft}", tree="12x3x4", dtype="float32"))
+    engine = auto.engine(max_batch_size=2, max_seq_len=64)
+    assert [s.nodes for s in engine.planner.trees] == [8, 12] and engine.config.tree == TreeShape(12, 3, 4)
+    fixed = load(EngineOptions(target=str(target), draft="ngram", gamma=3, tree="10"))
+    assert fixed.engine().planner.tree == TreeShape(10, 4, 6) and fixed.engine().config.most_drafts == 24
+    with pytest.raises(ValueError, match="token trees need a target on our Llama-family runtime"):
+        load(EngineOptions(target=str(target), draft="ngram", runtime="hf", tree="8"))
 
 
 def test_pad_rows_auto_measures_the_scoring_widths_once(folders) -> None:

@@ -56,12 +56,31 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="draft tokens per round, or 'auto' (default): chosen per request online from measured "
                              "acceptance and cost, between 1 and --max-gamma, with fallback to plain decoding")
     parser.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
+    _add_tree_arg(parser)
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None)
+
+
+def _add_tree_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tree", type=_tree_arg, default="off",
+                        help="token trees, scored in one target forward and verified exactly: off (default: chains) "
+                             "or NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, 6 "
+                             "deep). With --gamma auto the largest tree it may draft, only where trees measure faster "
+                             "than chains; with a fixed gamma that tree every round. Needs our Llama-family runtime")
+
+
+def _tree_arg(value: str) -> str:
+    from specsample.speculator import parse_tree
+
+    try:
+        parse_tree(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _gamma_arg(value: str) -> int | str:
@@ -147,6 +166,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--gamma", type=_csv(int), default=None,
                        help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "
                             "suite's bars")
+    bench.add_argument("--tree", type=_tree_arg, default=None,
+                       help="NODES[xBRANCHxDEPTH]: the compare suite also runs ours with token trees up to this "
+                            "budget (gamma auto picks trees or chains), beside chains (default off)")
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
     bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
@@ -175,6 +197,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--num-speculative-tokens", type=_gamma_arg, default="auto",
                        help="gamma, or 'auto' (default): chosen per request online, up to --max-gamma")
     serve.add_argument("--max-gamma", type=int, default=8)
+    _add_tree_arg(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port_arg, default=8000)
     serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together; more wait in line")
@@ -276,7 +299,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
-                            speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
+                            tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
                             runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
                             draft_window=args.draft_window)
     speculator = load(options, say=_say)
@@ -447,8 +470,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     # bad flags fail here, before any model is loaded
     options = EngineOptions(target=args.model, draft=args.speculative_model, gamma=args.num_speculative_tokens,
-                            max_gamma=args.max_gamma, dtype=args.dtype, device=args.device, pad_rows=args.pad_rows,
-                            draft_window=args.draft_window)
+                            max_gamma=args.max_gamma, tree=args.tree, dtype=args.dtype, device=args.device,
+                            pad_rows=args.pad_rows, draft_window=args.draft_window)
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
                             max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
@@ -479,7 +502,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
         "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
         "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
-        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out}.items() if v is not None}
+        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
     print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "

@@ -68,6 +68,42 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """A token tree to draft per row (EAGLE-2's rule): the `branch` most likely children of each expanded node, the
+    `branch` nodes of highest cumulative draft probability expanded at each depth, down to `depth`; then the `nodes`
+    of highest cumulative probability kept (ancestors always outrank their descendants, so they form a tree)."""
+
+    nodes: int = 16
+    branch: int = 4
+    depth: int = 6
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "branch", "depth"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise SettingError("tree", f"a tree's {name} must be an integer >= 1, got {value!r}")
+        if self.depth > self.nodes:
+            raise SettingError("tree", f"a tree of {self.nodes} nodes cannot reach depth {self.depth}")
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """`NODES` or `NODESxBRANCHxDEPTH` (e.g. `16` or `16x4x6`); the defaults fill what is left out."""
+        parts = text.lower().split("x")
+        try:
+            numbers = [int(p) for p in parts]
+        except ValueError:
+            numbers = []
+        if not 1 <= len(numbers) <= 3 or len(parts) == 2:
+            raise SettingError("tree", f"a tree is NODES or NODESxBRANCHxDEPTH (e.g. 16 or 16x4x6), got {text!r}")
+        if len(numbers) == 1:
+            return cls(numbers[0], cls.branch, min(cls.depth, numbers[0]))
+        return cls(*numbers)
+
+    def __str__(self) -> str:
+        return f"{self.nodes}x{self.branch}x{self.depth}"
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """How the engine speculates. `gamma` is the number of draft tokens per round."""
 
@@ -79,6 +115,18 @@ class SpecConfig:
     # tokens the target scores per round at batch 1 for 1, 2, ... tokens asked (extra positions are padding,
     # never read; counts past the table are scored as asked): from row_padding.measure_target_widths
     target_widths: tuple[int, ...] = ()
+    # draft token trees (scored in one forward, verified exactly) where the target's runtime can: with a fixed gamma
+    # this tree every round, with gamma auto the budgets up to its nodes, each taken only where it measures faster
+    # than a chain; None: chains only
+    tree: TreeShape | None = None
+
+    @property
+    def most_drafts(self) -> int:
+        """The most draft tokens a round may score per row, and the draft's own look-ahead: what caches keep room for
+        past a row's length."""
+        if self.tree is None:
+            return self.gamma
+        return max(self.gamma, self.tree.nodes, self.tree.branch * self.tree.depth)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gamma, int) or self.gamma < 1:
@@ -87,6 +135,8 @@ class SpecConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.tree is not None and not isinstance(self.tree, TreeShape):
+            raise ValueError(f"tree must be a TreeShape or None, got {self.tree!r}")
         for tokens, width in enumerate(self.target_widths, start=1):
             if not isinstance(width, int) or width < tokens:
                 raise ValueError(f"target_widths[{tokens - 1}] (the width to score {tokens} tokens at) must be an "

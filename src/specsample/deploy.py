@@ -37,6 +37,7 @@ class ReplicaSettings:
     draft: str | None = None
     gamma: str = "auto"  # an integer, or "auto"
     max_gamma: int = 8
+    tree: str = "off"  # see `specsample serve --tree`
     max_batch_size: int = 8
     max_model_len: int = 2048
     served_model_name: str | None = None
@@ -56,7 +57,7 @@ class ReplicaSettings:
 
     def engine_options(self) -> EngineOptions:
         return EngineOptions(target=self.model, draft=self.draft, gamma=self.gamma, max_gamma=self.max_gamma,
-                             dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
+                             tree=self.tree, dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
                              draft_window=self.draft_window)
 
     def server_options(self, replica_id: str | None = None) -> ServerOptions:
@@ -69,6 +70,7 @@ class ReplicaSettings:
     def of(cls, options: EngineOptions, serving: ServerOptions) -> ReplicaSettings:
         """The settings of `specsample serve`'s options."""
         return cls(model=options.target, draft=options.draft, gamma=str(options.gamma), max_gamma=options.max_gamma,
+                   tree=options.tree,
                    max_batch_size=serving.max_batch_size, max_model_len=serving.max_model_len,
                    served_model_name=serving.model_name, api_key=serving.api_key,
                    min_acceptance=serving.min_acceptance, dtype=options.dtype, device=options.device,

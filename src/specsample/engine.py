@@ -23,12 +23,13 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SpecConfig
 from specsample.drafters.base import BacklogScorer, Drafter, DraftRequest, FeatureDrafter, PromptLookup, Proposal
-from specsample.models.base import CausalLM, FeatureLM, prefill_ragged
+from specsample.models.base import CausalLM, FeatureLM, TreeLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.planner import FixedGamma, GammaController, Planner
 from specsample.planner.base import BatchState, RoundOutcome, RoundPlan, RowOutcome, RowState
-from specsample.sampling import warp_rows
+from specsample.sampling import usable_rows, warp_rows
 from specsample.verify import Verdict, acceptance_probabilities, verify, verify_greedy
+from specsample.verify_tree import verify_tree, verify_tree_greedy
 
 log = logging.getLogger("specsample.engine")
 
@@ -67,6 +68,8 @@ class RoundStats:
     scored_rows: int = 0  # rows whose draft scored the tokens it missed (gamma auto's probes in fallback)
     lookup_rows: int = 0  # rows gamma auto had propose a prompt lookup instead of drafting with a model
     extended_rows: int = 0  # rows that drafted past the gamma planned (confident drafts)
+    tree_rows: int = 0  # rows that drafted a token tree (their drafts and accepted tokens count its nodes and path)
+    tree_nodes: int = 0  # the round's tree budget (0: chains)
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,9 @@ class _Row:
 
 
 def default_planner(config: SpecConfig) -> Planner:
-    """Gamma auto up to `config.gamma` when the config is adaptive, else that gamma for every row."""
-    return GammaController(config.gamma) if config.adaptive else FixedGamma(config.gamma)
+    """Gamma auto up to `config.gamma` (and trees up to `config.tree`) when the config is adaptive, else that gamma
+    (or that tree) for every row."""
+    return GammaController(config.gamma, config.tree) if config.adaptive else FixedGamma(config.gamma, config.tree)
 
 
 class Engine:
@@ -142,12 +146,12 @@ class Engine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
         # slack past max_len: padded positions of a round may be written (never read) beyond it
-        widest = max(config.gamma + 1, max(config.target_widths, default=0))
+        widest = max(config.most_drafts + 1, max(config.target_widths, default=0))
         self.cache = target.new_cache(config.max_batch_size, self.max_len + widest + 1)
         if isinstance(drafter, FeatureDrafter) and drafter.wants_features and not isinstance(target, FeatureLM):
             raise ValueError(f"the draft reads the target's hidden states, which the target's runtime "
                              f"({type(target).__name__}) does not return; use our Llama-family runtime")
-        self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.gamma + 2)
+        self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.most_drafts + 2)
         self._abilities: tuple[Drafter | None, bool, bool, bool] = (None, False, False, False)  # see _abilities_of
         self._free_slots = list(range(config.max_batch_size))
         self._waiting: deque[_Row] = deque()
@@ -271,7 +275,7 @@ class Engine:
                                 backlog=len(r.plain_probs) if can_score else 0,
                                 lookup=lookups.get(r.slot, (0, True))[0],
                                 drafts_otherwise=lookups.get(r.slot, (0, True))[1]) for r in rows)
-        return BatchState(states, can_score=can_score, offers_lookups=offers)
+        return BatchState(states, can_score=can_score, offers_lookups=offers, can_tree=isinstance(self.target, TreeLM))
 
     def _scoring_width(self, batch_size: int, tokens: int) -> int:
         """Tokens to score for `tokens` asked: `config.target_widths` was measured at batch 1."""
@@ -323,18 +327,19 @@ class Engine:
             empty = torch.zeros(len(rows), 0, dtype=torch.long)
             return Proposal(empty.to(device), None, torch.zeros(len(rows), dtype=torch.long))
         reach = tuple(r.reach for r in plan.rows)
-        if plan.width > self.config.gamma:
+        if plan.width > self.config.most_drafts:
             raise ValueError(f"the planner planned {plan.width} drafts for a row, more than the engine's caches hold "
-                             f"({self.config.gamma})")
+                             f"({self.config.most_drafts})")
         proposal = self.drafter.propose(DraftRequest(
             tuple(r.slot for r in rows), tuple(r.drafts for r in plan.rows), reach, tuple(r.params for r in rows),
             tuple(r.generator for r in rows), tuple(r.source for r in plan.rows), plan.stop_thresholds,
-            plan.extension))
+            plan.extension, tree=plan.tree))
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(reach))
         used = int(num_drafted.max())  # the drafter may have stopped every row early
         return Proposal(proposal.tokens[:, :used].to(device),
                         proposal.probs[:, :used] if proposal.probs is not None else None, num_drafted,
-                        proposal.confidence[:, :used] if proposal.confidence is not None else None)
+                        proposal.confidence[:, :used] if proposal.confidence is not None else None,
+                        proposal.parents[:, :used] if proposal.parents is not None else None)
 
     def _score(self, rows: list[_Row], proposal: Proposal) -> tuple[Tensor, Tensor | None]:
         """Target logits `[b, gamma + 1, vocab]` at each row's pending token and drafts, in one forward (at the
@@ -343,18 +348,46 @@ class Engine:
         pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=self.target.device)
         tokens = torch.cat([pending, proposal.tokens], dim=1)  # [b, gamma + 1]
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        if proposal.parents is not None:  # a token tree per row: every node in the same forward
+            logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, _block_parents(proposal))
+            return logits, hidden if self._wants_features() else None
         return score_padded(self.target, tokens, self.cache, slots, self._scoring_width(len(rows), tokens.shape[1]),
                             features=self._wants_features())
 
     def _verify(self, rows: list[_Row], proposal: Proposal, target_logits: Tensor) -> tuple[Verdict, Tensor | None]:
         """The verdict, and the warped target probabilities it sampled from (None: every row greedy)."""
         params = [r.params for r in rows]
+        if proposal.parents is not None:
+            return self._verify_tree(rows, proposal, target_logits)
         num_drafted = proposal.num_drafted.to(target_logits.device)
         if all(p.greedy for p in params):
             return verify_greedy(proposal.tokens, target_logits, num_drafted), None
         target_probs = warp_rows(target_logits, params)  # [b, gamma + 1, vocab]
         verdict = verify(proposal.tokens, proposal.probs, target_probs, [r.generator for r in rows], num_drafted)
         return verdict, target_probs
+
+    def _verify_tree(self, rows: list[_Row], proposal: Proposal,
+                     target_logits: Tensor) -> tuple[Verdict, Tensor | None]:
+        """A tree round's verdict (`verify_tree`: multi-candidate rejection sampling over each row's tree), and the
+        warped target probabilities (None: every row greedy)."""
+        pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=proposal.tokens.device)
+        tokens = torch.cat([pending, proposal.tokens], dim=1)  # [b, nodes + 1]: the block the target scored
+        parents, sizes = _block_parents(proposal), proposal.num_drafted + 1
+        if all(r.params.greedy for r in rows):
+            found, target_probs = verify_tree_greedy(tokens, parents, sizes, target_logits), None
+        else:
+            target_probs = warp_rows(target_logits, [r.params for r in rows])  # [b, nodes + 1, vocab]
+            draft = (None if proposal.probs is None else
+                     torch.cat([torch.zeros_like(proposal.probs[:, :1]), proposal.probs], dim=1))
+            found = verify_tree(tokens, parents, sizes, draft, target_probs, [r.generator for r in rows])
+        paths = tuple(tuple(i - 1 for i in path) for path in found.paths)  # block indices -> proposal indices
+        accepted = torch.zeros(proposal.tokens.shape, dtype=torch.bool)
+        for row, path in enumerate(paths):
+            accepted[row, list(path)] = True
+        usable = usable_rows(target_logits.float().softmax(-1)) if target_probs is None else usable_rows(target_probs)
+        failed = ~usable[:, 0]
+        return Verdict(found.num_accepted, found.next_token, accepted,
+                       failed if bool(failed.any()) else None, paths), target_probs
 
     def _row_outcomes(self, rows: list[_Row], proposal: Proposal, verdict: Verdict, target_probs: Tensor | None,
                       backlog: dict[int, tuple[float, ...]]) -> tuple[RowOutcome, ...]:
@@ -366,6 +399,9 @@ class Engine:
         accepted = verdict.num_accepted.cpu().tolist()  # one device-to-host copy per round
         failed = _failed_rows(verdict)
         self._note_plain_tokens(rows, drafted, verdict, target_probs)
+        if verdict.paths is not None:  # a tree round: its nodes and its path teach its yield, not chain acceptance
+            return tuple(RowOutcome(r.request_id, 0 if failed[i] else drafted[i], 0 if failed[i] else accepted[i],
+                                    backlog_scores=backlog.get(i)) for i, r in enumerate(rows))
         acceptance = (acceptance_probabilities(proposal.tokens, proposal.probs, target_probs).cpu().tolist()
                       if target_probs is not None and proposal.tokens.shape[1] > 0 else None)  # [b, gamma]
         confidence = proposal.confidence
@@ -424,7 +460,11 @@ class Engine:
                           "an error", row.request_id)
                 updates.append(RowUpdate(row.request_id, (), n_drafted, 0, "error"))
                 continue
-            new = drafted_row[:accepted] + [nxt]
+            path = range(accepted) if verdict.paths is None else verdict.paths[i]
+            new = [drafted_row[node] for node in path] + [nxt]
+            if verdict.paths is not None:  # the accepted nodes' cache entries follow the pending token's
+                start = len(row.prompt) + len(row.output) - 1
+                self.cache.keep_path(row.slot, start, [0] + [1 + node for node in path])
             target_lengths.append(len(row.prompt) + len(row.output) + accepted)
             new, reason = self._apply_stops(row, new)
             row.output.extend(new)
@@ -438,7 +478,8 @@ class Engine:
         if self.drafter is not None:
             self.drafter.commit(slots, committed)
             if features is not None:  # the pending token's position and each accepted draft's
-                self.drafter.add_features(slots, [features[i, : len(new)] for i, new in zip(kept, committed)])
+                self.drafter.add_features(slots, [_path_features(features, i, verdict)[: len(new)]
+                                                  for i, new in zip(kept, committed)])
         return updates
 
     def _apply_stops(self, row: _Row, new: list[int]) -> tuple[list[int], str | None]:
@@ -510,6 +551,29 @@ class Engine:
         return self.clock()
 
 
+def _block_parents(proposal: Proposal) -> Tensor:
+    """`[b, nodes + 1]` parents in the scored block: the pending token first (-1), then the proposal's nodes (their
+    parents shifted by one, the pending token at 0); nodes past a row's count hang from the pending token."""
+    parents = proposal.parents + 1
+    real = torch.arange(parents.shape[1]).unsqueeze(0) < proposal.num_drafted.unsqueeze(1)
+    parents = torch.where(real, parents, torch.zeros_like(parents))
+    return torch.cat([torch.full((parents.shape[0], 1), -1, dtype=torch.long), parents], dim=1)
+
+
+def _path_features(features: Tensor, row: int, verdict: Verdict) -> Tensor:
+    """The target's features of row `row`'s committed positions: the pending token's, then each accepted draft's."""
+    if verdict.paths is None:
+        return features[row]
+    return features[row, [0] + [1 + node for node in verdict.paths[row]]]
+
+
+def _depths(proposal: Proposal) -> Tensor:
+    """`[b, nodes]` each proposal node's depth (1 for the pending token's children)."""
+    from specsample.models.llama import tree_ancestors
+
+    return tree_ancestors(_block_parents(proposal))[1][:, 1:]
+
+
 def _failed_rows(verdict: Verdict) -> list[bool]:
     """Per row, whether the verifier found its distributions unusable."""
     rows = verdict.num_accepted.shape[0]
@@ -533,8 +597,14 @@ def _round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates:
     """Counters of the round; `seconds`: its prefill, draft, target and verify-and-commit time."""
     gamma = proposal.tokens.shape[1]
     num_drafted, num_accepted = proposal.num_drafted, verdict.num_accepted.cpu()
-    positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]
+    positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]; in a tree round, depths 1..
     drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
+    if proposal.parents is not None and gamma > 0:  # rows whose tree reaches each depth
+        depths = _depths(proposal)
+        deepest = int(torch.where(positions < num_drafted.unsqueeze(1), depths, 0).max())
+        positions = positions[:, :deepest]
+        drafted_at = torch.stack([((depths > d) & (torch.arange(gamma) < num_drafted.unsqueeze(1))).any(dim=1).sum()
+                                  for d in range(deepest)]) if deepest else positions.sum(dim=0)
     accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
     planned = torch.tensor([r.drafts for r in plan.rows])
     return RoundStats(
@@ -545,4 +615,6 @@ def _round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates:
         prefill_seconds=seconds[0], draft_seconds=seconds[1], target_seconds=seconds[2], verify_seconds=seconds[3],
         fallback_rows=sum(r.fallback for r in plan.rows), scored_rows=scored_rows, lookup_rows=plan.lookups,
         extended_rows=int((num_drafted > planned).sum()) if gamma else 0,
+        tree_rows=int((num_drafted > 0).sum()) if proposal.parents is not None else 0,
+        tree_nodes=plan.tree.nodes if plan.tree is not None and proposal.parents is not None else 0,
     )

@@ -54,6 +54,8 @@ class StatsCollector:
     backlog_scorings: int = 0
     lookup_row_rounds: int = 0
     extended_row_rounds: int = 0
+    tree_row_rounds: int = 0
+    tree_budgets: dict[int, int] = field(default_factory=dict)  # tree budget -> rounds that drafted it
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -79,6 +81,9 @@ class StatsCollector:
         self.backlog_scorings += s.scored_rows
         self.lookup_row_rounds += s.lookup_rows
         self.extended_row_rounds += s.extended_rows
+        self.tree_row_rounds += s.tree_rows
+        if s.tree_nodes:
+            self.tree_budgets[s.tree_nodes] = self.tree_budgets.get(s.tree_nodes, 0) + 1
         _add_into(self.drafted_per_position, s.drafted_per_position)
         _add_into(self.accepted_per_position, s.accepted_per_position)
         self.prefill_seconds += s.prefill_seconds
@@ -140,6 +145,8 @@ class StatsCollector:
             "backlog_scorings": self.backlog_scorings,
             "lookup_row_rounds": self.lookup_row_rounds,
             "extended_row_rounds": self.extended_row_rounds,
+            "tree_row_rounds": self.tree_row_rounds,
+            "tree_budgets": {str(nodes): rounds for nodes, rounds in sorted(self.tree_budgets.items())},
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

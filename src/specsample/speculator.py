@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specsample.config import SettingError, SpecConfig
+from specsample.config import SettingError, SpecConfig, TreeShape
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import WINDOW_MODES
 from specsample.engine import Engine
+from specsample.models.base import TreeLM
 from specsample.models.loader import RUNTIMES, resolve_dtype
 from specsample.models.row_padding import PAD_MODES, measure_target_widths
 from specsample.pair import Pair, load_pair
@@ -56,6 +57,13 @@ def parse_device(spec: str | torch.device) -> torch.device:
     return device
 
 
+def parse_tree(value: str) -> TreeShape | None:
+    """`--tree`: 'off' (None) or NODES[xBRANCHxDEPTH] (`TreeShape.parse`)."""
+    if not isinstance(value, str):
+        raise SettingError("tree", f"tree must be 'off' or NODES[xBRANCHxDEPTH], got {value!r}")
+    return None if value.strip().lower() == "off" else TreeShape.parse(value.strip())
+
+
 def check_device(spec: str | torch.device) -> None:
     """Raise `SettingError` unless this process can use the device `spec` names: cpu, an existing CUDA device, or mps
     where available."""
@@ -80,6 +88,9 @@ class EngineOptions:
     draft: str | None = None  # model spec, 'ngram', 'hybrid[:MODEL]', 'none'; None: the target alias's default
     gamma: int | str = "auto"  # drafts per round, or 'auto': chosen per request, up to max_gamma
     max_gamma: int = 8
+    # token trees: 'off' (chains), or NODES[xBRANCHxDEPTH]: with gamma auto the largest tree budget it may take
+    # where trees measure faster, with a fixed gamma that tree every round
+    tree: str = "off"
     speculative: bool = True  # False: plain decoding through the same loop (no draft is loaded)
     dtype: str = "auto"
     device: str = "cpu"
@@ -97,6 +108,7 @@ class EngineOptions:
             raise SettingError("gamma", str(exc)) from None
         if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int) or self.max_gamma < 1:
             raise SettingError("max_gamma", f"max_gamma must be an integer >= 1, got {self.max_gamma!r}")
+        parse_tree(self.tree)  # a bad tree fails here, before anything loads
         if self.pad_rows not in PAD_MODES:
             raise SettingError("pad_rows", f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
         if self.draft_window not in WINDOW_MODES:
@@ -114,8 +126,13 @@ class EngineOptions:
 
     @property
     def most_drafts(self) -> int:
-        """The most drafts a round may hold: the caches keep that much slack."""
+        """The most drafts a chain may hold."""
         return self.max_gamma if self.gamma == "auto" else self.gamma
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        """The tree `tree` names (None: off)."""
+        return parse_tree(self.tree)
 
 
 @dataclass
@@ -137,14 +154,15 @@ class Speculator:
 
     def planner(self) -> Planner:
         """A new planner: gamma auto (learning as it runs) or the fixed gamma."""
-        gamma = self.options.gamma
-        return GammaController(self.options.max_gamma) if gamma == "auto" else FixedGamma(gamma)
+        gamma, tree = self.options.gamma, self.options.tree_shape
+        return GammaController(self.options.max_gamma, tree) if gamma == "auto" else FixedGamma(gamma, tree)
 
     def spec_config(self, max_batch_size: int = 1, max_seq_len: int | None = None) -> SpecConfig:
         gamma = self.options.most_drafts
         return SpecConfig(gamma=gamma, adaptive=self.options.gamma == "auto",
                           speculative=self.options.speculative and self.pair.drafter is not None,
-                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths)
+                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths,
+                          tree=self.options.tree_shape)
 
     def engine(self, max_batch_size: int = 1, max_seq_len: int | None = None, *,
                drafter: Drafter | None | str = "loaded", planner: Planner | None = None) -> Engine:
@@ -170,6 +188,9 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
     pair = load_pair(options.target, options.draft if options.speculative else "none", options.dtype,
                      options.device, options.runtime, compile_decode=options.compile,
                      draft_window=options.draft_window)
+    if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):
+        raise SettingError("tree", f"token trees need a target on our Llama-family runtime; {options.target} runs on "
+                                   f"{type(pair.target.model).__name__} (use --tree off)")
     widths: tuple[int, ...] = ()
     if options.pad_rows == "auto" and options.speculative and pair.drafter is not None:
         say("timing the target's forward per tokens scored (pad_rows auto)")

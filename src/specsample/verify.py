@@ -26,6 +26,9 @@ class Verdict:
     # [batch] bool: rows whose target or draft distribution at a position they use is no distribution (NaN,
     # infinite, zero mass); such a row's tokens mean nothing and it must end. None: every row was usable
     failed: Tensor | None = None
+    # a tree round: per row the accepted path, as indices of the proposal's tokens (root to leaf); None: a chain,
+    # whose accepted tokens are its first num_accepted
+    paths: tuple[tuple[int, ...], ...] | None = None
 
 
 def _num_drafted_or_full(num_drafted: Tensor | None, draft_tokens: Tensor) -> Tensor:

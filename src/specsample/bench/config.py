@@ -28,6 +28,7 @@ class BenchConfig:
     num_prompts: int | None = None  # per category for spec-bench, in total otherwise
     max_new_tokens: int = 128
     gammas: tuple[int | str, ...] = ("auto", 1, 2, 3, 4, 5, 6, 7, 8)  # the first: the compare suite's gamma
+    tree: str = "off"  # NODES[xBRANCHxDEPTH]: the compare suite runs ours with these trees too, beside chains
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup
@@ -64,6 +65,9 @@ class BenchConfig:
         for name in ("sweep_prompts", "lossless_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        from specsample.speculator import parse_tree
+
+        parse_tree(self.tree)
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num-prompts must be >= 1, got {self.num_prompts}")
 

@@ -71,7 +71,7 @@ class Bench:
         self.config = config
         self.notes: list[str] = []
         options = EngineOptions(target=config.target, draft=config.draft, gamma="auto", max_gamma=config.max_gamma,
-                                dtype=config.dtype, device=config.device, pad_rows=config.pad_rows)
+                                tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows)
         self.speculator: Speculator = load(options, say=say)
         tokenizer = self.speculator.pair.target.tokenizer
         if tokenizer is None:
@@ -111,12 +111,17 @@ class Bench:
     def target_only(self) -> Ours:
         return self.system("target-only", None, lambda: FixedGamma(1))
 
-    def ours(self, gamma: int | str, drafter: Drafter | None = None) -> Ours:
-        """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto."""
+    def ours(self, gamma: int | str, drafter: Drafter | None = None, tree: bool = False) -> Ours:
+        """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto; with `tree`, with --tree's trees."""
         if self.speculator.drafter is None:
             raise ValueError(f"no draft for {self.config.target}: pass --draft")
-        make = (lambda: GammaController(self.config.max_gamma)) if gamma == "auto" else (lambda: FixedGamma(gamma))
-        return self.system(f"specsample gamma={gamma}", drafter or self.speculator.drafter, make)
+        shape = self.speculator.options.tree_shape if tree else None
+        if gamma == "auto":
+            make = lambda: GammaController(self.config.max_gamma, shape)  # noqa: E731
+        else:
+            make = lambda: FixedGamma(gamma, shape)  # noqa: E731
+        name = f"specsample gamma={gamma}" + (f" tree={shape}" if shape else "")
+        return self.system(name, drafter or self.speculator.drafter, make)
 
     def draft_model(self) -> ModelDrafter | None:
         """A new drafter on the loaded draft model (its own cache), or None without one."""

@@ -59,10 +59,28 @@ def _pooled(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
                            "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
                            "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
                            "tpot_ms": 1000 * statistics.median(tpots) if tpots else None}
+    rounds = sum(r["stats"].get("rounds", 0) for r in records)
+    out["tokens_per_forward"] = tokens / rounds if rounds else None  # a round is one target forward
     stats = [r["stats"] for r in records if r["stats"].get("drafted")]
     if stats:
         out.update(acceptance_summary(stats))
     return out
+
+
+def _tree_use(rows: list[dict[str, Any]], name: str) -> str | None:
+    """Share of a system's rounds that drafted trees, and the budgets drafted (None: no tree round)."""
+    budgets: dict[str, int] = {}
+    rounds = 0
+    for row in rows:
+        stats = row["systems"].get(name, {}).get("stats", {})
+        rounds += stats.get("rounds", 0)
+        for nodes, count in stats.get("tree_budgets", {}).items():
+            budgets[nodes] = budgets.get(nodes, 0) + count
+    trees = sum(budgets.values())
+    if not trees:
+        return None
+    drafted = ", ".join(f"{n} nodes {c / trees:.0%}" for n, c in sorted(budgets.items(), key=lambda x: -x[1]))
+    return f"{trees / rounds:.0%} of rounds ({drafted})"
 
 
 def _cost_ratio(rows: list[dict[str, Any]], name: str) -> float | None:
@@ -89,19 +107,25 @@ def compare_section(store: dict[str, Any]) -> list[str]:
             continue
         speed = _speedups(rows, systems)
         lines += [f"### Temperature {temperature} ({len(rows)} prompts)", "",
-                  "| system | tokens/s | speedup (90% interval) | acceptance | accepted/round | TTFT p50 ms | "
-                  "TPOT p50 ms |", "|---|---|---|---|---|---|---|"]
+                  "| system | tokens/s | speedup (90% interval) | tokens/forward | acceptance | accepted/round | "
+                  "TTFT p50 ms | TPOT p50 ms |", "|---|---|---|---|---|---|---|---|"]
         for name in systems:
             pooled = _pooled(rows, name)
             accepted = pooled["mean_accepted_length"] - 1 if "mean_accepted_length" in pooled else None
             lines.append(f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
-                         f"{_fmt(pooled.get('acceptance_rate'))} | {_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | "
-                         f"{_fmt(pooled['tpot_ms'], 1)} |")
+                         f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                         f"{_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | {_fmt(pooled['tpot_ms'], 1)} |")
         cats = sorted(c for c in speed[BASELINE] if c != "overall")
         others = [n for n in systems if n != BASELINE]
         lines += ["", "Speedup by category:", "", "| category | " + " | ".join(others) + " |",
                   "|---" * (len(others) + 1) + "|"]
         lines += [f"| {c} | " + " | ".join(_interval(speed[n][c]) for n in others) + " |" for c in cats]
+        for name in others:
+            by_category = {c: _tree_use([r for r in rows if r["category"] == c], name) for c in cats}
+            if any(by_category.values()):
+                lines += ["", f"Trees drafted by `{name}`, per category:", "", "| category | tree rounds |",
+                          "|---|---|"]
+                lines += [f"| {c} | {use or 'none'} |" for c, use in by_category.items()]
         for name in others:
             per_pos = _pooled(rows, name).get("acceptance_per_position")
             if per_pos:

@@ -24,7 +24,8 @@ from specsample.planner import FixedGamma, GammaController
 
 STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
               "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
-              "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings")
+              "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings", "tree_row_rounds",
+              "tree_budgets")
 
 
 def record(run: RunRecord) -> dict[str, Any]:
@@ -59,7 +60,10 @@ def _interleaved(bench: Bench, systems: list, indices: list[int], temperature: f
 
 def compare(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """Main table: every system on every prompt, per temperature, interleaved."""
-    systems = [bench.target_only(), bench.ours(bench.config.gammas[0]), *bench.peers]
+    systems = [bench.target_only(), bench.ours(bench.config.gammas[0])]
+    if bench.speculator.options.tree_shape is not None:
+        systems.append(bench.ours(bench.config.gammas[0], tree=True))
+    systems += bench.peers
     store.update(systems=[s.name for s in systems], runs={})
     for temperature in bench.config.temperatures:
         rows = store["runs"].setdefault(str(temperature), [])

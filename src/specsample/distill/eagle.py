@@ -6,7 +6,9 @@
 2. Output subset (FR-Spec): the `draft_vocab` tokens most frequent in the replies.
 3. Training (EAGLE's loss): entry t reads the token t + 1's embedding and the target's feature f_t (with uniform
    noise), predicts f_{t+1}; loss = smooth L1 to f_{t+1} + `ce_weight` x cross-entropy from the target's
-   distribution at t + 1 to the head's, both over the output subset, on reply positions. Resumable:
+   distribution at t + 1 to the head's, both over the output subset, on reply positions; with `unroll` s > 1 each
+   entry also drafts s - 1 steps further from its own predictions, as at inference (EAGLE-3's training-time
+   test). Resumable:
    a checkpoint holds the weights, the optimiser, the data cursor and the curve, so a resumed run ends with the
    same weights as an uninterrupted one.
 4. Export: the head's folder, its evaluation (acceptance by position at T 0 and 0.7 through the real engine, the
@@ -61,6 +63,7 @@ class HeadTraining:
     clip: float = 0.5
     noise: float = 0.1  # uniform noise on the input features, +-noise
     ce_weight: float = 0.1
+    unroll: int = 1  # drafting steps trained per entry (1: teacher-forced only; more: the training-time test)
     seed: int = 0
     checkpoint_minutes: float = 10.0
     eval_every: int = 200  # steps between held-out measurements
@@ -72,6 +75,8 @@ class HeadTraining:
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.max_len < 8 or self.batch_tokens < self.max_len:
             raise ValueError("need tokens >= 1, max_len >= 8 and batch_tokens >= max_len")
+        if self.unroll < 1:
+            raise ValueError(f"unroll must be >= 1, got {self.unroll}")
         if self.epochs <= 0 or self.lr <= 0:
             raise ValueError(f"epochs and lr must be > 0, got {self.epochs}, {self.lr}")
 
@@ -177,29 +182,89 @@ class Frozen:
         self.out = (weight[subset] if subset is not None else weight).to(device)  # [K, hidden]
 
 
+class UnrolledAttention:
+    """The head's attention over whole sequences for `unroll` drafting steps at once (EAGLE-3's training-time test).
+
+    Step 1 is teacher-forced: entry t sees entries 0..t, all with the target's features. At step s > 1, entry t
+    stands for the (s - 1)-th draft past a last true entry e = t - s + 1: it sees the true entries 0..e, the entry
+    step j made at position e + j - 1 for each j in 2..s - 1, and itself, as the head's cache holds them while it
+    drafts. Call `__call__` once per step, in order."""
+
+    def __init__(self, config, batch: int, n: int, device: torch.device) -> None:
+        self.groups = config.num_heads // config.num_kv_heads
+        self.scale = config.head_dim ** -0.5
+        self.rope_positions = torch.arange(n, device=device).unsqueeze(0).expand(batch, n)
+        self.positions = self.rope_positions
+        self.keys: list[torch.Tensor] = []  # per step [b, KVH, n, hd]
+        self.values: list[torch.Tensor] = []
+        self.layer = 0
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, n, heads, head_dim = q.shape
+        q = q.transpose(1, 2)  # [b, H, n, hd]
+        k = k.transpose(1, 2).repeat_interleave(self.groups, dim=1)  # [b, H, n, hd]
+        v = v.transpose(1, 2).repeat_interleave(self.groups, dim=1)
+        step = len(self.keys) + 1
+        self.keys.append(k)
+        self.values.append(v)
+        if step == 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
+        true_keys, true_values = self.keys[0], self.values[0]
+        scores = (q @ true_keys.transpose(-1, -2)).float() * self.scale  # [b, H, n, n]
+        query, key = torch.arange(n, device=q.device).view(-1, 1), torch.arange(n, device=q.device).view(1, -1)
+        scores = scores.masked_fill(key > query - step + 1, float("-inf"))  # true entries 0..t - s + 1
+        diagonals = []  # the speculative entries of steps 2..s, each one per query
+        for j in range(2, step + 1):
+            shift = step - j  # entry t sees step j's entry at t - shift
+            keys_j = F.pad(self.keys[j - 1], (0, 0, shift, 0))[:, :, :n]
+            diagonals.append(((q * keys_j).sum(-1).float() * self.scale).masked_fill(query.view(-1) < shift,
+                                                                                      float("-inf")))
+        weights = torch.softmax(torch.cat([scores, torch.stack(diagonals, dim=-1)], dim=-1), dim=-1)
+        weights = torch.nan_to_num(weights).to(q.dtype)  # entries before step s exists see nothing
+        out = weights[..., :n] @ true_values
+        for i, j in enumerate(range(2, step + 1)):
+            shift = step - j
+            values_j = F.pad(self.values[j - 1], (0, 0, shift, 0))[:, :, :n]
+            out = out + weights[..., n + i].unsqueeze(-1) * values_j
+        return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
+
+
 def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], noise: float, ce_weight: float,
-              generator: torch.Generator | None) -> tuple[torch.Tensor, dict[str, float]]:
+              generator: torch.Generator | None, unroll: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE's loss over the masked entries: smooth L1 from the predicted to the target's next feature, plus
-    `ce_weight` x cross-entropy from the target's next-token distribution to the head's (over the output subset);
-    with the head's acceptance sum(min(p, q)) at temperature 1 and its greedy agreement with the target."""
+    `ce_weight` x cross-entropy from the target's next-token distribution to the head's (over the output subset),
+    averaged over `unroll` drafting steps (step s: entry t reads the head's own prediction made at entry t - 1 in
+    step s - 1, as the s-th draft does); with, per step, the head's acceptance sum(min(p, q)) at temperature 1 and
+    its greedy agreement with the target."""
     tokens, features, mask = batch["tokens"], batch["features"], batch["mask"]
     embeddings = F.embedding(tokens[:, 1:], frozen.embed)  # [b, L - 1, hidden]: token t + 1 at entry t
     target = features[:, 1:]  # f_{t+1}
     inputs = features[:, :-1]
     if noise and head.training:
         inputs = inputs + (torch.rand(inputs.shape, generator=generator, device=inputs.device) * 2 - 1) * noise
-    count = mask.sum().clamp(min=1)
-    predicted = head.forward_uncached(embeddings, inputs).float()  # [b, L - 1, hidden]
-    regression = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * mask).sum() / count
     p = torch.softmax((target @ frozen.out.T).float(), dim=-1)  # [b, L - 1, K]
-    log_q = torch.log_softmax((predicted @ frozen.out.T).float(), dim=-1)
-    cross = (-(p * log_q).sum(-1) * mask).sum() / count
-    loss = regression + ce_weight * cross
-    with torch.no_grad():
-        alpha = (torch.minimum(p, log_q.exp()).sum(-1) * mask).sum() / count
-        agree = ((p.argmax(-1) == log_q.argmax(-1)) * mask).sum() / count
-    return loss, {"loss": loss.item(), "regression": regression.item(), "cross_entropy": cross.item(),
-                  "alpha": alpha.item(), "agree": agree.item()}
+    attend = UnrolledAttention(head.layer_config, *embeddings.shape[:2], embeddings.device)
+    total, metrics = 0.0, {}
+    for step in range(1, unroll + 1):
+        valid = mask.clone()
+        valid[:, : step - 1] = False  # no (step - 1)-th draft before position step - 1
+        count = valid.sum().clamp(min=1)
+        predicted = head(embeddings, inputs, attend).float()  # [b, L - 1, hidden]
+        regression = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * valid).sum() / count
+        log_q = torch.log_softmax((predicted @ frozen.out.T).float(), dim=-1)
+        cross = (-(p * log_q).sum(-1) * valid).sum() / count
+        total = total + regression + ce_weight * cross
+        with torch.no_grad():
+            alpha = (torch.minimum(p, log_q.exp()).sum(-1) * valid).sum() / count
+            agree = ((p.argmax(-1) == log_q.argmax(-1)) * valid).sum() / count
+        suffix = "" if step == 1 else f"_{step}"
+        metrics.update({f"regression{suffix}": regression.item(), f"cross_entropy{suffix}": cross.item(),
+                        f"alpha{suffix}": alpha.item(), f"agree{suffix}": agree.item()})
+        inputs = torch.cat([inputs[:, :1], predicted[:, :-1].to(inputs.dtype)], dim=1)  # entry t: prediction at t - 1
+    loss = total / unroll
+    metrics["loss"] = loss.item()
+    return loss, metrics
 
 
 # ----- training ------------------------------------------------------------------------------
@@ -253,7 +318,7 @@ def heldout(head: EagleHead, frozen: Frozen, batches: Batches, plan: HeadTrainin
         group = sequences[start:start + 8]
         batch = make_batch(group, device)
         with _autocast(device):
-            _, metrics = head_loss(head, frozen, batch, 0.0, plan.ce_weight, None)
+            _, metrics = head_loss(head, frozen, batch, 0.0, plan.ce_weight, None, plan.unroll)
         n = int(batch["mask"].sum())
         for key, value in metrics.items():
             sums[key] += value * n
@@ -294,7 +359,7 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, record["steps"], plan)
         with _autocast(device):
-            loss, metrics = head_loss(head, frozen, batch, plan.noise, plan.ce_weight, generator)
+            loss, metrics = head_loss(head, frozen, batch, plan.noise, plan.ce_weight, generator, plan.unroll)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), plan.clip)
@@ -509,7 +574,8 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
               "## Training", "",
               f"{record['step']} steps of about {plan.batch_tokens} tokens ({record['tokens_seen']} tokens seen); "
               f"AdamW lr {plan.lr}, cosine to {plan.min_lr_ratio} x, feature noise +-{plan.noise}, cross-entropy "
-              f"weight {plan.ce_weight}.", "", "![training curve](training_curve.png)", "",
+              f"weight {plan.ce_weight}, {plan.unroll} drafting step(s) trained per entry.", "",
+              "![training curve](training_curve.png)", "",
               "| step | tokens | train loss | held-out loss | held-out alpha (T=1) | held-out greedy agreement |",
               "|---|---|---|---|---|---|"]
     curve = record["curve"]

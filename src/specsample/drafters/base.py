@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from specsample.config import SamplingParams
+from specsample.config import SamplingParams, TreeShape
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class Proposal:
     probs: Tensor | None  # [batch, gamma, vocab] warped draft distributions; None = deterministic
     num_drafted: Tensor  # [batch] long, drafts actually proposed per row (0..gamma)
     confidence: Tensor | None = None  # [batch, gamma] drafter's temperature-1 probability of each token
+    # [batch, gamma]: a token tree per row, each token's parent among them (-1: the pending token; parents come
+    # first). None: a chain (each token follows the previous one)
+    parents: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,8 @@ class DraftRequest:
     """What a round asks of a drafter, per row of the batch (index i) and for the round."""
 
     slots: tuple[int, ...]  # the rows' slots in the drafter's state
-    drafts: tuple[int, ...]  # drafts planned per row (the gate may stop a row sooner)
-    reach: tuple[int, ...]  # most drafts per row (> drafts only as `extension` allows)
+    drafts: tuple[int, ...]  # drafts planned per row (the gate may stop a row sooner); with `tree`: its depth at most
+    reach: tuple[int, ...]  # most drafts per row (> drafts only as `extension` allows); with `tree`: its nodes
     params: tuple[SamplingParams, ...]
     generators: tuple[torch.Generator, ...]
     source: tuple[bool | None, ...] = ()  # True: the row's prompt lookup; False: its model; None (or empty): the
@@ -65,6 +68,7 @@ class DraftRequest:
     stop_thresholds: tuple[float, ...] = ()  # per draft position j (index j - 1): stop after a less confident draft
     extension: Extension | None = None
     width: int = -1  # the round's widest reach: proposals are this wide (-1: max(reach))
+    tree: TreeShape | None = None  # grow a token tree per row where the drafter can (see `drafts`, `reach`), else a chain
 
     def __post_init__(self) -> None:
         rows = len(self.slots)
@@ -86,11 +90,12 @@ class DraftRequest:
                             tuple(self.reach[i] for i in rows), tuple(self.params[i] for i in rows),
                             tuple(self.generators[i] for i in rows),
                             tuple(self.source[i] for i in rows) if self.source else (),
-                            self.stop_thresholds, self.extension, self.width)
+                            self.stop_thresholds, self.extension, self.width, self.tree)
 
     def refuse_extension(self, rows: Sequence[int], why: str) -> None:
-        """Raise where one of `rows` may draft past its plan, which the caller cannot honour (`why`)."""
-        past = [i for i in rows if self.reach[i] > self.drafts[i]]
+        """Raise where one of `rows` may draft past its plan, which the caller cannot honour (`why`); a tree's reach is
+        its nodes, not an extension."""
+        past = [i for i in rows if self.reach[i] > self.drafts[i]] if self.tree is None else []
         if past:
             raise ValueError(f"rows {past} may draft past their plan, but {why}")
 
@@ -179,7 +184,8 @@ def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int,
 
     When any part carries probabilities, deterministic rows become one-hot rows of the same width
     and dtype (never rounded); when none does, the merged proposal is deterministic too. A
-    deterministic row has no confidence (NaN), so it never calibrates the confidence gate.
+    deterministic row has no confidence (NaN), so it never calibrates the confidence gate. When any
+    part is a tree, every row is (a chain as the tree of one branch).
     """
     from specsample.sampling import one_hot_like
 
@@ -205,7 +211,18 @@ def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int,
                                     else one_hot_like(part.tokens.cpu(), probs[index, :width]))
         if part.confidence is not None:
             confidence[index, :width] = part.confidence.cpu().to(confidence.dtype)
-    return Proposal(tokens=tokens, probs=probs, num_drafted=drafted, confidence=confidence)
+    parents = None
+    if any(part.parents is not None for _, part in parts):
+        parents = chain_parents(batch, gamma)
+        for rows, part in parts:
+            if rows and part.parents is not None:
+                parents[torch.tensor(list(rows), dtype=torch.long), : part.parents.shape[1]] = part.parents.cpu()
+    return Proposal(tokens=tokens, probs=probs, num_drafted=drafted, confidence=confidence, parents=parents)
+
+
+def chain_parents(batch: int, width: int) -> Tensor:
+    """`[batch, width]` parents of a chain: each token follows the previous one (the first, the pending token)."""
+    return (torch.arange(width) - 1).unsqueeze(0).expand(batch, width).clone()
 
 
 def _whole(part: tuple[Sequence[int], Proposal], batch: int, gamma: int) -> bool:
@@ -213,7 +230,37 @@ def _whole(part: tuple[Sequence[int], Proposal], batch: int, gamma: int) -> bool
     probabilities (if any) in a dtype the merge keeps."""
     rows, proposal = part
     return (list(rows) == list(range(batch)) and proposal.tokens.shape == (batch, gamma)
+            and (proposal.parents is None or proposal.parents.device.type == "cpu")
             and proposal.tokens.device.type == "cpu" and proposal.num_drafted.device.type == "cpu"
             and (proposal.confidence is None or proposal.confidence.device.type == "cpu")
             and (proposal.probs is None
                  or (proposal.probs.device.type == "cpu" and proposal.probs.dtype in (torch.float32, torch.float64))))
+
+
+def best_tree(tokens: list[list[int]], parents: list[list[int]], scores: list[list[float]], budget: list[int]) -> Proposal:
+    """Per row the `budget[i]` nodes of highest cumulative probability (a tree: ancestors rank higher), in depth
+    order, as a tree proposal of deterministic drafts."""
+    batch = len(tokens)
+    width = max(max(budget), 1)
+    out_tokens = torch.zeros(batch, width, dtype=torch.long)
+    out_parents = torch.full((batch, width), -1, dtype=torch.long)
+    confidence = torch.zeros(batch, width)
+    counts = []
+    for r in range(batch):
+        kept = sorted(range(len(tokens[r])), key=lambda n: -scores[r][n])[: budget[r]]
+        depth = {}
+        for node in sorted(kept, key=lambda n: scores[r][n], reverse=True):
+            chain, ancestor = 0, parents[r][node]
+            while ancestor >= 0:
+                chain, ancestor = chain + 1, parents[r][ancestor]
+            depth[node] = chain
+        order = sorted(kept, key=lambda n: (depth[n], -scores[r][n]))  # parents before children, best first
+        index = {node: i for i, node in enumerate(order)}
+        for i, node in enumerate(order):
+            out_tokens[r, i] = tokens[r][node]
+            parent = parents[r][node]
+            out_parents[r, i] = index[parent] if parent >= 0 else -1
+            confidence[r, i] = float(torch.tensor(scores[r][node]).exp())
+        counts.append(len(order))
+    return Proposal(tokens=out_tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long),
+                    confidence=confidence, parents=out_parents)

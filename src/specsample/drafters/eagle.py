@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from specsample.drafters.base import DraftRequest, Proposal
+from specsample.config import TreeShape
+from specsample.drafters.base import DraftRequest, Proposal, best_tree
 from specsample.kv_cache import KVCache
 from specsample.models.layers import Linear, linear, prepack
 from specsample.models.llama import Attention, Block, LlamaConfig, LlamaModel
@@ -110,6 +111,19 @@ class EagleHead(nn.Module):
         starts = cache.reserve(slots, n)
         groups = self.layer_config.num_heads // self.layer_config.num_kv_heads
         attend = Attention(cache, slots, starts, n, self.layer_config, groups, self.device)
+        out = self(embeddings, features, attend)
+        cache.lengths[slots.cpu()] = starts + n
+        return out
+
+    def forward_tree(self, embeddings: Tensor, features: Tensor, cache: KVCache, slots: Tensor, visible: Tensor,
+                     positions: Tensor) -> Tensor:
+        """Append entries that see what `visible [b, n, kv_len]` says (a tree grown over several calls), at RoPE
+        `positions [b, n]`; their predicted features `[b, n, hidden]`."""
+        n = embeddings.shape[1]
+        starts = cache.reserve(slots, n)
+        groups = self.layer_config.num_heads // self.layer_config.num_kv_heads
+        attend = Attention(cache, slots, starts, n, self.layer_config, groups, self.device, visible=visible,
+                           rope_positions=starts.unsqueeze(1) * 0 + positions)
         out = self(embeddings, features, attend)
         cache.lengths[slots.cpu()] = starts + n
         return out
@@ -290,10 +304,13 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Proposal:
         """Draw up to `request.reach[i]` tokens per row, each from the target's output layer on the head's predicted
-        feature; the gate and the extension as for any confident draft (`ModelDrafter.propose`)."""
+        feature; the gate and the extension as for any confident draft (`ModelDrafter.propose`). With
+        `request.tree`, grow a token tree per row instead (`_grow`)."""
         slots, gamma, params, generators = request.slots, request.width, request.params, request.generators
         batch = len(slots)
         predicted, ready = self._catch_up(slots)  # [b, hidden]
+        if request.tree is not None:
+            return self._grow(slots, predicted, ready, request.drafts, request.reach, request.tree)
         limits = [min(gamma, m) if r else 0 for m, r in zip(request.reach, ready)]
         planned = list(limits) if request.extension is None else [min(p, m) for p, m in zip(request.drafts, limits)]
         drafted = [0] * batch
@@ -344,6 +361,76 @@ class EagleDrafter:
         return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
                         confidence=draft_conf)
 
+    def _grow(self, slots: Sequence[int], predicted: Tensor, ready: list[bool], depths: Sequence[int],
+              reach: Sequence[int], shape: TreeShape) -> Proposal:
+        """EAGLE-2's dynamic tree per row (see `TreeShape`): children by the head's top `branch` tokens, expansion by
+        cumulative (temperature 1) draft probability; every child is deterministic given the past (its q one-hot),
+        so the verifier tests it with the target's probability alone. A row's tree holds at most `reach[i]` nodes
+        (0 where it cannot draft), `depths[i]` deep. The expanded nodes' entries sit in the head's cache after the
+        true ones, each seeing the true entries and its ancestors; the commit rolls them back."""
+        batch, device = len(slots), self.target.device
+        budget = [min(shape.nodes, r) if ok else 0 for r, ok in zip(reach, ready)]
+        limit = [min(shape.depth, d) if b else 0 for d, b in zip(depths, budget)]
+        tokens: list[list[int]] = [[] for _ in range(batch)]  # per row, every node generated
+        parents: list[list[int]] = [[] for _ in range(batch)]
+        scores: list[list[float]] = [[] for _ in range(batch)]  # cumulative log probability
+        entry: list[dict[int, int]] = [{} for _ in range(batch)]  # node -> its cache index (expanded nodes)
+        frontier = [[-1] for _ in range(batch)]  # nodes expanded last (-1: the pending token)
+        features = predicted.unsqueeze(1)  # [b, 1, hidden]: the predicted feature after each frontier node
+        starts = self.cache.lengths[torch.tensor(list(slots))].clone()  # the true entries per row
+        for depth in range(max(limit, default=0)):
+            log_probs = torch.log_softmax(self._logits(features.flatten(0, 1)).float(), dim=-1)
+            log_probs = log_probs.view(batch, features.shape[1], -1).cpu()  # [b, frontier, K]
+            top = log_probs.topk(min(shape.branch, log_probs.shape[-1]), dim=-1)
+            new: list[list[int]] = []
+            for r in range(batch):
+                born = []
+                for f, parent in enumerate(frontier[r] if depth < limit[r] else ()):
+                    if parent == -2:  # padding of a row with fewer nodes to expand
+                        continue
+                    base = 0.0 if parent < 0 else scores[r][parent]
+                    for value, index in zip(top.values[r, f].tolist(), top.indices[r, f].tolist()):
+                        tokens[r].append(int(index) if self.output_subset is None
+                                         else int(self.output_subset[index]))
+                        parents[r].append(parent)
+                        scores[r].append(base + value)
+                        born.append(len(tokens[r]) - 1)
+                new.append(sorted(born, key=lambda n: -scores[r][n])[: shape.branch] if depth + 1 < limit[r] else [])
+            if not any(new):
+                break
+            # expand: feed each row's chosen new nodes (entry: the parent's predicted feature, the node's token)
+            width = max(len(chosen) for chosen in new)
+            ids = torch.zeros(batch, width, dtype=torch.long)
+            inputs = torch.zeros(batch, width, features.shape[-1], dtype=features.dtype, device=device)
+            for r, chosen in enumerate(new):
+                for j, node in enumerate(chosen):
+                    ids[r, j] = tokens[r][node]
+                    parent = parents[r][node]
+                    inputs[r, j] = features[r, frontier[r].index(parent)]
+            lengths = self.cache.lengths[torch.tensor(list(slots))]
+            kv_len = int(lengths.max()) + width
+            visible = torch.zeros(batch, width, kv_len, dtype=torch.bool)
+            positions = torch.zeros(batch, width, dtype=torch.long)
+            for r, chosen in enumerate(new):
+                base, length = int(starts[r]), int(lengths[r])
+                visible[r, :, :base] = True  # padding entries see the context too (never read)
+                for j, node in enumerate(chosen):
+                    visible[r, j, :base] = True
+                    ancestor = parents[r][node]
+                    while ancestor >= 0:
+                        visible[r, j, entry[r][ancestor]] = True
+                        ancestor = parents[r][ancestor]
+                    visible[r, j, length + j] = True
+                    entry[r][node] = length + j
+                    positions[r, j] = base + depth
+            slot_tensor = torch.tensor(list(slots), dtype=torch.long)
+            features = self.head.forward_tree(self.target.embed(ids.to(device)), inputs, self.cache, slot_tensor,
+                                              visible, positions)
+            for slot in slots:
+                self.rows[slot].drafted += width
+            frontier = [chosen + [-2] * (width - len(chosen)) for chosen in new]  # padding never expands
+        return best_tree(tokens, parents, scores, budget)
+
     @torch.inference_mode()
     def score_backlog(self, slots: Sequence[int], counts: Sequence[int], params) -> list[list[float]]:
         """Per row, the warped draft probability of each of its last `counts[i]` committed tokens that the head can
@@ -386,3 +473,4 @@ def load_head_drafter(folder: str | Path, target: LlamaModel) -> EagleDrafter:
         raise ValueError("a feature draft (EAGLE head) needs the target on our Llama-family runtime")
     head, subset, _ = EagleHead.load(Path(folder))
     return EagleDrafter(head, target, subset, Path(folder))
+

@@ -71,7 +71,9 @@ class HybridDrafter:
         parts = []
         if model_rows:
             parts.append((model_rows, self.model.propose(request.select(model_rows))))
-        if ngram_rows:
+        if ngram_rows and request.tree is not None:  # the matched continuations as branches of a trie
+            parts.append((ngram_rows, self.ngram.propose(request.select(ngram_rows))))
+        elif ngram_rows:
             tokens = torch.zeros(len(ngram_rows), request.width, dtype=torch.long)
             for j, i in enumerate(ngram_rows):
                 tokens[j, : len(lookups[i])] = torch.tensor(lookups[i], dtype=torch.long)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import DraftRequest, Proposal
+from specsample.drafters.base import DraftRequest, Proposal, best_tree
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import sample, warp_rows
 
@@ -131,6 +131,8 @@ class ModelDrafter:
         """Draw up to `request.reach[i]` tokens per row; a row stops after its j-th token if it gave it less than
         `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only. Past its plan
         (`request.drafts[i]`) a row draws on only as `request.extension` allows."""
+        if request.tree is not None:
+            return self._propose_tree(request)
         slots, gamma, params, generators = request.slots, request.width, request.params, request.generators
         stop_thresholds, extension = request.stop_thresholds, request.extension
         batch = len(slots)
@@ -186,6 +188,45 @@ class ModelDrafter:
             self._drafted[slot] = draft_tokens[row, :steps].tolist()  # drawn; all but the last were fed
         return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
                         confidence=draft_conf)
+
+    def _propose_tree(self, request: DraftRequest) -> Proposal:
+        """A tree per row along the draft's greedy chain (its spine, down to `tree.depth`): at each depth the draft's
+        `tree.branch` most likely tokens, the first continuing the spine, the others leaves beside it; then the
+        `reach[i]` nodes of highest cumulative draft probability, `drafts[i]` deep. Every node is deterministic given
+        the past."""
+        slots, shape = request.slots, request.tree
+        batch = len(slots)
+        slot_tensor = torch.tensor(list(slots), dtype=torch.long)
+        self._catch_up(slots, shape.depth)
+        pending = [self.history[s][self._fed(s):] for s in slots]
+        inputs, last = pad_right(pending, self.model.device)
+        logits, subset = self._logits(inputs, slot_tensor, last)
+        self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        parents: list[list[int]] = [[] for _ in range(batch)]
+        scores: list[list[float]] = [[] for _ in range(batch)]
+        spine, spine_score = [-1] * batch, [0.0] * batch
+        fed: list[list[int]] = [[] for _ in range(batch)]
+        limit = [min(shape.depth, d) for d in request.drafts]
+        for depth in range(max(limit, default=0)):
+            top = torch.log_softmax(logits.float(), dim=-1).topk(min(shape.branch, logits.shape[-1]), dim=-1)
+            ids = top.indices if subset is None else subset[top.indices]
+            values, ids = top.values.tolist(), ids.tolist()
+            for r in range(batch):
+                parent, base = spine[r], spine_score[r]
+                for rank, (value, token) in enumerate(zip(values[r], ids[r]) if depth < limit[r] else ()):
+                    tokens[r].append(token)
+                    parents[r].append(parent)
+                    scores[r].append(base + value)
+                    if rank == 0:
+                        spine[r], spine_score[r] = len(tokens[r]) - 1, base + value
+                fed[r].append(ids[r][0])
+            if depth + 1 < max(limit):
+                step = torch.tensor([ids_r[0] for ids_r in ids], device=self.model.device)
+                logits, _ = self._logits(step.unsqueeze(1), slot_tensor, torch.zeros_like(step))
+        for row, slot in enumerate(slots):
+            self._drafted[slot] = fed[row]  # the spine drawn; all but its last token fed
+        return best_tree(tokens, parents, scores, list(request.reach))
 
     def _logits(self, inputs: Tensor, slot_tensor: Tensor, last: Tensor) -> tuple[Tensor, Tensor | None]:
         """Feed `inputs [b, n]`; logits `[b, K]` at each row's position `last[i]`, and the token ids of the K

@@ -13,6 +13,9 @@ import torch
 from specsample.drafters.base import DraftRequest, Proposal
 
 
+BRANCH_MEMORY = 3  # older occurrences kept per n-gram, beside the most recent, for branched lookups
+
+
 class NgramIndex:
     """One row's tokens and, per n-gram length n in [min_n, max_n], where each n-gram last ended: `find` gives the
     tokens that followed the most recent earlier occurrence of the longest suffix n-gram with a few dictionary reads.
@@ -24,6 +27,7 @@ class NgramIndex:
         self.tokens = [int(t) for t in tokens]
         self.min_n, self.max_n = min_n, max_n
         self._last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]  # [n - min_n]
+        self._earlier: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n - min_n + 1)]  # older ends
         self._indexed = 0  # ends (positions of an n-gram's last token) 0 .. _indexed - 1 are in the tables
         self._index()  # the prompt now, with the prefill, not in the first round
 
@@ -35,9 +39,13 @@ class NgramIndex:
         """Enter every end but the last: the suffix must match an earlier occurrence, never itself."""
         tokens = self.tokens
         for end in range(self._indexed, len(tokens) - 1):
-            for table, n in zip(self._last_end, range(self.min_n, self.max_n + 1)):
+            for table, earlier, n in zip(self._last_end, self._earlier, range(self.min_n, self.max_n + 1)):
                 if end >= n - 1:
-                    table[tuple(tokens[end - n + 1:end + 1])] = end  # later ends overwrite: the most recent wins
+                    key = tuple(tokens[end - n + 1:end + 1])
+                    if key in table:  # the most recent wins; a few older ones stay for branches
+                        earlier.setdefault(key, []).insert(0, table[key])
+                        del earlier[key][BRANCH_MEMORY:]
+                    table[key] = end
         self._indexed = max(self._indexed, len(tokens) - 1)
 
     def find(self, max_tokens: int) -> tuple[list[int], int]:
@@ -51,6 +59,42 @@ class NgramIndex:
             if end is not None:
                 return tokens[end + 1:end + 1 + max_tokens], n
         return [], 0
+
+    def find_branches(self, max_tokens: int, branches: int) -> list[list[int]]:
+        """Up to `branches` different continuations (each up to `max_tokens` tokens) of the longest suffix n-gram's
+        occurrences, the most recent first (`find`'s first)."""
+        found, n = self.find(max_tokens)
+        if not found:
+            return []
+        tokens, length = self.tokens, len(self.tokens)
+        out = [found]
+        for end in self._earlier[n - self.min_n].get(tuple(tokens[length - n:]), []):
+            continuation = tokens[end + 1:end + 1 + max_tokens]
+            if len(out) >= branches:
+                break
+            if continuation and continuation not in out:
+                out.append(continuation)
+        return out
+
+
+def trie(sequences: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
+    """The tokens and parents (-1: the root) of the trie of `sequences` (shared prefixes merged), the first
+    sequence's nodes first, at most `budget` nodes; parents come before their children."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}
+    for sequence in sequences:
+        parent = -1
+        for token in sequence:
+            node = children.get((parent, token))
+            if node is None:
+                if len(tokens) >= budget:
+                    break
+                tokens.append(token)
+                parents.append(parent)
+                node = children[(parent, token)] = len(tokens) - 1
+            parent = node
+    return tokens, parents
 
 
 class NgramDrafter:
@@ -85,9 +129,12 @@ class NgramDrafter:
         return [False] * len(slots)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        """Each row's lookup (up to its reach); rows sent away from their lookup (source False) propose nothing."""
+        """Each row's lookup (up to its reach); rows sent away from their lookup (source False) propose nothing.
+        With `request.tree`, up to `tree.branch` continuations per row merged into a trie (`find_branches`)."""
         request.refuse_extension([i for i in range(len(request.slots)) if request.source_of(i) is not False],
                                  "an n-gram draft has no confidence to extend by")
+        if request.tree is not None:
+            return self._propose_tree(request)
         tokens = torch.zeros(len(request.slots), request.width, dtype=torch.long)
         counts = []
         for row, (slot, limit) in enumerate(zip(request.slots, request.reach)):
@@ -96,6 +143,23 @@ class NgramDrafter:
             tokens[row, : len(found)] = torch.tensor(found, dtype=torch.long)
             counts.append(len(found))
         return Proposal(tokens=tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long))
+
+    def _propose_tree(self, request: DraftRequest) -> Proposal:
+        """Per row the trie of up to `tree.branch` continuations, each `drafts[i]` tokens at most, `reach[i]` nodes at
+        most."""
+        shape = request.tree
+        width = max(request.width, 1)
+        tokens = torch.zeros(len(request.slots), width, dtype=torch.long)
+        parents = torch.full((len(request.slots), width), -1, dtype=torch.long)
+        counts = []
+        for row, (slot, depth, reach) in enumerate(zip(request.slots, request.drafts, request.reach)):
+            branches = (self.rows[slot].find_branches(depth, shape.branch)
+                        if request.source_of(row) is not False and reach > 0 else [])
+            nodes, links = trie(branches, min(reach, width))
+            tokens[row, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+            parents[row, : len(links)] = torch.tensor(links, dtype=torch.long)
+            counts.append(len(nodes))
+        return Proposal(tokens=tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long), parents=parents)
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
         """Tokens the lookup would propose per row, up to `max_tokens[i]` (0: no match)."""

@@ -78,6 +78,18 @@ class FeatureLM(Protocol):
         ...
 
 
+@runtime_checkable
+class TreeLM(Protocol):
+    """A model that scores a token tree per row in one forward (each token sees the context and its ancestors) and
+    keeps one path of it in its cache."""
+
+    def forward_cached_tree(self, tokens: Tensor, cache: ModelCache, slots: Tensor,
+                            parents: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits `[b, n, vocab]` and final hidden states `[b, n, hidden]` of a block whose token i hangs from
+        `parents[:, i]` (-1 for the first); the cache holds the block in order until a path is kept."""
+        ...
+
+
 def pad_right(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Right-pad token lists into `[b, max_len]`; also return each row's last real index `[b]`."""
     width = max(len(s) for s in sequences)

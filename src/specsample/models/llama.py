@@ -186,10 +186,12 @@ class Attention:
     """
 
     def __init__(self, cache: KVCache | None, slots: Tensor | None, starts: Tensor, n: int,
-                 config: LlamaConfig, groups: int, device: torch.device, parents: Tensor | None = None) -> None:
+                 config: LlamaConfig, groups: int, device: torch.device, parents: Tensor | None = None,
+                 visible: Tensor | None = None, rope_positions: Tensor | None = None) -> None:
         """`parents [b, n]`: the new tokens form a tree per row (token i's parent among them, -1 for the first):
         each token sees the cached context and its ancestors, at the position of its depth (its cache entry stays
-        at its index in the block, for the caller to compact). None: a causal block."""
+        at its index in the block, for the caller to compact). `visible [b, n, kv_len]` and `rope_positions [b, n]`
+        say it outright instead (a tree grown over several calls). None: a causal block."""
         self.cache, self.layer, self.groups = cache, 0, groups
         batch = starts.shape[0]
         self.kv_len = int(starts.max()) + n
@@ -218,7 +220,11 @@ class Attention:
                 block[row, :, :start] = True
                 block[row, :, start:start + n] = ancestors[row]
             visible = block.to(device)
-        decode = self.start is not None and n == 1  # one query per row sees every cached key
+        elif rope_positions is not None:
+            if visible is None or config.sliding_window is not None:
+                raise ValueError("explicit positions need an explicit mask, and no sliding window")
+            self.rope_positions, visible = rope_positions.to(device), visible.to(device)
+        decode = self.start is not None and n == 1 and rope_positions is None  # sees every cached key
         self.mask = None if decode else self._grouped(visible, groups)
         window = config.sliding_window
         self.window_mask = None

@@ -10,21 +10,26 @@ exactly as sampling from the target.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import specsample.planner.fallback as fallback
 from specsample.planner.acceptance import BINS, Acceptance
 from specsample.drafters.base import Extension
 from specsample.planner.base import (BatchState, RoundOutcome, RoundPlan, RowPlan, RowState,
-                                     fixed_drafts)
+                                     fixed_drafts, tree_row)
+from specsample.config import TreeShape
 from specsample.planner.costs import CostModel, RoundKind
 from specsample.planner.fallback import RequestChoice
+from specsample.planner.trees import TreeYields, budgets
 from specsample.theory import expected_tokens_per_round
 
 log = logging.getLogger("specsample.controller")
 
 HYSTERESIS = 0.03  # switch a request's gamma only for a > 3% better predicted speedup
 EXPLORE_EVERY = 16  # rounds between tries of a neighbouring gamma, so round costs are measured
+TREE_WARMUP = 4  # tries of each tree budget (and of chains) before trees are explored only every EXPLORE_EVERY...
+TREE_WARMUP_EVERY = 4  # ...rounds, rather than every this many
 
 
 class GammaController:
@@ -32,10 +37,16 @@ class GammaController:
 
     adaptive = True
 
-    def __init__(self, max_gamma: int = 8) -> None:
+    def __init__(self, max_gamma: int = 8, tree: TreeShape | None = None) -> None:
+        """`tree`: the largest token tree a round may draft (`trees.budgets`); None: chains only."""
         if not isinstance(max_gamma, int) or max_gamma < 1:
             raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         self.max_gamma = max_gamma
+        self.trees = budgets(tree) if tree is not None else ()
+        self.tree_yields = TreeYields()
+        self.tree_tried: dict[int, int] = {}  # node budget (0: a chain) -> round last drafted with it
+        self.tree_tries: dict[int, int] = {}  # node budget (0: a chain) -> rounds planned with it, where trees could be
+        self.tree_choice: TreeShape | None = None  # the tree rounds draft outside explorations (None: chains)
         self.acceptance = Acceptance()
         self.costs = CostModel()
         self.choices: dict[str, RequestChoice] = {}
@@ -94,6 +105,13 @@ class GammaController:
         thresholds, extension = (), None
         if max((r.drafts for r in rows), default=0) > 0:
             thresholds, extension = self._gate(size, facts.get("exploring", False))
+        tree = self._tree(batch, rows, chosen, size) if chosen and self.trees and batch.can_tree else None
+        if tree is not None:  # the model's rows draft the tree, the others their chains as trees; no gate or extension
+            rows = [dataclasses.replace(tree_row(state, tree) if state.chosen and r.source is not True
+                                        else RowPlan(r.drafts, r.drafts), source=r.source,
+                                        score_backlog=r.score_backlog, fallback=r.fallback) if r.drafts > 0 else r
+                    for r, state in zip(rows, batch.rows)]
+            thresholds, extension = [], None
         if extension is not None:
             rows = [RowPlan(r.drafts, max(r.drafts, min(self.max_gamma, state.remaining - 1)), r.source,
                             r.score_backlog, r.fallback)
@@ -102,7 +120,43 @@ class GammaController:
             if all(r.reach == r.drafts for r in rows):
                 extension = None
         return RoundPlan(rows=tuple(rows), stop_thresholds=tuple(thresholds), extension=extension,
-                         chosen_ids=tuple(batch.rows[i].request_id for i in chosen), **facts)
+                         chosen_ids=tuple(batch.rows[i].request_id for i in chosen), tree=tree, **facts)
+
+    def _tree(self, batch: BatchState, rows: list[RowPlan], chosen: list[int], size: int) -> TreeShape | None:
+        """The tree this round drafts (None: chains), see `trees`: the fastest predicted for the rows the model drafts
+        for (chains or a tree budget), switched to only for a HYSTERESIS gain; every EXPLORE_EVERY rounds, half-way
+        between gamma's explorations (every TREE_WARMUP_EVERY until each was tried TREE_WARMUP times), the alternative
+        tried least recently."""
+        drafting = [i for i in chosen if rows[i].drafts > 0 and rows[i].source is not True]
+        if not drafting or not self.costs.timed_drafting(size):
+            return None  # chains are timed first: a tree's prior prices it from them
+
+        def speedup(shape: TreeShape | None) -> float:
+            total = 0.0
+            for i in drafting:
+                rid = batch.rows[i].request_id
+                alpha = self.acceptance.alpha(rid)
+                if shape is None:
+                    total += self.speedup(alpha, rows[i].drafts, size)
+                else:
+                    total += (self.tree_yields.tokens(rid, shape, alpha)
+                              / self.costs.tree_cost(size, shape.nodes, shape.depth))
+            return total / len(drafting)
+
+        options: list[TreeShape | None] = [None, *self.trees]
+        tries = [self.tree_tries.get(shape.nodes if shape else 0, 0) for shape in options]
+        every = TREE_WARMUP_EVERY if min(tries) < TREE_WARMUP else EXPLORE_EVERY
+        if self.round % every == every // 2:
+            choice = min(options, key=lambda shape: self.tree_tried.get(shape.nodes if shape else 0, -1))
+        else:
+            best = max(options, key=speedup)
+            if speedup(best) > speedup(self.tree_choice) * (1 + HYSTERESIS):
+                self.tree_choice = best
+            choice = self.tree_choice
+        key = choice.nodes if choice else 0
+        self.tree_tried[key] = self.round
+        self.tree_tries[key] = self.tree_tries.get(key, 0) + 1
+        return choice
 
     def _choose(self, rows: list[RowState], batch: BatchState, size: int) -> tuple[list[RowPlan], dict]:
         """Plans for the rows gamma auto chooses for (see `plan`), and the round's facts for learning."""
@@ -253,11 +307,15 @@ class GammaController:
                 self.acceptance.observe_scores(row.request_id, row.backlog_scores)
                 self.scored += 1
         for row, row_plan in zip(outcome.rows, plan.rows):
-            if row.num_drafted > 0:
+            if row.num_drafted > 0 and plan.tree is not None:  # a tree's yield, not a chain's acceptance
+                if row_plan.source is not True:
+                    self.tree_yields.observe(row.request_id, plan.tree.nodes, row.num_accepted + 1)
+            elif row.num_drafted > 0:
                 self.acceptance.observe(row.request_id, row.num_drafted, row.num_accepted, row_plan.source is True,
                                         row.confidence, row.acceptance)
         kind = RoundKind(drafts=outcome.width, lookups=plan.lookups > 0, scoring=plan.scoring > 0,
-                         model_drafting=plan.model_drafting, catching_up=plan.catching_up)
+                         model_drafting=plan.model_drafting, catching_up=plan.catching_up,
+                         tree=plan.tree.nodes if plan.tree is not None else 0)
         self.costs.record(len(outcome.rows), kind, plan.chosen_ids, self.round, outcome.draft_seconds,
                           outcome.target_seconds, outcome.verify_seconds)
         for request_id in outcome.finished:
@@ -267,6 +325,7 @@ class GammaController:
         """Drop a finished request's state."""
         self.choices.pop(request_id, None)
         self.acceptance.forget(request_id)
+        self.tree_yields.forget(request_id)
 
     def _switch(self, rid: str, to: str, alpha: float, size: int, speedup: float) -> None:
         self.switches.append((rid, to))

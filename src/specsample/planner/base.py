@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from specsample.config import TreeShape
 from specsample.drafters.base import Extension
 
 
@@ -40,6 +41,7 @@ class BatchState:
     rows: tuple[RowState, ...]
     can_score: bool = False  # the drafter scores backlogs (a model draft) and the engine keeps them
     offers_lookups: bool = False  # the drafter offers prompt lookups (`RowState.lookup`)
+    can_tree: bool = False  # the target scores token trees in one forward (a round may draft trees)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -49,8 +51,8 @@ class BatchState:
 class RowPlan:
     """One row's part of a round."""
 
-    drafts: int = 0  # planned drafts (0: a plain round); the gate may stop the row sooner
-    reach: int = 0  # most drafts it may draw (> drafts only under the round's extension)
+    drafts: int = 0  # planned drafts (0: a plain round); the gate may stop the row sooner. In a tree round: its depth
+    reach: int = 0  # most drafts it may draw (> drafts only under the round's extension). In a tree round: its nodes
     source: bool | None = None  # True: its prompt lookup; False: its draft model; None: the drafter's own rule
     score_backlog: int = 0  # tokens of its backlog its draft scores this round (0: none)
     fallback: bool = False  # gamma auto kept it from drafting (a plain round in place of a drafting one)
@@ -68,6 +70,7 @@ class RoundPlan:
     exploring: bool = False  # some row drafts a neighbouring gamma, in full, so its cost is timed
     catching_up: bool = False  # some row drafts right after a plain round: its draft first feeds what it missed
     model_drafting: bool = False  # some planned row drafts with the draft model
+    tree: TreeShape | None = None  # draft a token tree per row, each row's `reach` nodes at most; None: chains
 
     @property
     def width(self) -> int:
@@ -132,11 +135,22 @@ def fixed_drafts(row: RowState, gamma: int) -> int:
     return max(0, min(row.gamma or gamma, gamma, row.remaining - 1))
 
 
+def tree_row(row: RowState, tree: TreeShape, nodes: int | None = None) -> RowPlan:
+    """A row's part of a tree round: `nodes` (else the tree's), at most its own gamma, down to the tree's depth but
+    never deeper than its budget can use; nothing when it does not speculate."""
+    depth = fixed_drafts(row, tree.depth) if row.gamma is None else min(fixed_drafts(row, tree.nodes), tree.depth)
+    if depth == 0:
+        return RowPlan()
+    return RowPlan(drafts=depth, reach=max(depth, min(nodes or tree.nodes, row.gamma or tree.nodes)))
+
+
 @dataclass
 class FixedGamma:
-    """The same gamma every round for every row (a request may ask for its own, up to `max_gamma`)."""
+    """The same gamma every round for every row (a request may ask for its own, up to `max_gamma`); with `tree`, that
+    tree every round where the target can score one (a request's own gamma then bounds its tree's nodes)."""
 
     max_gamma: int
+    tree: TreeShape | None = None
     adaptive: bool = False
 
     def __post_init__(self) -> None:
@@ -144,6 +158,8 @@ class FixedGamma:
             raise ValueError(f"gamma must be an integer >= 1, got {self.max_gamma!r}")
 
     def plan(self, batch: BatchState) -> RoundPlan:
+        if self.tree is not None and batch.can_tree:
+            return RoundPlan(rows=tuple(tree_row(row, self.tree) for row in batch.rows), tree=self.tree)
         drafts = [fixed_drafts(row, self.max_gamma) for row in batch.rows]
         return RoundPlan(rows=tuple(RowPlan(drafts=d, reach=d) for d in drafts))
 

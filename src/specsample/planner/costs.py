@@ -113,6 +113,7 @@ class RoundKind:
     scoring: bool = False
     model_drafting: bool = False
     catching_up: bool = False
+    tree: int = 0  # a tree round's node budget (0: chains)
 
 
 class CostModel:
@@ -127,6 +128,7 @@ class CostModel:
         self.scoring: dict[int, Ewma] = {}  # batch size -> what a backlog scoring adds to a plain round (plain rounds)
         self.drafting: dict[int, RoundCosts] = {}  # batch size -> round times by draft count
         self.lookups: dict[int, RoundCosts] = {}  # batch size -> times of prompt-lookup rounds (and plain ones)
+        self.trees: dict[int, RoundCosts] = {}  # batch size -> times of tree rounds by node budget (and plain ones)
         self.last_plain: dict[int, int] = {}  # batch size -> round of the last plain round (or attempt)
         self.calibrations: dict[int, int] = {}  # batch size -> plain rounds planned to time plain decoding
         self.rows: dict[int, tuple[str, ...]] = {}  # batch size -> the requests of the last round timed there
@@ -193,6 +195,16 @@ class CostModel:
         measured = self.lookups[nearest].ratio(tokens, COST_MIN_ROUNDS) if nearest is not None else None
         return measured if measured is not None else 1.0 + tokens * LOOKUP_COST
 
+    def tree_cost(self, batch_size: int, nodes: int, depth: int) -> float:
+        """A round drafting trees of `nodes` nodes down to `depth`, in plain rounds: measured once COST_MIN_ROUNDS such
+        rounds were timed at the nearest batch size, else a chain of `depth` plus LOOKUP_COST per further node (the
+        target scores it; the draft grows a tree in about as many steps as a chain of its depth)."""
+        nearest = closest(list(self.trees), batch_size)
+        measured = self.trees[nearest].ratio(nodes, COST_MIN_ROUNDS) if nearest is not None else None
+        if measured is not None:
+            return measured
+        return self.round_cost(batch_size, depth) + max(nodes - depth, 0) * LOOKUP_COST
+
     def scoring_cost(self, batch_size: int) -> float:
         """What a backlog scoring adds to a plain round, in plain rounds, at the nearest batch size where one was
         timed; c (one draft step) before."""
@@ -257,6 +269,10 @@ class CostModel:
         if request_ids:
             self.rows[batch_size] = request_ids
         drafts = kind.drafts
+        if kind.tree:
+            if not (kind.scoring or kind.catching_up):
+                self.trees.setdefault(batch_size, RoundCosts()).add(kind.tree, total, new_batch)
+            return
         if kind.lookups and drafts > 0:
             if not (kind.scoring or kind.model_drafting or kind.catching_up):
                 self.lookups.setdefault(batch_size, RoundCosts()).add(drafts, total, new_batch)
@@ -270,6 +286,7 @@ class CostModel:
             self.plain_round.setdefault(batch_size, settled()).add(total, spike=SPIKE)
             self.drafting.setdefault(batch_size, RoundCosts()).add(0, total, new_batch)
             self.lookups.setdefault(batch_size, RoundCosts()).add(0, total, new_batch)
+            self.trees.setdefault(batch_size, RoundCosts()).add(0, total, new_batch)
             self.last_plain[batch_size] = round_index
             return
         if kind.catching_up:
