@@ -300,7 +300,7 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     ({"prompt": "hi", "n": 2.0}, "n"),
     ({"prompt": [1, True]}, "prompt.1"),
     ({"prompt": [1, 99999]}, "prompt"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": -2.5}, "presence_penalty"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
@@ -316,7 +316,7 @@ def test_bad_completion_requests_name_their_parameter(live, body, param) -> None
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": "a \udfff b"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "regex"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": True}, "max_completion_tokens"),
 ])
 def test_bad_chat_requests_name_their_parameter(live, body, param) -> None:
