@@ -177,6 +177,10 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)")
     bench.add_argument("--lossless-samples", type=int, default=None)
     bench.add_argument("--lossless-prompts", type=int, default=None, help="prompts of the losslessness test (0: skip)")
+    bench.add_argument("--history-tokens", type=int, default=None,
+                       help="the prefix suite's first chat turn, in tokens (default 1000)")
+    bench.add_argument("--prefix-reps", type=int, default=None,
+                       help="second turns the prefix suite times with reuse and without, each (default 5)")
     bench.add_argument("--dtype", default=None)
     bench.add_argument("--device", default=None)
     bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
@@ -317,7 +321,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     # bad flags fail here, before any model is loaded
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed, grammar=_schema_grammar(args.json_schema))
+                            max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            grammar=_schema_grammar(args.json_schema))
     options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
                             tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
                             runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
@@ -526,7 +531,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
         "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
         "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
-        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree}.items() if v is not None}
+        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree,
+        "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
     print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "
