@@ -448,6 +448,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--device", "tpu"], "--device"),
     (["--dtype", "float17"], "--dtype"),
     (["--max-gamma", "0"], "--max-gamma"),
+    (["--json-schema", "/no/such/schema.json"], "--json-schema"),
+    (["--json-schema", __file__], "--json-schema"),  # not JSON
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]))
 def test_generate_refuses_bad_flags_before_loading(flags, flag) -> None:
     """Each names its flag on one line with exit status 2; the target does not exist, so a check that waited for
@@ -460,6 +462,7 @@ def test_generate_refuses_bad_flags_before_loading(flags, flag) -> None:
 
 @pytest.mark.parametrize("flags, flag", [
     (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--prefix-cache-rows", "-1"], "--prefix-cache-rows"),
     (["--models-dir", "/no/such/folder"], "--models-dir"),
     (["--admin-key", ""], "--admin-key"),
     (["--api-key", "same", "--admin-key", "same"], "--admin-key"),
