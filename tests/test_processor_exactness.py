@@ -191,7 +191,7 @@ class DrawsUnprocessed:
 
 
 @pytest.mark.parametrize("broken", ["penalties_of_committed_tokens_only", "grammar_not_rolled_back",
-                                    pytest.param("draws_unprocessed", marks=pytest.mark.slow)])
+                                    "draws_unprocessed"])
 def test_broken_processing_fails(pair, monkeypatch, broken: str) -> None:
     target, draft = pair
     params, drafter, planner = PENALTIES, ModelDrafter(draft), FixedGamma(2)
