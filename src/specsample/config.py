@@ -60,8 +60,9 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: Mapping | str) -> Grammar:
-        """A `json_schema` grammar from a schema given as a mapping or as JSON text."""
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        """A `json_schema` grammar from a schema given as a mapping or as JSON text. Key order is kept: the output
+        writes an object's properties in the order the schema lists them."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 @dataclass(frozen=True)
