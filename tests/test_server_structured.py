@@ -82,6 +82,15 @@ def test_logprobs_consistent_streamed_and_not(live) -> None:
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)
 
 
+def test_logprob_bytes_are_the_tokens_own(live) -> None:
+    """A token holding part of a UTF-8 character reports its own bytes, not those of the replacement character
+    its text shows."""
+    lead = live.server.tokenizer.hf.convert_tokens_to_ids("\u00f0")  # byte-level BPE's symbol for the byte 0xF0
+    out = live.client().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0,
+                                                logprobs=True, logit_bias={str(lead): 100})
+    assert [e.bytes for e in out.choices[0].logprobs.content] == [[0xF0]] * 3
+
+
 def test_penalties_and_bias_change_the_output(live) -> None:
     client = live.client()
 

@@ -36,6 +36,8 @@ class GrammarCompiler:
     def __init__(self, info, vocab_size: int) -> None:
         self._xgr = _xgrammar()
         self._compiler = self._xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._info = info
+        self._token_bytes: list[bytes] | None = None  # each id's bytes, read from `info` on first use
         self.vocab_size = vocab_size
         self._compiled: OrderedDict[Grammar, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -79,6 +81,13 @@ class GrammarCompiler:
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         return compiled
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token id `token` stands for (a byte-level token may hold part of a UTF-8 character; a special
+        token: its text)."""
+        if self._token_bytes is None:
+            self._token_bytes = list(self._info.decoded_vocab)
+        return self._token_bytes[token] if 0 <= token < len(self._token_bytes) else b""
 
     def matcher(self, grammar: Grammar) -> Matcher:
         return Matcher(self._xgr, self.compile(grammar), self.vocab_size)

@@ -401,6 +401,7 @@ class _LogprobFormat:
 
     def __init__(self, srv: SpecServer, chat: bool) -> None:
         self.hf, self.chat = srv.tokenizer.hf, chat
+        self.grammars = srv.speculator.grammars()  # built with the engine; it knows each token's bytes
 
     def text(self, token: int) -> str:
         return self.hf.decode([token], skip_special_tokens=False)
@@ -419,8 +420,11 @@ class _LogprobFormat:
                 "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
     def _chat_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        """A token's entry; `bytes` are the token's own (its text shows a replacement character where the token holds
+        part of a UTF-8 character; without a grammar compiler, the text's bytes)."""
         text = self.text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = self.grammars.token_bytes(token) if self.grammars is not None else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 @dataclass
