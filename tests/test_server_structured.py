@@ -66,7 +66,8 @@ def test_logprobs_consistent_streamed_and_not(live) -> None:
     assert len(content) == full.usage.completion_tokens
     for entry in content:  # greedy: each token is its position's most likely, and its logprob is that one's
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
-        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
     streamed = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0,
                                               logprobs=True, top_logprobs=3, stream=True)
     entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -148,4 +149,5 @@ def test_second_turn_reuses_the_first_turns_cache(live) -> None:
     client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
     after = counters()
     assert after["specsample_prefix_cache_hits_total"] - before["specsample_prefix_cache_hits_total"] == 1
-    assert after["specsample_prefix_cache_reused_tokens_total"] - before["specsample_prefix_cache_reused_tokens_total"] > 30
+    reused = "specsample_prefix_cache_reused_tokens_total"
+    assert after[reused] - before[reused] > 30
