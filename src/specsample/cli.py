@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsample.config import SamplingParams, SettingError
+from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.drafters.model import WINDOW_MODES
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="apply the chat template (default: on when the model has one)")
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
+    gen.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                     help="constrain the output to JSON following the schema in FILE (exact under speculation)")
     gen.add_argument("--compile", action="store_true",
                      help="compile one-token decode steps with torch.compile (our runtime only): up to 80 s once "
                           "per process on a small CPU, then ~1.5x faster decoding (docs/runtime.md)")
@@ -175,6 +177,10 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)")
     bench.add_argument("--lossless-samples", type=int, default=None)
     bench.add_argument("--lossless-prompts", type=int, default=None, help="prompts of the losslessness test (0: skip)")
+    bench.add_argument("--history-tokens", type=int, default=None,
+                       help="the prefix suite's first chat turn, in tokens (default 1000)")
+    bench.add_argument("--prefix-reps", type=int, default=None,
+                       help="second turns the prefix suite times with reuse and without, each (default 5)")
     bench.add_argument("--dtype", default=None)
     bench.add_argument("--device", default=None)
     bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
@@ -213,6 +219,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--models-dir", default=None,
                        help="folder of drafts /admin/draft may load, named by their path inside it (besides ngram, "
                             "hybrid and the built-in drafts)")
+    serve.add_argument("--prefix-cache-rows", type=int, default=4,
+                       help="finished requests' cache rows kept for requests sharing their prefix, such as the next "
+                            "turn of a chat, which then prefills only what is new (default 4; 0: none)")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES})")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
@@ -294,13 +303,26 @@ def _add_distill_parsers(sub) -> None:
     ev.set_defaults(func=cmd_eval_draft)
 
 
+def _schema_grammar(path: Path | None) -> Grammar | None:
+    """`--json-schema FILE` as a grammar (None without one); a file that is not a JSON schema is a flag error."""
+    if path is None:
+        return None
+    try:
+        return Grammar("json_schema", path.read_text())
+    except OSError as exc:
+        raise SettingError("json_schema", f"--json-schema {path}: {exc.strerror}") from None
+    except SettingError as exc:
+        raise SettingError("json_schema", f"--json-schema {path}: {exc}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     """Stream one generation to stdout; the summary line goes to stderr (or everything as JSON)."""
     from specsample.speculator import load
 
     # bad flags fail here, before any model is loaded
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+                            max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            grammar=_schema_grammar(args.json_schema))
     options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
                             tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
                             runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
@@ -314,7 +336,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     # caches sized to this request, not to the model's whole context window
     engine = speculator.engine(max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens)
     collector = StatsCollector()
-    request_id = engine.add_request(prompt_ids, params)
+    try:
+        request_id = engine.add_request(prompt_ids, params)
+    except SettingError as exc:  # the schema does not compile: that is the flag's fault
+        raise SettingError("json_schema" if exc.name == "grammar" else exc.name, str(exc)) from None
     collector.request_started(request_id, time.perf_counter())
     decoder = tokenizer.stream()
     token_ids: list[int] = []
@@ -479,7 +504,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
                             max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes, prefix_cache_rows=args.prefix_cache_rows)
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
@@ -506,7 +531,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
         "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
         "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
-        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree}.items() if v is not None}
+        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree,
+        "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
     print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "
