@@ -15,11 +15,12 @@ Quantized weights (`--weights`, on a CPU): our runtime decoding with the alias's
 int8 output layer: "int4 (GGUF)") and with every projection int8 ("int8"), beside the float systems, with the
 effective bandwidth (weight bytes read per token / time per token). `--parts` adds, for the same models:
 - `widths`: one row's cached forward over n = 1, 2, 4, 5, 8, 16 new tokens after 128 cached (verifying n - 1
-  drafts), every model and width interleaved, medians;
+  drafts), every model and width interleaved, medians and minimums;
 - `accuracy`: logits of each quantized model against its dequantized float32 copy (same weights) over whole
-  Spec-Bench prompts, and greedy continuations of both compared (identical, or the first divergence);
+  Spec-Bench prompts, and greedy continuations of both compared (identical, or the first divergence); the logits
+  also against a dequantized bfloat16 copy (the kernels' activation dtype: what the kernels alone change);
 - `self-draft`: a bfloat16 target (the float checkpoint) drafted by its own int4 weights (`--draft self:int4`),
-  T 0, fixed gamma, against plain decoding of the same target, interleaved per prompt;
+  T 0, fixed gamma (`--gamma`), against plain decoding of the same target, interleaved per prompt;
 - `memory`: resident memory each model adds to a process (after loading, and after decoding), each in a fresh
   process, against the GGUF file's size plus the KV cache the decoding allocated.
 
@@ -136,8 +137,10 @@ def hf_ms_per_token(model, prompt_ids: list[int], new_tokens: int) -> float:
     return 1000 * elapsed / new_tokens
 
 
-def time_widths(models: dict[str, torch.nn.Module], repeats: int, context: int = 128) -> dict[str, dict[int, float]]:
-    """Median milliseconds of one row's cached forward over n new tokens after `context` cached: model -> n."""
+def time_widths(models: dict[str, torch.nn.Module], repeats: int,
+                context: int = 128) -> dict[str, dict[str, dict[int, float]]]:
+    """Milliseconds of one row's cached forward over n new tokens after `context` cached: model -> statistic
+    ('median', and 'min': the least disturbed repeat, on a machine shared with other work) -> n."""
     tokens = torch.randint(0, 49152, (1, context + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
     slot = torch.tensor([0])
     caches = {}
@@ -155,7 +158,8 @@ def time_widths(models: dict[str, torch.nn.Module], repeats: int, context: int =
                 if rep:
                     times[(name, n)].append(time.perf_counter() - start)
                 caches[name].truncate(slot, torch.tensor([context]))
-    return {name: {n: 1e3 * statistics.median(times[(name, n)]) for n in WIDTHS} for name in models}
+    return {name: {stat: {n: 1e3 * fn(times[(name, n)]) for n in WIDTHS}
+                   for stat, fn in (("median", statistics.median), ("min", min))} for name in models}
 
 
 def bench_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -179,13 +183,15 @@ def accuracy(model, prompts: list[list[int]], new_tokens: int) -> dict:
     """A quantized model against its dequantized float32 copy (the same weights): logits over whole prompts, and
     greedy continuations."""
     reference = dequantized_model(model, torch.float32)
-    worst, scale, argmax_agree, positions = 0.0, 0.0, 0, 0
+    same_dtype = dequantized_model(model, torch.bfloat16)
+    worst, worst_bf16, scale, argmax_agree, positions = 0.0, 0.0, 0.0, 0, 0
     continuations = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             ours, theirs = model(ids).float()[0], reference(ids).float()[0]  # [n, vocab]
             worst = max(worst, (ours - theirs).abs().max().item())
+            worst_bf16 = max(worst_bf16, (ours - same_dtype(ids).float()[0]).abs().max().item())
             scale = max(scale, theirs.abs().max().item())
             argmax_agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
             positions += len(prompt)
@@ -193,6 +199,7 @@ def accuracy(model, prompts: list[list[int]], new_tokens: int) -> dict:
             diverged = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
             continuations.append(diverged)
     return {"prompts": len(prompts), "positions": positions, "max_abs_logit_diff": worst, "max_abs_logit": scale,
+            "max_abs_logit_diff_bf16": worst_bf16,
             "argmax_agreement": argmax_agree / positions, "new_tokens": new_tokens,
             "identical_continuations": sum(d is None for d in continuations),
             "first_divergence": continuations}
@@ -268,14 +275,19 @@ def quantized_report(report: dict) -> list[str]:
     """Markdown for the quantized parts of `report`."""
     lines = []
     if "widths" in report:
-        lines += ["", "One row's cached forward over n new tokens (128 cached), ms, median; in brackets over n = 1:", "",
-                  "| weights | " + " | ".join(f"n={n}" for n in WIDTHS) + " |", "|---|" + "---|" * len(WIDTHS)]
-        for name, by_n in report["widths"].items():
-            lines.append(f"| {name} | " + " | ".join(f"{by_n[n]:.1f} ({by_n[n] / by_n[1]:.2f}x)" for n in WIDTHS) + " |")
+        lines += ["", "One row's cached forward over n new tokens (128 cached), ms (median, and the least disturbed "
+                      "repeat); in brackets over n = 1:", "",
+                  "| weights | statistic | " + " | ".join(f"n={n}" for n in WIDTHS) + " |",
+                  "|---|---|" + "---|" * len(WIDTHS)]
+        for name, by_stat in report["widths"].items():
+            for stat, by_n in by_stat.items():
+                lines.append(f"| {name} | {stat} | " +
+                             " | ".join(f"{by_n[n]:.1f} ({by_n[n] / by_n[1]:.2f}x)" for n in WIDTHS) + " |")
     for name, acc in report.get("accuracy", {}).items():
         lines += ["", f"Accuracy of {name} against its dequantized float32 copy: {acc['prompts']} prompts, "
                       f"{acc['positions']} positions; max |logit difference| {acc['max_abs_logit_diff']:.3f} "
-                      f"(largest |logit| {acc['max_abs_logit']:.1f}); argmax agrees at "
+                      f"(largest |logit| {acc['max_abs_logit']:.1f}; against a dequantized bfloat16 copy "
+                      f"{acc['max_abs_logit_diff_bf16']:.3f}); argmax agrees at "
                       f"{100 * acc['argmax_agreement']:.1f}% of positions; greedy {acc['new_tokens']} tokens: "
                       f"{acc['identical_continuations']}/{acc['prompts']} identical, first divergences at "
                       f"{[d for d in acc['first_divergence'] if d is not None]}."]
@@ -309,16 +321,19 @@ def main() -> None:
                         help="also time our runtime with compile_decode (default on)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
-    parser.add_argument("--weights", default="int8,int4",
-                        help="comma-separated quantized systems of ours (CPU only): int8, int4 (the GGUF's codes)")
+    parser.add_argument("--weights", default=None,
+                        help="comma-separated quantized systems of ours (CPU only): int8, int4 (the GGUF's codes); "
+                             "default int8,int4 on a CPU, none elsewhere")
     parser.add_argument("--parts", default="", help=f"comma-separated extra measurements: {', '.join(PARTS)}")
     parser.add_argument("--prompts", type=int, default=8, help="Spec-Bench prompts of accuracy and self-draft")
     parser.add_argument("--accuracy-tokens", type=int, default=32, help="greedy tokens compared per prompt")
     parser.add_argument("--gamma", type=int, default=3, help="drafts per round of the self-draft")
+    parser.add_argument("--widths-repeats", type=int, default=15, help="repeats of each forward of the widths part")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",") if name]
-    weights = [w for w in args.weights.split(",") if w]
+    weights_arg = args.weights if args.weights is not None else ("int8,int4" if device.type == "cpu" else "")
+    weights = [w for w in weights_arg.split(",") if w]
     parts = [p for p in args.parts.split(",") if p]
     if not dtypes:
         parser.error("--dtypes: name at least one of float32, bfloat16")
@@ -377,7 +392,7 @@ def main() -> None:
     float_models = {name: model for name, (_, model, _) in systems.items()
                     if name.startswith("ours ") and "compiled" not in name and name not in quantized}
     if "widths" in parts:
-        extra["widths"] = time_widths({**float_models, **quantized}, args.repeats * 3)
+        extra["widths"] = time_widths({**float_models, **quantized}, args.widths_repeats)
     prompts = bench_prompts(tokenizer, args.prompts) if set(parts) - {"widths"} else []
     if "accuracy" in parts:
         extra["accuracy"] = {name: accuracy(model, prompts, args.accuracy_tokens) for name, model in quantized.items()}
