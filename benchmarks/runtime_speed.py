@@ -36,6 +36,7 @@ import argparse
 import ctypes
 import json
 import multiprocessing
+import os
 import platform
 import shlex
 import statistics
@@ -346,6 +347,7 @@ def main() -> None:
         if part not in PARTS:
             parser.error(f"--parts: {part!r} is not one of {', '.join(PARTS)}")
 
+    load_before = os.getloadavg()[0]  # other work on the machine: timings under load are not comparable
     systems = {}
     compile_s: dict[str, float] = {}
     for dtype in dtypes:
@@ -412,7 +414,8 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "copy_bandwidth_gb_s": bandwidth / 1e9,
-                    "read_bandwidth_gb_s": read_bw / 1e9},
+                    "read_bandwidth_gb_s": read_bw / 1e9, "load_average_before": load_before,
+                    "load_average_after": os.getloadavg()[0]},
         "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens, "rows": rows,
         "speedup_vs_transformers": ratios, **extra,
     }
@@ -422,7 +425,8 @@ def main() -> None:
              f"Machine: {report['machine']['device']} ({report['machine']['cpu']}, "
              f"{report['machine']['threads']} threads), torch "
              f"{report['machine']['torch']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth "
-             f"{read_bw / 1e9:.1f} GB/s (medians of {args.repeats}); prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.", "",
+             f"{read_bw / 1e9:.1f} GB/s (medians of {args.repeats}); load average {load_before:.1f} before, "
+             f"{report['machine']['load_average_after']:.1f} after; prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.", "",
              "| system | ms/token (median) | tokens/s | weights read/token MB | effective GB/s | floor ms (copy) "
              "| ratio to floor | at read bandwidth ms | ratio to that | load + compile s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
