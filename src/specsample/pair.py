@@ -17,10 +17,12 @@ from specsample.drafters.ngram import NgramDrafter
 from specsample.models.hub import ALIASES, FetchError, builtin_draft
 from specsample.models.llama import LlamaModel
 from specsample.models.loader import LoadedModel, load_model
+from specsample.models.quant import DEFAULT_INT4_GROUP
 
 log = logging.getLogger("specsample")
 
 NO_DRAFT = ("none", "off")
+SELF_DRAFT, SELF_MODES = "self:", ("int4", "int8")  # --draft self:int4: the target's weights, quantized
 # a draft this narrow runs in float32 on a CPU when the dtype is "auto": per-op cost, not reading weights, sets
 # its step time there, and float32 ops on its small matrices run faster than bfloat16 ones (docs/drafts.md)
 SMALL_DRAFT_HIDDEN = 256
@@ -37,10 +39,13 @@ class Pair:
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
     draft_window: str | DraftWindow = "auto"
+    draft_quantize: str = "auto"
+    group_size: int = DEFAULT_INT4_GROUP
 
     def load_draft(self, spec: str) -> Drafter | None:
-        """Another drafter for this target, loaded as this pair's was (dtype, device, window)."""
-        return load_drafter(spec, self.target, self.dtype, self.device, window=self.draft_window)
+        """Another drafter for this target, loaded as this pair's was (dtype, device, window, quantization)."""
+        return load_drafter(spec, self.target, self.dtype, self.device, window=self.draft_window,
+                            quantize=self.draft_quantize, group_size=self.group_size)
 
 
 def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
@@ -52,12 +57,14 @@ def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
 
 def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", compile_decode: bool = False,
-                 window: str | DraftWindow = "auto") -> Drafter | None:
+                 window: str | DraftWindow = "auto", quantize: str = "auto",
+                 group_size: int = DEFAULT_INT4_GROUP) -> Drafter | None:
     """Build the drafter for `spec`: 'ngram', 'none', 'hybrid[:MODEL]' (n-gram where the context
-    repeats, the model elsewhere), or any model spec sharing the target's tokenizer. `compile_decode`
+    repeats, the model elsewhere), 'self:int4' or 'self:int8' (the target's own weights, quantized: a draft
+    without training), or any model spec sharing the target's tokenizer. `compile_decode`
     compiles a draft model's one-token steps (see `load_model`). `window`: what a draft model attends
     to, 'auto' (the `DraftWindow` saved in its folder, else the whole context), 'off' (the whole
-    context) or a `DraftWindow`.
+    context) or a `DraftWindow`. `quantize`, `group_size`: how a draft model's weights are held (`load_model`).
 
     A draft that exists but cannot be loaded (out of memory, unreadable files) is not fatal: we
     decode without speculation and say so loudly. Under dtype 'auto' a narrow draft on a CPU (hidden size
@@ -71,13 +78,15 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         return NgramDrafter()
     if is_hybrid(spec):
         model_spec = hybrid_model_spec(spec, target)
-        model = load_drafter(model_spec, target, dtype, device, compile_decode, window)
+        model = load_drafter(model_spec, target, dtype, device, compile_decode, window, quantize, group_size)
         if model is None:  # the model failed to load (already logged): keep prompt lookup at least
             log.warning("hybrid drafting continues with n-gram lookup only")
             return NgramDrafter()
         if not isinstance(model, (ModelDrafter, EagleDrafter)):
             raise ValueError(f"hybrid drafting needs a draft model or a feature draft, got {model_spec!r}")
         return HybridDrafter(model)
+    if spec.startswith(SELF_DRAFT):
+        return _self_draft(spec, target, dtype, device, compile_decode, group_size)
     head = builtin_draft(spec) or (Path(spec) if Path(spec).is_dir() else None)
     if head is not None and is_head_folder(head):
         if not isinstance(target.model, LlamaModel):
@@ -89,9 +98,11 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
             log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
             return None
     try:
-        draft = load_model(spec, dtype=dtype, device=device, compile_decode=compile_decode)
+        draft = load_model(spec, dtype=dtype, device=device, compile_decode=compile_decode, quantize=quantize,
+                           group_size=group_size)
         if dtype == "auto" and not compile_decode and _small_on_cpu(draft.model):
-            draft = load_model(spec, dtype=torch.float32, device=device)  # again: from the stored weights
+            # again, from the stored weights
+            draft = load_model(spec, dtype=torch.float32, device=device, quantize=quantize, group_size=group_size)
             log.info("draft %s runs in float32: a small draft steps faster in float32 on a CPU", spec)
     except (OSError, RuntimeError, MemoryError, FetchError, SafetensorError) as exc:
         log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
@@ -108,6 +119,19 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
     if window == "auto":
         window = DraftWindow.from_folder(draft.folder)
     return ModelDrafter(draft.model, draft.folder, window if isinstance(window, DraftWindow) else None)
+
+
+def _self_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype, device: str | torch.device,
+                compile_decode: bool, group_size: int) -> ModelDrafter:
+    """The target's own weights loaded again in the layout `spec` names ('self:int4', 'self:int8') as a draft."""
+    mode = spec.removeprefix(SELF_DRAFT)
+    if mode not in SELF_MODES:
+        raise ValueError(f"a self-draft is {' or '.join(SELF_DRAFT + m for m in SELF_MODES)}, got {spec!r}")
+    if not isinstance(target.model, LlamaModel):
+        raise ValueError(f"{spec} needs the target on our Llama-family runtime, not {target.runtime!r}")
+    draft = load_model(target.spec, dtype=dtype, device=device, compile_decode=compile_decode, quantize=mode,
+                       group_size=group_size)
+    return ModelDrafter(draft.model, draft.folder, None)
 
 
 def _small_on_cpu(model: object) -> bool:
@@ -135,10 +159,12 @@ def _model_draft_default(target: LoadedModel) -> str:
 
 def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype = "auto",
               device: str | torch.device = "cpu", runtime: str = "auto", compile_decode: bool = False,
-              draft_window: str | DraftWindow = "auto") -> Pair:
-    """Load the target and its drafter from specs (`compile_decode`: see `load_model`; `draft_window`:
-    see `load_drafter`)."""
-    target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime, compile_decode=compile_decode)
+              draft_window: str | DraftWindow = "auto", quantize: str = "auto", group_size: int = DEFAULT_INT4_GROUP,
+              draft_quantize: str = "auto") -> Pair:
+    """Load the target and its drafter from specs (`compile_decode`, `quantize`, `group_size`: see `load_model`;
+    `draft_window`: see `load_drafter`; `draft_quantize`: a draft model's `quantize`)."""
+    target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime, compile_decode=compile_decode,
+                        quantize=quantize, group_size=group_size)
     spec = resolve_draft_spec(target, draft_spec)
-    drafter = load_drafter(spec, target, dtype, device, compile_decode, draft_window)
-    return Pair(target, drafter, spec, dtype, device, draft_window)
+    drafter = load_drafter(spec, target, dtype, device, compile_decode, draft_window, draft_quantize, group_size)
+    return Pair(target, drafter, spec, dtype, device, draft_window, draft_quantize, group_size)

@@ -22,6 +22,7 @@ from specsample.engine import Engine
 from specsample.grammar import GrammarCompiler
 from specsample.models.base import TreeLM
 from specsample.models.loader import RUNTIMES, resolve_dtype
+from specsample.models.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_MODES
 from specsample.models.row_padding import PAD_MODES, measure_target_widths
 from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner
@@ -97,6 +98,11 @@ class EngineOptions:
     device: str = "cpu"
     runtime: str = "auto"  # 'ours' (Llama family), 'hf' (transformers) or 'auto'
     compile: bool = False  # compile one-token decode steps with torch.compile (our runtime)
+    # how the target's weights are held: 'auto' (a GGUF's quantized tensors natively, on a CPU with dtype auto),
+    # 'none' (dequantized to dtype), 'int8' or 'int4' (every projection; docs/runtime.md#quantized-weights)
+    quantize: str = "auto"
+    quant_group: int = DEFAULT_INT4_GROUP  # inputs per scale of int4 weights quantized at load
+    draft_quantize: str = "auto"  # the same for a draft model
     pad_rows: str = "off"  # 'auto': time the target's forward per tokens scored, score rounds at the fastest width
     draft_window: str = "auto"  # what a draft model attends to: 'auto' (the window saved with it) or 'off'
 
@@ -117,6 +123,14 @@ class EngineOptions:
                                f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}")
         if self.runtime not in RUNTIMES:
             raise SettingError("runtime", f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
+        for name in ("quantize", "draft_quantize"):
+            if getattr(self, name) not in QUANT_MODES:
+                raise SettingError(name, f"{name} must be one of {', '.join(QUANT_MODES)}, got {getattr(self, name)!r}")
+        if self.quant_group not in INT4_GROUP_SIZES:
+            raise SettingError("quant_group", f"quant_group must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                                              f"got {self.quant_group!r}")
+        if self.quantize in ("int8", "int4") and self.runtime == "hf":
+            raise SettingError("quantize", f"quantize {self.quantize} needs our Llama-family runtime, not runtime hf")
         try:
             resolve_dtype(self.dtype, torch.device("cpu"))
         except ValueError as exc:
@@ -204,7 +218,8 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
         say("compiling the decode steps after loading (20-80 s on a small CPU, once per process)")
     pair = load_pair(options.target, options.draft if options.speculative else "none", options.dtype,
                      options.device, options.runtime, compile_decode=options.compile,
-                     draft_window=options.draft_window)
+                     draft_window=options.draft_window, quantize=options.quantize, group_size=options.quant_group,
+                     draft_quantize=options.draft_quantize)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):
         raise SettingError("tree", f"token trees need a target on our Llama-family runtime; {options.target} runs on "
                                    f"{type(pair.target.model).__name__} (use --tree off)")

@@ -12,7 +12,7 @@ from typing import Any
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.speculator import DEFAULT_TARGET
 
-COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
+COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp")
 SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix")
 DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
 
@@ -31,7 +31,7 @@ class BenchConfig:
     tree: str = "off"  # NODES[xBRANCHxDEPTH]: the compare suite runs ours with these trees too, beside chains
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup
+    compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup, llama.cpp
     sweep_prompts: int = 24  # prompts of the gamma and batch sweeps (0: skip them)
     lossless_prompts: int = 3  # prompts of the losslessness test (0: skip it)
     lossless_samples: int = 2000
@@ -39,6 +39,9 @@ class BenchConfig:
     history_tokens: int = 1000  # the prefix suite's first turn (a chat message of about this many tokens)
     prefix_reps: int = 5  # second turns the prefix suite times with and without reuse, each
     dtype: str = "auto"
+    quantize: str = "auto"  # how the target's weights are held (EngineOptions.quantize)
+    quant_group: int = 32
+    draft_quantize: str = "auto"
     device: str = "cpu"
     pad_rows: str = "auto"  # score our rounds at the target's fastest width (measured at start-up)
     seed: int = 0

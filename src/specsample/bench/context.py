@@ -68,10 +68,12 @@ class Bench:
     """Loads the pair, the prompts and the peers once; builds every system the suites run."""
 
     def __init__(self, config: BenchConfig, say: Callable[[str], None]) -> None:
-        self.config = config
+        self.config, self._say = config, say
         self.notes: list[str] = []
         options = EngineOptions(target=config.target, draft=config.draft, gamma="auto", max_gamma=config.max_gamma,
-                                tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows)
+                                tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows,
+                                quantize=config.quantize, quant_group=config.quant_group,
+                                draft_quantize=config.draft_quantize)
         self.speculator: Speculator = load(options, say=say)
         tokenizer = self.speculator.pair.target.tokenizer
         if tokenizer is None:
@@ -142,9 +144,11 @@ class Bench:
             return None
         return model if kind == "model" else HybridDrafter(model)
 
-    def _load_peers(self) -> list[HFGenerate]:
-        peers = []
-        if not self.config.compare:
+    def _load_peers(self) -> list:
+        peers: list = []
+        if "llama.cpp" in self.config.compare:
+            peers += self._llama_cpp()
+        if not set(self.config.compare) - {"llama.cpp"}:
             return peers
         folder = self.speculator.pair.target.folder
         if folder is None:
@@ -167,6 +171,24 @@ class Bench:
         return peers
 
 
+    def _llama_cpp(self) -> list:
+        """llama.cpp on the target's GGUF file (an alias's, fetched if its cache lacks it), or a note why not."""
+        from specsample.bench.llama_cpp import peer_or_reason
+        from specsample.models.hub import ALIASES, alias_gguf
+
+        target = self.speculator.pair.target
+        gguf = target.gguf
+        if gguf is None and target.spec in ALIASES:
+            gguf = alias_gguf(target.spec)
+        peer, reason = peer_or_reason(gguf, self.max_len, self.eos)
+        if peer is None:
+            self.notes.append(reason)
+            self._say(reason)
+            return []
+        self.notes.append(f"llama.cpp: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads")
+        return [peer]
+
+
 def environment(bench: Bench) -> dict[str, Any]:
     """What the numbers were measured on."""
     model = bench.speculator.pair.target.model
@@ -175,7 +197,8 @@ def environment(bench: Bench) -> dict[str, Any]:
                              "torch": torch.__version__, "python": platform.python_version(),
                              "machine": platform.platform(), "device": str(device),
                              "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
-                             "target": bench.config.target, "draft": bench.speculator.draft_spec}
+                             "target": bench.config.target, "draft": bench.speculator.draft_spec,
+                             "weights": bench.speculator.pair.target.quantize}
     if device.type == "cuda":
         about["gpu"] = torch.cuda.get_device_name(device)
     return about

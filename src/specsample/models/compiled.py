@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models.layers import apply_rope, weight_version
+from specsample.models.quant import QuantLinear, SplitLinear
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,8 @@ class DecodeStep(nn.Module):
         causal = key_pos <= query_pos  # [b, 1, 1, max_len]; stale entries past a row's length are masked
         windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
         rows = torch.arange(batch, device=tokens.device)
-        # F.linear on the plain weights, not the layers' prepacked oneDNN path: inductor cannot lower that op,
-        # and with frozen weights it prepacks them itself
         for i, layer in enumerate(m.layers):
-            qkv = F.linear(layer.input_norm(x), layer.qkv.weight, layer.qkv.bias)
+            qkv = project(layer.qkv, layer.input_norm(x))
             qkv = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim)
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
             keys[i][rows, :, positions] = qk[:, 0, heads:]  # [b, KVH, hd] at each row's own position
@@ -73,10 +72,18 @@ class DecodeStep(nn.Module):
             mask = windowed if m.uses_window(i) else causal
             q = qk[:, :, :heads].reshape(batch, kv_heads, heads // kv_heads, head_dim)  # a group's heads as rows
             out = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask)
-            x = x + F.linear(out.reshape(batch, 1, heads * head_dim), layer.o_proj.weight, layer.o_proj.bias)
-            gate, up = F.linear(layer.post_norm(x), layer.gate_up.weight, layer.gate_up.bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
+            x = x + project(layer.o_proj, out.reshape(batch, 1, heads * head_dim))
+            gate, up = project(layer.gate_up, layer.post_norm(x)).chunk(2, dim=-1)
+            x = x + project(layer.down, F.silu(gate) * up)
         return m.norm(x)
+
+
+def project(layer: nn.Module, x: Tensor) -> Tensor:
+    """A projection as inductor can lower it: F.linear on a float layer's plain weights (not its prepacked oneDNN path,
+    which inductor cannot lower; with frozen weights it prepacks them itself), a quantized layer's kernel op."""
+    if isinstance(layer, (QuantLinear, SplitLinear)):
+        return layer.compute(x)
+    return F.linear(x, layer.weight, layer.bias)
 
 
 class DecodeHead(nn.Module):
@@ -90,13 +97,17 @@ class DecodeHead(nn.Module):
         super().__init__()
         self.vocab_size = model.vocab_size
         self.subset = model.output_subset
-        weight = model.lm_head.weight if self.subset is None else model.subset_weight()
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.quantized: nn.Module | None = None  # a quantized output layer (or its subset rows)
+        if isinstance(model.lm_head, QuantLinear):
+            self.quantized = model.lm_head if self.subset is None else model.subset_layer()
+        else:
+            weight = model.lm_head.weight if self.subset is None else model.subset_weight()
+            self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         if self.subset is not None:
             self.register_buffer("subset_ids", self.subset, persistent=False)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight) if self.quantized is None else self.quantized.compute(hidden)
         if self.subset is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specsample.models.gguf_blocks import FLOAT_TYPES, tensor_codes
+from specsample.models.quant import Codes, Int4Codes, Int8Codes
+
 # GGUF architectures whose weights our runtime runs, and the HF model_type they become
 OUR_ARCHES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 _PERMUTED_QK = {"llama", "mistral"}
@@ -109,15 +112,24 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, Tensor]]:
-    """Yield `(hf_name, float32 tensor)` for every weight, dequantized and un-permuted."""
+def iter_hf_tensors(reader: Any, config: dict[str, Any], codes: bool = False) -> Iterator[tuple[str, Tensor | Codes]]:
+    """Yield `(hf_name, float32 tensor)` for every weight, dequantized and un-permuted; with `codes`, quantized matrices
+    come as their int4/int8 codes instead (`gguf_blocks.tensor_codes`), rows un-permuted the same way."""
     from gguf.quants import dequantize
 
     arch = gguf_architecture(reader)
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file")
+        permuted = arch in _PERMUTED_QK and name.split(".")[-2] in heads
+        if codes and tensor.tensor_type.name not in FLOAT_TYPES:
+            coded = tensor_codes(tensor)
+            if permuted:
+                coded = _unpermute_codes(coded, heads[name.split(".")[-2]])
+            yield name, coded
+            continue
         values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         values = values.reshape([int(d) for d in reversed(tensor.shape)])  # GGUF lists dims fastest-first
         if arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -125,6 +137,16 @@ def iter_hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, 
         elif arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             values = _unpermute(values, config["num_key_value_heads"])
         yield name, torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
+
+
+def _unpermute_codes(codes: Codes, heads: int) -> Codes:
+    """Undo llama.cpp's Q/K row permutation on codes (rows carry their scales along)."""
+    def rows(t: Tensor) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(_unpermute(t.numpy(), heads)))
+
+    if isinstance(codes, Int4Codes):
+        return Int4Codes(rows(codes.codes), rows(codes.scales), rows(codes.zeros), codes.group_size)
+    return Int8Codes(rows(codes.codes), rows(codes.scales))
 
 
 def _hf_name(gguf_name: str) -> str | None:

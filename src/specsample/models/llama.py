@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
+from specsample.models.quant import QuantLinear
 from specsample.models.rope import rope_inv_freq, rope_tables
 from specsample.models.sdpa import without_cudnn_attention
 
@@ -297,6 +298,7 @@ class LlamaModel(nn.Module):
         self.output_subset: Tensor | None = None
         self._subset_weight: Tensor | None = None  # inference copy of the subset's output rows
         self._subset_packed: Tensor | None = None
+        self._subset_layer: nn.Module | None = None  # a quantized output layer's subset rows
         self._subset_version = -1
         inv_freq, scale = rope_inv_freq(config)
         self._inv_freq = inv_freq.float()  # not a buffer: must stay float32 when weights go bf16
@@ -308,7 +310,7 @@ class LlamaModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def pack_for_cpu(self) -> bool:
         """Prepack every projection for fast CPU decoding where that is faster (a no-op elsewhere); True if all
@@ -327,7 +329,8 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' dtype (quantized layers hold integer codes and compute in the kernels' dtype)."""
+        return self.norm.weight.dtype
 
     @property
     def hidden_size(self) -> int:
@@ -375,7 +378,7 @@ class LlamaModel(nn.Module):
         For a small draft the full-vocabulary output layer is most of its cost; the verifier handles
         draft probability 0, so sampling stays exact.
         """
-        self._subset_weight = self._subset_packed = None
+        self._subset_weight = self._subset_packed = self._subset_layer = None
         if token_ids is None:
             self.output_subset = None
             return
@@ -389,9 +392,18 @@ class LlamaModel(nn.Module):
     def subset_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the output subset `[b, n, K]`, from the (trainable) output weights."""
         assert self.output_subset is not None
+        if isinstance(self.lm_head, QuantLinear):
+            return self.subset_layer()(hidden)
         if torch.is_grad_enabled():
             return F.linear(hidden, self.lm_head.weight[self.output_subset])
         return linear(hidden, self.subset_weight(), None, self._subset_packed)
+
+    def subset_layer(self) -> QuantLinear:
+        """A quantized output layer's rows of the output subset, gathered once."""
+        assert self.output_subset is not None and isinstance(self.lm_head, QuantLinear)
+        if self._subset_layer is None:
+            self._subset_layer = self.lm_head.rows(self.output_subset)
+        return self._subset_layer
 
     def subset_weight(self) -> Tensor:
         """The output subset's rows of the output weights `[K, hidden]`, gathered (and packed) once per update."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +12,13 @@ import torch
 
 from specsample.models.base import CausalLM
 from specsample.models.hf_names import load_hf_state_dict
-from specsample.models.hub import ALIASES, alias_folder, builtin_draft
+from specsample.models.hub import ALIASES, alias_folder, alias_gguf, builtin_draft
 from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel
+from specsample.models.quant import DEFAULT_INT4_GROUP, Codes
+from specsample.models.quant_model import check_mode, install_quantized, plan_weights
 from specsample.tokenizer import Tokenizer
+
+log = logging.getLogger("specsample")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 RUNTIMES = ("auto", "ours", "hf")
@@ -30,6 +35,8 @@ class LoadedModel:
     runtime: str  # "ours" (Llama-family runtime) or "hf" (transformers adapter)
     default_draft: str | None = None
     folder: Path | None = None
+    gguf: Path | None = None  # the GGUF file the weights came from, if any
+    quantize: str = "none"  # how the weights are held: none, auto (a GGUF's codes as stored), int8, int4
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -56,15 +63,33 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def resolve_quantize(quantize: str, dtype: str | torch.dtype, device: torch.device) -> str:
+    """The weights' layout `quantize` asks for here: 'auto' keeps a GGUF's codes (quantized layers, models/quant.py)
+    when the dtype is left to us ('auto') on a CPU, where the kernels run, and means 'none' (dequantized weights)
+    otherwise; 'int8' and 'int4' quantize every projection; 'none' dequantizes everything to the dtype."""
+    if quantize == "auto":
+        return "auto" if dtype == "auto" and device.type == "cpu" else "none"
+    if quantize in ("int8", "int4") and device.type != "cpu":
+        log.warning("the int4/int8 kernels run on CPUs: on %s quantized layers multiply by their dequantized weights",
+                    device)
+    return quantize
+
+
 def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               runtime: str = "auto", progress: bool = True, compile_decode: bool = False) -> LoadedModel:
+               runtime: str = "auto", progress: bool = True, compile_decode: bool = False, quantize: str = "auto",
+               group_size: int = DEFAULT_INT4_GROUP) -> LoadedModel:
     """Load `spec`: a built-in alias, a Hugging Face folder, a .gguf file or a Hugging Face Hub id.
 
+    `quantize`: how the weights are held (`resolve_quantize`; by default a GGUF's quantized tensors run natively on a
+    CPU unless a float dtype is asked for); `group_size`: the inputs per scale of int4 weights quantized here.
     `compile_decode` runs our runtime's one-token decode steps through `torch.compile`
     (`LlamaModel.compile_decode`), compiling before this returns; models on the transformers adapter
     cannot, and raise.
     """
-    loaded = _load(spec, dtype, device, runtime, progress)
+    check_mode(quantize, group_size)
+    device = torch.device(device)
+    mode = resolve_quantize(quantize, dtype, device)
+    loaded = _load(spec, dtype, device, runtime, progress, mode, group_size)
     if compile_decode:
         if not isinstance(loaded.model, LlamaModel):
             raise ValueError(f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}")
@@ -72,16 +97,23 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | to
     return loaded
 
 
-def _load(spec: str, dtype: str | torch.dtype, device: str | torch.device, runtime: str,
-          progress: bool) -> LoadedModel:
+def _load(spec: str, dtype: str | torch.dtype, device: torch.device, runtime: str, progress: bool, quantize: str,
+          group_size: int) -> LoadedModel:
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-    device = torch.device(device)
+    if quantize in ("int8", "int4") and runtime == "hf":
+        raise ValueError(f"quantize {quantize} needs our Llama-family runtime, not runtime 'hf'")
     compute_dtype = resolve_dtype(dtype, device)
     default_draft = None
     if spec in ALIASES:
         folder = alias_folder(spec, progress=progress)
         default_draft = ALIASES[spec].default_draft
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        if quantize != "none" and _use_ours(model_type, runtime):  # the weights from the alias's GGUF, as stored
+            loaded = _load_gguf(alias_gguf(spec, progress=progress), spec, compute_dtype, device, runtime, quantize,
+                                group_size, Tokenizer.from_folder(folder))
+            loaded.default_draft, loaded.folder = default_draft, folder
+            return loaded
     elif builtin_draft(spec) is not None:
         folder = builtin_draft(spec)
     elif Path(spec).expanduser().is_dir():
@@ -90,7 +122,7 @@ def _load(spec: str, dtype: str | torch.dtype, device: str | torch.device, runti
         path = Path(spec).expanduser()
         if path.suffix != ".gguf":
             raise ValueError(f"{spec} is a file but not a .gguf model; pass a .gguf file or a model folder")
-        return _load_gguf(path, spec, compute_dtype, device, runtime)
+        return _load_gguf(path, spec, compute_dtype, device, runtime, quantize, group_size)
     elif _HUB_ID.match(spec):
         folder = _hub_folder(spec)
     else:
@@ -98,12 +130,13 @@ def _load(spec: str, dtype: str | torch.dtype, device: str | torch.device, runti
             f"unknown model spec {spec!r}: not a built-in alias ({', '.join(ALIASES)}), an existing folder or "
             ".gguf file, or a Hugging Face Hub id (org/name)"
         )
-    loaded = load_folder(folder, compute_dtype, device, runtime, spec)
+    loaded = load_folder(folder, compute_dtype, device, runtime, spec, quantize, group_size)
     loaded.default_draft = default_draft
     return loaded
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, runtime: str, spec: str) -> LoadedModel:
+def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, runtime: str, spec: str,
+                quantize: str = "none", group_size: int = DEFAULT_INT4_GROUP) -> LoadedModel:
     """Load a Hugging Face folder with our runtime where it applies, else through transformers."""
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -111,8 +144,8 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, runtime:
     hf_config = json.loads(config_path.read_text())
     tokenizer = _folder_tokenizer(folder)
     if _use_ours(hf_config.get("model_type"), runtime):
-        model = llama_from_folder(folder, hf_config, dtype, device)
-        return LoadedModel(model, tokenizer, spec, "ours", folder=folder)
+        model = llama_from_folder(folder, hf_config, dtype, device, quantize, group_size)
+        return LoadedModel(model, tokenizer, spec, "ours", folder=folder, quantize=_held(model, quantize))
     from transformers import AutoModelForCausalLM
 
     from specsample.models.hf_adapter import HFCausalLM
@@ -128,7 +161,8 @@ def _use_ours(model_type: str | None, runtime: str) -> bool:
     return runtime != "hf" and model_type in SUPPORTED_MODEL_TYPES
 
 
-def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
+                      quantize: str = "none", group_size: int = DEFAULT_INT4_GROUP) -> LlamaModel:
     """Our Llama-family runtime with the folder's safetensors weights."""
     from safetensors.torch import load_file
 
@@ -144,45 +178,62 @@ def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device:
     tensors = {}
     for file in files:
         tensors.update(load_file(str(file)))
-    model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device)
+    model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, group_size)
     subset_file = folder / DRAFT_VOCAB_FILE
     if subset_file.exists():  # a draft with a reduced output vocabulary (FR-Spec)
         model.set_output_subset(json.loads(subset_file.read_text())["token_ids"])
     return model
 
 
-def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device) -> LlamaModel:
-    """Instantiate without random init (meta device), then load Hugging Face-named weights."""
+def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor | Codes], dtype: torch.dtype,
+                device: torch.device, quantize: str = "none", group_size: int = DEFAULT_INT4_GROUP) -> LlamaModel:
+    """Instantiate without random init (meta device), then load Hugging Face-named weights (float tensors, or codes
+    of quantized GGUF tensors), holding them as `quantize` says (models/quant_model.py)."""
+    weights = plan_weights(tensors, quantize, config.tie_word_embeddings, group_size)
+    tensors.clear()  # the caller's copies go as soon as they are planned
     with torch.device("meta"):
         model = LlamaModel(config)
     model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:
+    floats = install_quantized(model, weights)
+    weights.clear()
+    if config.tie_word_embeddings and not isinstance(model.lm_head, torch.nn.Linear):
+        floats.pop("lm_head.weight", None)
+    elif config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    load_hf_state_dict(model, {k: v.float() for k, v in tensors.items()})
+    load_hf_state_dict(model, {k: v.float() for k, v in floats.items()})
     model = model.to(device=device, dtype=dtype).eval()
     model.pack_for_cpu()
     return model
 
 
-def _load_gguf(path: Path, spec: str, dtype: torch.dtype, device: torch.device, runtime: str) -> LoadedModel:
+def _load_gguf(path: Path, spec: str, dtype: torch.dtype, device: torch.device, runtime: str, quantize: str,
+               group_size: int, tokenizer: Tokenizer | None = None) -> LoadedModel:
     from specsample.models.gguf_file import (OUR_ARCHES, gguf_architecture, gguf_eos_ids, hf_config_from_gguf,
                                              iter_hf_tensors, load_gguf_tokenizer, open_gguf)
 
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
-    hf_tokenizer = load_gguf_tokenizer(path)
-    tokenizer = Tokenizer(hf_tokenizer, gguf_eos_ids(reader))
+    if tokenizer is None:
+        tokenizer = Tokenizer(load_gguf_tokenizer(path), gguf_eos_ids(reader))
     if _use_ours(OUR_ARCHES.get(arch), runtime):
         hf_config = hf_config_from_gguf(reader)
-        model = build_llama(LlamaConfig.from_hf(hf_config), dict(iter_hf_tensors(reader, hf_config)), dtype, device)
-        return LoadedModel(model, tokenizer, spec, "ours")
+        tensors = dict(iter_hf_tensors(reader, hf_config, codes=quantize != "none"))
+        del reader  # its memory map of the file goes with it
+        model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, group_size)
+        return LoadedModel(model, tokenizer, spec, "ours", gguf=path, quantize=_held(model, quantize))
     from transformers import AutoModelForCausalLM
 
     from specsample.models.hf_adapter import HFCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device)
-    return LoadedModel(HFCausalLM(hf_model), tokenizer, spec, "hf")
+    return LoadedModel(HFCausalLM(hf_model), tokenizer, spec, "hf", gguf=path)
+
+
+def _held(model: LlamaModel, quantize: str) -> str:
+    """How the loaded weights are held: the mode, or 'none' where 'auto' found nothing quantized."""
+    from specsample.models.quant_model import is_quantized
+
+    return quantize if is_quantized(model) else "none"
 
 
 def _folder_tokenizer(folder: Path) -> Tokenizer | None:
