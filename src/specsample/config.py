@@ -119,6 +119,10 @@ class SpecConfig:
     # this tree every round, with gamma auto the budgets up to its nodes, each taken only where it measures faster
     # than a chain; None: chains only
     tree: TreeShape | None = None
+    # coupled sampling (specsample.coupling): each output position's token is the Gumbel-max of the target with noise
+    # keyed by (seed, position), shared with the draft, so a seeded request gives the same tokens whatever the plan and
+    # the batch; False: modified rejection sampling (accepts more often; a seed reproduces only under the same plan)
+    coupled: bool = False
 
     @property
     def most_drafts(self) -> int:

@@ -1,0 +1,76 @@
+"""Coupled sampling: a seeded request gives the same tokens whatever the plan (gamma, gamma auto, trees, drafter) and
+whatever shares its batch, the tokens plain decoding with that seed gives. Its exactness is tested in
+test_exactness.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
+from specsample.config import TreeShape
+from specsample.coupling import NoiseStream, position_gumbels
+from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.ngram import NgramDrafter
+from specsample.planner import FixedGamma, GammaController
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+COMPANIONS = [[7, 7, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3], [30, 29]]
+PARAMS = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=40, seed=1234)
+COMPANION_PARAMS = [SamplingParams(temperature=1.0, max_new_tokens=25, seed=5), SamplingParams(temperature=0, max_new_tokens=40),
+                    SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=12, seed=99)]
+
+
+def _run(target, drafter, planner, companions: bool, coupled: bool = True, tree: TreeShape | None = None,
+         speculative: bool = True) -> list[int]:
+    """The seeded request's tokens, run alone or first in a batch with the companions."""
+    prompts = [PROMPT] + (COMPANIONS if companions else [])
+    params = [PARAMS] + (COMPANION_PARAMS if companions else [])
+    config = SpecConfig(gamma=4, adaptive=isinstance(planner, GammaController), max_batch_size=len(prompts),
+                        coupled=coupled, tree=tree, speculative=speculative)
+    return generate(target, prompts, params, draft=drafter, config=config, planner=planner).completions[0].token_ids
+
+
+def test_a_seed_gives_the_same_tokens_under_any_plan_and_batch(tiny_target, tiny_draft) -> None:
+    plain = _run(tiny_target, None, FixedGamma(1), companions=False, speculative=False)
+    runs = {
+        "gamma 1, alone": _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(1), companions=False),
+        "gamma 4, in a batch": _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(4), companions=True),
+        "gamma auto, in a batch": _run(tiny_target, ModelDrafter(tiny_draft), GammaController(4), companions=True),
+        "hybrid, gamma 3": _run(tiny_target, HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1)),
+                                FixedGamma(3), companions=True),
+        "prompt lookup, gamma 4": _run(tiny_target, NgramDrafter(min_n=1), FixedGamma(4), companions=True),
+        "trees": _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(4, tree=TreeShape(6, 2, 3)), companions=True,
+                      tree=TreeShape(6, 2, 3)),
+    }
+    assert len(plain) == PARAMS.max_new_tokens
+    for name, tokens in runs.items():
+        assert tokens == plain, name
+
+
+def test_rejection_sampling_depends_on_the_plan(tiny_target, tiny_draft) -> None:
+    """What the test above rules out happens without coupling: the same seed, another gamma, other tokens."""
+    one = _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(1), companions=False, coupled=False)
+    four = _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(4), companions=True, coupled=False)
+    assert one != four
+
+
+def test_noise_depends_on_seed_and_position_only() -> None:
+    stream = NoiseStream(7, 50)
+    first = stream.gumbel(3).clone()
+    stream.gumbel(4)
+    stream.forget_before(4)
+    assert torch.equal(stream.gumbel(3), first)  # recomputed, not advanced
+    assert torch.equal(position_gumbels(7, 3, 50), first)
+    assert not torch.equal(position_gumbels(7, 4, 50), first)
+    assert not torch.equal(position_gumbels(8, 3, 50), first)
+    assert torch.equal(position_gumbels(2**64 - 1, 0, 5), position_gumbels(2**64 - 1, 0, 5))
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_greedy_rows_beside_coupled_rows_stay_greedy(tiny_target, tiny_draft, speculative: bool) -> None:
+    greedy = SamplingParams(temperature=0, max_new_tokens=20)
+    alone = generate(tiny_target, [PROMPT], greedy).completions[0].token_ids
+    mixed = generate(tiny_target, [PROMPT, PROMPT], [greedy, PARAMS], draft=ModelDrafter(tiny_draft),
+                     config=SpecConfig(gamma=3, max_batch_size=2, coupled=True, speculative=speculative))
+    assert mixed.completions[0].token_ids == alone
