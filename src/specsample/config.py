@@ -103,6 +103,9 @@ class TreeShape:
         return f"{self.nodes}x{self.branch}x{self.depth}"
 
 
+SAMPLING_MODES = ("coupled", "rejection")  # how sampled drafts are verified (SpecConfig.coupled; docs/exactness.md)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How the engine speculates. `gamma` is the number of draft tokens per round."""

@@ -106,20 +106,17 @@ def coupled_choices(target_probs: Tensor, noise: Sequence[DraftNoise | None],
     """The target's Gumbel-max token `[b, n]` at each of row i's first `len(offsets[i])` columns of `target_probs
     [b, n, vocab]`, column j with the row's noise at `offsets[i][j]` (a row without noise: its argmax), and whether
     that column is no distribution `[b, n]` (NaN anywhere, or no mass). Columns past a row's offsets: token 0, usable.
-    Row by row in float64, so only one row's noised scores are ever held."""
-    batch, n, _ = target_probs.shape
-    choice = torch.zeros(batch, n, dtype=torch.long, device=target_probs.device)
-    unusable = torch.zeros(batch, n, dtype=torch.bool, device=target_probs.device)
+    Scores in float64; a tie goes to the lowest token id."""
+    batch, n, vocab = target_probs.shape
+    gumbels = torch.zeros(batch, n, vocab, dtype=torch.float64)
     for row, (row_noise, row_offsets) in enumerate(zip(noise, offsets)):
-        k = len(row_offsets)
-        if k == 0:
-            continue
-        scores = target_probs[row, :k].to(torch.float64).log()  # [k, vocab]
-        if row_noise is not None:
-            scores = scores + torch.stack([row_noise.gumbel(o) for o in row_offsets]).to(scores.device)
-        top, choice[row, :k] = scores.max(dim=-1)
-        unusable[row, :k] = top.isnan() | (top == float("-inf"))
-    return choice, unusable
+        if row_noise is not None and len(row_offsets) > 0:
+            gumbels[row, : len(row_offsets)] = torch.stack([row_noise.gumbel(o) for o in row_offsets])
+    scores = target_probs.to(torch.float64).log() + gumbels.to(target_probs.device)  # [b, n, vocab]
+    top, choice = scores.max(dim=-1)  # [b, n]
+    used = (torch.arange(n).unsqueeze(0) < torch.tensor([len(o) for o in offsets]).unsqueeze(1)).to(choice.device)
+    unusable = (top.isnan() | (top == float("-inf"))) & used
+    return choice.masked_fill(~used, 0), unusable
 
 
 def verify_coupled(

@@ -50,6 +50,8 @@ class ReplicaSettings:
     admin_key: str | None = None  # see `specsample serve --admin-key`
     models_dir: str | None = None  # see `specsample serve --models-dir`
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # see `specsample serve --max-body-bytes`
+    sampling: str | None = None  # see `specsample serve --sampling`
+    deterministic: bool = False  # see `specsample serve --deterministic`
 
     def __post_init__(self) -> None:
         self.engine_options()  # bad settings fail here, before any replica loads a model
@@ -58,7 +60,7 @@ class ReplicaSettings:
     def engine_options(self) -> EngineOptions:
         return EngineOptions(target=self.model, draft=self.draft, gamma=self.gamma, max_gamma=self.max_gamma,
                              tree=self.tree, dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
-                             draft_window=self.draft_window)
+                             draft_window=self.draft_window, sampling=self.sampling, deterministic=self.deterministic)
 
     def server_options(self, replica_id: str | None = None) -> ServerOptions:
         return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
@@ -75,7 +77,8 @@ class ReplicaSettings:
                    served_model_name=serving.model_name, api_key=serving.api_key,
                    min_acceptance=serving.min_acceptance, dtype=options.dtype, device=options.device,
                    pad_rows=options.pad_rows, draft_window=options.draft_window, admin_key=serving.admin_key,
-                   models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes)
+                   models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes, sampling=options.sampling,
+                   deterministic=options.deterministic)
 
     def as_args(self) -> dict[str, Any]:
         return asdict(self)

@@ -71,7 +71,8 @@ class Bench:
         self.config = config
         self.notes: list[str] = []
         options = EngineOptions(target=config.target, draft=config.draft, gamma="auto", max_gamma=config.max_gamma,
-                                tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows)
+                                tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows,
+                                sampling=config.sampling, deterministic=config.deterministic)
         self.speculator: Speculator = load(options, say=say)
         tokenizer = self.speculator.pair.target.tokenizer
         if tokenizer is None:
