@@ -16,8 +16,8 @@ from specsample.planner import FixedGamma, GammaController
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 COMPANIONS = [[7, 7, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3], [30, 29]]
-PARAMS = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=40, seed=1234)
-COMPANION_PARAMS = [SamplingParams(temperature=1.0, max_new_tokens=25, seed=5), SamplingParams(temperature=0, max_new_tokens=40),
+PARAMS = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=24, seed=1234)
+COMPANION_PARAMS = [SamplingParams(temperature=1.0, max_new_tokens=25, seed=5), SamplingParams(temperature=0, max_new_tokens=24),
                     SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=12, seed=99)]
 
 
@@ -74,3 +74,42 @@ def test_greedy_rows_beside_coupled_rows_stay_greedy(tiny_target, tiny_draft, sp
     mixed = generate(tiny_target, [PROMPT, PROMPT], [greedy, PARAMS], draft=ModelDrafter(tiny_draft),
                      config=SpecConfig(gamma=3, max_batch_size=2, coupled=True, speculative=speculative))
     assert mixed.completions[0].token_ids == alone
+
+
+@pytest.fixture(scope="module")
+def coupled_server(tmp_path_factory):
+    from live_server import LiveServer
+    from model_factory import make_tokenizer, write_hf_model
+    from specsample.server.app import SpecServer
+    from specsample.server.options import ServerOptions
+    from specsample.speculator import EngineOptions, load
+
+    root = tmp_path_factory.mktemp("coupled")
+    tokenizer = make_tokenizer()
+    target = write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128)
+    draft = write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
+    speculator = load(EngineOptions(target=str(target), draft=str(draft), gamma="auto", max_gamma=4,
+                                    dtype="bfloat16", sampling="coupled", deterministic=True))
+    server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=8, max_model_len=128)))
+    yield server
+    server.close()
+
+
+def test_choice_i_of_seed_s_is_seed_s_plus_i(coupled_server) -> None:
+    """The server seeds choice i of a request with seed + i (docs/serving.md): choice 1 of seed 77, decoded beside
+    choice 0, equals a request of its own with seed 78 decoded beside other requests."""
+    import concurrent.futures
+
+    client = coupled_server.client()
+
+    def complete(seed: int, n: int = 1, prompt: str = "hello world"):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.9, seed=seed, n=n)
+
+    pair = complete(77, n=2)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(complete, 5, 1, "the other one") for _ in range(3)]
+        alone = [pool.submit(complete, seed) for seed in (77, 78)]
+        [f.result() for f in others]
+    texts = [c.text for c in sorted(pair.choices, key=lambda c: c.index)]
+    assert texts == [alone[0].result().choices[0].text, alone[1].result().choices[0].text]
+    assert texts[0] != texts[1]
