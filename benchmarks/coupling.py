@@ -10,7 +10,7 @@ does. Sampled systems use the same seed per prompt.
 - deterministic mode: tokens per second of gamma auto at T 0.7 (coupled) and T 0 against the default, and for greedy
   how many prompts' speculative tokens differ from plain decoding's, in each mode.
 
-    python benchmarks/coupling.py --out docs/results/coupling/coupling.json
+    python benchmarks/coupling.py --prompts 4 --out docs/results/coupling/coupling.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from specsample.speculator import EngineOptions, load
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=8, help="Spec-Bench prompts, one per category (at most 13)")
+    parser.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts, one per category (at most 13)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--out", type=Path, required=True)

@@ -113,3 +113,29 @@ def test_choice_i_of_seed_s_is_seed_s_plus_i(coupled_server) -> None:
     texts = [c.text for c in sorted(pair.choices, key=lambda c: c.index)]
     assert texts == [alone[0].result().choices[0].text, alone[1].result().choices[0].text]
     assert texts[0] != texts[1]
+
+
+def test_verify_coupled_accepts_exactly_the_targets_gumbel_max_tokens() -> None:
+    from specsample.coupling import DraftNoise, coupled_choices, verify_coupled
+
+    torch.manual_seed(0)
+    target_probs = torch.softmax(torch.randn(3, 4, 50, dtype=torch.float64), dim=-1)  # [b, gamma + 1, vocab]
+    noise = [DraftNoise(NoiseStream(seed, 50), start) for seed, start in ((1, 0), (2, 7), (3, 2))]
+    choice, _ = coupled_choices(target_probs, noise, [range(4)] * 3)
+    drafts = choice[:, :3].clone()
+    drafts[1, 1] = (drafts[1, 1] + 1) % 50  # row 1 differs at its second draft
+    drafts[2, 0] = (drafts[2, 0] + 1) % 50  # row 2 at its first
+    verdict = verify_coupled(drafts, target_probs, noise)
+    assert verdict.num_accepted.tolist() == [3, 1, 0]
+    assert verdict.next_token.tolist() == [int(choice[0, 3]), int(choice[1, 1]), int(choice[2, 0])]
+    assert verdict.failed is None
+
+
+def test_verify_coupled_fails_only_the_row_without_a_distribution() -> None:
+    from specsample.coupling import DraftNoise, verify_coupled
+
+    target_probs = torch.full((2, 2, 10), 0.1, dtype=torch.float64)
+    target_probs[1, 0] = float("nan")
+    noise = [DraftNoise(NoiseStream(1, 10), 0), DraftNoise(NoiseStream(2, 10), 0)]
+    verdict = verify_coupled(torch.zeros(2, 1, dtype=torch.long), target_probs, noise)
+    assert verdict.failed.tolist() == [False, True]

@@ -118,7 +118,9 @@ class Engine:
 
     Requests may be added and cancelled between rounds from other threads; each keeps its own
     slot in the target's and the drafter's caches and its own seeded generator, so no request sees
-    another's tokens and a seeded request gives the same output in any batch.
+    another's tokens. With coupled sampling (`SpecConfig.coupled`, specsample.coupling) a seeded request gives
+    the tokens plain decoding with that seed gives, whatever the plan and the batch (up to the rounding of the
+    target's logits, which deterministic mode removes: models/invariant.py).
     """
 
     def __init__(
