@@ -4,6 +4,7 @@ test_exactness.py."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 
@@ -113,6 +114,8 @@ def test_choice_i_of_seed_s_is_seed_s_plus_i(coupled_server) -> None:
     texts = [c.text for c in sorted(pair.choices, key=lambda c: c.index)]
     assert texts == [alone[0].result().choices[0].text, alone[1].result().choices[0].text]
     assert texts[0] != texts[1]
+    health = httpx.get(coupled_server.url + "/health").json()
+    assert health["sampling"] == "coupled" and health["deterministic"] is True
 
 
 def test_verify_coupled_accepts_exactly_the_targets_gumbel_max_tokens() -> None:
