@@ -142,3 +142,25 @@ def test_verify_coupled_fails_only_the_row_without_a_distribution() -> None:
     noise = [DraftNoise(NoiseStream(1, 10), 0), DraftNoise(NoiseStream(2, 10), 0)]
     verdict = verify_coupled(torch.zeros(2, 1, dtype=torch.long), target_probs, noise)
     assert verdict.failed.tolist() == [False, True]
+
+
+@pytest.mark.slow
+def test_real_float32_seed_gives_the_same_tokens_at_any_gamma() -> None:
+    """SmolLM2-135M in float32 with its shipped hybrid draft, coupled: one seed at gamma 4, gamma auto and plain
+    decoding gives the same tokens (in bfloat16 this needs deterministic mode: docs/exactness.md)."""
+    from dataclasses import replace
+
+    from specsample.speculator import EngineOptions, load
+
+    speculator = load(EngineOptions(dtype="float32", sampling="coupled"))
+    tokenizer, model = speculator.pair.target.tokenizer, speculator.pair.target.model
+    for index, text in enumerate(["Write a short poem about the sea.", "Explain why the sky is blue."]):
+        prompt = tokenizer.encode(text, chat=True)
+        params = SamplingParams(temperature=0.7, max_new_tokens=48, seed=1000 + index)
+        outputs = []
+        for planner in (FixedGamma(4), GammaController(8), None):
+            config = replace(speculator.spec_config(1), speculative=planner is not None,
+                             adaptive=isinstance(planner, GammaController))
+            outputs.append(generate(model, [prompt], params, draft=speculator.drafter, config=config,
+                                    planner=planner).completions[0].token_ids)
+        assert outputs[0] == outputs[1] == outputs[2], text
