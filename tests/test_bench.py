@@ -16,6 +16,7 @@ from model_factory import make_tokenizer, write_hf_model
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
 from specsample.bench.report import _cost_ratio
 from specsample.bench.stats import acceptance_summary, bootstrap, percentile, predicted_speedup, two_sample_test
+from specsample.bench.suites import JSON_PROMPTS
 from specsample.bench.systems import Ours, OursRun, run_lockstep
 from specsample.datasets import iter_sharegpt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
 from specsample.planner import FixedGamma, GammaController
@@ -230,6 +231,31 @@ def test_every_suite_runs_on_tiny_models_and_reports_as_it_goes(tiny_pair_files,
                     "## Adaptive gamma", "`hybrid auto`:"):
         assert heading in report, heading
     assert "AMD" in report or "Intel" in report or "cores" in report  # the machine is named
+
+
+def test_structured_and_prefix_suites(tiny_pair_files, tmp_path) -> None:
+    """The grammar suite decodes every JSON prompt under the schema and free; the prefix suite's second turns reuse
+    the first turn's cache on the engine that keeps it, and only there."""
+    target, draft, questions = tiny_pair_files
+    out = tmp_path / "out"
+    done = _bench(["--suite", "structured,prefix", "--target", str(target), "--draft", str(draft), "--dataset",
+                   str(questions), "--max-new-tokens", "8", "--gamma", "3", "--temperature", "0.7",
+                   "--history-tokens", "150", "--prefix-reps", "2", "--pad-rows", "off", "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "complete", {k: v.get("error") for k, v in results["suites"].items()}
+    structured, prefix = results["suites"]["structured"], results["suites"]["prefix"]
+    assert structured["systems"] == ["specsample gamma=3", "specsample gamma=3 json_schema", "target-only",
+                                     "target-only json_schema"]
+    for rows in structured["runs"].values():
+        assert len(rows) == len(JSON_PROMPTS)
+        assert all(r["tokens"] > 0 for row in rows for r in row["systems"].values())
+    assert prefix["first_turn_tokens"] >= 150 and len(prefix["ttft_seconds"]["reuse"]) == 2
+    assert prefix["admission"]["reuse"]["prefix_hits"] == 1
+    assert prefix["admission"]["reuse"]["reused_tokens"] >= prefix["first_turn_tokens"] - 1
+    assert prefix["admission"]["no reuse"] == {"prefix_hits": 0, "reused_tokens": 0}
+    report = (out / "results.md").read_text()
+    assert "## Structured output" in report and "## Prefix reuse" in report and "Speedup with reuse" in report
 
 
 def test_zero_sized_sweeps_and_a_single_gamma_run_to_the_end(tiny_pair_files, tmp_path) -> None:

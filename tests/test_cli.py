@@ -67,6 +67,18 @@ def test_streaming_text_and_summary(models) -> None:
     assert plain.stdout == done.stdout  # greedy text is the same with and without speculation
 
 
+def test_json_schema_flag(models, tmp_path) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    done = run_cli("generate", "the quick brown fox", "--target", str(models["target"]), "--draft",
+                   str(models["draft"]), "--json", "--max-new-tokens", "16", "--seed", "2", "--temperature", "1",
+                   "--json-schema", str(tmp_path / "schema.json"))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["finish_reason"] == "stop" and json.loads(out["text"]) in ({"ok": True}, {"ok": False})
+
+
 def test_compile_flag(models) -> None:
     """--compile runs the compiled decode step and changes nothing in float32 greedy output."""
     args = ["generate", "hello world", "--target", str(models["target"]), "--no-speculation", "--temperature", "0",

@@ -190,7 +190,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path) -> None:
     reader = FeatureReader(tmp_path / "features")
     assert reader.num_chunks == 3 and reader.index["sequences"] == 48
     plan = HeadTraining(target="tiny", out=tmp_path / "out", epochs=6, batch_tokens=256, max_len=64, lr=3e-3,
-                        warmup=2, eval_every=4, checkpoint_minutes=10**6)
+                        warmup=2, eval_every=4, checkpoint_minutes=10**6, unroll=2)
     frozen = Frozen(target.model, None, torch.device("cpu"))
 
     def run(work, stop_after=None):
@@ -200,7 +200,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path) -> None:
 
     whole, record = run(tmp_path / "whole")
     curve = record["curve"]
-    assert curve[-1]["heldout_loss"] < 0.8 * curve[0]["heldout_loss"]
+    assert curve[-1]["heldout_loss"] < 0.85 * curve[0]["heldout_loss"]  # over both unrolled steps
     assert curve[-1]["heldout_alpha"] > curve[0]["heldout_alpha"]
     _, partial = run(tmp_path / "split", stop_after=5)
     assert partial["step"] == 5

@@ -300,7 +300,7 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     ({"prompt": "hi", "n": 2.0}, "n"),
     ({"prompt": [1, True]}, "prompt.1"),
     ({"prompt": [1, 99999]}, "prompt"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": -2.5}, "presence_penalty"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
@@ -316,7 +316,7 @@ def test_bad_completion_requests_name_their_parameter(live, body, param) -> None
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": "a \udfff b"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "regex"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": True}, "max_completion_tokens"),
 ])
 def test_bad_chat_requests_name_their_parameter(live, body, param) -> None:
@@ -448,6 +448,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--device", "tpu"], "--device"),
     (["--dtype", "float17"], "--dtype"),
     (["--max-gamma", "0"], "--max-gamma"),
+    (["--json-schema", "/no/such/schema.json"], "--json-schema"),
+    (["--json-schema", __file__], "--json-schema"),  # not JSON
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]))
 def test_generate_refuses_bad_flags_before_loading(flags, flag) -> None:
     """Each names its flag on one line with exit status 2; the target does not exist, so a check that waited for
@@ -460,6 +462,7 @@ def test_generate_refuses_bad_flags_before_loading(flags, flag) -> None:
 
 @pytest.mark.parametrize("flags, flag", [
     (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--prefix-cache-rows", "-1"], "--prefix-cache-rows"),
     (["--models-dir", "/no/such/folder"], "--models-dir"),
     (["--admin-key", ""], "--admin-key"),
     (["--api-key", "same", "--admin-key", "same"], "--admin-key"),

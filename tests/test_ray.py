@@ -162,3 +162,18 @@ def test_serve_config_yaml_builds() -> None:
         builder({**args, "modle": "typo"})
     with pytest.raises(ValueError, match="MIN:MAX"):
         builder({**args, "autoscale": "4:1"})
+
+
+def test_every_serving_option_reaches_the_replicas(tmp_path) -> None:
+    """`specsample serve --replicas` hands each replica the server options it was given, none dropped."""
+    from specsample.deploy import ReplicaSettings
+    from specsample.server.options import ServerOptions
+    from specsample.speculator import EngineOptions
+
+    serving = ServerOptions(model_name="m", max_batch_size=3, max_model_len=512, max_body_bytes=4096,
+                            prefix_cache_rows=2, admin_key="a" * 16, models_dir=str(tmp_path))
+    replica = ReplicaSettings.of(EngineOptions(), serving).server_options("r1")
+    for name in ("model_name", "max_batch_size", "max_model_len", "max_body_bytes", "prefix_cache_rows", "admin_key",
+                 "models_dir"):
+        assert getattr(replica, name) == getattr(serving, name), name
+    assert ReplicaSettings.from_args({"prefix_cache_rows": "0"}).server_options().prefix_cache_rows == 0

@@ -193,8 +193,8 @@ def test_disconnect_frees_the_slot(live) -> None:
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
     (json.dumps({"model": MODEL, "prompt": "hi " * 60, "max_tokens": 100}).encode(), "max_tokens"),
     (json.dumps({"model": MODEL, "prompt": "hi", "frobnicate": True}).encode(), "frobnicate"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}).encode(), None),
-    (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 3}}).encode(), None),
+    (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}).encode(), "presence_penalty"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 300}}).encode(), "logit_bias"),
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), None),
     (json.dumps([1, 2]).encode(), None),
 ])

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specsample.config import SamplingParams, SettingError
+from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.drafters.model import WINDOW_MODES
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="apply the chat template (default: on when the model has one)")
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
+    gen.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                     help="constrain the output to JSON following the schema in FILE (exact under speculation)")
     gen.add_argument("--compile", action="store_true",
                      help="compile one-token decode steps with torch.compile (our runtime only): up to 80 s once "
                           "per process on a small CPU, then ~1.5x faster decoding (docs/runtime.md)")
@@ -192,6 +194,10 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)")
     bench.add_argument("--lossless-samples", type=int, default=None)
     bench.add_argument("--lossless-prompts", type=int, default=None, help="prompts of the losslessness test (0: skip)")
+    bench.add_argument("--history-tokens", type=int, default=None,
+                       help="the prefix suite's first chat turn, in tokens (default 1000)")
+    bench.add_argument("--prefix-reps", type=int, default=None,
+                       help="second turns the prefix suite times with reuse and without, each (default 5)")
     bench.add_argument("--dtype", default=None)
     bench.add_argument("--device", default=None)
     bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
@@ -232,6 +238,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--models-dir", default=None,
                        help="folder of drafts /admin/draft may load, named by their path inside it (besides ngram, "
                             "hybrid and the built-in drafts)")
+    serve.add_argument("--prefix-cache-rows", type=int, default=4,
+                       help="finished requests' cache rows kept for requests sharing their prefix, such as the next "
+                            "turn of a chat, which then prefills only what is new (default 4; 0: none)")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES})")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
@@ -252,7 +261,7 @@ def _add_serve_parser(sub) -> None:
 
 MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
               "onpolicy_max_new")  # distill flags of --kind model
-EAGLE_ONLY = ("tokens", "epochs", "noise", "ce_weight")  # ...and of --kind eagle
+EAGLE_ONLY = ("tokens", "epochs", "noise", "ce_weight", "unroll")  # ...and of --kind eagle
 
 
 def _add_distill_parsers(sub) -> None:
@@ -285,6 +294,9 @@ def _add_distill_parsers(sub) -> None:
     eagle.add_argument("--epochs", type=float, default=None, help="passes over them (default 1)")
     eagle.add_argument("--noise", type=float, default=None, help="uniform noise on the input features (default 0.1)")
     eagle.add_argument("--ce-weight", type=float, default=None, help="weight of the cross-entropy term (default 0.1)")
+    eagle.add_argument("--unroll", type=int, default=None,
+                       help="drafting steps trained per position: 1 teacher-forced; more also trains the head on its "
+                            "own earlier predictions, as it drafts (EAGLE-3's training-time test; default 2)")
     model = dist.add_argument_group("--kind model")
     model.add_argument("--num-prompts", type=int, default=None, help="conversations scored teacher-forced (2000)")
     model.add_argument("--onpolicy-prompts", type=int, default=None, help="prompts the target answers itself (500)")
@@ -310,13 +322,26 @@ def _add_distill_parsers(sub) -> None:
     ev.set_defaults(func=cmd_eval_draft)
 
 
+def _schema_grammar(path: Path | None) -> Grammar | None:
+    """`--json-schema FILE` as a grammar (None without one); a file that is not a JSON schema is a flag error."""
+    if path is None:
+        return None
+    try:
+        return Grammar("json_schema", path.read_text())
+    except OSError as exc:
+        raise SettingError("json_schema", f"--json-schema {path}: {exc.strerror}") from None
+    except SettingError as exc:
+        raise SettingError("json_schema", f"--json-schema {path}: {exc}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     """Stream one generation to stdout; the summary line goes to stderr (or everything as JSON)."""
     from specsample.speculator import load
 
     # bad flags fail here, before any model is loaded
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+                            max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            grammar=_schema_grammar(args.json_schema))
     options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
                             tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
                             runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
@@ -330,7 +355,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     # caches sized to this request, not to the model's whole context window
     engine = speculator.engine(max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens)
     collector = StatsCollector()
-    request_id = engine.add_request(prompt_ids, params)
+    try:
+        request_id = engine.add_request(prompt_ids, params)
+    except SettingError as exc:  # the schema does not compile: that is the flag's fault
+        raise SettingError("json_schema" if exc.name == "grammar" else exc.name, str(exc)) from None
     collector.request_started(request_id, time.perf_counter())
     decoder = tokenizer.stream()
     token_ids: list[int] = []
@@ -373,6 +401,7 @@ def _distill_eagle(args: argparse.Namespace) -> None:
     from specsample.distill.eagle import HeadTraining, run_head
 
     chosen = {"tokens": args.tokens, "epochs": args.epochs, "noise": args.noise, "ce_weight": args.ce_weight,
+              "unroll": args.unroll,
               "batch_tokens": args.batch_tokens, "lr": args.lr, "max_len": args.max_len,
               "eval_prompts": args.eval_prompts}
     plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts, draft_vocab=args.draft_vocab or None,
@@ -495,7 +524,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
                             max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes, prefix_cache_rows=args.prefix_cache_rows)
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
@@ -522,7 +551,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
         "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
         "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
-        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree, "sampling": args.sampling,
+        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree,
+        "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps, "sampling": args.sampling,
         "deterministic": args.deterministic}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)

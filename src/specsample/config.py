@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # the smallest temperature above 0 (greedy): float32 logits divided by it stay finite up to |logit| 3.4e34, far
 # beyond any model's, so warping never overflows
 MIN_TEMPERATURE = 1e-4
 SEED_LIMIT = 2**64  # seeds are 0 <= seed < SEED_LIMIT (torch.Generator's range of non-negative seeds)
+MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities of, per token
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 
 
 class SettingError(ValueError):
@@ -29,11 +34,44 @@ def _is_real(value: object) -> bool:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings; the draft and the target are warped by the same ones.
+class Grammar:
+    """A constraint on the output: `json_object` (any JSON object; `text` empty), `json_schema` (`text` the schema as
+    JSON), `regex` or `ebnf` (`text` the pattern or the grammar, GBNF as xgrammar reads it)."""
 
-    Warping order: temperature, then top-k, then top-p, then min-p. Temperature is 0 (greedy) or at least
-    MIN_TEMPERATURE; any top-p in (0, 1] keeps at least the most likely token.
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise SettingError("grammar", f"a grammar's kind is one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.text, str):
+            raise SettingError("grammar", f"a grammar's text must be a string, got {type(self.text).__name__}")
+        if self.kind == "json_object" and self.text:
+            raise SettingError("grammar", "a json_object grammar takes no text")
+        if self.kind != "json_object" and not self.text:
+            raise SettingError("grammar", f"a {self.kind} grammar needs its text")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except json.JSONDecodeError as exc:
+                raise SettingError("grammar", f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise SettingError("grammar", "a JSON schema must be a JSON object")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping | str) -> Grammar:
+        """A `json_schema` grammar from a schema given as a mapping or as JSON text. Key order is kept: the output
+        writes an object's properties in the order the schema lists them."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; the draft and the target are processed and warped by the same ones.
+
+    Order: the processors act on the logits (repetition penalty, frequency and presence penalties, logit bias,
+    grammar mask), each at a position from the tokens before it; then warping: temperature, top-k, top-p, min-p.
+    Temperature is 0 (greedy) or at least MIN_TEMPERATURE; any top-p in (0, 1] keeps at least the most likely token.
     """
 
     temperature: float = 1.0  # 0 means greedy
@@ -42,6 +80,15 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p * (probability of the most likely token)
     max_new_tokens: int = 128
     seed: int | None = None  # None draws a fresh seed per request
+    # processors (OpenAI's and vLLM's definitions); presence and frequency count the generated tokens, repetition the
+    # prompt's and the generated ones
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from a token that appeared
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per appearance
+    repetition_penalty: float = 1.0  # > 0: a seen token's positive logit divided by it, a negative one multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits; a mapping
+    # is accepted and stored as sorted pairs
+    grammar: Grammar | None = None  # the output must follow it (a token it disallows has probability 0)
+    logprobs: int | None = None  # report each emitted token's log-probability and this many top alternatives
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -60,11 +107,47 @@ class SamplingParams:
             raise SettingError("max_new_tokens", f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise SettingError("seed", f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise SettingError(name, f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+            raise SettingError("repetition_penalty", f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise SettingError("grammar", f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise SettingError("logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got "
+                                           f"{self.logprobs!r}")
+
+    @property
+    def processed(self) -> bool:
+        """True when a processor changes the logits (penalties, logit bias or a grammar)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias) or self.grammar is not None)
 
     @property
     def greedy(self) -> bool:
         """True when decoding takes the argmax (temperature 0)."""
         return self.temperature == 0
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token, bias) pairs, checked: ids integers >= 0, each once, biases in [-100, 100]."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(token, value) for token, value in pairs]
+    except (TypeError, ValueError):
+        raise SettingError("logit_bias", "logit_bias is a mapping or pairs of token id and bias") from None
+    for token, value in pairs:
+        if not _is_int(token) or token < 0:
+            raise SettingError("logit_bias", f"logit_bias keys are token ids (integers >= 0), got {token!r}")
+        if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise SettingError("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for {token}")
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise SettingError("logit_bias", "logit_bias names a token more than once")
+    return tuple(sorted((int(t), float(v)) for t, v in pairs))
 
 
 @dataclass(frozen=True)
@@ -126,6 +209,9 @@ class SpecConfig:
     # keyed by (seed, position), shared with the draft, so a seeded request gives the same tokens whatever the plan and
     # the batch; False: modified rejection sampling (accepts more often; a seed reproduces only under the same plan)
     coupled: bool = False
+    # rows of finished requests whose caches are kept (least recently finished dropped first) for a request sharing
+    # their prefix, such as the next turn of a chat: it prefills only what follows the shared part; 0: none kept
+    prefix_cache_rows: int = 0
 
     @property
     def most_drafts(self) -> int:
@@ -142,6 +228,8 @@ class SpecConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if not isinstance(self.prefix_cache_rows, int) or self.prefix_cache_rows < 0:
+            raise ValueError(f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
         if self.tree is not None and not isinstance(self.tree, TreeShape):
             raise ValueError(f"tree must be a TreeShape or None, got {self.tree!r}")
         for tokens, width in enumerate(self.target_widths, start=1):

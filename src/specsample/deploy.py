@@ -52,6 +52,7 @@ class ReplicaSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # see `specsample serve --max-body-bytes`
     sampling: str | None = None  # see `specsample serve --sampling`
     deterministic: bool = False  # see `specsample serve --deterministic`
+    prefix_cache_rows: int = 4  # see `specsample serve --prefix-cache-rows`
 
     def __post_init__(self) -> None:
         self.engine_options()  # bad settings fail here, before any replica loads a model
@@ -66,7 +67,8 @@ class ReplicaSettings:
         return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
                              min_acceptance=self.min_acceptance, max_batch_size=self.max_batch_size,
                              max_model_len=self.max_model_len, replica_id=replica_id, admin_key=self.admin_key,
-                             models_dir=self.models_dir, max_body_bytes=self.max_body_bytes)
+                             models_dir=self.models_dir, max_body_bytes=self.max_body_bytes,
+                             prefix_cache_rows=self.prefix_cache_rows)
 
     @classmethod
     def of(cls, options: EngineOptions, serving: ServerOptions) -> ReplicaSettings:
@@ -78,7 +80,7 @@ class ReplicaSettings:
                    min_acceptance=serving.min_acceptance, dtype=options.dtype, device=options.device,
                    pad_rows=options.pad_rows, draft_window=options.draft_window, admin_key=serving.admin_key,
                    models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes, sampling=options.sampling,
-                   deterministic=options.deterministic)
+                   deterministic=options.deterministic, prefix_cache_rows=serving.prefix_cache_rows)
 
     def as_args(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,7 +92,7 @@ class ReplicaSettings:
         if unknown:
             raise ValueError(f"unknown specsample deployment argument(s): {', '.join(sorted(unknown))}")
         casts = {"max_gamma": int, "max_batch_size": int, "max_model_len": int, "min_acceptance": float,
-                 "max_body_bytes": int}
+                 "max_body_bytes": int, "prefix_cache_rows": int}
         return cls(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items() if k in known})
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 import secrets
 import threading
 import time
@@ -21,13 +22,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specsample.config import SamplingParams, SpecConfig
+from specsample.config import SamplingParams, SettingError, SpecConfig
 from specsample.coupling import DraftNoise, NoiseStream, verify_coupled, verify_tree_coupled
-from specsample.drafters.base import BacklogScorer, Drafter, DraftRequest, FeatureDrafter, PromptLookup, Proposal
+from specsample.drafters.base import (BacklogScorer, Drafter, DraftRequest, FeatureDrafter, PrefixKeeper, PromptLookup,
+                                       Proposal)
+from specsample.grammar import GrammarCompiler
 from specsample.models.base import CausalLM, FeatureLM, TreeLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.planner import FixedGamma, GammaController, Planner
 from specsample.planner.base import BatchState, RoundOutcome, RoundPlan, RowOutcome, RowState
+from specsample.processors import RowProcessors, Shaper, token_logprobs
 from specsample.sampling import usable_rows, warp_rows
 from specsample.verify import Verdict, acceptance_probabilities, verify, verify_greedy
 from specsample.verify_tree import verify_tree, verify_tree_greedy
@@ -35,6 +39,17 @@ from specsample.verify_tree import verify_tree, verify_tree_greedy
 log = logging.getLogger("specsample.engine")
 
 BACKLOG_KEPT = 64  # most plain-round tokens a row keeps for its draft to score (the controller remembers ~25 trials)
+MIN_REUSED = 16  # a kept row is taken over by a request sharing at least this many leading tokens with it
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's processed distribution (temperature 1, before
+    top-k/top-p/min-p), and the `SamplingParams.logprobs` most likely tokens' (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,7 @@ class RowUpdate:
     # "stop" (EOS), "length", "cancelled", or "error" (the row's distributions were unusable: it ends alone, the
     # other rows of its round go on as without it); None while running
     finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, where the request asked for them
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,10 @@ class RoundStats:
     extended_rows: int = 0  # rows that drafted past the gamma planned (confident drafts)
     tree_rows: int = 0  # rows that drafted a token tree (their drafts and accepted tokens count its nodes and path)
     tree_nodes: int = 0  # the round's tree budget (0: chains)
+    admitted: int = 0  # requests admitted this round
+    admitted_tokens: int = 0  # their prompt tokens the target's cache takes (all but the last of each)
+    prefix_hits: int = 0  # admitted requests that reused a finished request's cached prefix
+    reused_tokens: int = 0  # prompt tokens they took from cache instead of prefilling
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,7 @@ class _Row:
     speculative: bool
     gamma: int | None
     noise: NoiseStream | None = None  # coupled sampling (SpecConfig.coupled), not greedy: its per-position noise
+    processors: RowProcessors | None = None  # penalties, logit bias, grammar: None when the params have none
     slot: int = -1
     output: list[int] = field(default_factory=list)
     # the target's probability of each token plain rounds committed since the row last drafted (newest
@@ -131,9 +152,11 @@ class Engine:
         eos_token_ids: Iterable[int] = (),
         planner: Planner | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`planner` defaults to `default_planner(config)`; pass one to keep what gamma auto learnt across
-        engines. `clock` times the rounds the planner learns costs from."""
+        engines. `clock` times the rounds the planner learns costs from. `grammars` compiles the requests'
+        grammars for the target's tokenizer (None: requests with a grammar are refused)."""
         if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({drafter.vocab_size}) differs from target vocabulary "
@@ -147,17 +170,22 @@ class Engine:
         self.target = target
         self.config = config
         self.clock = clock
+        self.grammars = grammars
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
         # slack past max_len: padded positions of a round may be written (never read) beyond it
         widest = max(config.most_drafts + 1, max(config.target_widths, default=0))
-        self.cache = target.new_cache(config.max_batch_size, self.max_len + widest + 1)
+        slots = config.max_batch_size + config.prefix_cache_rows  # running rows, and finished ones kept for reuse
+        self.cache = target.new_cache(slots, self.max_len + widest + 1)
         if isinstance(drafter, FeatureDrafter) and drafter.wants_features and not isinstance(target, FeatureLM):
             raise ValueError(f"the draft reads the target's hidden states, which the target's runtime "
                              f"({type(target).__name__}) does not return; use our Llama-family runtime")
-        self.drafter = _allocate_or_drop(drafter, config.max_batch_size, self.max_len + config.most_drafts + 2)
+        self.drafter = _allocate_or_drop(drafter, slots, self.max_len + config.most_drafts + 2)
         self._abilities: tuple[Drafter | None, bool, bool, bool] = (None, False, False, False)  # see _abilities_of
-        self._free_slots = list(range(config.max_batch_size))
+        self._free_slots = list(range(slots))
+        # finished rows whose caches are kept for a request sharing their prefix: slot -> the tokens the target's
+        # cache holds, least recently finished first
+        self._kept: OrderedDict[int, list[int]] = OrderedDict()
         self._waiting: deque[_Row] = deque()
         self._running: dict[int, _Row] = {}  # slot -> row
         self._cancelled: set[str] = set()
@@ -185,6 +213,8 @@ class Engine:
             speculative=speculative and self.drafter is not None and self.config.speculative,
             gamma=gamma,
             noise=NoiseStream(seed, self.target.vocab_size) if self.config.coupled and not params.greedy else None,
+            processors=(RowProcessors(params, prompt, self.target.vocab_size, self.grammars) if params.processed
+                        else None),
         )
         with self._lock:
             self._waiting.append(row)
@@ -204,6 +234,15 @@ class Engine:
             )
         if gamma is not None and not 1 <= gamma <= self.config.gamma:
             raise ValueError(f"gamma must be in 1..{self.config.gamma} (the engine's maximum), got {gamma}")
+        outside = [t for t, _ in params.logit_bias if t >= self.target.vocab_size]
+        if outside:
+            raise SettingError("logit_bias", f"logit_bias names token id {outside[0]}, outside the vocabulary "
+                                             f"(size {self.target.vocab_size})")
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise SettingError("grammar", "this engine has no grammar compiler: a grammar needs the target's "
+                                              "tokenizer (specsample.grammar.GrammarCompiler)")
+            self.grammars.compile(params.grammar)  # raises SettingError for a grammar the compiler refuses
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its slot is freed at the next round."""
@@ -239,29 +278,34 @@ class Engine:
         """Run one round for every running request (admitting waiting ones first)."""
         cancelled = self._apply_cancellations()
         start = self.clock()
-        self._admit()
+        admitted = self._admit()  # (requests, prompt tokens cached, requests reusing a prefix, tokens reused)
         prefill_done = self._now()
         rows = [self._running[s] for s in sorted(self._running)]
         if not rows:
-            stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0)
+            stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0, *((0,) * 6), *admitted)
             return RoundResult(tuple(cancelled), stats, self.clock())
         plan = self.planner.plan(self._batch_state(rows))  # drafts per row, the gate: a value
         backlog = self._score_backlogs(rows, plan)  # row -> min(1, q / p) of tokens plain rounds committed
-        proposal = self._propose(rows, plan)  # [b, gamma] drafts, on the target's device
+        shaper = self._shaper(rows)  # the rows' processors, for the draft's steps and the target's positions alike
+        proposal = self._propose(rows, plan, shaper)  # [b, gamma] drafts, on the target's device
         draft_done = self._now()
         target_logits, features = self._score(rows, proposal)  # [b, gamma + 1, vocab], one forward
         target_done = self._now()
+        if shaper is not None:  # each position processed with the drafts on the path to it
+            target_logits = shaper.block_logits(target_logits, [r.slot for r in rows], self._block(rows, proposal),
+                                                None if proposal.parents is None else _block_parents(proposal))
         verdict, target_probs = self._verify(rows, proposal, target_logits)
         learnt = self._row_outcomes(rows, proposal, verdict, target_probs, backlog)
-        updates = self._commit(rows, proposal, verdict, features)  # caches keep the accepted prefix
+        updates = self._commit(rows, proposal, verdict, features, target_logits)  # caches keep the accepted prefix
         verify_done = self._now()
         # learning comes last: the round's time it learns from includes the commit
         self.planner.learn(plan, RoundOutcome(learnt, proposal.tokens.shape[1], draft_done - prefill_done,
                                               target_done - draft_done, verify_done - target_done))
-        self._release([r for r, u in zip(rows, updates) if u.finish_reason is not None])
+        self._release([r for r, u in zip(rows, updates) if u.finish_reason is not None],
+                      keep={r.request_id for r, u in zip(rows, updates) if u.finish_reason in ("stop", "length")})
         stats = _round_stats(plan, proposal, verdict, updates, len(backlog),
                              (prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                              verify_done - target_done))
+                              verify_done - target_done), admitted)
         return RoundResult(tuple(cancelled + updates), stats, self.clock())
 
     def _batch_state(self, rows: list[_Row]) -> BatchState:
@@ -325,7 +369,19 @@ class Engine:
             row.plain_probs.clear()
         return out
 
-    def _propose(self, rows: list[_Row], plan: RoundPlan) -> Proposal:
+    @staticmethod
+    def _shaper(rows: list[_Row]) -> Shaper | None:
+        """The round's processors by slot; None when no row has any (nothing to do)."""
+        processed = {r.slot: r.processors for r in rows if r.processors is not None}
+        return Shaper(processed) if processed else None
+
+    @staticmethod
+    def _block(rows: list[_Row], proposal: Proposal) -> Tensor:
+        """`[b, gamma + 1]` the block the target scores: each row's pending token, then its drafts."""
+        pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=proposal.tokens.device)
+        return torch.cat([pending, proposal.tokens], dim=1)
+
+    def _propose(self, rows: list[_Row], plan: RoundPlan, shaper: Shaper | None = None) -> Proposal:
         """The drafter's proposal for the plan, its columns no row used dropped, its tokens on the target's device."""
         device = self.target.device
         if plan.width == 0 or self.drafter is None:
@@ -338,7 +394,7 @@ class Engine:
         proposal = self.drafter.propose(DraftRequest(
             tuple(r.slot for r in rows), tuple(r.drafts for r in plan.rows), reach, tuple(r.params for r in rows),
             tuple(r.generator for r in rows), tuple(r.source for r in plan.rows), plan.stop_thresholds,
-            plan.extension, tree=plan.tree, noise=self._noise(rows)))
+            plan.extension, tree=plan.tree, shaper=shaper, noise=self._noise(rows)))
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(reach))
         used = int(num_drafted.max())  # the drafter may have stopped every row early
         return Proposal(proposal.tokens[:, :used].to(device),
@@ -350,8 +406,7 @@ class Engine:
         """Target logits `[b, gamma + 1, vocab]` at each row's pending token and drafts, in one forward (at the
         width the target runs fastest, measured; the commit rolls the padding back), and the target's final hidden
         states there `[b, gamma + 1, hidden]` where the drafter reads them (else None)."""
-        pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=self.target.device)
-        tokens = torch.cat([pending, proposal.tokens], dim=1)  # [b, gamma + 1]
+        tokens = self._block(rows, proposal).to(self.target.device)  # [b, gamma + 1]
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         if proposal.parents is not None:  # a token tree per row: every node in the same forward
             logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, _block_parents(proposal))
@@ -383,8 +438,7 @@ class Engine:
                      target_logits: Tensor) -> tuple[Verdict, Tensor | None]:
         """A tree round's verdict (`verify_tree`: multi-candidate rejection sampling over each row's tree), and the
         warped target probabilities (None: every row greedy)."""
-        pending = torch.tensor([[r.last_token] for r in rows], dtype=torch.long, device=proposal.tokens.device)
-        tokens = torch.cat([pending, proposal.tokens], dim=1)  # [b, nodes + 1]: the block the target scored
+        tokens = self._block(rows, proposal)  # [b, nodes + 1]: the block the target scored
         parents, sizes = _block_parents(proposal), proposal.num_drafted + 1
         if all(r.params.greedy for r in rows):
             found, target_probs = verify_tree_greedy(tokens, parents, sizes, target_logits), None
@@ -459,7 +513,7 @@ class Engine:
             del row.plain_probs[:-BACKLOG_KEPT]
 
     def _commit(self, rows: list[_Row], proposal: Proposal, verdict: Verdict,
-                features: Tensor | None = None) -> list[RowUpdate]:
+                features: Tensor | None = None, target_logits: Tensor | None = None) -> list[RowUpdate]:
         """Each row's new tokens (its accepted drafts and the next token, cut at EOS or its budget); the target's
         cache keeps the prompt, earlier output and the accepted drafts, the drafter follows (with the target's
         features of the committed positions, where it reads them). A failed row commits nothing and ends with
@@ -488,7 +542,15 @@ class Engine:
                 row.noise.forget_before(len(row.output))
             kept.append(i)
             committed.append(new)
-            updates.append(RowUpdate(row.request_id, tuple(new), n_drafted, accepted, reason))
+            logprobs = None
+            if row.params.logprobs is not None and target_logits is not None:  # the target's positions of the path
+                positions = [0] + [1 + node for node in path]
+                logprobs = tuple(TokenLogprob(token, lp, top) for token, (lp, top) in zip(
+                    new, token_logprobs(target_logits[i, positions[: len(new)]], new, row.params.logprobs)))
+            if row.processors is not None and not row.processors.commit(new):
+                log.error("request %s: its grammar disallows a committed token: it ends with an error", row.request_id)
+                reason = "error"
+            updates.append(RowUpdate(row.request_id, tuple(new), n_drafted, accepted, reason, logprobs))
         slots = [rows[i].slot for i in kept]
         if not slots:
             return updates
@@ -510,20 +572,25 @@ class Engine:
 
     # ----- slots ----------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self) -> tuple[int, int, int, int]:
+        """Give waiting requests rows, up to `max_batch_size` running, and prefill their prompts but the last token;
+        a request whose prompt starts with what a kept row's cache holds takes that row and prefills only the rest.
+        Returns (requests admitted, prompt tokens cached, requests that reused a prefix, tokens reused)."""
         with self._lock:
             admitted = []
-            while self._waiting and self._free_slots:
-                row = self._waiting.popleft()
-                row.slot = self._free_slots.pop(0)
-                admitted.append(row)
+            while self._waiting and len(self._running) + len(admitted) < self.config.max_batch_size:
+                admitted.append(self._waiting.popleft())
         if not admitted:
-            return
+            return 0, 0, 0, 0
+        reused = [self._take_slot(row) for row in admitted]
         slots = torch.tensor([r.slot for r in admitted], dtype=torch.long)
-        self.cache.reset(slots)
+        self.cache.reset(slots[torch.tensor([n == 0 for n in reused])])
+        if any(reused):
+            self.cache.truncate(slots, torch.tensor(reused, dtype=torch.long))  # the shared prefix stays
         try:
             wants = self._wants_features()
-            features = prefill_ragged(self.target, self.cache, slots, [r.prompt[:-1] for r in admitted], wants)
+            features = prefill_ragged(self.target, self.cache, slots, [r.prompt[n:-1] for r, n in zip(admitted, reused)],
+                                      wants)
             if self.drafter is not None:
                 self.drafter.add_rows([r.slot for r in admitted], [r.prompt for r in admitted])
                 if wants:
@@ -537,6 +604,35 @@ class Engine:
             raise
         for row in admitted:
             self._running[row.slot] = row
+        return (len(admitted), sum(len(r.prompt) - 1 for r in admitted), sum(n > 0 for n in reused), sum(reused))
+
+    def _take_slot(self, row: _Row) -> int:
+        """Give `row` a slot; return how many leading prompt tokens that slot's target cache already holds. The kept
+        row sharing the longest prefix with its prompt (at least MIN_REUSED tokens) is taken; else a free slot; else
+        the least recently kept row is dropped for it."""
+        cacheable = row.prompt[:-1]  # the last prompt token is scored in the first round
+        best, shared = None, 0
+        for slot, tokens in self._kept.items():
+            n = _common_prefix(tokens, cacheable)
+            if n > shared:
+                best, shared = slot, n
+        if best is not None and shared >= MIN_REUSED:
+            del self._kept[best]
+            row.slot = best
+            return shared
+        with self._lock:
+            free = self._free_slots.pop(0) if self._free_slots else None
+        if free is None:
+            free, _ = self._kept.popitem(last=False)
+            self._forget(free)
+        row.slot = free
+        return 0
+
+    def _forget(self, slot: int) -> None:
+        """Empty a row's caches (the target's and the drafter's)."""
+        self.cache.reset(torch.tensor([slot], dtype=torch.long))
+        if self.drafter is not None:
+            self.drafter.release_rows([slot])
 
     def _apply_cancellations(self) -> list[RowUpdate]:
         with self._lock:
@@ -545,28 +641,60 @@ class Engine:
             for row in waiting:
                 self._waiting.remove(row)
         running = [r for r in self._running.values() if r.request_id in cancelled]
-        self._release(running)
+        self._release(running, keep={r.request_id for r in running})  # a cancelled row's caches are consistent
         return [RowUpdate(r.request_id, (), 0, 0, "cancelled") for r in waiting + running]
 
-    def _release(self, rows: list[_Row]) -> None:
+    def _release(self, rows: list[_Row], keep: set[str] = frozenset()) -> None:
+        """Free finished or cancelled rows. Rows named in `keep` (requests that ended well) keep their caches for a
+        later request sharing their prefix, the least recently finished dropped beyond `config.prefix_cache_rows`;
+        kept only where the drafter can keep its own state too (a feature draft cannot: it needs the target's
+        features of every prompt position)."""
         if not rows:
             return
-        slots = [r.slot for r in rows]
-        self.cache.reset(torch.tensor(slots, dtype=torch.long))
-        if self.drafter is not None:
-            self.drafter.release_rows(slots)
+        keeping = (self.config.prefix_cache_rows > 0 and not self._wants_features()
+                   and (self.drafter is None or isinstance(self.drafter, PrefixKeeper)))
+        kept = [r for r in rows if keeping and r.request_id in keep]
+        dropped = [r for r in rows if r not in kept]
+        if dropped:
+            slots = [r.slot for r in dropped]
+            self.cache.reset(torch.tensor(slots, dtype=torch.long))
+            if self.drafter is not None:
+                self.drafter.release_rows(slots)
+        if kept:
+            if self.drafter is not None:
+                self.drafter.park_rows([r.slot for r in kept])
+            for row in kept:
+                tokens = row.prompt + row.output
+                held = min(int(self.cache.lengths[row.slot]), len(tokens))  # entries past an EOS cut are dropped
+                self.cache.truncate(torch.tensor([row.slot]), torch.tensor([held]))
+                self._kept[row.slot] = tokens[:held]
+            while len(self._kept) > self.config.prefix_cache_rows:
+                slot, _ = self._kept.popitem(last=False)
+                self._forget(slot)
+                with self._lock:
+                    self._free_slots.append(slot)
         for row in rows:
             self.planner.forget(row.request_id)
         with self._lock:
             for row in rows:
                 del self._running[row.slot]
-                self._free_slots.append(row.slot)
+            self._free_slots.extend(r.slot for r in dropped)
             self._free_slots.sort()
 
     def _now(self) -> float:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)  # timings must include queued GPU work
         return self.clock()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _block_parents(proposal: Proposal) -> Tensor:
@@ -611,8 +739,9 @@ def _allocate_or_drop(drafter: Drafter | None, slots: int, max_len: int) -> Draf
 
 
 def _round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates: list[RowUpdate], scored_rows: int,
-                 seconds: tuple[float, float, float, float]) -> RoundStats:
-    """Counters of the round; `seconds`: its prefill, draft, target and verify-and-commit time."""
+                 seconds: tuple[float, float, float, float], admitted: tuple[int, int, int, int]) -> RoundStats:
+    """Counters of the round; `seconds`: its prefill, draft, target and verify-and-commit time; `admitted`: requests
+    admitted, their prompt tokens cached, those that reused a prefix and the tokens reused."""
     gamma = proposal.tokens.shape[1]
     num_drafted, num_accepted = proposal.num_drafted, verdict.num_accepted.cpu()
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]; in a tree round, depths 1..
@@ -635,4 +764,5 @@ def _round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates:
         extended_rows=int((num_drafted > planned).sum()) if gamma else 0,
         tree_rows=int((num_drafted > 0).sum()) if proposal.parents is not None else 0,
         tree_nodes=plan.tree.nodes if plan.tree is not None and proposal.parents is not None else 0,
+        admitted=admitted[0], admitted_tokens=admitted[1], prefix_hits=admitted[2], reused_tokens=admitted[3],
     )

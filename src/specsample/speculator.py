@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from specsample.config import SAMPLING_MODES, SettingError, SpecConfig, TreeShap
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import WINDOW_MODES
 from specsample.engine import Engine
+from specsample.grammar import GrammarCompiler
 from specsample.models.base import TreeLM
 from specsample.models.loader import RUNTIMES, resolve_dtype
 from specsample.models.row_padding import PAD_MODES, measure_target_widths
@@ -173,6 +174,19 @@ class Speculator:
     pair: Pair
     options: EngineOptions
     target_widths: tuple[int, ...] = ()  # per tokens scored at batch 1, the width to score them at (pad_rows auto)
+    _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
+
+    def grammars(self) -> GrammarCompiler | None:
+        """The grammar compiler for the target's tokenizer (built on first use; None without a tokenizer, or where
+        xgrammar is not installed: requests with a grammar are then refused, naming it)."""
+        tokenizer = self.pair.target.tokenizer
+        if self._grammars is None and tokenizer is not None:
+            try:
+                self._grammars = GrammarCompiler.from_tokenizer(tokenizer.hf, self.pair.target.model.vocab_size,
+                                                                tokenizer.eos_token_ids)
+            except SettingError as exc:
+                log.warning("%s", exc)
+        return self._grammars
 
     @property
     def drafter(self) -> Drafter | None:
@@ -188,26 +202,30 @@ class Speculator:
         gamma, tree = self.options.gamma, self.options.tree_shape
         return GammaController(self.options.max_gamma, tree) if gamma == "auto" else FixedGamma(gamma, tree)
 
-    def spec_config(self, max_batch_size: int = 1, max_seq_len: int | None = None) -> SpecConfig:
+    def spec_config(self, max_batch_size: int = 1, max_seq_len: int | None = None,
+                    prefix_cache_rows: int = 0) -> SpecConfig:
         gamma = self.options.most_drafts
         return SpecConfig(gamma=gamma, adaptive=self.options.gamma == "auto",
                           speculative=self.options.speculative and self.pair.drafter is not None,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths,
-                          tree=self.options.tree_shape, coupled=self.options.coupled)
+                          tree=self.options.tree_shape, prefix_cache_rows=prefix_cache_rows,
+                          coupled=self.options.coupled)
 
     def engine(self, max_batch_size: int = 1, max_seq_len: int | None = None, *,
-               drafter: Drafter | None | str = "loaded", planner: Planner | None = None) -> Engine:
+               drafter: Drafter | None | str = "loaded", planner: Planner | None = None,
+               prefix_cache_rows: int = 0) -> Engine:
         """An engine for up to `max_batch_size` running requests of up to `max_seq_len` tokens each (None: the
         target's context window). `drafter`: the loaded one ("loaded"), another (e.g. wrapped for swapping, or a
         fresh one beside an engine running in lockstep), or None for plain decoding; `planner`: one that keeps what
-        an earlier engine's gamma auto learnt, or another policy (its gamma at most the options' most drafts)."""
+        an earlier engine's gamma auto learnt, or another policy (its gamma at most the options' most drafts);
+        `prefix_cache_rows`: finished requests' rows kept for requests sharing their prefix (`SpecConfig`)."""
         if isinstance(drafter, str) and drafter != "loaded":
             raise ValueError(f"drafter must be a Drafter, None or 'loaded', got {drafter!r}")
         target = self.pair.target
         return Engine(target.model, self.pair.drafter if isinstance(drafter, str) else drafter,
-                      self.spec_config(max_batch_size, max_seq_len),
+                      self.spec_config(max_batch_size, max_seq_len, prefix_cache_rows),
                       target.tokenizer.eos_token_ids if target.tokenizer is not None else (),
-                      planner if planner is not None else self.planner())
+                      planner if planner is not None else self.planner(), grammars=self.grammars())
 
 
 def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None) -> Speculator:

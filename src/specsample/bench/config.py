@@ -13,7 +13,7 @@ from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spe
 from specsample.speculator import DEFAULT_TARGET
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup")
-SUITES = ("compare", "gamma", "batch", "lossless", "adaptive")
+SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix")
 DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
 
 
@@ -36,6 +36,8 @@ class BenchConfig:
     lossless_prompts: int = 3  # prompts of the losslessness test (0: skip it)
     lossless_samples: int = 2000
     lossless_tokens: int = 4
+    history_tokens: int = 1000  # the prefix suite's first turn (a chat message of about this many tokens)
+    prefix_reps: int = 5  # second turns the prefix suite times with and without reuse, each
     dtype: str = "auto"
     device: str = "cpu"
     pad_rows: str = "auto"  # score our rounds at the target's fastest width (measured at start-up)
@@ -61,7 +63,7 @@ class BenchConfig:
             raise ValueError(f"--temperature values must be >= 0, got {self.temperatures}")
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"--batch-size values must be >= 1, got {self.batch_sizes}")
-        for name in ("max_new_tokens", "lossless_samples", "lossless_tokens"):
+        for name in ("max_new_tokens", "lossless_samples", "lossless_tokens", "history_tokens", "prefix_reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("sweep_prompts", "lossless_prompts"):
@@ -77,7 +79,7 @@ class BenchConfig:
     def quick(cls, **overrides: Any) -> BenchConfig:
         """A preset that finishes in minutes: one prompt per category, short generations, small sweeps."""
         base = cls(num_prompts=1, max_new_tokens=32, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
-                   batch_sizes=(1, 4), sweep_prompts=4, lossless_prompts=2, lossless_samples=400)
+                   batch_sizes=(1, 4), sweep_prompts=4, lossless_prompts=2, lossless_samples=400, prefix_reps=2)
         return dataclasses.replace(base, **overrides)
 
     @property

@@ -102,17 +102,19 @@ class Bench:
                               seed=self.config.seed * 100_003 + index)
 
     def system(self, name: str, drafter: Drafter | None, make_planner: Callable[[], Planner],
-               keep_planner: bool = True) -> Ours:
-        """One of ours: `drafter` (None: target-only) under planners from `make_planner`."""
+               keep_planner: bool = True, max_len: int | None = None) -> Ours:
+        """One of ours: `drafter` (None: target-only) under planners from `make_planner`, for sequences of up to
+        `max_len` tokens (default: the run's prompts and --max-new-tokens)."""
         def make_engine(batch: int, drafter: Drafter | None, planner: Planner):
-            return self.speculator.engine(batch, self.max_len, drafter=drafter, planner=planner)
+            return self.speculator.engine(batch, max_len or self.max_len, drafter=drafter, planner=planner)
 
         return Ours(name, make_engine, drafter, make_planner, keep_planner)
 
-    def target_only(self) -> Ours:
-        return self.system("target-only", None, lambda: FixedGamma(1))
+    def target_only(self, max_len: int | None = None) -> Ours:
+        return self.system("target-only", None, lambda: FixedGamma(1), max_len=max_len)
 
-    def ours(self, gamma: int | str, drafter: Drafter | None = None, tree: bool = False) -> Ours:
+    def ours(self, gamma: int | str, drafter: Drafter | None = None, tree: bool = False,
+             max_len: int | None = None) -> Ours:
         """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto; with `tree`, with --tree's trees."""
         if self.speculator.drafter is None:
             raise ValueError(f"no draft for {self.config.target}: pass --draft")
@@ -122,7 +124,7 @@ class Bench:
         else:
             make = lambda: FixedGamma(gamma, shape)  # noqa: E731
         name = f"specsample gamma={gamma}" + (f" tree={shape}" if shape else "")
-        return self.system(name, drafter or self.speculator.drafter, make)
+        return self.system(name, drafter or self.speculator.drafter, make, max_len=max_len)
 
     def draft_model(self) -> ModelDrafter | None:
         """A new drafter on the loaded draft model (its own cache), or None without one."""

@@ -222,8 +222,54 @@ def adaptive_section(store: dict[str, Any]) -> list[str]:
     return lines
 
 
+def structured_section(store: dict[str, Any]) -> list[str]:
+    systems = store.get("systems", [])
+    lines = ["## Structured output", "",
+             "Each system with a JSON-schema grammar and without, on prompts asking for a JSON record; speed is "
+             "pooled tokens/s, the ratio a paired bootstrap over prompts (90% interval).", ""]
+    for temperature, rows in store.get("runs", {}).items():
+        if not rows:
+            continue
+        pairs = [(n, f"{n} json_schema") for n in systems if f"{n} json_schema" in systems]
+
+        def ratios(speeds: dict[str, float]) -> dict[str, float]:
+            return {free: speeds[constrained] / speeds[free] if speeds[free] else 0.0 for free, constrained in pairs}
+
+        kept = bootstrap(_prompt_rows(rows), ratios, LEVEL)
+        lines += [f"### Temperature {temperature} ({len(rows)} prompts)", "",
+                  "| system | tokens/s free | tokens/s json_schema | kept | acceptance free | acceptance json_schema |",
+                  "|---|---|---|---|---|---|"]
+        for free, constrained in pairs:
+            a, b = _pooled(rows, free), _pooled(rows, constrained)
+            lines.append(f"| {free} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+                         f"{_interval(kept[free]['overall'], 3)} | {_fmt(a.get('acceptance_rate'))} | "
+                         f"{_fmt(b.get('acceptance_rate'))} |")
+        lines.append("")
+    return lines
+
+
+def prefix_section(store: dict[str, Any]) -> list[str]:
+    times = store.get("ttft_seconds", {})
+    if not times or not times.get("reuse"):
+        return []
+    lines = ["## Prefix reuse", "",
+             f"Time to first token of a second chat turn ({store.get('second_turn_tokens')} tokens; the first turn "
+             f"{store['first_turn_tokens']} tokens and a {store['reply_tokens']}-token reply), median over "
+             f"{len(times['reuse'])} runs each.", "",
+             "| engine | TTFT ms (median) | min–max | prompt tokens reused |", "|---|---|---|---|"]
+    for mode, runs in times.items():
+        reused = store.get("admission", {}).get(mode, {}).get("reused_tokens")
+        lines.append(f"| {mode} | {1000 * statistics.median(runs):.1f} | "
+                     f"{1000 * min(runs):.1f}–{1000 * max(runs):.1f} | {_fmt(reused)} |")
+    if "speedup_median" in store:
+        low, high = store["speedup_range"]
+        lines += ["", f"Speedup with reuse: {store['speedup_median']:.1f}x median (runs {low:.1f}x–{high:.1f}x)."]
+    return lines + [""]
+
+
 SECTIONS = {"compare": compare_section, "gamma": gamma_section, "batch": batch_section,
-            "lossless": lossless_section, "adaptive": adaptive_section}
+            "lossless": lossless_section, "adaptive": adaptive_section, "structured": structured_section,
+            "prefix": prefix_section}
 
 
 def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> None:

@@ -8,17 +8,26 @@
 - adaptive: target-only, every fixed gamma, gamma auto, prompt lookup and the hybrid, round by round in
   lockstep on every prompt: does gamma auto come within 3% of the best fixed gamma without being told the
   category, and is it never more than 3% slower than target-only?
+- structured: ours and target-only on prompts asking for a JSON record, each under a JSON-schema grammar and free,
+  interleaved: how much of the unconstrained speed a grammar keeps;
+- prefix: time to first token of a second chat turn after a first turn of --history-tokens, on an engine that
+  kept the first turn's cache rows (prefix reuse) and on one that did not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import statistics
+import time
 from typing import Any
 
 from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, RunRecord, run_lockstep
+from specsample.config import Grammar, SamplingParams
+from specsample.datasets import spec_bench_prompts
 from specsample.metrics import percentile
 from specsample.planner import FixedGamma, GammaController
 
@@ -172,3 +181,109 @@ def adaptive(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
             recorder.save()
             progress.step(_line(row))
         progress.close()
+
+
+RECORD_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "year": {"type": "integer"}, "country": {"type": "string"},
+    "known_for": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    "required": ["name", "year", "country", "known_for"], "additionalProperties": False}
+JSON_PROMPTS = (
+    "Give a JSON record about Ada Lovelace with her name, birth year, country and what she is known for.",
+    "Describe the city of Paris as JSON: name, founding year, country, and three things it is known for.",
+    "Return JSON about the Python programming language: name, year created, country, and what it is known for.",
+    "Write a JSON object about Marie Curie: name, year of birth, country, and her best-known achievements.",
+    "Give a JSON record about the Eiffel Tower: name, year built, country, and what it is known for.",
+    "Describe Johann Sebastian Bach as JSON: name, birth year, country, and his best-known works.",
+    "Return a JSON object about the bicycle: name, year invented, country of origin, and what it is known for.",
+    "Write JSON about Nelson Mandela: name, year of birth, country, and what he is known for.",
+)
+
+
+def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """Ours (first --gamma) and target-only on JSON prompts, each with RECORD_SCHEMA's grammar and without, the
+    four in an order rotating prompt by prompt, per temperature."""
+    tokenizer = bench.speculator.pair.target.tokenizer
+    prompts = [tokenizer.encode(text, chat=tokenizer.has_chat_template) for text in JSON_PROMPTS]
+    grammar = Grammar.json_schema(RECORD_SCHEMA)
+    max_len = max(len(p) for p in prompts) + bench.config.max_new_tokens
+    ours, base = bench.ours(bench.config.gammas[0], max_len=max_len), bench.target_only(max_len)
+    systems = [(f"{s.name}{tag}", s, g) for s in (ours, base) for tag, g in (("", None), (" json_schema", grammar))]
+    store.update(systems=[name for name, _, _ in systems], schema=RECORD_SCHEMA, runs={})
+    for temperature in bench.config.temperatures:
+        rows = store["runs"].setdefault(str(temperature), [])
+        progress = Progress(f"structured T={temperature}", len(prompts))
+        for i, prompt in enumerate(prompts):
+            row = {"prompt": i, "category": "json", "systems": {}}
+            for name, system, grammar_or_none in systems[i % len(systems):] + systems[:i % len(systems)]:
+                params = SamplingParams(temperature=temperature, max_new_tokens=bench.config.max_new_tokens,
+                                        seed=bench.config.seed * 100_003 + i, grammar=grammar_or_none)
+                row["systems"][name] = record(system.run([prompt], [params])[0])
+            row["systems"] = {name: row["systems"][name] for name, _, _ in systems}
+            rows.append(row)
+            recorder.save()
+            progress.step(_line(row))
+        progress.close()
+
+
+FOLLOW_UP = "Thank you. Now summarise your answer in one sentence."
+
+
+def history_message(tokenizer, tokens: int) -> str:
+    """Spec-Bench questions joined until the chat-rendered message holds at least `tokens` tokens."""
+    parts: list[str] = []
+    for prompt in spec_bench_prompts():
+        parts.extend(prompt.turns)
+        if len(tokenizer.encode("\n\n".join(parts), chat=tokenizer.has_chat_template)) >= tokens:
+            break
+    return "\n\n".join(parts)
+
+
+def _first_token(engine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int], dict[str, int]]:
+    """Seconds from submission to the first committed token, the whole reply, and the admission's counters."""
+    started = time.perf_counter()
+    engine.add_request(prompt, params)
+    first, tokens, admission = None, [], {}
+    for result in engine.stream():
+        if result.stats.admitted:
+            admission = {"prefix_hits": result.stats.prefix_hits, "reused_tokens": result.stats.reused_tokens}
+        for update in result.rows:
+            if update.new_tokens and first is None:
+                first = time.perf_counter() - started
+            tokens.extend(update.new_tokens)
+    return first, tokens, admission
+
+
+def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """A first chat turn of --history-tokens answered greedily (--max-new-tokens), then the second turn (history,
+    reply, a short follow-up) timed to its first token: on an engine keeping one finished row for reuse and on one
+    keeping none, alternating which goes first, --prefix-reps times each."""
+    config, tokenizer = bench.config, bench.speculator.pair.target.tokenizer
+    if not tokenizer.has_chat_template:
+        raise ValueError(f"{config.target} has no chat template: the prefix suite replays a chat")
+    messages = [{"role": "user", "content": history_message(tokenizer, config.history_tokens)}]
+    first_turn = tokenizer.encode_messages(messages)
+    reply_params = SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens)
+    modes = (("reuse", 1), ("no reuse", 0))
+    store.update(first_turn_tokens=len(first_turn), reply_tokens=config.max_new_tokens,
+                 ttft_seconds={m: [] for m, _ in modes}, first_turn_ttft_seconds=[], admission={})
+    progress = Progress("prefix", config.prefix_reps)
+    for rep in range(config.prefix_reps):
+        for mode, kept in (modes if rep % 2 == 0 else modes[::-1]):
+            # room for the reply, the follow-up and the template's tokens around them
+            engine = bench.speculator.engine(1, len(first_turn) + 2 * config.max_new_tokens + 256,
+                                             prefix_cache_rows=kept)
+            first_seconds, reply, _ = _first_token(engine, first_turn, reply_params)
+            turns = [{"role": "assistant", "content": tokenizer.decode(reply)}, {"role": "user", "content": FOLLOW_UP}]
+            second_turn = tokenizer.encode_messages(messages + turns)
+            seconds, _, store["admission"][mode] = _first_token(engine, second_turn,
+                                                                dataclasses.replace(reply_params, max_new_tokens=8))
+            store["ttft_seconds"][mode].append(seconds)
+            store["first_turn_ttft_seconds"].append(first_seconds)
+            store["second_turn_tokens"] = len(second_turn)
+        recorder.save()
+        times = store["ttft_seconds"]
+        progress.step(f"second-turn TTFT {1000 * times['reuse'][-1]:.0f} ms with reuse, "
+                      f"{1000 * times['no reuse'][-1]:.0f} ms without")
+    progress.close()
+    ratios = sorted(a / b for a, b in zip(store["ttft_seconds"]["no reuse"], store["ttft_seconds"]["reuse"]))
+    store.update(speedup_median=statistics.median(ratios), speedup_range=[ratios[0], ratios[-1]])

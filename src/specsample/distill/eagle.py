@@ -63,7 +63,7 @@ class HeadTraining:
     clip: float = 0.5
     noise: float = 0.1  # uniform noise on the input features, +-noise
     ce_weight: float = 0.1
-    unroll: int = 1  # drafting steps trained per entry (1: teacher-forced only; more: the training-time test)
+    unroll: int = 2  # drafting steps trained per entry (1: teacher-forced only; more: the training-time test)
     seed: int = 0
     checkpoint_minutes: float = 10.0
     eval_every: int = 200  # steps between held-out measurements

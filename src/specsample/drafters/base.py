@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
+from specsample.processors import Shaper
 
 if TYPE_CHECKING:
     from specsample.coupling import DraftNoise
@@ -72,6 +73,9 @@ class DraftRequest:
     extension: Extension | None = None
     width: int = -1  # the round's widest reach: proposals are this wide (-1: max(reach))
     tree: TreeShape | None = None  # grow a token tree per row where the drafter can (see `drafts`, `reach`), else a chain
+    # the rows' processors (penalties, logit bias, grammar): a drafter that draws from a distribution processes its
+    # logits at each step with the tokens it drew before it in the round (`Shaper.next_logits`); None: none
+    shaper: Shaper | None = None
     # coupled sampling (specsample.coupling): per row the noise its draws use in place of its generator (None: a greedy
     # row); empty: draw from the generators
     noise: tuple[DraftNoise | None, ...] = ()
@@ -98,7 +102,7 @@ class DraftRequest:
                             tuple(self.reach[i] for i in rows), tuple(self.params[i] for i in rows),
                             tuple(self.generators[i] for i in rows),
                             tuple(self.source[i] for i in rows) if self.source else (),
-                            self.stop_thresholds, self.extension, self.width, self.tree,
+                            self.stop_thresholds, self.extension, self.width, self.tree, self.shaper,
                             tuple(self.noise[i] for i in rows) if self.noise else ())
 
     def refuse_extension(self, rows: Sequence[int], why: str) -> None:
@@ -170,6 +174,16 @@ class PromptLookup(Protocol):
 
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """Per row, whether it can draft without its lookup (with a draft model) when it declines one."""
+        ...
+
+
+@runtime_checkable
+class PrefixKeeper(Protocol):
+    """A drafter that keeps a finished row's state when asked, so that the next `add_rows` of that slot reuses what
+    the new prompt shares with the row's tokens (its cache of that prefix) instead of starting afresh."""
+
+    def park_rows(self, slots: Sequence[int]) -> None:
+        """The rows finished; keep their state until `add_rows` reuses the slot or `release_rows` drops it."""
         ...
 
 

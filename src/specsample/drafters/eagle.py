@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from specsample.config import TreeShape
 from specsample.coupling import draw_drafts
 from specsample.drafters.base import DraftRequest, Proposal, best_tree
+from specsample.processors import Shaper
 from specsample.kv_cache import KVCache
 from specsample.models.layers import Linear, linear, prepack
 from specsample.models.llama import Attention, Block, LlamaConfig, LlamaModel
@@ -311,18 +312,21 @@ class EagleDrafter:
         batch = len(slots)
         predicted, ready = self._catch_up(slots)  # [b, hidden]
         if request.tree is not None:
-            return self._grow(slots, predicted, ready, request.drafts, request.reach, request.tree)
+            return self._grow(slots, predicted, ready, request.drafts, request.reach, request.tree, request.shaper)
         limits = [min(gamma, m) if r else 0 for m, r in zip(request.reach, ready)]
         planned = list(limits) if request.extension is None else [min(p, m) for p, m in zip(request.drafts, limits)]
         drafted = [0] * batch
         tokens, probs, confidence = [], [], []
         drawn: list[list[float]] = [[] for _ in range(batch)]
+        paths: list[list[int]] = [[] for _ in range(batch)]  # per row, the tokens it drew this round
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         for step in range(gamma):
             active = [drafted[r] == step and step < limits[r] for r in range(batch)]
             if not any(active):
                 break
             logits = self._logits(predicted)  # [b, K]
+            if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
+                logits = request.shaper.next_logits(logits, slots, paths, self.output_subset)
             step_probs = warp_rows(logits, params)
             index = draw_drafts(step_probs, request, step, active, self.output_subset)
             own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
@@ -331,8 +335,11 @@ class EagleDrafter:
             probs.append(step_probs)
             confidence.append(own)
             own_list = own.tolist()
+            token_list = token.tolist() if request.shaper is not None else None
             for r in range(batch):
                 if active[r]:
+                    if token_list is not None:
+                        paths[r].append(token_list[r])
                     drafted[r] = step + 1
                     drawn[r].append(own_list[r])
                     if step + 1 < planned[r]:
@@ -363,12 +370,13 @@ class EagleDrafter:
                         confidence=draft_conf)
 
     def _grow(self, slots: Sequence[int], predicted: Tensor, ready: list[bool], depths: Sequence[int],
-              reach: Sequence[int], shape: TreeShape) -> Proposal:
+              reach: Sequence[int], shape: TreeShape, shaper: Shaper | None = None) -> Proposal:
         """EAGLE-2's dynamic tree per row (see `TreeShape`): children by the head's top `branch` tokens, expansion by
         cumulative (temperature 1) draft probability; every child is deterministic given the past (its q one-hot),
         so the verifier tests it with the target's probability alone. A row's tree holds at most `reach[i]` nodes
         (0 where it cannot draft), `depths[i]` deep. The expanded nodes' entries sit in the head's cache after the
-        true ones, each seeing the true entries and its ancestors; the commit rolls them back."""
+        true ones, each seeing the true entries and its ancestors; the commit rolls them back. With `shaper`, each
+        frontier node's children are chosen among what the processors leave after its path."""
         batch, device = len(slots), self.target.device
         budget = [min(shape.nodes, r) if ok else 0 for r, ok in zip(reach, ready)]
         limit = [min(shape.depth, d) if b else 0 for d, b in zip(depths, budget)]
@@ -380,7 +388,13 @@ class EagleDrafter:
         features = predicted.unsqueeze(1)  # [b, 1, hidden]: the predicted feature after each frontier node
         starts = self.cache.lengths[torch.tensor(list(slots))].clone()  # the true entries per row
         for depth in range(max(limit, default=0)):
-            log_probs = torch.log_softmax(self._logits(features.flatten(0, 1)).float(), dim=-1)
+            logits = self._logits(features.flatten(0, 1))  # [b * frontier, K]
+            if shaper is not None:
+                width = features.shape[1]
+                logits = shaper.next_logits(logits, [slots[r] for r in range(batch) for _ in range(width)],
+                                            [_path(tokens[r], parents[r], node) for r in range(batch)
+                                             for node in frontier[r]], self.output_subset)
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
             log_probs = log_probs.view(batch, features.shape[1], -1).cpu()  # [b, frontier, K]
             top = log_probs.topk(min(shape.branch, log_probs.shape[-1]), dim=-1)
             new: list[list[int]] = []
@@ -466,6 +480,15 @@ class EagleDrafter:
         """Each token's column in the output subset (-1 outside it)."""
         matches = self.output_subset.unsqueeze(0) == tokens.unsqueeze(1)  # [n, K]
         return torch.where(matches.any(-1), matches.float().argmax(-1), torch.full_like(tokens, -1))
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from the pending token's first child down to `node` (-1, the pending token, and -2, padding: [])."""
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
 
 
 def load_head_drafter(folder: str | Path, target: LlamaModel) -> EagleDrafter:

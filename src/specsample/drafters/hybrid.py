@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import DraftRequest, Drafter, FeatureDrafter, Proposal, merge_proposals
+from specsample.drafters.base import DraftRequest, Drafter, FeatureDrafter, PrefixKeeper, Proposal, merge_proposals
 from specsample.drafters.ngram import NgramDrafter
 
 
@@ -41,6 +41,14 @@ class HybridDrafter:
     def release_rows(self, slots: Sequence[int]) -> None:
         self.model.release_rows(slots)
         self.ngram.release_rows(slots)
+
+    def park_rows(self, slots: Sequence[int]) -> None:
+        """The model keeps its rows for reuse where it can (`PrefixKeeper`); lookups re-index at `add_rows`."""
+        if isinstance(self.model, PrefixKeeper):
+            self.model.park_rows(slots)
+        else:
+            self.model.release_rows(slots)
+        self.ngram.park_rows(slots)
 
     def _lookup(self, slot: int, max_tokens: int, shortest: int) -> list[int]:
         """The row's n-gram continuation (up to `max_tokens`) if its match is at least `shortest` long, else []."""

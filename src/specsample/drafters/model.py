@@ -106,16 +106,46 @@ class ModelDrafter:
         self._skipped.clear()
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Prefill each new row's prompt except its last token (the window's view of it, with one)."""
-        fed = []
+        """Prefill each new row's prompt except its last token (the window's view of it, with one). A slot kept by
+        `park_rows` keeps the cache entries of what its tokens share with the new prompt and prefills the rest."""
+        fed, held = [], []
         for slot, prompt in zip(slots, prompts):
+            reused = self._reusable(slot, prompt)
+            if reused:  # the cache keeps the entries of the shared tokens (and the window's skip before them)
+                fed.append(list(prompt[reused:-1]))
+                held.append(reused - self._skipped[slot])
+            else:
+                kept, self._skipped[slot] = self.window.view(prompt[:-1]) if self.window else (list(prompt[:-1]), 0)
+                fed.append(kept)
+                held.append(0)
             self.history[slot] = list(prompt)
             self._drafted[slot] = []
-            kept, self._skipped[slot] = self.window.view(prompt[:-1]) if self.window else (list(prompt[:-1]), 0)
-            fed.append(kept)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
-        self.cache.reset(slot_tensor)
+        self.cache.truncate(slot_tensor, torch.minimum(self.cache.lengths[slot_tensor], torch.tensor(held)))
         prefill_ragged(self.model, self.cache, slot_tensor, fed)
+
+    def park_rows(self, slots: Sequence[int]) -> None:
+        """Keep the rows' histories and caches for `add_rows` to reuse (`release_rows` drops them)."""
+        for slot in slots:
+            self._drafted[slot] = []
+
+    def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
+        """Leading prompt tokens a kept row's cache accounts for (held, or skipped by the window), 0 if none or if
+        the rest would not fit the window's limit. Past the window's sink, the tokens it skipped stay skipped."""
+        history = self.history.get(slot)
+        if history is None:
+            return 0
+        shared = 0
+        for a, b in zip(history[: self._fed(slot)], prompt[:-1]):
+            if a != b:
+                break
+            shared += 1
+        skipped = self._skipped[slot]
+        if skipped and shared <= self.window.sink + skipped:  # the cut would fall inside the skipped part
+            return 0
+        if self.window is not None and len(prompt) - 1 - skipped > self.window.limit - 4:
+            return 0  # the rest would pass the limit: a fresh window view instead
+        return shared
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for slot in slots:
@@ -148,10 +178,13 @@ class ModelDrafter:
         drafted = [0] * batch
         tokens, probs, confidence = [], [], []
         drawn: list[list[float]] = [[] for _ in range(batch)]  # per row, its confidence in each token it drew
+        paths: list[list[int]] = [[] for _ in range(batch)]  # per row, the tokens it drew this round
         for step in range(gamma):
             active = [drafted[r] == step and step < limits[r] for r in range(batch)]
             if not any(active):
                 break
+            if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
+                logits = request.shaper.next_logits(logits, slots, paths, subset)
             step_probs = warp_rows(logits, params)  # [b, K]; tokens outside the subset have probability 0
             index = draw_drafts(step_probs, request, step, active, subset)  # [b]; inactive rows draw nothing
             own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [b]
@@ -160,8 +193,11 @@ class ModelDrafter:
             probs.append(step_probs)
             confidence.append(own)
             own_list = own.tolist()  # one copy, not one per row
+            token_list = token.tolist() if request.shaper is not None else None
             for r in range(batch):
                 if active[r]:
+                    if token_list is not None:
+                        paths[r].append(token_list[r])
                     drafted[r] = step + 1
                     drawn[r].append(own_list[r])
                     if step + 1 < planned[r]:
@@ -210,6 +246,8 @@ class ModelDrafter:
         fed: list[list[int]] = [[] for _ in range(batch)]
         limit = [min(shape.depth, d) for d in request.drafts]
         for depth in range(max(limit, default=0)):
+            if request.shaper is not None:  # children chosen among what the processors leave, along the spine
+                logits = request.shaper.next_logits(logits, slots, fed, subset)
             top = torch.log_softmax(logits.float(), dim=-1).topk(min(shape.branch, logits.shape[-1]), dim=-1)
             ids = top.indices if subset is None else subset[top.indices]
             values, ids = top.values.tolist(), ids.tolist()

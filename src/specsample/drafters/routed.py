@@ -13,8 +13,8 @@ from typing import Any
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import (BacklogScorer, DraftRequest, Drafter, FeatureDrafter, PromptLookup, Proposal,
-                                       merge_proposals)
+from specsample.drafters.base import (BacklogScorer, DraftRequest, Drafter, FeatureDrafter, PrefixKeeper, PromptLookup,
+                                       Proposal, merge_proposals)
 
 
 class RoutedDrafter:
@@ -50,6 +50,9 @@ class RoutedDrafter:
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         with self._lock:
             drafter = self.current
+        replaced = [s for s in slots if s in self._owner and self._owner[s] is not drafter]
+        for slot in replaced:  # a row kept by an earlier drafter: that drafter lets it go
+            self._owner.pop(slot).release_rows([slot])
         drafter.add_rows(slots, prompts)
         for slot in slots:
             self._owner[slot] = drafter
@@ -59,6 +62,15 @@ class RoutedDrafter:
             drafter.release_rows([slots[i] for i in rows])
         for slot in slots:
             self._owner.pop(slot, None)
+
+    def park_rows(self, slots: Sequence[int]) -> None:
+        """Each row's drafter keeps it where it can (`PrefixKeeper`), else lets it go; the row stays its drafter's
+        until it is reused or released."""
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            if isinstance(drafter, PrefixKeeper):
+                drafter.park_rows([slots[i] for i in rows])
+            else:
+                drafter.release_rows([slots[i] for i in rows])
 
     def propose(self, request: DraftRequest) -> Proposal:
         groups = self._groups(list(range(len(request.slots))), request.slots)

@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from specsample.config import SamplingParams, SettingError
+from specsample.config import SettingError
 from specsample.drafters.routed import RoutedDrafter
 from specsample.engine import RowUpdate
 from specsample.models.hub import ALIASES, DRAFTS_DIR, builtin_draft
 from specsample.pair import is_hybrid
 from specsample.server.metrics import ServerMetrics
 from specsample.server.options import ServerOptions
-from specsample.server.protocol import ChatRequest, CompletionRequest, ProtocolError, TextAssembler, validate_request
+from specsample.server.protocol import (PARAM_NAMES, ChatRequest, CompletionRequest, ProtocolError, TextAssembler,
+                                        validate_request)
 from specsample.server.runner import EngineRunner, RequestHandle
 from specsample.speculator import Speculator
 
@@ -47,7 +48,8 @@ class SpecServer:
             raise ValueError(f"{target.spec} has no tokenizer; serving text needs one")
         self.speculator, self.options, self.tokenizer = speculator, options, target.tokenizer
         drafter = RoutedDrafter(speculator.drafter) if speculator.drafter is not None else None
-        self.engine = speculator.engine(options.max_batch_size, options.max_model_len, drafter=drafter)
+        self.engine = speculator.engine(options.max_batch_size, options.max_model_len, drafter=drafter,
+                                        prefix_cache_rows=options.prefix_cache_rows)
         self.draft_spec = speculator.draft_spec
         labels = {"replica": options.replica_id} if options.replica_id else {}
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
@@ -319,13 +321,14 @@ async def _serve(request: Request, schema: type, chat: bool):
         return error_response(exc.status, str(exc), exc.param, exc.kind)
     request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     choices = [_Choice(i, h, TextAssembler(srv.tokenizer.stream(), req.stop)) for i, h in enumerate(handles)]
+    logprobs = _LogprobFormat(srv, chat) if req.top_logprobs_asked() is not None else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # a client that hangs up before the stream starts would never run the stream's cleanup
         asyncio.ensure_future(_cancel_on_disconnect(srv, request, choices))
-        return StreamingResponse(_stream(srv, request_id, chat, choices, len(prompt_ids), include_usage),
+        return StreamingResponse(_stream(srv, request_id, chat, choices, len(prompt_ids), include_usage, logprobs),
                                  media_type="text/event-stream")
-    return await _complete(srv, request, request_id, chat, choices, len(prompt_ids))
+    return await _complete(srv, request, request_id, chat, choices, len(prompt_ids), logprobs)
 
 
 def _prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[Any, list[int], int]:
@@ -335,6 +338,10 @@ def _prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[An
         raise ProtocolError(f"The model `{req.model}` does not exist (this server serves "
                             f"`{srv.options.model_name}`)", "model", 404)
     prompt_ids, max_tokens = _prompt(srv, req, chat)
+    try:  # a grammar compiles here, off the event loop (the engine keeps it for the request's admission)
+        srv.engine.check_request(prompt_ids, req.sampling_params(max_tokens))
+    except ValueError as exc:
+        raise _protocol_error(exc) from None
     return req, prompt_ids, max_tokens
 
 
@@ -375,16 +382,51 @@ def _submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int) -> lis
         raise ProtocolError(f"num_speculative_tokens must be <= {srv.engine.config.gamma}", "num_speculative_tokens")
     try:
         for i in range(req.n):
-            params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                                    max_new_tokens=max_tokens, seed=None if req.seed is None else req.seed + i)
+            params = req.sampling_params(max_tokens, seed=None if req.seed is None else req.seed + i)
             handles.append(srv.runner.submit(prompt_ids, params, speculative=req.speculative, gamma=gamma))
     except ValueError as exc:
         for handle in handles:
             srv.runner.cancel(handle.request_id)
-        param = {"max_new_tokens": "max_tokens"}.get(exc.name, exc.name) if isinstance(exc, SettingError) else (
-            "prompt" if "prompt" in str(exc) else None)
-        raise ProtocolError(str(exc), param) from None
+        raise _protocol_error(exc) from None
     return handles
+
+
+def _protocol_error(exc: ValueError) -> ProtocolError:
+    """The engine's refusal as a 400 naming the request's parameter."""
+    param = PARAM_NAMES.get(exc.name, exc.name) if isinstance(exc, SettingError) else (
+        "prompt" if "prompt" in str(exc) else None)
+    return ProtocolError(str(exc), param)
+
+
+class _LogprobFormat:
+    """Log-probabilities in the API's shapes: the legacy completions object, or chat's content list."""
+
+    def __init__(self, srv: SpecServer, chat: bool) -> None:
+        self.hf, self.chat = srv.tokenizer.hf, chat
+        self.grammars = srv.speculator.grammars()  # built with the engine; it knows each token's bytes
+
+    def text(self, token: int) -> str:
+        return self.hf.decode([token], skip_special_tokens=False)
+
+    def render(self, entries: list, offset: int = 0) -> dict[str, Any]:
+        """`entries` (TokenLogprob) as the API's logprobs object; `offset`: the text length before them."""
+        if self.chat:
+            return {"content": [self._chat_entry(e.token, e.logprob) | {
+                "top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]} for e in entries]}
+        texts = [self.text(e.token) for e in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _chat_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        """A token's entry; `bytes` are the token's own (its text shows a replacement character where the token holds
+        part of a UTF-8 character; without a grammar compiler, the text's bytes)."""
+        text = self.text(token)
+        raw = self.grammars.token_bytes(token) if self.grammars is not None else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 @dataclass
@@ -395,6 +437,9 @@ class _Choice:
     tokens: int = 0
     finish_reason: str | None = None
     closed: bool = False  # the response is over (finished, or its stream was torn down)
+    logprobs: list = field(default_factory=list)  # the engine's TokenLogprob of each counted token
+    sent_logprobs: int = 0  # how many of them a stream has sent
+    text_offset: int = 0  # the length of the tokens' text sent so far (completions' text_offset)
 
     async def next(self) -> list[tuple[str, str | None]]:
         """Wait for the next round's update; return (text, finish_reason) pieces to emit. A choice the engine failed
@@ -405,9 +450,11 @@ class _Choice:
             self.finish_reason = "error"
             return [("", "error")]
         pieces = []
-        for token in update.new_tokens:  # one at a time: usage counts tokens up to the one completing a stop string
-            pieces.append(self.text.push((token,)))
+        for i, token in enumerate(update.new_tokens):  # one at a time: usage counts tokens up to the one completing
+            pieces.append(self.text.push((token,)))  # a stop string
             self.tokens += 1
+            if update.logprobs is not None:
+                self.logprobs.append(update.logprobs[i])
             if self.text.stopped:
                 break
         text = "".join(pieces)
@@ -448,20 +495,20 @@ def _finish(srv: SpecServer, request_id: str, choices: list[_Choice], prompt_tok
 
 
 def _chunk(request_id: str, chat: bool, model: str, created: int, index: int, text: str | None,
-           finish: str | None, role: bool = False) -> dict[str, Any]:
+           finish: str | None, role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}]}
 
 
 async def _stream(srv: SpecServer, request_id: str, chat: bool, choices: list[_Choice], prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, logprobs: _LogprobFormat | None = None) -> AsyncIterator[str]:
     model, created = srv.options.model_name, int(time.time())
     try:
         if chat:
@@ -473,8 +520,13 @@ async def _stream(srv: SpecServer, request_id: str, chat: bool, choices: list[_C
             for task in done:
                 choice = pending.pop(task)
                 for text, finish in task.result():
-                    if text or finish:
-                        yield _sse(_chunk(request_id, chat, model, created, choice.index, text, finish))
+                    new = choice.logprobs[choice.sent_logprobs:] if logprobs is not None else []
+                    if text or finish or new:  # each chunk carries the logprobs of the tokens it adds
+                        rendered = logprobs.render(new, offset=choice.text_offset) if logprobs is not None else None
+                        choice.sent_logprobs += len(new)
+                        choice.text_offset += sum(len(logprobs.text(e.token)) for e in new) if new else 0
+                        yield _sse(_chunk(request_id, chat, model, created, choice.index, text, finish,
+                                          logprobs=rendered))
                 if not choice.done:
                     pending[asyncio.ensure_future(choice.next())] = choice
         if include_usage:
@@ -496,7 +548,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 async def _complete(srv: SpecServer, request: Request, request_id: str, chat: bool, choices: list[_Choice],
-                    prompt_tokens: int):
+                    prompt_tokens: int, logprobs: _LogprobFormat | None = None):
     texts = {c.index: "" for c in choices}
 
     async def collect(choice: _Choice) -> None:
@@ -529,9 +581,12 @@ async def _complete(srv: SpecServer, request: Request, request_id: str, chat: bo
     if chat:
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "usage": usage,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
-                             "finish_reason": c.finish_reason, "logprobs": None} for c in choices]}
+                             "finish_reason": c.finish_reason,
+                             "logprobs": logprobs.render(c.logprobs) if logprobs is not None else None}
+                            for c in choices]}
     else:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "usage": usage,
                 "choices": [{"index": c.index, "text": texts[c.index], "finish_reason": c.finish_reason,
-                             "logprobs": None} for c in choices]}
+                             "logprobs": logprobs.render(c.logprobs) if logprobs is not None else None}
+                            for c in choices]}
     return JSONResponse(body)

@@ -4,7 +4,8 @@ Counters: requests (by finish status), prompt and generation tokens, drafts (row
 draft tokens, accepted tokens, emitted tokens, accepted tokens per draft position.
 Histograms: time to first token, time per output token, end-to-end latency.
 Gauges: running batch size, queue depth, recent acceptance rate and mean acceptance length
-(1 + accepted / drafts over the last rounds). Histogram of the batch size per round.
+(1 + accepted / drafts over the last rounds). Histogram of the batch size per round. Prefix reuse: requests
+admitted and those that reused a finished request's cached prefix, with their prompt tokens and the tokens reused.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class ServerMetrics:
                                      "Row-rounds that drafted past the gamma the controller planned")
         self.scored_rows = counter("controller_backlog_scorings",
                                    "Rows whose draft scored the tokens it missed (probes in fallback)")
+        self.prefix_queries = counter("prefix_cache_queries", "Requests admitted (each looks for a cached prefix)")
+        self.prefix_hits = counter("prefix_cache_hits", "Admitted requests that reused a cached prefix")
+        self.prefix_queried_tokens = counter("prefix_cache_queried_tokens",
+                                             "Prompt tokens of admitted requests the target's cache takes")
+        self.prefix_reused_tokens = counter("prefix_cache_reused_tokens",
+                                            "Prompt tokens taken from a cached prefix instead of prefilled")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
@@ -83,6 +90,11 @@ class ServerMetrics:
         s = result.stats
         self._l(self.running).set(running)
         self._l(self.waiting).set(waiting)
+        if s.admitted:
+            self._l(self.prefix_queries).inc(s.admitted)
+            self._l(self.prefix_hits).inc(s.prefix_hits)
+            self._l(self.prefix_queried_tokens).inc(s.admitted_tokens)
+            self._l(self.prefix_reused_tokens).inc(s.reused_tokens)
         if s.batch_size == 0:
             return
         self.max_batch_seen = max(self.max_batch_seen, s.batch_size)

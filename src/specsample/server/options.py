@@ -24,6 +24,9 @@ class ServerOptions:
     admin_key: str | None = None  # /admin/* exists only with it, and needs 'Authorization: Bearer ADMIN_KEY'
     models_dir: str | None = None  # /admin/draft may load the drafts in this folder (besides the built-in ones)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are refused with 413 before being read
+    # finished requests' cache rows kept for requests sharing their prefix (the next turn of a chat): each costs what
+    # a running row's caches cost
+    prefix_cache_rows: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -32,6 +35,10 @@ class ServerOptions:
             raise SettingError("max_model_len", f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise SettingError("max_body_bytes", f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+        if isinstance(self.prefix_cache_rows, bool) or not isinstance(self.prefix_cache_rows, int) \
+                or self.prefix_cache_rows < 0:
+            raise SettingError("prefix_cache_rows",
+                               f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise SettingError("min_acceptance", f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
         for name in ("api_key", "admin_key"):

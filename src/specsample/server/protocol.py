@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specsample.config import SamplingParams, SettingError
+from specsample.config import MAX_TOP_LOGPROBS, Grammar, SamplingParams, SettingError
 from specsample.tokenizer import StreamDecoder
 
 
@@ -33,6 +33,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_where_needed(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ProtocolError("response_format of type json_schema needs json_schema.schema",
+                                "response_format.json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ProtocolError(f"response_format of type {self.type} takes no json_schema",
+                                "response_format.json_schema")
+        return self
+
+    def grammar(self) -> Grammar | None:
+        if self.type == "json_object":
+            return Grammar("json_object")
+        if self.type == "json_schema":
+            return Grammar.json_schema(self.json_schema.schema_)
+        return None
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -50,11 +81,11 @@ class _Sampling(BaseModel):
     speculative: bool = True  # extension: false = plain decoding for this request
     num_speculative_tokens: int | None = Field(None, ge=1)  # extension: a fixed gamma for this request
     user: str | None = None  # recorded nowhere; does not change the output
-    # accepted only at their neutral values
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    repetition_penalty: float = 1.0  # extension (vLLM's)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -73,15 +104,16 @@ class _Sampling(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids written as strings, got {key!r}")
+        return value
+
     @model_validator(mode="after")
-    def _neutral(self) -> _Sampling:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ProtocolError(f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise ProtocolError("logit_bias is not supported", "logit_bias")
-        if self.logprobs not in (None, False, 0):
-            raise ProtocolError("logprobs is not supported", "logprobs")
+    def _combinations(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed with stream: true", "stream_options")
         return self
@@ -90,10 +122,28 @@ class _Sampling(BaseModel):
     def _samplable(self) -> _Sampling:
         """The engine's rules for the sampling settings (e.g. temperature 0 or at least MIN_TEMPERATURE)."""
         try:
-            SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+            self.sampling_params(max_new_tokens=1)
         except SettingError as exc:
-            raise ProtocolError(str(exc), exc.name) from None
+            raise ProtocolError(str(exc), PARAM_NAMES.get(exc.name, exc.name)) from None
         return self
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives to report per token (None: no logprobs)."""
+        raise NotImplementedError
+
+    def sampling_params(self, max_new_tokens: int, seed: int | None = None) -> SamplingParams:
+        """The engine's settings for this request (one choice, seeded with `seed`)."""
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            max_new_tokens=max_new_tokens, seed=seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            grammar=self.response_format.grammar() if self.response_format is not None else None,
+            logprobs=self.top_logprobs_asked())
+
+
+# SamplingParams' field names that the API spells otherwise
+PARAM_NAMES = {"grammar": "response_format", "max_new_tokens": "max_tokens"}
 
 
 class CompletionRequest(_Sampling):
@@ -102,6 +152,10 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (the legacy API's form)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
@@ -136,13 +190,17 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _chat_only(self) -> ChatRequest:
-        if self.response_format not in (None, {"type": "text"}):
-            raise ProtocolError("response_format is not supported (only {'type': 'text'})", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
         return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages for the chat template ('developer' is the newer name of 'system')."""
