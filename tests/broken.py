@@ -31,6 +31,19 @@ def bonus_off_by_one(draft_tokens, draft_probs, target_probs, generators, num_dr
 BROKEN = {"residual_as_target": residual_as_target, "bonus_off_by_one": bonus_off_by_one}
 
 
+def coupled_trusts_the_draft(draft_tokens, target_probs, noise, num_drafted=None) -> Verdict:
+    """Coupled verification that accepts each draft because it is the draft's own Gumbel-max token with the shared
+    noise (which every draft is), instead of checking it is the target's: the next token is the target's."""
+    from specsample.coupling import coupled_choices
+
+    batch, gamma = draft_tokens.shape
+    drafted = torch.full((batch,), gamma, dtype=torch.long) if num_drafted is None else num_drafted.cpu()
+    choice = coupled_choices(target_probs, noise, [range(d + 1) for d in drafted.tolist()])[0]
+    next_token = choice.gather(-1, drafted.unsqueeze(-1).to(choice.device)).squeeze(-1)
+    accepted = torch.arange(gamma).unsqueeze(0) < drafted.unsqueeze(1)
+    return Verdict(drafted.to(draft_tokens.device), next_token.to(draft_tokens.device), accepted.to(draft_tokens.device))
+
+
 class WrappedDrafter:
     """A drafter wrapped so a broken variant can override `propose` and pass everything else through."""
 

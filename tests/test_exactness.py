@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import specsample.engine as engine_module
-from broken import BROKEN, ExtensionDropsToken, GateDropsToken, ProbsOneStepAhead, SubsetProbsUnmapped
+from broken import BROKEN, ExtensionDropsToken, coupled_trusts_the_draft, GateDropsToken, ProbsOneStepAhead, SubsetProbsUnmapped
 from devices import DEVICE
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
@@ -59,9 +59,10 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
 
 
 def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive: bool = False,
-                  planner=None, prompt: list[int] = PROMPT) -> np.ndarray:
+                  planner=None, prompt: list[int] = PROMPT, coupled: bool = False) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES independent rows of one batch."""
-    config = SpecConfig(gamma=gamma, adaptive=adaptive, max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH)
+    config = SpecConfig(gamma=gamma, adaptive=adaptive, max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH,
+                        coupled=coupled)
     engine = Engine(target, as_drafter(drafter), config, planner=planner)
     ids = [engine.add_request(prompt, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
     out: dict[str, list[int]] = {i: [] for i in ids}
@@ -249,10 +250,10 @@ def feature_draft(target, subset: list[int] | None = SUBSET):
 
 
 def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]],
-                     tree: TreeShape | None = None) -> list[np.ndarray]:
+                     tree: TreeShape | None = None, coupled: bool = False) -> list[np.ndarray]:
     """Histograms of the first LENGTH tokens per prompt, the prompts' rows interleaved in one ragged batch."""
     config = SpecConfig(gamma=3, adaptive=True, max_batch_size=SAMPLES,
-                        max_seq_len=max(len(p) for p in prompts) + LENGTH, tree=tree)
+                        max_seq_len=max(len(p) for p in prompts) + LENGTH, tree=tree, coupled=coupled)
     engine = Engine(target, drafter, config, planner=planner)
     ids = [engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, seed=5000 + i))
            for i in range(SAMPLES)]
@@ -267,10 +268,11 @@ def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: 
     return hists
 
 
-def _feature_chi_squares(target, drafter, planner, tree: TreeShape | None = None) -> list[tuple[float, float]]:
+def _feature_chi_squares(target, drafter, planner, tree: TreeShape | None = None,
+                         coupled: bool = False) -> list[tuple[float, float]]:
     return [chi_square(counts, exact_joint(target, FEATURE_WARP, prompt))
-            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS, tree),
-                                      FEATURE_PROMPTS)]
+            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS, tree,
+                                                       coupled), FEATURE_PROMPTS)]
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["feature_draft", "hybrid_with_feature_draft"])
@@ -339,4 +341,49 @@ def test_tree_verifier_that_keeps_the_residual_fails(pair, monkeypatch) -> None:
 
     monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, token, q: residual)
     results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE), TREE)
+    assert any(statistic > threshold for statistic, threshold in results), results
+
+
+COUPLED_CASES = ["model_chain", "hybrid_gamma_auto", "feature_trees"]
+
+
+def _coupled_chi_squares(pair, case: str) -> list[tuple[float, float]]:
+    """Coupled sampling, each output token the target's Gumbel-max with the row's noise at its position: a model draft
+    at a fixed gamma; the hybrid under gamma auto (gated, lookups and model drafts); a feature draft's token trees
+    alternating with chains in a ragged batch."""
+    target, draft = pair
+    if case == "model_chain":
+        params = WARPS["temperature_0.7_top_k_5"]
+        counts = engine_counts(target, ModelDrafter(draft), params, gamma=2, coupled=True)
+        return [chi_square(counts, exact_joint(target, params))]
+    if case == "hybrid_gamma_auto":
+        params = WARPS["temperature_1"]
+        drafter = HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2)
+        counts = engine_counts(target, drafter, params, gamma=3, adaptive=True, planner=FixedGate(3, per_draft=0.3),
+                               prompt=REPEATING, coupled=True)
+        return [chi_square(counts, exact_joint(target, params, REPEATING))]
+    return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(), TREE, coupled=True)
+
+
+@pytest.mark.parametrize("case", COUPLED_CASES)
+def test_coupled_sampling_is_exact(pair, case: str) -> None:
+    for statistic, threshold in _coupled_chi_squares(pair, case):
+        assert statistic < threshold, f"{case}: chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_coupled_noise_reused_at_every_position_fails(pair, monkeypatch) -> None:
+    """Coupled sampling whose noise ignores the position (every position of a request reuses the same Gumbel noise):
+    each token alone is still target-distributed, but the tokens of a sequence are no longer independent draws."""
+    from specsample.coupling import NoiseStream, position_gumbels
+
+    monkeypatch.setattr(NoiseStream, "gumbel", lambda self, position: position_gumbels(self.seed, 0, self.vocab))
+    results = _coupled_chi_squares(pair, "model_chain")
+    assert any(statistic > threshold for statistic, threshold in results), results
+
+
+def test_coupled_verifier_that_trusts_the_draft_fails(pair, monkeypatch) -> None:
+    """A coupled verifier that accepts a draft because the draft's own Gumbel-max chose it (every draft), instead of
+    checking it is the target's Gumbel-max token, must fail the same test."""
+    monkeypatch.setattr(engine_module, "verify_coupled", coupled_trusts_the_draft)
+    results = _coupled_chi_squares(pair, "model_chain")
     assert any(statistic > threshold for statistic, threshold in results), results

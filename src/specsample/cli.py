@@ -79,6 +79,22 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
+def _add_reproducibility_args(parser: argparse.ArgumentParser, default_off: bool = True) -> None:
+    from specsample.config import SAMPLING_MODES
+    from specsample.speculator import DEFAULT_SAMPLING
+
+    parser.add_argument("--sampling", choices=SAMPLING_MODES, default=None,
+                        help="how sampled drafts are verified: coupled (each token the target's Gumbel-max with noise "
+                             "keyed by seed and position, so a seed gives the same tokens whatever gamma, drafts and "
+                             "batch) or rejection (modified rejection sampling: accepts more drafts; a seed "
+                             f"reproduces only under the same plan). Default: {DEFAULT_SAMPLING}, coupled with "
+                             "--deterministic; both are exact (docs/exactness.md)")
+    parser.add_argument("--deterministic", action="store_true", default=False if default_off else None,
+                        help="batch- and shape-invariant target forwards (our runtime, not with --compile): outputs "
+                             "are bitwise reproducible for a seed and speculative greedy equals plain greedy in every "
+                             "dtype; slower (docs/exactness.md)")
+
+
 def _add_tree_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=_tree_arg, default="off",
                         help="token trees, scored in one target forward and verified exactly: off (default: chains) "
@@ -150,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: first time the target's forward per number of tokens scored (~2 s) and score "
                           "rounds at the fastest width >= what they need (on the dev CPU 2 tokens run slower "
                           "than 3); pays off over long or many generations (default off; serve: auto)")
+    _add_reproducibility_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
@@ -201,6 +218,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
                        help="auto (default): score our rounds at the target's fastest width, measured at start-up")
     bench.add_argument("--seed", type=int, default=None)
+    _add_reproducibility_args(bench, default_off=False)
     bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
     bench.add_argument("--out", type=Path, default=None, help="folder for results.json, results.md, plots "
                                                               "(default bench-out)")
@@ -227,6 +245,7 @@ def _add_serve_parser(sub) -> None:
                             "(a few seconds) and score single-request rounds at the fastest width >= what they "
                             "need; off: score what is asked")
     serve.add_argument("--max-model-len", type=int, default=2048, help="context length per request (prompt + output)")
+    _add_reproducibility_args(serve)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the inference routes")
     serve.add_argument("--admin-key", default=None,
                        help="enable /admin/* (live draft replacement), which then needs 'Authorization: Bearer "
@@ -343,7 +362,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
                             runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
                             draft_window=args.draft_window, quantize=args.quantize, quant_group=args.quant_group,
-                            draft_quantize=args.draft_quantize)
+                            draft_quantize=args.draft_quantize, sampling=args.sampling,
+                            deterministic=args.deterministic)
     speculator = load(options, say=_say)
     tokenizer = speculator.pair.target.tokenizer
     if tokenizer is None:
@@ -518,7 +538,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = EngineOptions(target=args.model, draft=args.speculative_model, gamma=args.num_speculative_tokens,
                             max_gamma=args.max_gamma, tree=args.tree, dtype=args.dtype, device=args.device,
                             pad_rows=args.pad_rows, draft_window=args.draft_window, quantize=args.quantize,
-                            quant_group=args.quant_group, draft_quantize=args.draft_quantize)
+                            quant_group=args.quant_group, draft_quantize=args.draft_quantize, sampling=args.sampling,
+                            deterministic=args.deterministic)
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
                             max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
@@ -551,7 +572,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
         "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree, "quantize": args.quantize,
         "quant_group": args.quant_group, "draft_quantize": args.draft_quantize,
-        "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps}.items() if v is not None}
+        "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps, "sampling": args.sampling,
+        "deterministic": args.deterministic}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
     print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "

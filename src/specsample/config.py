@@ -186,6 +186,9 @@ class TreeShape:
         return f"{self.nodes}x{self.branch}x{self.depth}"
 
 
+SAMPLING_MODES = ("coupled", "rejection")  # how sampled drafts are verified (SpecConfig.coupled; docs/exactness.md)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How the engine speculates. `gamma` is the number of draft tokens per round."""
@@ -202,6 +205,10 @@ class SpecConfig:
     # this tree every round, with gamma auto the budgets up to its nodes, each taken only where it measures faster
     # than a chain; None: chains only
     tree: TreeShape | None = None
+    # coupled sampling (specsample.coupling): each output position's token is the Gumbel-max of the target with noise
+    # keyed by (seed, position), shared with the draft, so a seeded request gives the same tokens whatever the plan and
+    # the batch; False: modified rejection sampling (accepts more often; a seed reproduces only under the same plan)
+    coupled: bool = False
     # rows of finished requests whose caches are kept (least recently finished dropped first) for a request sharing
     # their prefix, such as the next turn of a chat: it prefills only what follows the shared part; 0: none kept
     prefix_cache_rows: int = 0

@@ -53,6 +53,8 @@ class ReplicaSettings:
     admin_key: str | None = None  # see `specsample serve --admin-key`
     models_dir: str | None = None  # see `specsample serve --models-dir`
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # see `specsample serve --max-body-bytes`
+    sampling: str | None = None  # see `specsample serve --sampling`
+    deterministic: bool = False  # see `specsample serve --deterministic`
     prefix_cache_rows: int = 4  # see `specsample serve --prefix-cache-rows`
 
     def __post_init__(self) -> None:
@@ -63,7 +65,8 @@ class ReplicaSettings:
         return EngineOptions(target=self.model, draft=self.draft, gamma=self.gamma, max_gamma=self.max_gamma,
                              tree=self.tree, dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
                              draft_window=self.draft_window, quantize=self.quantize, quant_group=self.quant_group,
-                             draft_quantize=self.draft_quantize)
+                             draft_quantize=self.draft_quantize, sampling=self.sampling,
+                             deterministic=self.deterministic)
 
     def server_options(self, replica_id: str | None = None) -> ServerOptions:
         return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
@@ -82,8 +85,8 @@ class ReplicaSettings:
                    min_acceptance=serving.min_acceptance, dtype=options.dtype, device=options.device,
                    quantize=options.quantize, quant_group=options.quant_group, draft_quantize=options.draft_quantize,
                    pad_rows=options.pad_rows, draft_window=options.draft_window, admin_key=serving.admin_key,
-                   models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes,
-                   prefix_cache_rows=serving.prefix_cache_rows)
+                   models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes, sampling=options.sampling,
+                   deterministic=options.deterministic, prefix_cache_rows=serving.prefix_cache_rows)
 
     def as_args(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,7 +99,7 @@ class ReplicaSettings:
             raise ValueError(f"unknown specsample deployment argument(s): {', '.join(sorted(unknown))}")
         casts = {"max_gamma": int, "max_batch_size": int, "max_model_len": int, "min_acceptance": float,
                  "max_body_bytes": int, "prefix_cache_rows": int, "quant_group": int}
-        return cls(**{k: casts.get(k, lambda v: v)(v) for k, v in args.items() if k in known})
+        return cls(**{k: v if v is None else casts.get(k, lambda v: v)(v) for k, v in args.items() if k in known})
 
 
 def _hub():

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, SettingError, SpecConfig
+from specsample.coupling import DraftNoise, NoiseStream, verify_coupled, verify_tree_coupled
 from specsample.drafters.base import (BacklogScorer, Drafter, DraftRequest, FeatureDrafter, PrefixKeeper, PromptLookup,
                                        Proposal)
 from specsample.grammar import GrammarCompiler
@@ -110,6 +111,7 @@ class _Row:
     generator: torch.Generator
     speculative: bool
     gamma: int | None
+    noise: NoiseStream | None = None  # coupled sampling (SpecConfig.coupled), not greedy: its per-position noise
     processors: RowProcessors | None = None  # penalties, logit bias, grammar: None when the params have none
     slot: int = -1
     output: list[int] = field(default_factory=list)
@@ -137,7 +139,9 @@ class Engine:
 
     Requests may be added and cancelled between rounds from other threads; each keeps its own
     slot in the target's and the drafter's caches and its own seeded generator, so no request sees
-    another's tokens and a seeded request gives the same output in any batch.
+    another's tokens. With coupled sampling (`SpecConfig.coupled`, specsample.coupling) a seeded request gives
+    the tokens plain decoding with that seed gives, whatever the plan and the batch (up to the rounding of the
+    target's logits, which deterministic mode removes: models/invariant.py).
     """
 
     def __init__(
@@ -208,6 +212,7 @@ class Engine:
             generator=torch.Generator().manual_seed(seed),
             speculative=speculative and self.drafter is not None and self.config.speculative,
             gamma=gamma,
+            noise=NoiseStream(seed, self.target.vocab_size) if self.config.coupled and not params.greedy else None,
             processors=(RowProcessors(params, prompt, self.target.vocab_size, self.grammars) if params.processed
                         else None),
         )
@@ -389,7 +394,7 @@ class Engine:
         proposal = self.drafter.propose(DraftRequest(
             tuple(r.slot for r in rows), tuple(r.drafts for r in plan.rows), reach, tuple(r.params for r in rows),
             tuple(r.generator for r in rows), tuple(r.source for r in plan.rows), plan.stop_thresholds,
-            plan.extension, tree=plan.tree, shaper=shaper))
+            plan.extension, tree=plan.tree, shaper=shaper, noise=self._noise(rows)))
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(reach))
         used = int(num_drafted.max())  # the drafter may have stopped every row early
         return Proposal(proposal.tokens[:, :used].to(device),
@@ -418,8 +423,16 @@ class Engine:
         if all(p.greedy for p in params):
             return verify_greedy(proposal.tokens, target_logits, num_drafted), None
         target_probs = warp_rows(target_logits, params)  # [b, gamma + 1, vocab]
+        if self.config.coupled:
+            return verify_coupled(proposal.tokens, target_probs, self._noise(rows), num_drafted), target_probs
         verdict = verify(proposal.tokens, proposal.probs, target_probs, [r.generator for r in rows], num_drafted)
         return verdict, target_probs
+
+    def _noise(self, rows: list[_Row]) -> tuple[DraftNoise | None, ...]:
+        """Each row's coupled noise for this round (None: a greedy row); empty unless sampling is coupled."""
+        if not self.config.coupled:
+            return ()
+        return tuple(None if r.noise is None else DraftNoise(r.noise, len(r.output)) for r in rows)
 
     def _verify_tree(self, rows: list[_Row], proposal: Proposal,
                      target_logits: Tensor) -> tuple[Verdict, Tensor | None]:
@@ -433,7 +446,8 @@ class Engine:
             target_probs = warp_rows(target_logits, [r.params for r in rows])  # [b, nodes + 1, vocab]
             draft = (None if proposal.probs is None else
                      torch.cat([torch.zeros_like(proposal.probs[:, :1]), proposal.probs], dim=1))
-            found = verify_tree(tokens, parents, sizes, draft, target_probs, [r.generator for r in rows])
+            found = (verify_tree_coupled(tokens, parents, sizes, target_probs, self._noise(rows)) if self.config.coupled
+                     else verify_tree(tokens, parents, sizes, draft, target_probs, [r.generator for r in rows]))
         paths = tuple(tuple(i - 1 for i in path) for path in found.paths)  # block indices -> proposal indices
         accepted = torch.zeros(proposal.tokens.shape, dtype=torch.bool)
         for row, path in enumerate(paths):
@@ -456,8 +470,10 @@ class Engine:
         if verdict.paths is not None:  # a tree round: its nodes and its path teach its yield, not chain acceptance
             return tuple(RowOutcome(r.request_id, 0 if failed[i] else drafted[i], 0 if failed[i] else accepted[i],
                                     backlog_scores=backlog.get(i)) for i, r in enumerate(rows))
+        # coupled sampling accepts less often than sum(min(p, q)): it learns from its accepted counts
         acceptance = (acceptance_probabilities(proposal.tokens, proposal.probs, target_probs).cpu().tolist()
-                      if target_probs is not None and proposal.tokens.shape[1] > 0 else None)  # [b, gamma]
+                      if target_probs is not None and proposal.tokens.shape[1] > 0 and not self.config.coupled
+                      else None)  # [b, gamma]
         confidence = proposal.confidence
         out = []
         for i, row in enumerate(rows):
@@ -522,6 +538,8 @@ class Engine:
             target_lengths.append(len(row.prompt) + len(row.output) + accepted)
             new, reason = self._apply_stops(row, new)
             row.output.extend(new)
+            if row.noise is not None:
+                row.noise.forget_before(len(row.output))
             kept.append(i)
             committed.append(new)
             logprobs = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsample.config import SettingError, SpecConfig, TreeShape
+from specsample.config import SAMPLING_MODES, SettingError, SpecConfig, TreeShape
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import WINDOW_MODES
 from specsample.engine import Engine
@@ -30,6 +30,7 @@ from specsample.planner import FixedGamma, GammaController, Planner
 log = logging.getLogger("specsample")
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_SAMPLING = "rejection"  # docs/exactness.md: what coupling costs in acceptance on the shipped pair
 
 
 def parse_gamma(value: int | str) -> int | str:
@@ -105,6 +106,15 @@ class EngineOptions:
     draft_quantize: str = "auto"  # the same for a draft model
     pad_rows: str = "off"  # 'auto': time the target's forward per tokens scored, score rounds at the fastest width
     draft_window: str = "auto"  # what a draft model attends to: 'auto' (the window saved with it) or 'off'
+    # how sampled tokens are verified: 'coupled' (each token the target's Gumbel-max with noise keyed by (seed,
+    # position): a seed gives the same tokens under any plan and batch) or 'rejection' (modified rejection sampling:
+    # accepts more drafts; a seed reproduces only under the same plan); None: coupled with `deterministic`, else
+    # DEFAULT_SAMPLING
+    sampling: str | None = None
+    # batch- and shape-invariant target forwards (our runtime, models/invariant.py): every position's logits as a
+    # one-token forward of its row alone computes them, so outputs are bitwise reproducible for a seed and speculative
+    # greedy equals plain greedy in every dtype; slower (docs/exactness.md)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         """Every setting is checked here; whether this process can use the device, by `load` before it loads
@@ -138,6 +148,27 @@ class EngineOptions:
         parse_device(self.device)
         if self.compile and self.runtime == "hf":
             raise ValueError("--compile needs our Llama-family runtime, not --runtime hf")
+        if self.sampling is not None and self.sampling not in SAMPLING_MODES:
+            raise SettingError("sampling", f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if not isinstance(self.deterministic, bool):
+            raise SettingError("deterministic", f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.deterministic:
+            if self.sampling == "rejection":
+                raise SettingError("sampling", "deterministic mode needs sampling 'coupled': with rejection sampling a "
+                                               "seed's tokens depend on the drafts each round proposes")
+            if self.compile:
+                raise SettingError("deterministic", "deterministic mode cannot run a compiled decode step (its "
+                                                    "kernels differ from the eager forward's); drop --compile")
+            if self.runtime == "hf":
+                raise SettingError("deterministic", "deterministic mode needs our Llama-family runtime, not "
+                                                    "--runtime hf")
+
+    @property
+    def coupled(self) -> bool:
+        """Whether sampled tokens are coupled (`sampling`, its default resolved)."""
+        if self.sampling is not None:
+            return self.sampling == "coupled"
+        return self.deterministic or DEFAULT_SAMPLING == "coupled"
 
     @property
     def most_drafts(self) -> int:
@@ -191,7 +222,8 @@ class Speculator:
         return SpecConfig(gamma=gamma, adaptive=self.options.gamma == "auto",
                           speculative=self.options.speculative and self.pair.drafter is not None,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths,
-                          tree=self.options.tree_shape, prefix_cache_rows=prefix_cache_rows)
+                          tree=self.options.tree_shape, prefix_cache_rows=prefix_cache_rows,
+                          coupled=self.options.coupled)
 
     def engine(self, max_batch_size: int = 1, max_seq_len: int | None = None, *,
                drafter: Drafter | None | str = "loaded", planner: Planner | None = None,
@@ -220,6 +252,8 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
                      options.device, options.runtime, compile_decode=options.compile,
                      draft_window=options.draft_window, quantize=options.quantize, group_size=options.quant_group,
                      draft_quantize=options.draft_quantize)
+    if options.deterministic:
+        make_deterministic(pair.target.model, options.target)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):
         raise SettingError("tree", f"token trees need a target on our Llama-family runtime; {options.target} runs on "
                                    f"{type(pair.target.model).__name__} (use --tree off)")
@@ -229,3 +263,19 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
         widths = measure_target_widths(pair.target.model, options.most_drafts + 1)
         say(f"rounds of 1..{len(widths)} tokens scored as {widths}")
     return Speculator(pair, options, widths)
+
+
+def make_deterministic(model: object, spec: str) -> None:
+    """Switch the target to batch- and shape-invariant forwards and check, on its own kernels, dtype and device, that a
+    block scored beside another row gives exactly the logits of one-token forwards (`SettingError` where not)."""
+    from specsample.models.invariant import check_invariance
+    from specsample.models.llama import LlamaModel
+
+    if not isinstance(model, LlamaModel):
+        raise SettingError("deterministic", f"deterministic mode needs a target on our Llama-family runtime; {spec} "
+                                            f"runs on {type(model).__name__}")
+    model.set_deterministic(True)
+    try:
+        check_invariance(model)
+    except RuntimeError as exc:
+        raise SettingError("deterministic", str(exc)) from None

@@ -45,6 +45,8 @@ class BenchConfig:
     device: str = "cpu"
     pad_rows: str = "auto"  # score our rounds at the target's fastest width (measured at start-up)
     seed: int = 0
+    sampling: str | None = None  # ours: 'coupled' or 'rejection' (None: the default, see EngineOptions.sampling)
+    deterministic: bool = False  # ours with batch- and shape-invariant target forwards
     out: Path = Path("bench-out")
 
     def __post_init__(self) -> None:

@@ -73,7 +73,8 @@ class Bench:
         options = EngineOptions(target=config.target, draft=config.draft, gamma="auto", max_gamma=config.max_gamma,
                                 tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows,
                                 quantize=config.quantize, quant_group=config.quant_group,
-                                draft_quantize=config.draft_quantize)
+                                draft_quantize=config.draft_quantize, sampling=config.sampling,
+                                deterministic=config.deterministic)
         self.speculator: Speculator = load(options, say=say)
         tokenizer = self.speculator.pair.target.tokenizer
         if tokenizer is None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
 from specsample.processors import Shaper
+
+if TYPE_CHECKING:
+    from specsample.coupling import DraftNoise
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class DraftRequest:
     # the rows' processors (penalties, logit bias, grammar): a drafter that draws from a distribution processes its
     # logits at each step with the tokens it drew before it in the round (`Shaper.next_logits`); None: none
     shaper: Shaper | None = None
+    # coupled sampling (specsample.coupling): per row the noise its draws use in place of its generator (None: a greedy
+    # row); empty: draw from the generators
+    noise: tuple[DraftNoise | None, ...] = ()
 
     def __post_init__(self) -> None:
         rows = len(self.slots)
@@ -80,6 +86,8 @@ class DraftRequest:
             raise ValueError("a draft request needs one plan, reach, params and generator per slot")
         if self.source and len(self.source) != rows:
             raise ValueError(f"a draft request of {rows} rows got {len(self.source)} sources")
+        if self.noise and len(self.noise) != rows:
+            raise ValueError(f"a draft request of {rows} rows got {len(self.noise)} noise streams")
         if any(r < d or d < 0 for d, r in zip(self.drafts, self.reach)):
             raise ValueError(f"need 0 <= drafts <= reach per row, got {self.drafts} and {self.reach}")
         if self.width < 0:
@@ -94,7 +102,8 @@ class DraftRequest:
                             tuple(self.reach[i] for i in rows), tuple(self.params[i] for i in rows),
                             tuple(self.generators[i] for i in rows),
                             tuple(self.source[i] for i in rows) if self.source else (),
-                            self.stop_thresholds, self.extension, self.width, self.tree, self.shaper)
+                            self.stop_thresholds, self.extension, self.width, self.tree, self.shaper,
+                            tuple(self.noise[i] for i in rows) if self.noise else ())
 
     def refuse_extension(self, rows: Sequence[int], why: str) -> None:
         """Raise where one of `rows` may draft past its plan, which the caller cannot honour (`why`); a tree's reach is

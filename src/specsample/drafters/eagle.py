@@ -23,13 +23,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specsample.config import TreeShape
+from specsample.coupling import draw_drafts
 from specsample.drafters.base import DraftRequest, Proposal, best_tree
 from specsample.processors import Shaper
 from specsample.kv_cache import KVCache
 from specsample.models.layers import Linear, linear, prepack
 from specsample.models.llama import Attention, Block, LlamaConfig, LlamaModel
 from specsample.models.rope import rope_inv_freq, rope_tables
-from specsample.sampling import sample, warp_rows
+from specsample.sampling import warp_rows
 
 FORMAT = "specsample-eagle/1"
 HEAD_FILE = "eagle.json"
@@ -307,7 +308,7 @@ class EagleDrafter:
         """Draw up to `request.reach[i]` tokens per row, each from the target's output layer on the head's predicted
         feature; the gate and the extension as for any confident draft (`ModelDrafter.propose`). With
         `request.tree`, grow a token tree per row instead (`_grow`)."""
-        slots, gamma, params, generators = request.slots, request.width, request.params, request.generators
+        slots, gamma, params = request.slots, request.width, request.params
         batch = len(slots)
         predicted, ready = self._catch_up(slots)  # [b, hidden]
         if request.tree is not None:
@@ -327,7 +328,7 @@ class EagleDrafter:
             if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
                 logits = request.shaper.next_logits(logits, slots, paths, self.output_subset)
             step_probs = warp_rows(logits, params)
-            index = sample(step_probs, generators, active)
+            index = draw_drafts(step_probs, request, step, active, self.output_subset)
             own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
             token = index if self.output_subset is None else self.output_subset[index]
             tokens.append(token)

@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams
+from specsample.coupling import draw_drafts
 from specsample.drafters.base import DraftRequest, Proposal, best_tree
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
-from specsample.sampling import sample, warp_rows
+from specsample.sampling import warp_rows
 
 MERGED_BACKLOG = 8  # a lone row's backlog up to this long goes into its first draft forward (logits for each)
 WINDOW_FILE = "draft_window.json"  # in a draft's folder: the DraftWindow it drafts best with
@@ -163,7 +164,7 @@ class ModelDrafter:
         (`request.drafts[i]`) a row draws on only as `request.extension` allows."""
         if request.tree is not None:
             return self._propose_tree(request)
-        slots, gamma, params, generators = request.slots, request.width, request.params, request.generators
+        slots, gamma, params = request.slots, request.width, request.params
         stop_thresholds, extension = request.stop_thresholds, request.extension
         batch = len(slots)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
@@ -185,7 +186,7 @@ class ModelDrafter:
             if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
                 logits = request.shaper.next_logits(logits, slots, paths, subset)
             step_probs = warp_rows(logits, params)  # [b, K]; tokens outside the subset have probability 0
-            index = sample(step_probs, generators, active)  # [b]; inactive rows draw nothing
+            index = draw_drafts(step_probs, request, step, active, subset)  # [b]; inactive rows draw nothing
             own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [b]
             token = index if subset is None else subset[index]  # [b] vocabulary ids
             tokens.append(token)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specsample.models.invariant import fixed_rows_linear
+
 
 # float32 weights smaller than this stay unpacked: a packed oneDNN call costs 13-17 us however small the
 # matrix, while F.linear multiplies a 128-wide draft's matrices in 3-7 us (2-core AVX512-BF16 CPU)
@@ -51,6 +53,7 @@ class Linear(nn.Linear):
 
     packed: Tensor | None = None
     packed_version: int = -1  # the weight's version counter when packed: training invalidates the copy
+    fixed_rows: int | None = None  # deterministic mode: multiply this many rows at a time (models/invariant.py)
 
     def pack(self) -> bool:
         """Prepack for CPU inference; returns False (and stays unpacked) where oneDNN cannot."""
@@ -61,6 +64,8 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is not None and weight_version(self.weight) != self.packed_version:
             self.pack()  # the weights were updated in place since they were packed
+        if self.fixed_rows is not None and not torch.is_grad_enabled():
+            return fixed_rows_linear(x, self.weight, self.bias, self.packed, self.fixed_rows)
         return linear(x, self.weight, self.bias, self.packed)
 
 

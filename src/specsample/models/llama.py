@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
+from specsample.models.invariant import FIXED_ROWS, QueryGroups, exact_attention
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
 from specsample.models.quant import QuantLinear
 from specsample.models.rope import rope_inv_freq, rope_tables
@@ -188,11 +189,12 @@ class Attention:
 
     def __init__(self, cache: KVCache | None, slots: Tensor | None, starts: Tensor, n: int,
                  config: LlamaConfig, groups: int, device: torch.device, parents: Tensor | None = None,
-                 visible: Tensor | None = None, rope_positions: Tensor | None = None) -> None:
+                 visible: Tensor | None = None, rope_positions: Tensor | None = None, exact: bool = False) -> None:
         """`parents [b, n]`: the new tokens form a tree per row (token i's parent among them, -1 for the first):
         each token sees the cached context and its ancestors, at the position of its depth (its cache entry stays
         at its index in the block, for the caller to compact). `visible [b, n, kv_len]` and `rope_positions [b, n]`
-        say it outright instead (a tree grown over several calls). None: a causal block."""
+        say it outright instead (a tree grown over several calls). None: a causal block. `exact`: every query attends
+        as a one-token decode step would (deterministic mode, `invariant.exact_attention`)."""
         self.cache, self.layer, self.groups = cache, 0, groups
         batch = starts.shape[0]
         self.kv_len = int(starts.max()) + n
@@ -232,6 +234,10 @@ class Attention:
         if window is not None and self.kv_len > window:  # shorter rows never reach past the window
             self.window_mask = self._grouped(visible & (key_pos > self.positions.unsqueeze(-1) - window), groups)
         self.window_layers = window_layers(config)
+        self.exact: tuple[QueryGroups, QueryGroups] | None = None  # per layer kind (full, window): who attends together
+        if exact:
+            windowed = visible if window is None else visible & (key_pos > self.positions.unsqueeze(-1) - window)
+            self.exact = (QueryGroups.of(visible.cpu()), QueryGroups.of(windowed.cpu()))
 
     @staticmethod
     def _grouped(visible: Tensor, groups: int) -> Tensor:
@@ -245,8 +251,11 @@ class Attention:
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, KVH, n, hd]
         if self.cache is not None:
             k, v = self._write_and_read(k, v)  # [b, KVH, kv_len, hd]
-        mask = self.window_mask if self.window_mask is not None and self.layer in self.window_layers else self.mask
+        windowed = self.window_mask is not None and self.layer in self.window_layers
+        mask = self.window_mask if windowed else self.mask
         self.layer += 1
+        if self.exact is not None:
+            return exact_attention(q.view(batch, n, kv_heads, self.groups, head_dim), k, v, self.exact[windowed])
         if n == 1:  # decode: a group's heads are already adjacent query rows
             out = F.scaled_dot_product_attention(q.view(batch, kv_heads, self.groups, head_dim), k, v, attn_mask=mask)
             return out.reshape(batch, 1, heads * head_dim)  # CUDA SDPA output is not view-compatible
@@ -307,6 +316,7 @@ class LlamaModel(nn.Module):
         self.compiled: CompiledDecode | None = None  # see compile_decode()
         # let torch pick cuDNN's attention in eager cached forwards: it builds a graph per context length
         self.cudnn_attention = False  # (models/sdpa.py); the compiled decode step's shapes never change
+        self.deterministic = False  # see set_deterministic()
 
     @property
     def device(self) -> torch.device:
@@ -354,9 +364,24 @@ class LlamaModel(nn.Module):
         """
         from specsample.models.compiled import CompiledDecode
 
+        if self.deterministic:
+            raise ValueError("a compiled decode step cannot run in deterministic mode (its kernels differ from the "
+                             "eager forward's)")
         self.compiled = CompiledDecode(self)
         if warm_up:
             self.compiled.warm_up()
+
+    def set_deterministic(self, on: bool = True) -> None:
+        """Compute every position exactly as a one-token forward of its row alone would, whatever the tokens scored
+        with it and the rows beside it (`models/invariant.py`): projections multiply FIXED_ROWS rows at a time, each
+        query attends alone. Slower (docs/exactness.md); not with a compiled decode step, whose kernels differ."""
+        if on and self.compiled is not None:
+            raise ValueError("deterministic mode cannot run a compiled decode step (its kernels differ from the "
+                             "eager forward's); load the model without compile_decode")
+        self.deterministic = on
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.fixed_rows = FIXED_ROWS if on else None
 
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """RoPE cos and sin `[b, n, 1, hd]` in the model's dtype for `positions [b, n]`."""
@@ -482,7 +507,8 @@ class LlamaModel(nn.Module):
                 self.compile_decode()
             hidden = self.compiled(tokens.to(self.device), cache, starts)
         else:
-            attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device, parents)
+            attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device, parents,
+                               exact=self.deterministic)
             with without_cudnn_attention(self.cudnn_attention):
                 hidden = self.hidden_states(tokens.to(self.device), attend)
         cache.lengths[slots.cpu()] = starts + n

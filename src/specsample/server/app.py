@@ -196,7 +196,9 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     async def health(request: Request) -> dict[str, Any]:
         srv: SpecServer = request.app.state.server
         return {"status": "ok", "running": srv.engine.num_running, "waiting": srv.engine.num_waiting,
-                "draft": srv.draft_spec, "replica": srv.options.replica_id}
+                "draft": srv.draft_spec, "replica": srv.options.replica_id,
+                "sampling": "coupled" if srv.engine.config.coupled else "rejection",
+                "deterministic": srv.speculator.options.deterministic}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
