@@ -93,6 +93,15 @@ def test_paired_bootstrap_is_tight_where_systems_share_each_prompts_cost() -> No
         bootstrap(rows, lambda s: {}, level=1.5)
 
 
+def test_a_category_of_one_prompt_has_no_interval_and_the_overall_one_still_varies() -> None:
+    """One prompt per category: resampling within categories would repeat the point estimate as its own interval."""
+    rows = [(f"cat{i}", {"base": (100, 1.0), "fast": (100, 1.0 / (1.0 + 0.1 * i))}) for i in range(8)]
+    result = bootstrap(rows, lambda s: {"ratio": s["fast"] / s["base"]}, resamples=300)
+    assert result["ratio"]["cat3"][1:] == [None, None]
+    point, low, high = result["ratio"]["overall"]
+    assert low < point < high
+
+
 def test_sharegpt_parser_stops_at_a_truncated_tail(tmp_path) -> None:
     convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
                                                {"from": "gpt", "value": f"answer {i}"}]} for i in range(5)]

@@ -27,11 +27,15 @@ def _interval(cell: list[float] | None, digits: int = 2) -> str:
     if cell is None:
         return "–"
     point, low, high = cell
+    if low is None:  # one prompt: no interval
+        return f"{point:.{digits}f}"
     return f"{point:.{digits}f} ({low:.{digits}f}–{high:.{digits}f})"
 
 
 def _verdict(cell: list[float]) -> str:
     """Whether a ratio's interval clears the goal (met), misses it entirely (missed), or straddles it."""
+    if cell[1] is None:
+        return "one prompt: no interval"
     return "met" if cell[1] >= GOAL else "missed" if cell[2] < GOAL else "within noise"
 
 
@@ -281,7 +285,9 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> Non
     if env:
         machine = (f"{env['cpu']}, {env['cores']} cores, {env['threads']} torch threads, torch {env['torch']}, "
                    f"device {env['device']}" + (f" ({env['gpu']})" if env.get("gpu") else ""))
-        lines += [f"Target `{env['target']}` ({env['dtype']}), draft `{env['draft']}`; dataset `{cfg['dataset']}`, "
+        held = {"auto": "the GGUF's quantized", "int8": "int8", "int4": "int4"}.get(env.get("weights"))
+        weights = f"{held} weights, " if held else ""
+        lines += [f"Target `{env['target']}` ({weights}{env['dtype']} compute), draft `{env['draft']}`; dataset `{cfg['dataset']}`, "
                   f"{cfg['max_new_tokens']} new tokens. Machine: {machine}.", ""]
     for note in results.get("notes", []):
         lines += [f"> note: {note}", ""]

@@ -28,8 +28,9 @@ def bootstrap(rows: Sequence[PromptRow], statistic: Callable[[dict[str, float]],
               level: float = 0.9, resamples: int = 1000, seed: int = 0) -> dict[str, dict[str, list[float]]]:
     """Paired bootstrap over prompts, per category and overall: `statistic(speeds)` (speeds: system -> tokens/s over
     the chosen prompts) at its point value and its `level` interval. Every system is paired on the same resampled
-    prompts; prompts are resampled within their category (overall: every category at once, so its mix stays).
-    Returns {name: {category: [point, low, high]}}."""
+    prompts; prompts are resampled within their category (overall: every category at once, so its mix stays). A
+    category of one prompt has no interval (low and high are None), and where any category has one prompt the overall
+    interval resamples all prompts together. Returns {name: {category: [point, low, high]}}."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     if resamples < 1:
@@ -40,18 +41,21 @@ def bootstrap(rows: Sequence[PromptRow], statistic: Callable[[dict[str, float]],
     cats = sorted(groups)
     rng = random.Random(seed)
     draws: dict[str, list[dict[str, float]]] = {cat: [] for cat in [*cats, "overall"]}
+    stratified = all(len(group) > 1 for group in groups.values())
     for _ in range(resamples):
         chosen = {cat: [rng.choice(group) for _ in group] for cat, group in groups.items()}
         for cat in cats:
             draws[cat].append(statistic(_speeds(chosen[cat])))
-        draws["overall"].append(statistic(_speeds([r for cat in cats for r in chosen[cat]])))
+        overall = [r for cat in cats for r in chosen[cat]] if stratified else [rng.choice(rows) for _ in rows]
+        draws["overall"].append(statistic(_speeds(overall)))
     low, high = int((1 - level) / 2 * resamples), min(resamples - 1, int((1 + level) / 2 * resamples))
     out: dict[str, dict[str, list[float]]] = defaultdict(dict)
     for cat in [*cats, "overall"]:
         point = statistic(_speeds(rows if cat == "overall" else groups[cat]))
+        single = cat != "overall" and len(groups[cat]) == 1
         for name, value in point.items():
             values = sorted(d[name] for d in draws[cat])
-            out[name][cat] = [value, values[low], values[high]]
+            out[name][cat] = [value, None, None] if single else [value, values[low], values[high]]
     return dict(out)
 
 
