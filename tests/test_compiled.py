@@ -149,7 +149,7 @@ def test_two_compiled_models_keep_their_own_weights() -> None:
 def test_output_subset_goes_through_the_compiled_head() -> None:
     """FR-Spec drafts: the compiled output layer honours the subset, and a new subset rebuilds it."""
     eager, compiled = twin(seed=13)
-    for subset in ([0, 5, 9, 33, 63, 2], list(range(0, VOCAB, 3)), None):
+    for subset in ([0, 5, 9, 33, 63, 2], None):
         for model in (eager, compiled):
             model.set_output_subset(None if subset is None else torch.tensor(subset))
         caches = [eager.new_cache(1, 12), compiled.new_cache(1, 12)]
