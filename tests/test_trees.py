@@ -90,6 +90,29 @@ def test_both_caches_keep_the_accepted_path(target) -> None:
         assert torch.allclose(got, _fresh_proposal(target, head, history, 3), atol=1e-9), slot
 
 
+def test_the_draft_model_drafts_as_a_fresh_one_after_tree_rounds(target) -> None:
+    """Tree rounds at temperature 1 in a ragged batch feed the draft model its spine while a side branch may be
+    accepted: afterwards its history is the committed text and its next chain equals a fresh drafter's on it."""
+    draft = tiny_lm(VOCAB, seed=5, init_scale=0.2, num_layers=1, dtype=torch.float64)
+    running = ModelDrafter(draft)
+    engine = Engine(target, running, SpecConfig(gamma=4, max_batch_size=3, max_seq_len=64, tree=TREE))
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i))
+    for _ in range(6):
+        engine.step()
+    greedy = SamplingParams(temperature=0)
+    assert engine._running
+    for slot, row in engine._running.items():
+        text = row.prompt + row.output
+        assert running.history[slot] == text
+        got = running.propose(DraftRequest((slot,), (3,), (3,), (greedy,), (torch.Generator(),)))
+        fresh = ModelDrafter(draft)
+        fresh.allocate(1, 64)
+        fresh.add_rows([0], [text])
+        expected = fresh.propose(DraftRequest((0,), (3,), (3,), (greedy,), (torch.Generator(),)))
+        assert torch.equal(got.tokens, expected.tokens) and torch.allclose(got.probs, expected.probs, atol=1e-9), slot
+
+
 def test_a_feature_tree_keeps_the_best_nodes_of_its_expansions(target) -> None:
     """EAGLE-2's rule: `branch` children per expanded node, the `branch` best new nodes expanded, then the `nodes` of
     highest cumulative probability; ancestors before descendants."""
