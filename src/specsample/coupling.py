@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from specsample.sampling import sample
-from specsample.verify import Verdict, _failed, _first_false, _num_drafted_or_full
-from specsample.verify_tree import TreeVerdict, _children
+from specsample.verify import Verdict, _num_drafted_or_full, verdict_of_choices
+from specsample.verify_tree import TreeVerdict, follow_choices
 
 if TYPE_CHECKING:
     from specsample.drafters.base import DraftRequest
@@ -135,15 +135,7 @@ def verify_coupled(
                          f"gamma + 1={gamma + 1}, vocab]")
     drafted = _num_drafted_or_full(num_drafted, draft_tokens)
     choice, unusable = coupled_choices(target_probs, noise, [range(d + 1) for d in drafted.tolist()])
-    choice, unusable = choice.to(draft_tokens.device), unusable.to(draft_tokens.device)
-    in_range = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < drafted.unsqueeze(1)
-    num_accepted = _first_false((draft_tokens == choice[:, :gamma]) & in_range)
-    next_token = choice.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
-    failed = _failed(unusable[:, :gamma], in_range, unusable.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
-    if failed is not None:
-        num_accepted = num_accepted.masked_fill(failed, 0)
-    accepted = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < num_accepted.unsqueeze(1)
-    return Verdict(num_accepted=num_accepted, next_token=next_token, accepted=accepted, failed=failed)
+    return verdict_of_choices(draft_tokens, choice.to(draft_tokens.device), unusable.to(draft_tokens.device), drafted)
 
 
 def verify_tree_coupled(
@@ -160,18 +152,4 @@ def verify_tree_coupled(
 
     depths = tree_ancestors(parents.cpu())[1]  # [batch, n]; the pending token at depth 0
     offsets = [depths[row, : int(sizes[row])].tolist() for row in range(tokens.shape[0])]
-    choice = coupled_choices(target_probs, noise, offsets)[0].tolist()
-    paths, next_tokens = [], []
-    for row in range(tokens.shape[0]):
-        row_tokens = tokens[row].tolist()
-        children = _children(parents[row].tolist(), int(sizes[row]))
-        node, path = 0, []
-        while True:
-            match = [c for c in children.get(node, []) if row_tokens[c] == choice[row][node]]
-            if not match:
-                break
-            node = match[0]
-            path.append(node)
-        paths.append(tuple(path))
-        next_tokens.append(choice[row][node])
-    return TreeVerdict(tuple(paths), torch.tensor(next_tokens, dtype=torch.long, device=tokens.device))
+    return follow_choices(tokens, parents, sizes, coupled_choices(target_probs, noise, offsets)[0])

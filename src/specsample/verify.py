@@ -130,13 +130,24 @@ def verify_greedy(
             f"target_logits has shape {tuple(target_logits.shape)}, expected [batch={batch}, "
             f"gamma + 1={gamma + 1}, vocab]"
         )
-    drafted = _num_drafted_or_full(num_drafted, draft_tokens)
     target_choice = target_logits.argmax(dim=-1)  # [batch, gamma + 1]
-    in_range = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < drafted.unsqueeze(1)
-    num_accepted = _first_false((draft_tokens == target_choice[:, :gamma]) & in_range)
-    next_token = target_choice.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
     top = target_logits.gather(-1, target_choice.unsqueeze(-1)).squeeze(-1)  # argmax takes a NaN as the maximum
     unusable = top.isnan() | (top == float("-inf"))  # [batch, gamma + 1]
+    return verdict_of_choices(draft_tokens, target_choice, unusable, _num_drafted_or_full(num_drafted, draft_tokens))
+
+
+def verdict_of_choices(
+    draft_tokens: Tensor,  # [batch, gamma]
+    choice: Tensor,  # [batch, gamma + 1] the target's token at each position (argmax, or a coupled Gumbel-max)
+    unusable: Tensor,  # [batch, gamma + 1] bool: the target is no distribution there
+    drafted: Tensor,  # [batch] drafts proposed per row
+) -> Verdict:
+    """Accept while the draft token equals the target's chosen token; the next token is the choice after the accepted
+    prefix. A row reading an unusable position is marked in `Verdict.failed`."""
+    gamma = draft_tokens.shape[1]
+    in_range = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < drafted.unsqueeze(1)
+    num_accepted = _first_false((draft_tokens == choice[:, :gamma]) & in_range)
+    next_token = choice.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
     failed = _failed(unusable[:, :gamma], in_range, unusable.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
     if failed is not None:
         num_accepted = num_accepted.masked_fill(failed, 0)

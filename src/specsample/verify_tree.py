@@ -101,13 +101,18 @@ def verify_tree(
 
 def verify_tree_greedy(tokens: Tensor, parents: Tensor, sizes: Tensor, target_logits: Tensor) -> TreeVerdict:
     """Greedy: follow the child that is the target's argmax while there is one; the next token is the argmax."""
-    batch, _ = tokens.shape
-    choice = target_logits.argmax(dim=-1).tolist()  # [batch, n]
+    return follow_choices(tokens, parents, sizes, target_logits.argmax(dim=-1))
+
+
+def follow_choices(tokens: Tensor, parents: Tensor, sizes: Tensor, choice: Tensor) -> TreeVerdict:
+    """Walk each row's tree from the pending token, following the child equal to the target's chosen token at the
+    current node (`choice [batch, n]`: argmax, or a coupled Gumbel-max) while there is one; the next token is the
+    choice where the walk stops."""
+    choice = choice.tolist()
     paths, next_tokens = [], []
-    for row in range(batch):
-        size = int(sizes[row])
+    for row in range(tokens.shape[0]):
         row_tokens = tokens[row].tolist()
-        children = _children(parents[row].tolist(), size)
+        children = _children(parents[row].tolist(), int(sizes[row]))
         node, path = 0, []
         while True:
             match = [c for c in children.get(node, []) if row_tokens[c] == choice[row][node]]
