@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from specsample.planner import GammaController
+from specsample.config import TreeShape
+from specsample.planner import FixedGamma, GammaController
 from specsample.planner.base import BatchState, RoundOutcome, RoundPlan, RowOutcome, RowState
 from specsample.planner.costs import CostModel
 
@@ -129,3 +130,15 @@ def fall_back(controller: GammaController, rid: str = "r", can_score: bool = Fal
             return rounds
     raise AssertionError(f"{rid} did not fall back in {limit} rounds")
 
+
+class AlternatingTrees(FixedGamma):
+    """A round of `tree`, then a chain round of 3 drafts, and so on: a tree's commit is followed by a chain's and
+    back."""
+
+    def __init__(self, tree: TreeShape) -> None:
+        super().__init__(3, tree=tree)
+        self.rounds = 0
+
+    def plan(self, batch):
+        self.rounds += 1
+        return super().plan(batch) if self.rounds % 2 else FixedGamma(3).plan(batch)

@@ -16,6 +16,7 @@ import torch
 import specsample.engine as engine_module
 from broken import BROKEN, ExtensionDropsToken, coupled_trusts_the_draft, GateDropsToken, ProbsOneStepAhead, SubsetProbsUnmapped
 from devices import DEVICE
+from planner_driver import AlternatingTrees
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.config import TreeShape
@@ -302,18 +303,6 @@ def test_broken_feature_drafts_fail(pair, broken: str) -> None:
 TREE = TreeShape(6, 2, 3)  # two children a node, three deep: side branches at every depth
 
 
-class AlternatingTrees(FixedGamma):
-    """A tree round, then a chain round, and so on: a tree's commit is followed by a chain's and back."""
-
-    def __init__(self) -> None:
-        super().__init__(3, tree=TREE)
-        self.rounds = 0
-
-    def plan(self, batch):
-        self.rounds += 1
-        return super().plan(batch) if self.rounds % 2 else FixedGamma(3).plan(batch)
-
-
 def tree_drafter(pair, kind: str):
     target, draft = pair
     if kind == "model":
@@ -329,7 +318,7 @@ def test_tree_drafting_is_exact(pair, kind: str) -> None:
     with chains, at temperature 0.7 with top-k and top-p, in a ragged batch: each prompt's tokens follow the target's
     joint distribution."""
     target, _ = pair
-    planner = AlternatingTrees()
+    planner = AlternatingTrees(TREE)
     for statistic, threshold in _feature_chi_squares(target, tree_drafter(pair, kind), planner, TREE):
         assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
 
@@ -362,7 +351,7 @@ def _coupled_chi_squares(pair, case: str) -> list[tuple[float, float]]:
         counts = engine_counts(target, drafter, params, gamma=3, adaptive=True, planner=FixedGate(3, per_draft=0.3),
                                prompt=REPEATING, coupled=True)
         return [chi_square(counts, exact_joint(target, params, REPEATING))]
-    return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(), TREE, coupled=True)
+    return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(TREE), TREE, coupled=True)
 
 
 @pytest.mark.parametrize("case", COUPLED_CASES)

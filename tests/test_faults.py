@@ -5,13 +5,10 @@ route is closed and says nothing about the filesystem, and the command line refu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import io
 import json
 import math
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,7 +26,7 @@ from specsample.sampling import sample, warp_probs
 from specsample.server.app import SpecServer
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
 from specsample.speculator import EngineOptions, load
-from specsample.cli import main
+from test_cli import run_cli
 
 MODEL = "tiny"
 KEY, ADMIN = "inference-key", "admin-key"
@@ -425,15 +422,6 @@ def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folder
 
 # ----- the command line ------------------------------------------------------------------------------------------
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """`specsample ARGS` in this process, its exit status and output captured."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse's exits
-            code = exc.code if isinstance(exc.code, int) else 1
-    return subprocess.CompletedProcess(["specsample", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("flags, flag", [

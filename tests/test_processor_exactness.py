@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from broken import WrappedDrafter
 from devices import DEVICE
+from planner_driver import AlternatingTrees
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.config import Grammar, TreeShape
 from specsample.drafters.hybrid import HybridDrafter
@@ -93,18 +95,6 @@ def grammars() -> GrammarCompiler:
     return GrammarCompiler.from_vocab(list(LETTERS))
 
 
-class AlternatingTrees(FixedGamma):
-    """A tree round, then a chain round of 3 drafts, and so on."""
-
-    def __init__(self) -> None:
-        super().__init__(3, tree=TREE)
-        self.rounds = 0
-
-    def plan(self, batch):
-        self.rounds += 1
-        return super().plan(batch) if self.rounds % 2 else FixedGamma(3).plan(batch)
-
-
 def engine_counts(target, drafter, params: SamplingParams, planner) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES rows of one batch."""
     config = SpecConfig(gamma=3, max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH, tree=TREE)
@@ -129,7 +119,7 @@ def test_penalties_and_bias_are_exact(pair) -> None:
 def test_grammar_with_lookups_and_trees_is_exact(pair) -> None:
     target, draft = pair
     drafter = HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=1)
-    statistic, threshold = chi_square(engine_counts(target, drafter, GRAMMAR, AlternatingTrees()),
+    statistic, threshold = chi_square(engine_counts(target, drafter, GRAMMAR, AlternatingTrees(TREE)),
                                       exact_joint(target, GRAMMAR))
     assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
 
@@ -159,24 +149,11 @@ def _grammar_not_rolled_back(monkeypatch) -> None:
     monkeypatch.setattr(Matcher, "commit", broken)
 
 
-class DrawsUnprocessed:
+class DrawsUnprocessed(WrappedDrafter):
     """A draft model that draws each token from its unprocessed distribution while reporting the processed one."""
 
     def __init__(self, draft) -> None:
-        self.inner = ModelDrafter(draft)
-        self.vocab_size = draft.vocab_size
-
-    def allocate(self, num_slots, max_len):
-        self.inner.allocate(num_slots, max_len)
-
-    def add_rows(self, slots, prompts):
-        self.inner.add_rows(slots, prompts)
-
-    def release_rows(self, slots):
-        self.inner.release_rows(slots)
-
-    def commit(self, slots, committed):
-        self.inner.commit(slots, committed)
+        super().__init__(ModelDrafter(draft))
 
     def propose(self, request):
         unprocessed = self.inner.propose(dataclasses.replace(request, shaper=None, tree=None))
