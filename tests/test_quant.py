@@ -9,7 +9,7 @@ import torch
 
 from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
 from specsample.config import SettingError
-from specsample.models import quant
+from specsample.models import quant, row_kernels
 from specsample.models.gguf_blocks import tensor_codes
 from specsample.models.loader import load_model
 from specsample.models.quant import (Int4Codes, Int4Linear, Int8Linear, QuantEmbedding, SplitLinear, quantize_int4,
@@ -26,25 +26,50 @@ def _layer(kind: str, out: int, width: int, seed: int = 0):
     return (Int4Linear if kind == "int4" else Int8Linear)(codes), codes
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_layer_multiplies_its_dequantized_weights(kind: str) -> None:
-    layer, codes = _layer(kind, 96, 128)
-    x = torch.randn(5, 128, dtype=torch.float64)
-    expected = x.to(torch.bfloat16).double() @ codes.dequantize().double().t()
-    got = layer(x)
-    assert got.dtype == torch.float64  # handed back in the caller's dtype
-    assert torch.allclose(got, expected, rtol=2 * BF16_STEP, atol=1e-2)
+@pytest.fixture(params=["ours", "torch"])
+def kernel(request, monkeypatch) -> str:
+    """Layers built under this fixture multiply with our row kernels or with torch's."""
+    if request.param == "ours" and not row_kernels.available():
+        pytest.skip("our row kernels need a CPU with AVX512-BF16 and a C++ compiler")
+    if request.param == "torch":
+        monkeypatch.setattr(row_kernels, "available", lambda: False)
+    return request.param
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_each_row_is_computed_alone(kind: str) -> None:
+@pytest.mark.parametrize("group", [32, 64])
+def test_layer_multiplies_its_dequantized_weights(kind: str, group: int, kernel: str) -> None:
+    weight = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))
+    codes = quantize_int4(weight, group) if kind == "int4" else quantize_int8(weight)
+    layer = quant.linear_module(codes)
+    assert layer.uses_our_kernel() == (kernel == "ours")
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, 256, dtype=torch.float64)
+        expected = x.to(torch.bfloat16).double() @ codes.dequantize().double().t()
+        got = layer(x)
+        assert got.dtype == torch.float64  # handed back in the caller's dtype
+        assert torch.allclose(got, expected, rtol=2 * BF16_STEP, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_each_row_is_computed_alone(kind: str, kernel: str) -> None:
     """A row's output does not depend on the other rows of the call: scoring a block equals decoding one by one."""
     layer, _ = _layer(kind, 192, 64, seed=1)
-    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    assert layer.uses_our_kernel() == (kernel == "ours")
+    x = torch.randn(17, 64, dtype=torch.bfloat16)
     block = layer(x)
-    for rows in (1, 2, 4, 5, 8):
+    for rows in (1, 2, 4, 5, 7, 8, 13):
         assert torch.equal(layer(x[:rows]), block[:rows])
-    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(9)]), block)
+    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(17)]), block)
+
+
+def test_shapes_our_kernels_cannot_read_use_torchs() -> None:
+    int4, _ = _layer("int4", 96, 128)  # int4 needs whole blocks of 64 outputs
+    int8 = Int8Linear(quantize_int8(torch.randn(8, 48)))  # int8 needs inputs in multiples of 32
+    assert not int4.uses_our_kernel() and not int8.uses_our_kernel()
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert torch.equal(int4(x), torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, int4.packed, 32, int4.scales_zeros.view(torch.bfloat16)))
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (80, 96), (48, 32), (960, 64)])

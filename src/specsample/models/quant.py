@@ -1,16 +1,18 @@
-"""Weight-only quantized layers of our runtime: int4 group-wise and int8 per output row, multiplied by torch's CPU
-kernels (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`).
+"""Weight-only quantized layers of our runtime: int4 group-wise and int8 per output row, multiplied on a CPU by our
+kernels (`row_kernels`, on CPUs with AVX512-BF16) or else by torch's (`aten._weight_int4pack_mm_for_cpu`,
+`aten._weight_int8pack_mm`).
 
 A weight is stored once, in the layout its kernel reads:
 - int4: codes q in [0, 15], packed by `aten._convert_weight_to_int4pack_for_cpu`, and per group of `group_size`
   inputs of a row a scale s and a zero z: w = (q - 8) * s + z (GGUF Q4_0: s = d, z = 0; Q4_1: s = d, z = m + 8d);
 - int8: codes q in [-127, 127] (`[out, in]`) and one scale per output row: w = q * s.
 
-Both kernels vectorise bfloat16 activations only (float32 runs a scalar loop), so a quantized layer computes in
-bfloat16 whatever the model's dtype and hands back the caller's dtype; its scales are kept as bfloat16 bits (int16),
-so casting the model leaves them as the kernel needs them. Each row's result does not depend on the other rows in
-the call (the kernels accumulate every row alone, in the same order), so scoring a block of tokens gives each
-position the logits one-token decoding gives it.
+The kernels vectorise bfloat16 activations only (torch's run a scalar loop on float32), so a quantized layer computes
+in bfloat16 whatever the model's dtype and hands back the caller's dtype; its scales are kept as bfloat16 bits
+(int16), so casting the model leaves them as the kernels need them. A layer picks its kernel once, so every call
+multiplies the same way, and each row's result does not depend on the other rows in the call (the kernels accumulate
+every row alone, in the same order): scoring a block of tokens gives each position the logits one-token decoding
+gives it.
 
 Where the kernels do not run (another device), a layer multiplies by its dequantized weight in the activations'
 dtype, made once per device and kept (`dequantized`).
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from specsample.models import row_kernels
 
 QUANT_MODES = ("auto", "none", "int8", "int4")  # --quantize
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
@@ -121,6 +125,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self._dequantized: Tensor | None = None  # non-CPU fallback, made on first use
+        self._ours = False  # whether our row kernel multiplies on a CPU (`row_kernels`), set once the weights are held
 
     def codes(self) -> Codes:
         raise NotImplementedError
@@ -159,6 +164,10 @@ class QuantLinear(nn.Module):
     def device(self) -> torch.device:
         raise NotImplementedError
 
+    def uses_our_kernel(self) -> bool:
+        """Whether this layer multiplies with our row kernel (`row_kernels`) on a CPU, else with torch's."""
+        return self._ours
+
     def _apply(self, fn, recurse=True):  # a device move re-packs; the cached dequantized copy is dropped
         self._dequantized = None
         return super()._apply(fn, recurse)
@@ -184,14 +193,17 @@ class Int4Linear(QuantLinear):
         scales_zeros = torch.stack([codes.scales.t(), codes.zeros.t()], dim=-1)  # [in / group, out, 2]
         self.register_buffer("scales_zeros", _to_kernel_dtype(scales_zeros).contiguous().view(torch.int16),
                              persistent=False)
+        self._ours = row_kernels.int4_fits(out, width, self.group_size, packing_block()) and row_kernels.available()
 
     @property
     def device(self) -> torch.device:
         return self.packed.device
 
     def _kernel(self, x: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
-                                                         self.scales_zeros.view(KERNEL_DTYPE))
+        scales_zeros = self.scales_zeros.view(KERNEL_DTYPE)
+        if self.uses_our_kernel():
+            return torch.ops.specsample_rows.int4_rows_mm(x, self.packed, self.group_size, scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, scales_zeros)
 
     def codes(self) -> Int4Codes:
         """The codes unpacked from the kernel's layout (exact: no arithmetic on weights)."""
@@ -225,8 +237,13 @@ _LAYOUT: list[int | None] = []  # the block size this process's packer uses, fou
 
 
 def unpack_int4(packed: Tensor, out: int, width: int) -> Tensor:
-    """Invert `aten._convert_weight_to_int4pack_for_cpu`: codes `[out, width]` uint8. Its layout depends on the CPU's
-    vector width; the first call finds it by packing a probe (64 or 32 rows per block, or plain pairs)."""
+    """Invert `aten._convert_weight_to_int4pack_for_cpu`: codes `[out, width]` uint8."""
+    return _unpack(packed, out, width, packing_block())
+
+
+def packing_block() -> int | None:
+    """Rows per block of `aten._convert_weight_to_int4pack_for_cpu`'s layout, which depends on the CPU's vector width;
+    the first call finds it by packing a probe (64 or 32 rows per block, or plain pairs: None)."""
     if not _LAYOUT:
         probe = torch.randint(0, 16, (144, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
         packed_probe = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
@@ -236,7 +253,7 @@ def unpack_int4(packed: Tensor, out: int, width: int) -> Tensor:
                 break
         else:
             raise NotImplementedError("this CPU's int4 packing layout is not one we can read back")
-    return _unpack(packed, out, width, _LAYOUT[0])
+    return _LAYOUT[0]
 
 
 class Int8Linear(QuantLinear):
@@ -247,12 +264,15 @@ class Int8Linear(QuantLinear):
         super().__init__(width, out, bias)
         self.register_buffer("codes_", codes.codes.contiguous(), persistent=False)
         self.register_buffer("scales", _to_kernel_dtype(codes.scales).view(torch.int16), persistent=False)
+        self._ours = row_kernels.int8_fits(out, width) and row_kernels.available()
 
     @property
     def device(self) -> torch.device:
         return self.codes_.device
 
     def _kernel(self, x: Tensor) -> Tensor:
+        if self.uses_our_kernel():
+            return torch.ops.specsample_rows.int8_rows_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE))
         return torch.ops.aten._weight_int8pack_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE))
 
     def codes(self) -> Int8Codes:

@@ -1,0 +1,86 @@
+"""Our int4/int8 CPU matrix products (`kernels/rows_mm.cpp`), built for this machine on first use.
+
+torch's weight-only CPU kernels dequantize the weights again for every tile of 4 activation rows, so scoring 5
+tokens costs about twice 4 and a tree of 17 four times one token. Ours turn a block of codes into bfloat16 once
+and multiply every row from it with AVX-512 bfloat16 dot products; the kernel comment states the arithmetic and
+the invariant (a row's result does not depend on the other rows of the call).
+
+They need a CPU with AVX512-BF16 and a C++ compiler. The first process to use them compiles them with
+`torch.utils.cpp_extension` (about 10 s on 2 cores) into torch's extension cache; later processes load the cached
+library. Where either is missing, or the build fails, quantized layers use torch's kernels, and say so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specsample")
+
+SOURCE = Path(__file__).parent / "kernels" / "rows_mm.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+
+_state: dict[str, bool] = {}  # "loaded": the outcome of the one attempt this process makes
+
+
+def cpu_supports() -> bool:
+    """True when /proc/cpuinfo lists every instruction set the kernels are compiled for."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+
+
+def available() -> bool:
+    """Whether `torch.ops.specsample_rows` is loaded in this process (building it on the first call)."""
+    if "loaded" not in _state:
+        _state["loaded"] = _load()
+    return _state["loaded"]
+
+
+def _load() -> bool:
+    if not cpu_supports():
+        log.info("int4/int8 layers use torch's kernels: this CPU lacks AVX512-BF16")
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("int4/int8 layers use torch's slower kernels: no C++ compiler to build ours (install g++)")
+        return False
+    from torch.utils.cpp_extension import load
+
+    log.info("loading the int4/int8 CPU kernels (built once per machine, ~10 s)")
+    try:
+        load(name="specsample_rows_mm", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as error:  # a failed build leaves torch's kernels, which compute the same products
+        log.warning("int4/int8 layers use torch's slower kernels: building ours failed (%s)", error)
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops for torch.compile (the compiled decode step calls them as opaque kernels)."""
+    def int4_fake(x, packed, group, scales_zeros):
+        return x.new_empty(x.shape[0], packed.shape[0])
+
+    def int8_fake(x, codes, scales):
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    torch.library.register_fake("specsample_rows::int4_rows_mm")(int4_fake)
+    torch.library.register_fake("specsample_rows::int8_rows_mm")(int8_fake)
+
+
+def int4_fits(out_features: int, in_features: int, group_size: int, block: int | None) -> bool:
+    """Whether an int4 weight packed in layout `block` (models/quant.unpack_int4) has the shapes our kernel reads."""
+    return block == 64 and out_features % 64 == 0 and group_size % 16 == 0 and in_features % group_size == 0
+
+
+def int8_fits(out_features: int, in_features: int) -> bool:
+    """Whether an int8 weight has the shapes our kernel reads."""
+    return out_features % 4 == 0 and in_features % 32 == 0
