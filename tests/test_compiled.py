@@ -189,3 +189,21 @@ def test_warm_up_covers_what_generation_calls(monkeypatch) -> None:
     model.forward_cached(torch.tensor([[1, 2]]), cache, slots)
     model.forward_cached(torch.tensor([[3]]), cache, slots)  # a token tensor made outside inference mode
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_step_reads_the_cache_only_up_to_the_context(pair, monkeypatch) -> None:
+    """Entries past the furthest row's position are never read (a server allocates the whole context window, and
+    the step's cost must follow the context): NaN there leaves the logits those of a clean cache."""
+    eager, compiled = pair
+    calls = count_compiled_calls(compiled, monkeypatch)
+    clean, poisoned = eager.new_cache(1, 64), compiled.new_cache(1, 64)
+    poisoned.key_store.fill_(float("nan"))
+    poisoned.value_store.fill_(float("nan"))
+    slots = torch.tensor([0])
+    for model, cache in ((eager, clean), (compiled, poisoned)):
+        model.prefill(torch.tensor([[1, 2, 3]]), cache, slots)
+    for token in (4, 5):
+        expected = eager.forward_cached(torch.tensor([[token]]), clean, slots)
+        got = compiled.forward_cached(torch.tensor([[token]]), poisoned, slots)
+        assert torch.allclose(got, expected, atol=1e-4)
+    assert calls[0] == 2

@@ -7,9 +7,10 @@ called from a C++ wrapper, and on CPUs lets inductor's autotuned C++ matrix-vect
 oneDNN's where they are faster. The output layer is compiled apart (`DecodeHead`) and used exactly
 where the step is.
 
-The compiled step attends over the whole preallocated cache row with a position mask, so its shapes
-do not change as the cache fills; the cache length and batch are marked dynamic, so new requests do
-not recompile. It is used only where it is exact for the caller: one new token per row, and the
+The compiled step attends over the cache up to the furthest row's new position (a view of the
+preallocated stores, rows shorter than that masked by position), so its cost follows the context, not
+the allocation (a server allocates the whole context window); that length and the batch are dynamic
+dimensions, so neither a longer context nor a new request recompiles. It is used only where it is exact for the caller: one new token per row, and the
 call covers every row of the cache in slot order. Anything else (prefill, verification of a draft,
 a batch after some rows finished) runs the eager path, which computes the same function.
 """
@@ -20,7 +21,6 @@ import logging
 import time
 import types
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +144,6 @@ class CompiledDecode:
         self.compiled_shapes: set[bool] = set()
         self.weights = list(model.parameters())
         self.weights_version = _total_version(self.weights)
-        self.marked: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches whose stores are marked dynamic
 
     def warm_up(self) -> None:
         """Compile the step and the output layer now for batch 1 on a throwaway cache, so the first real
@@ -167,12 +166,15 @@ class CompiledDecode:
 
     def __call__(self, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
         """Hidden states `[b, 1, hidden]`; writes the new keys and values at `positions [b]`."""
-        if cache not in self.marked:  # a new cache length or batch size must not recompile
-            self.marked.add(cache)
-            for tensor in (cache.key_store, cache.value_store):
-                if tensor.shape[1] > 1:  # dynamo always specialises size 1
-                    torch._dynamo.mark_dynamic(tensor, 1)
-                torch._dynamo.mark_dynamic(tensor, 3)
+        # attend over the cache up to the furthest row's new position, not the whole allocation: the step's cost
+        # follows the context, and the length is a dynamic dimension, so a new length does not recompile
+        # (at least 2, the masked entry past position 0 included: dynamo specialises a length of 1)
+        length = min(max(int(positions.max()) + 1, 2), cache.key_store.shape[3])
+        keys, values = cache.key_store[:, :, :, :length], cache.value_store[:, :, :, :length]
+        for tensor in (keys, values):
+            for dim in (1, 3):
+                if tensor.shape[dim] > 1:  # dynamo always specialises size 1
+                    torch._dynamo.mark_dynamic(tensor, dim)
         single = tokens.shape[0] == 1
         if single not in self.compiled_shapes:
             log.info("compiling the decode step for batch %s (20-80 s on a small CPU, once per process)",
@@ -182,7 +184,7 @@ class CompiledDecode:
         # inference mode would differ from the engine's and recompile the whole step (70 s)
         tokens = tokens.clone()
         with torch._inductor.config.patch(self.inductor_config):
-            hidden = self.step(tokens, positions.to(tokens.device), cache.key_store, cache.value_store)
+            hidden = self.step(tokens, positions.to(tokens.device), keys, values)
         if single not in self.compiled_shapes:
             self.compiled_shapes.add(single)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)
