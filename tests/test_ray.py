@@ -177,3 +177,30 @@ def test_every_serving_option_reaches_the_replicas(tmp_path) -> None:
                  "models_dir"):
         assert getattr(replica, name) == getattr(serving, name), name
     assert ReplicaSettings.from_args({"prefix_cache_rows": "0"}).server_options().prefix_cache_rows == 0
+
+
+def test_every_engine_option_reaches_the_replicas() -> None:
+    """`specsample serve --replicas` hands each replica the engine options it was given; text flags parse."""
+    from dataclasses import fields
+
+    from specsample.deploy import ReplicaSettings
+    from specsample.server.options import ServerOptions
+    from specsample.speculator import EngineOptions
+
+    options = EngineOptions(compile=True, quantize="int8", pad_rows="off", sampling="coupled")
+    assert ReplicaSettings.of(options, ServerOptions(model_name="m")).engine_options() == options
+    assert ReplicaSettings.from_args({"compile": "true"}).engine_options().compile is True
+    assert ReplicaSettings.from_args({"compile": "False"}).engine_options().compile is False
+    with pytest.raises(ValueError, match="true or false"):
+        ReplicaSettings.from_args({"compile": "maybe"})
+    assert {f.name for f in fields(ReplicaSettings)} >= {"compile", "deterministic"}
+
+
+def test_serve_and_bench_take_compile() -> None:
+    from specsample.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--compile"]).compile is True
+    assert parser.parse_args(["serve"]).compile is False
+    assert parser.parse_args(["bench", "--compile"]).compile is True
+    assert parser.parse_args(["bench"]).compile is None  # BenchConfig's default applies

@@ -95,6 +95,12 @@ def _add_reproducibility_args(parser: argparse.ArgumentParser, default_off: bool
                              "dtype; slower (docs/exactness.md)")
 
 
+def _add_compile_arg(parser: argparse.ArgumentParser, default_off: bool = True) -> None:
+    parser.add_argument("--compile", action="store_true", default=False if default_off else None,
+                        help="compile one-token decode steps with torch.compile (our runtime only): up to 80 s once "
+                             "per process on a small CPU, then ~1.5x faster one-token steps (docs/runtime.md)")
+
+
 def _add_tree_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", type=_tree_arg, default="off",
                         help="token trees, scored in one target forward and verified exactly: off (default: chains) "
@@ -159,9 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
     gen.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                      help="constrain the output to JSON following the schema in FILE (exact under speculation)")
-    gen.add_argument("--compile", action="store_true",
-                     help="compile one-token decode steps with torch.compile (our runtime only): up to 80 s once "
-                          "per process on a small CPU, then ~1.5x faster decoding (docs/runtime.md)")
+    _add_compile_arg(gen)
     gen.add_argument("--pad-rows", choices=PAD_MODES, default="off",
                      help="auto: first time the target's forward per number of tokens scored (~2 s) and score "
                           "rounds at the fastest width >= what they need (on the dev CPU 2 tokens run slower "
@@ -219,6 +223,7 @@ def _add_bench_parser(sub) -> None:
                        help="auto (default): score our rounds at the target's fastest width, measured at start-up")
     bench.add_argument("--seed", type=int, default=None)
     _add_reproducibility_args(bench, default_off=False)
+    _add_compile_arg(bench, default_off=False)
     bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
     bench.add_argument("--out", type=Path, default=None, help="folder for results.json, results.md, plots "
                                                               "(default bench-out)")
@@ -246,6 +251,7 @@ def _add_serve_parser(sub) -> None:
                             "need; off: score what is asked")
     serve.add_argument("--max-model-len", type=int, default=2048, help="context length per request (prompt + output)")
     _add_reproducibility_args(serve)
+    _add_compile_arg(serve)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the inference routes")
     serve.add_argument("--admin-key", default=None,
                        help="enable /admin/* (live draft replacement), which then needs 'Authorization: Bearer "
@@ -573,7 +579,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree, "quantize": args.quantize,
         "quant_group": args.quant_group, "draft_quantize": args.draft_quantize,
         "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps, "sampling": args.sampling,
-        "deterministic": args.deterministic}.items() if v is not None}
+        "deterministic": args.deterministic, "compile": args.compile}.items() if v is not None}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
     print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "

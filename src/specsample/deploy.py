@@ -55,6 +55,7 @@ class ReplicaSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # see `specsample serve --max-body-bytes`
     sampling: str | None = None  # see `specsample serve --sampling`
     deterministic: bool = False  # see `specsample serve --deterministic`
+    compile: bool = False  # see `specsample serve --compile`
     prefix_cache_rows: int = 4  # see `specsample serve --prefix-cache-rows`
 
     def __post_init__(self) -> None:
@@ -66,7 +67,7 @@ class ReplicaSettings:
                              tree=self.tree, dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
                              draft_window=self.draft_window, quantize=self.quantize, quant_group=self.quant_group,
                              draft_quantize=self.draft_quantize, sampling=self.sampling,
-                             deterministic=self.deterministic)
+                             deterministic=self.deterministic, compile=self.compile)
 
     def server_options(self, replica_id: str | None = None) -> ServerOptions:
         return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
@@ -86,7 +87,8 @@ class ReplicaSettings:
                    quantize=options.quantize, quant_group=options.quant_group, draft_quantize=options.draft_quantize,
                    pad_rows=options.pad_rows, draft_window=options.draft_window, admin_key=serving.admin_key,
                    models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes, sampling=options.sampling,
-                   deterministic=options.deterministic, prefix_cache_rows=serving.prefix_cache_rows)
+                   deterministic=options.deterministic, compile=options.compile,
+                   prefix_cache_rows=serving.prefix_cache_rows)
 
     def as_args(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,8 +100,21 @@ class ReplicaSettings:
         if unknown:
             raise ValueError(f"unknown specsample deployment argument(s): {', '.join(sorted(unknown))}")
         casts = {"max_gamma": int, "max_batch_size": int, "max_model_len": int, "min_acceptance": float,
-                 "max_body_bytes": int, "prefix_cache_rows": int, "quant_group": int}
+                 "max_body_bytes": int, "prefix_cache_rows": int, "quant_group": int, "deterministic": _flag,
+                 "compile": _flag}
         return cls(**{k: v if v is None else casts.get(k, lambda v: v)(v) for k, v in args.items() if k in known})
+
+
+def _flag(value: Any) -> bool:
+    """A boolean deployment argument, given as a bool or as text (true/false, yes/no, 1/0)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1"):
+        return True
+    if text in ("false", "no", "0"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
 
 
 def _hub():

@@ -47,6 +47,7 @@ class BenchConfig:
     seed: int = 0
     sampling: str | None = None  # ours: 'coupled' or 'rejection' (None: the default, see EngineOptions.sampling)
     deterministic: bool = False  # ours with batch- and shape-invariant target forwards
+    compile: bool = False  # ours with compiled one-token decode steps (EngineOptions.compile)
     out: Path = Path("bench-out")
 
     def __post_init__(self) -> None:

@@ -74,7 +74,7 @@ class Bench:
                                 tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows,
                                 quantize=config.quantize, quant_group=config.quant_group,
                                 draft_quantize=config.draft_quantize, sampling=config.sampling,
-                                deterministic=config.deterministic)
+                                deterministic=config.deterministic, compile=config.compile)
         self.speculator: Speculator = load(options, say=say)
         tokenizer = self.speculator.pair.target.tokenizer
         if tokenizer is None:
