@@ -89,17 +89,21 @@ def test_sliding_window_matches_eager(monkeypatch) -> None:
     assert calls[0] == 8
 
 
-def test_other_calls_take_the_eager_path(pair, monkeypatch) -> None:
-    """A subset of the cache's rows (a finished row) is outside the compiled step's contract."""
+def test_any_rows_of_the_cache_run_compiled(pair, monkeypatch) -> None:
+    """One request alone in a bigger engine, rows with a gap between them (a batch after a row finished) and rows
+    out of slot order all run the compiled step, with the eager step's logits."""
     eager, compiled = pair
     calls = count_compiled_calls(compiled, monkeypatch)
-    caches = [eager.new_cache(2, 20), compiled.new_cache(2, 20)]
+    caches = [eager.new_cache(3, 20), compiled.new_cache(3, 20)]
     for model, cache in zip((eager, compiled), caches):
-        prefill_ragged(model, cache, torch.arange(2), [[1, 2], [3, 4, 5]])
-    one_row = torch.tensor([1])
-    out = [m.forward_cached(torch.tensor([[6]]), c, one_row) for m, c in zip((eager, compiled), caches)]
-    assert calls[0] == 0
-    assert torch.allclose(out[0], out[1], atol=1e-5)
+        prefill_ragged(model, cache, torch.arange(3), [[1, 2], [3, 4, 5], [6]])
+    for step, rows in enumerate(([0, 2], [2, 1], [1], [0, 1, 2])):
+        slots = torch.tensor(rows)
+        tokens = torch.tensor([[7]] * len(rows))
+        out = [m.forward_cached(tokens, c, slots) for m, c in zip((eager, compiled), caches)]
+        assert calls[0] == step + 1, rows
+        assert torch.allclose(out[0], out[1], atol=1e-5)
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
 
 
 def test_in_place_weight_update_recompiles(monkeypatch) -> None:
@@ -188,6 +192,11 @@ def test_warm_up_covers_what_generation_calls(monkeypatch) -> None:
     cache, slots = model.new_cache(1, 10), torch.tensor([0])
     model.forward_cached(torch.tensor([[1, 2]]), cache, slots)
     model.forward_cached(torch.tensor([[3]]), cache, slots)  # a token tensor made outside inference mode
+    model.forward_cached(torch.tensor([[4, 5]])[:, 1:], cache, slots)  # a slice of a longer one
+    wide = model.new_cache(3, 12)  # one request in an engine with room for three
+    with torch.inference_mode():
+        model.forward_cached(torch.tensor([[1, 2]]), wide, torch.tensor([1]))
+        model.forward_cached(torch.tensor([[3]]), wide, torch.tensor([1]))
     assert counters["stats"]["unique_graphs"] == graphs
 
 

@@ -49,9 +49,13 @@ class KVCache(RowLengths):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        # one tensor per kind, allocated as [layers * slots, ...]: a compiled step reads that (it has no base, so
+        # its guards hold for any number of slots, 1 included); everything else reads the 5-d views
+        flat = (num_layers * num_slots, kv_heads, max_len, head_dim)
+        self.flat_keys = torch.zeros(flat, dtype=dtype, device=device)
+        self.flat_values = torch.zeros(flat, dtype=dtype, device=device)
         shape = (num_layers, num_slots, kv_heads, max_len, head_dim)
-        self.key_store = torch.zeros(shape, dtype=dtype, device=device)  # one tensor: a compiled step guards once
-        self.value_store = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_store, self.value_store = self.flat_keys.view(shape), self.flat_values.view(shape)
         self.keys = list(self.key_store.unbind(0))  # per-layer views
         self.values = list(self.value_store.unbind(0))
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # on CPU: bookkeeping, not math

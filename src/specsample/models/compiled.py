@@ -7,12 +7,13 @@ called from a C++ wrapper, and on CPUs lets inductor's autotuned C++ matrix-vect
 oneDNN's where they are faster. The output layer is compiled apart (`DecodeHead`) and used exactly
 where the step is.
 
-The compiled step attends over the cache up to the furthest row's new position (a view of the
-preallocated stores, rows shorter than that masked by position), so its cost follows the context, not
-the allocation (a server allocates the whole context window); that length and the batch are dynamic
-dimensions, so neither a longer context nor a new request recompiles. It is used only where it is exact for the caller: one new token per row, and the
-call covers every row of the cache in slot order. Anything else (prefill, verification of a draft,
-a batch after some rows finished) runs the eager path, which computes the same function.
+The compiled step attends over its rows' cache entries up to the furthest row's new position (shorter
+rows masked by position), so its cost follows the context, not the allocation (a server allocates the
+whole context window); that length, the batch and the cache's size are dynamic dimensions, so neither a
+longer context nor a new request recompiles. It is used only where it is
+exact for the caller: one new token per row, for any rows of the cache (a request alone in an engine
+with room for more, a batch, a batch after some rows finished). Anything else (prefill, verification of
+a draft) runs the eager path, which computes the same function.
 """
 
 from __future__ import annotations
@@ -44,34 +45,39 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 
 
 class DecodeStep(nn.Module):
-    """Hidden states `[b, 1, hidden]` after appending one token per row at `positions [b]`."""
+    """Hidden states `[b, 1, hidden]` after appending one token to each of the cache's rows `slots [b]`."""
 
     def __init__(self, model: nn.Module) -> None:  # a LlamaModel
         super().__init__()
         self.model = model
 
-    def forward(self, tokens: Tensor, positions: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        """`keys`/`values` are a `KVCache`'s stores `[layers, b, KVH, max_len, hd]`, written in place."""
+    def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor, keys: Tensor,
+                values: Tensor) -> Tensor:
+        """`keys`/`values` are a `KVCache`'s stores as allocated, `[layers * rows, KVH, max_len, hd]` (one size for
+        any number of rows, 1 included), written in place at `positions [b]`; attention reads their first
+        `len(key_positions)` entries (`key_positions`: 0, 1, ..)."""
         m, c = self.model, self.model.config
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        batch = tokens.shape[0]
+        batch, length = tokens.shape[0], key_positions.shape[0]
         x = m.embed(tokens)  # [b, 1, hidden]
         cos, sin = m.rope_tables(positions.view(batch, 1))  # [b, 1, 1, hd]
-        max_len = keys.shape[3]
-        key_pos = torch.arange(max_len, device=tokens.device).view(1, 1, 1, max_len)
+        key_pos = key_positions.view(1, 1, 1, length)
         query_pos = positions.view(batch, 1, 1, 1)
-        causal = key_pos <= query_pos  # [b, 1, 1, max_len]; stale entries past a row's length are masked
+        causal = key_pos <= query_pos  # [b, 1, 1, length]; stale entries past a row's length are masked
         windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
-        rows = torch.arange(batch, device=tokens.device)
+        rows_per_layer = keys.shape[0] // len(m.layers)
         for i, layer in enumerate(m.layers):
             qkv = project(layer.qkv, layer.input_norm(x))
             qkv = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim)
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
-            keys[i][rows, :, positions] = qk[:, 0, heads:]  # [b, KVH, hd] at each row's own position
-            values[i][rows, :, positions] = qkv[:, 0, heads + kv_heads:]
+            rows = slots + i * rows_per_layer  # layer i's entries of the rows
+            keys[rows, :, positions] = qk[:, 0, heads:]  # [b, KVH, hd] at each row's own position
+            values[rows, :, positions] = qkv[:, 0, heads + kv_heads:]
             mask = windowed if m.uses_window(i) else causal
             q = qk[:, :, :heads].reshape(batch, kv_heads, heads // kv_heads, head_dim)  # a group's heads as rows
-            out = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask)
+            row_keys = keys[:, :, :length].index_select(0, rows)  # [b, KVH, length, hd]
+            row_values = values[:, :, :length].index_select(0, rows)
+            out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=mask)
             x = x + project(layer.o_proj, out.reshape(batch, 1, heads * head_dim))
             gate, up = project(layer.gate_up, layer.post_norm(x)).chunk(2, dim=-1)
             x = x + project(layer.down, F.silu(gate) * up)
@@ -151,7 +157,7 @@ class CompiledDecode:
         cache = self.model.new_cache(1, 8)
         tokens = torch.zeros(1, 1, dtype=torch.long, device=self.model.device)
         with torch.inference_mode():
-            self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long)))
+            self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)))
 
     def stale(self) -> bool:
         """True once any weight changed in place: the frozen constants no longer match the model."""
@@ -159,20 +165,21 @@ class CompiledDecode:
 
     @staticmethod
     def applies(tokens: Tensor, cache: KVCache, slots: Tensor) -> bool:
-        """One token per row, every row of the cache, in slot order (the compiled step's contract)."""
-        batch = tokens.shape[0]
-        return (tokens.shape[1] == 1 and batch == cache.num_slots
-                and bool((slots.cpu() == torch.arange(batch)).all()))
+        """One token per row, for distinct rows of the cache (the compiled step's contract)."""
+        return tokens.shape[1] == 1 and len(torch.unique(slots)) == len(slots)
 
-    def __call__(self, tokens: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
-        """Hidden states `[b, 1, hidden]`; writes the new keys and values at `positions [b]`."""
-        # attend over the cache up to the furthest row's new position, not the whole allocation: the step's cost
-        # follows the context, and the length is a dynamic dimension, so a new length does not recompile
-        # (at least 2, the masked entry past position 0 included: dynamo specialises a length of 1)
+    def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor) -> Tensor:
+        """Hidden states `[b, 1, hidden]` for rows `slots [b]`; writes their new keys and values at `positions [b]`."""
+        # attention reads the rows' entries up to the furthest new position, not the whole allocation: the step's
+        # cost follows the context. The stores' row count and length and the read length are dynamic dimensions,
+        # so neither a new request nor a longer context recompiles (the read length at least 2, the masked entry
+        # past position 0 included: dynamo specialises a size of 1)
         length = min(max(int(positions.max()) + 1, 2), cache.key_store.shape[3])
-        keys, values = cache.key_store[:, :, :, :length], cache.value_store[:, :, :, :length]
-        for tensor in (keys, values):
-            for dim in (1, 3):
+        key_positions = torch.arange(length, device=tokens.device)
+        torch._dynamo.mark_dynamic(key_positions, 0)
+        stores = (cache.flat_keys, cache.flat_values)
+        for tensor in stores:
+            for dim in (0, 2):
                 if tensor.shape[dim] > 1:  # dynamo always specialises size 1
                     torch._dynamo.mark_dynamic(tensor, dim)
         single = tokens.shape[0] == 1
@@ -180,11 +187,11 @@ class CompiledDecode:
             log.info("compiling the decode step for batch %s (20-80 s on a small CPU, once per process)",
                      "1" if single else "> 1")
         start = time.perf_counter()
-        # a fresh tensor: dynamo guards on dispatch keys, and a caller's token tensor made outside
-        # inference mode would differ from the engine's and recompile the whole step (70 s)
-        tokens = tokens.clone()
+        # a fresh tensor: dynamo guards on dispatch keys and strides, and a caller's token tensor made outside
+        # inference mode, or a slice of a longer one, would differ from the engine's and recompile the step (70 s)
+        tokens = tokens.clone(memory_format=torch.contiguous_format)
         with torch._inductor.config.patch(self.inductor_config):
-            hidden = self.step(tokens, positions.to(tokens.device), keys, values)
+            hidden = self.step(tokens, slots.to(tokens.device).clone(), positions.to(tokens.device), key_positions, *stores)
         if single not in self.compiled_shapes:
             self.compiled_shapes.add(single)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)

@@ -505,7 +505,7 @@ class LlamaModel(nn.Module):
         if compiled:
             if self.compiled.stale():
                 self.compile_decode()
-            hidden = self.compiled(tokens.to(self.device), cache, starts)
+            hidden = self.compiled(tokens.to(self.device), cache, slots, starts)
         else:
             attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device, parents,
                                exact=self.deterministic)
