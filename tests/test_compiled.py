@@ -97,11 +97,12 @@ def test_any_rows_of_the_cache_run_compiled(pair, monkeypatch) -> None:
     caches = [eager.new_cache(3, 20), compiled.new_cache(3, 20)]
     for model, cache in zip((eager, compiled), caches):
         prefill_ragged(model, cache, torch.arange(3), [[1, 2], [3, 4, 5], [6]])
+    before = calls[0]
     for step, rows in enumerate(([0, 2], [2, 1], [1], [0, 1, 2])):
         slots = torch.tensor(rows)
         tokens = torch.tensor([[7]] * len(rows))
         out = [m.forward_cached(tokens, c, slots) for m, c in zip((eager, compiled), caches)]
-        assert calls[0] == step + 1, rows
+        assert calls[0] == before + step + 1, rows
         assert torch.allclose(out[0], out[1], atol=1e-5)
     assert torch.equal(caches[0].lengths, caches[1].lengths)
 
@@ -211,8 +212,27 @@ def test_the_step_reads_the_cache_only_up_to_the_context(pair, monkeypatch) -> N
     slots = torch.tensor([0])
     for model, cache in ((eager, clean), (compiled, poisoned)):
         model.prefill(torch.tensor([[1, 2, 3]]), cache, slots)
-    for token in (4, 5):
-        expected = eager.forward_cached(torch.tensor([[token]]), clean, slots)
-        got = compiled.forward_cached(torch.tensor([[token]]), poisoned, slots)
+    for tokens in ([[4]], [[5, 6, 7]]):  # a step and a block
+        expected = eager.forward_cached(torch.tensor(tokens), clean, slots)
+        got = compiled.forward_cached(torch.tensor(tokens), poisoned, slots)
         assert torch.allclose(got, expected, atol=1e-4)
     assert calls[0] == 2
+
+
+def test_blocks_of_tokens_match_eager(pair, monkeypatch) -> None:
+    """A verification's block of tokens per row (ragged rows, any block length up to MAX_BLOCK) runs compiled,
+    with the eager forward's logits and cache."""
+    eager, compiled = pair
+    calls = count_compiled_calls(compiled, monkeypatch)
+    caches = [eager.new_cache(3, 48), compiled.new_cache(3, 48)]
+    slots = torch.tensor([2, 0])
+    for model, cache in zip((eager, compiled), caches):
+        prefill_ragged(model, cache, slots, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [6]])
+    before = calls[0]
+    for width in (2, 5, compiled_module.MAX_BLOCK):
+        tokens = torch.randint(0, VOCAB, (2, width), generator=torch.Generator().manual_seed(width))
+        out = [m.forward_cached(tokens, c, slots) for m, c in zip((eager, compiled), caches)]
+        assert torch.allclose(out[0], out[1], atol=1e-4)
+    assert calls[0] == before + 3
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    assert torch.allclose(caches[0].key_store, caches[1].key_store, atol=1e-5)

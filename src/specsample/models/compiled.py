@@ -33,6 +33,8 @@ from specsample.models.quant import QuantLinear, SplitLinear
 
 log = logging.getLogger(__name__)
 
+MAX_BLOCK = 16  # the most tokens per row a compiled call appends (a round's drafts and its pending token)
+
 # CPU: freeze the weights as constants, drop the Python wrapper between kernels, and let inductor time
 # its own packed C++ matrix-vector kernels against oneDNN's per weight shape (on a 2-core AVX512-BF16 CPU its
 # kernels read weights faster, kernel for kernel); its stderr tables are switched off
@@ -45,7 +47,8 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 
 
 class DecodeStep(nn.Module):
-    """Hidden states `[b, 1, hidden]` after appending one token to each of the cache's rows `slots [b]`."""
+    """Hidden states `[b, n, hidden]` after appending n tokens (a causal block) to each of the cache's rows
+    `slots [b]`."""
 
     def __init__(self, model: nn.Module) -> None:  # a LlamaModel
         super().__init__()
@@ -54,31 +57,36 @@ class DecodeStep(nn.Module):
     def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor, keys: Tensor,
                 values: Tensor) -> Tensor:
         """`keys`/`values` are a `KVCache`'s stores as allocated, `[layers * rows, KVH, max_len, hd]` (one size for
-        any number of rows, 1 included), written in place at `positions [b]`; attention reads their first
+        any number of rows, 1 included), written in place from `positions [b]` on; attention reads their first
         `len(key_positions)` entries (`key_positions`: 0, 1, ..)."""
         m, c = self.model, self.model.config
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        batch, length = tokens.shape[0], key_positions.shape[0]
-        x = m.embed(tokens)  # [b, 1, hidden]
-        cos, sin = m.rope_tables(positions.view(batch, 1))  # [b, 1, 1, hd]
+        groups = heads // kv_heads
+        (batch, n), length = tokens.shape, key_positions.shape[0]
+        x = m.embed(tokens)  # [b, n, hidden]
+        new_positions = positions.view(batch, 1) + torch.arange(n, device=tokens.device).view(1, n)  # [b, n]
+        cos, sin = m.rope_tables(new_positions)  # [b, n, 1, hd]
         key_pos = key_positions.view(1, 1, 1, length)
-        query_pos = positions.view(batch, 1, 1, 1)
-        causal = key_pos <= query_pos  # [b, 1, 1, length]; stale entries past a row's length are masked
+        # a KV head's query rows: its group's heads, each over the n tokens (head-major)
+        query_pos = new_positions.view(batch, 1, 1, n).expand(batch, 1, groups, n).reshape(batch, 1, groups * n, 1)
+        causal = key_pos <= query_pos  # [b, 1, G * n, length]; stale entries past a row's length are masked
         windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
         rows_per_layer = keys.shape[0] // len(m.layers)
         for i, layer in enumerate(m.layers):
             qkv = project(layer.qkv, layer.input_norm(x))
-            qkv = qkv.view(batch, 1, heads + 2 * kv_heads, head_dim)
+            qkv = qkv.view(batch, n, heads + 2 * kv_heads, head_dim)
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
             rows = slots + i * rows_per_layer  # layer i's entries of the rows
-            keys[rows, :, positions] = qk[:, 0, heads:]  # [b, KVH, hd] at each row's own position
-            values[rows, :, positions] = qkv[:, 0, heads + kv_heads:]
+            keys[rows.view(batch, 1), :, new_positions] = qk[:, :, heads:]  # [b, n, KVH, hd]
+            values[rows.view(batch, 1), :, new_positions] = qkv[:, :, heads + kv_heads:]
             mask = windowed if m.uses_window(i) else causal
-            q = qk[:, :, :heads].reshape(batch, kv_heads, heads // kv_heads, head_dim)  # a group's heads as rows
+            q = qk[:, :, :heads].reshape(batch, n, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
             row_keys = keys[:, :, :length].index_select(0, rows)  # [b, KVH, length, hd]
             row_values = values[:, :, :length].index_select(0, rows)
-            out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=mask)
-            x = x + project(layer.o_proj, out.reshape(batch, 1, heads * head_dim))
+            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, groups * n, head_dim), row_keys,
+                                                 row_values, attn_mask=mask)  # [b, KVH, G * n, hd]
+            out = out.reshape(batch, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4)
+            x = x + project(layer.o_proj, out.reshape(batch, n, heads * head_dim))
             gate, up = project(layer.gate_up, layer.post_norm(x)).chunk(2, dim=-1)
             x = x + project(layer.down, F.silu(gate) * up)
         return m.norm(x)
@@ -147,7 +155,7 @@ class CompiledDecode:
         # set around each call, not as torch.compile options: freezing given as an option was not applied
         # (measured: 32 vs 19 ms per step on SmolLM2-135M bf16)
         self.inductor_config = CPU_INDUCTOR_CONFIG if model.device.type == "cpu" else {}
-        self.compiled_shapes: set[bool] = set()
+        self.compiled_shapes: set[tuple[bool, bool]] = set()  # (batch 1, one token per row) compiled
         self.weights = list(model.parameters())
         self.weights_version = _total_version(self.weights)
 
@@ -155,9 +163,10 @@ class CompiledDecode:
         """Compile the step and the output layer now for batch 1 on a throwaway cache, so the first real
         step is not the slow one."""
         cache = self.model.new_cache(1, 8)
-        tokens = torch.zeros(1, 1, dtype=torch.long, device=self.model.device)
         with torch.inference_mode():
-            self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)))
+            for n in (1, 2):  # one-token steps, and blocks (verification)
+                tokens = torch.zeros(1, n, dtype=torch.long, device=self.model.device)
+                self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)))
 
     def stale(self) -> bool:
         """True once any weight changed in place: the frozen constants no longer match the model."""
@@ -165,8 +174,8 @@ class CompiledDecode:
 
     @staticmethod
     def applies(tokens: Tensor, cache: KVCache, slots: Tensor) -> bool:
-        """One token per row, for distinct rows of the cache (the compiled step's contract)."""
-        return tokens.shape[1] == 1 and len(torch.unique(slots)) == len(slots)
+        """Up to MAX_BLOCK tokens per row, for distinct rows of the cache (the compiled step's contract)."""
+        return tokens.shape[1] <= MAX_BLOCK and len(torch.unique(slots)) == len(slots)
 
     def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor) -> Tensor:
         """Hidden states `[b, 1, hidden]` for rows `slots [b]`; writes their new keys and values at `positions [b]`."""
@@ -174,7 +183,7 @@ class CompiledDecode:
         # cost follows the context. The stores' row count and length and the read length are dynamic dimensions,
         # so neither a new request nor a longer context recompiles (the read length at least 2, the masked entry
         # past position 0 included: dynamo specialises a size of 1)
-        length = min(max(int(positions.max()) + 1, 2), cache.key_store.shape[3])
+        length = min(max(int(positions.max()) + tokens.shape[1], 2), cache.key_store.shape[3])
         key_positions = torch.arange(length, device=tokens.device)
         torch._dynamo.mark_dynamic(key_positions, 0)
         stores = (cache.flat_keys, cache.flat_values)
@@ -182,26 +191,30 @@ class CompiledDecode:
             for dim in (0, 2):
                 if tensor.shape[dim] > 1:  # dynamo always specialises size 1
                     torch._dynamo.mark_dynamic(tensor, dim)
-        single = tokens.shape[0] == 1
-        if single not in self.compiled_shapes:
-            log.info("compiling the decode step for batch %s (20-80 s on a small CPU, once per process)",
-                     "1" if single else "> 1")
+        shape = (tokens.shape[0] == 1, tokens.shape[1] == 1)
+        if shape not in self.compiled_shapes:
+            log.info("compiling the decode step for batch %s, %s (20-80 s on a small CPU, once per process)",
+                     "1" if shape[0] else "> 1", "one token per row" if shape[1] else "blocks of tokens")
         start = time.perf_counter()
         # a fresh tensor: dynamo guards on dispatch keys and strides, and a caller's token tensor made outside
         # inference mode, or a slice of a longer one, would differ from the engine's and recompile the step (70 s)
         tokens = tokens.clone(memory_format=torch.contiguous_format)
+        if tokens.shape[1] > 1:  # one graph for every block length
+            torch._dynamo.mark_dynamic(tokens, 1)
         with torch._inductor.config.patch(self.inductor_config):
             hidden = self.step(tokens, slots.to(tokens.device).clone(), positions.to(tokens.device), key_positions, *stores)
-        if single not in self.compiled_shapes:
-            self.compiled_shapes.add(single)
+        if shape not in self.compiled_shapes:
+            self.compiled_shapes.add(shape)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)
         return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """The model's logits `[b, 1, vocab]` for one position per row, through a compiled output layer."""
+        """The model's logits `[b, n, vocab]` from hidden states `[b, n, hidden]`, through a compiled output layer."""
         subset = self.model.output_subset
         if self.head is None or self.head[0] is not subset:  # built for another subset: build again
             log.info("compiling the output layer (a few seconds)")
             self.head = subset, torch.compile(_private_forward(DecodeHead(self.model).eval()), fullgraph=True)
+        if hidden.shape[1] > 1:  # one graph for every block length
+            torch._dynamo.mark_dynamic(hidden, 1)
         with torch._inductor.config.patch(self.inductor_config):
             return self.head[1](hidden)

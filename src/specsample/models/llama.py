@@ -485,23 +485,24 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
-        """Append `tokens [b, n]` to the cache without computing logits, `chunk` positions at a time."""
+        """Append `tokens [b, n]` to the cache without computing logits, `chunk` positions at a time (eagerly)."""
         for begin in range(0, tokens.shape[1], chunk):
-            self._append(tokens[:, begin:begin + chunk], cache, slots)
+            self._append(tokens[:, begin:begin + chunk], cache, slots, compiled_ok=False)
 
     @torch.inference_mode()
     def prefill_features(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> Tensor:
         """`prefill`, returning the final hidden states `[b, n, hidden]`."""
-        return torch.cat([self._append(tokens[:, begin:begin + chunk], cache, slots)[0]
+        return torch.cat([self._append(tokens[:, begin:begin + chunk], cache, slots, compiled_ok=False)[0]
                           for begin in range(0, tokens.shape[1], chunk)], dim=1)
 
-    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor,
-                parents: Tensor | None = None) -> tuple[Tensor, bool]:
+    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor, parents: Tensor | None = None,
+                compiled_ok: bool = True) -> tuple[Tensor, bool]:
         """Final hidden states `[b, n, hidden]` after appending `tokens` (a causal block, or a tree per row: see
-        `Attention`), and whether the compiled step ran."""
+        `Attention`), and whether the compiled step ran (where there is one and `compiled_ok`: not for prefill)."""
         n = tokens.shape[1]
         starts = cache.reserve(slots, n)
-        compiled = parents is None and self.compiled is not None and self.compiled.applies(tokens, cache, slots)
+        compiled = (compiled_ok and parents is None and self.compiled is not None
+                    and self.compiled.applies(tokens, cache, slots))
         if compiled:
             if self.compiled.stale():
                 self.compile_decode()
