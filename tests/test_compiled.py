@@ -180,14 +180,14 @@ def test_output_subset_goes_through_the_compiled_head() -> None:
 
 
 def test_warm_up_covers_what_generation_calls(monkeypatch) -> None:
-    """After load_model's warm-up, generating compiles nothing more (a recompile costs ~70 s on SmolLM2),
+    """After the warm-up, generating compiles nothing more (a recompile costs ~70 s on SmolLM2),
     whether the token tensors come from the engine (inference mode) or from a caller outside it; with the shipped
     inductor configuration."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(compiled_module, "CPU_INDUCTOR_CONFIG", SHIPPED)
     model = tiny_lm(VOCAB, 21, init_scale=0.2, device=DEVICE)
-    model.compile_decode(warm_up=True)
+    model.compile_decode(warm_up=True, blocks=True)  # what a speculative setup warms
     graphs = counters["stats"]["unique_graphs"]
     generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4), config=SpecConfig(speculative=False))
     cache, slots = model.new_cache(1, 10), torch.tensor([0])

@@ -242,6 +242,18 @@ class Speculator:
                       planner if planner is not None else self.planner(), grammars=self.grammars())
 
 
+def _warm_compiled_blocks(pair) -> None:
+    """Compile the block graphs of the target and of a compiled draft model now, not in the first request: rounds
+    score blocks, and a draft model catches up on accepted tokens in blocks."""
+    models, draft = [pair.target.model], pair.drafter
+    while hasattr(draft, "model"):  # a hybrid's model drafter, then its model
+        draft = draft.model
+        models.append(draft)
+    for model in models:
+        if getattr(model, "compiled", None) is not None:
+            model.compiled.warm_up(blocks=True)
+
+
 def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None) -> Speculator:
     """Load the target and drafter `options` name and measure what engines need (`say`: progress lines)."""
     say = say or log.info
@@ -252,6 +264,8 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
                      options.device, options.runtime, compile_decode=options.compile,
                      draft_window=options.draft_window, quantize=options.quantize, group_size=options.quant_group,
                      draft_quantize=options.draft_quantize)
+    if options.compile and pair.drafter is not None:
+        _warm_compiled_blocks(pair)
     if options.deterministic:
         make_deterministic(pair.target.model, options.target)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):

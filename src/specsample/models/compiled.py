@@ -1,4 +1,5 @@
-"""One-token decode steps of our Llama runtime compiled with `torch.compile` (opt-in).
+"""Decode steps of our Llama runtime compiled with `torch.compile` (opt-in): one token per row, and blocks of up
+to MAX_BLOCK tokens per row (a verification), each its own graph.
 
 Eager decoding of a small model pays per-op overhead for ~30 small ops per layer, beside
 matrix-vector products that read the weights below the memory's speed. Compiling the whole step
@@ -11,9 +12,9 @@ The compiled step attends over its rows' cache entries up to the furthest row's 
 rows masked by position), so its cost follows the context, not the allocation (a server allocates the
 whole context window); that length, the batch and the cache's size are dynamic dimensions, so neither a
 longer context nor a new request recompiles. It is used only where it is
-exact for the caller: one new token per row, for any rows of the cache (a request alone in an engine
-with room for more, a batch, a batch after some rows finished). Anything else (prefill, verification of
-a draft) runs the eager path, which computes the same function.
+exact for the caller: up to MAX_BLOCK new tokens per row (the block length a dynamic dimension), for any
+rows of the cache (a request alone in an engine with room for more, a batch, a batch after some rows
+finished). Prefill, token trees and longer blocks run the eager path, which computes the same function.
 """
 
 from __future__ import annotations
@@ -159,12 +160,12 @@ class CompiledDecode:
         self.weights = list(model.parameters())
         self.weights_version = _total_version(self.weights)
 
-    def warm_up(self) -> None:
-        """Compile the step and the output layer now for batch 1 on a throwaway cache, so the first real
-        step is not the slow one."""
+    def warm_up(self, blocks: bool = False) -> None:
+        """Compile the one-token step (and with `blocks`, the block of a verification) and the output layer now for
+        batch 1 on a throwaway cache, so the first real call is not the slow one."""
         cache = self.model.new_cache(1, 8)
         with torch.inference_mode():
-            for n in (1, 2):  # one-token steps, and blocks (verification)
+            for n in (1, 2) if blocks else (1,):
                 tokens = torch.zeros(1, n, dtype=torch.long, device=self.model.device)
                 self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)))
 

@@ -355,12 +355,14 @@ class LlamaModel(nn.Module):
         """Whether `layer` attends through the sliding window."""
         return layer in self.window_layers
 
-    def compile_decode(self, warm_up: bool = False) -> None:
-        """Run one-token decode steps through `torch.compile` from now on (inference only).
+    def compile_decode(self, warm_up: bool = False, blocks: bool = False) -> None:
+        """Run one-token decode steps and blocks of up to 16 tokens per row (verification) through `torch.compile`
+        from now on (inference only).
 
-        Compiling takes 20-80 s for a 30-layer model on a 2-core CPU, on the first step or now with
-        `warm_up`; later steps run faster than eager (docs/runtime.md). Weights are frozen into the
-        compiled code: an in-place weight update makes the next step recompile.
+        Compiling takes 20-80 s per graph for a 30-layer model on a 2-core CPU, on first use or now with `warm_up`
+        (the one-token step, and with `blocks` the block too); later calls run faster than eager
+        (docs/runtime.md). Weights are frozen into the compiled code: an in-place weight update makes the next call
+        recompile.
         """
         from specsample.models.compiled import CompiledDecode
 
@@ -369,7 +371,7 @@ class LlamaModel(nn.Module):
                              "eager forward's)")
         self.compiled = CompiledDecode(self)
         if warm_up:
-            self.compiled.warm_up()
+            self.compiled.warm_up(blocks)
 
     def set_deterministic(self, on: bool = True) -> None:
         """Compute every position exactly as a one-token forward of its row alone would, whatever the tokens scored
