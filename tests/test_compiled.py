@@ -142,9 +142,9 @@ def test_tiny_lm_unaffected() -> None:
     assert tiny_lm(VOCAB).compiled is None  # opt-in: nothing compiles unless asked
 
 
-def test_two_compiled_models_keep_their_own_weights() -> None:
+def test_two_compiled_models_keep_their_own_weights(pair) -> None:
     """Same architecture, different weights (a target and its draft): neither may run the other's code."""
-    first_eager, first = twin(seed=11)
+    first_eager, first = pair
     second_eager, second = twin(seed=12)
     assert decode_both(first_eager, first, [[1, 2, 3]], steps=2) < 1e-4
     assert decode_both(second_eager, second, [[1, 2, 3]], steps=2) < 1e-4
