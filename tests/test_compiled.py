@@ -107,9 +107,10 @@ def test_any_rows_of_the_cache_run_compiled(pair, monkeypatch) -> None:
     assert torch.equal(caches[0].lengths, caches[1].lengths)
 
 
-def test_in_place_weight_update_recompiles(monkeypatch) -> None:
-    eager, compiled = twin(seed=5)
-    decode_both(eager, compiled, [[1, 2, 3]], steps=1)  # compile with the old weights
+def test_in_place_weight_update_recompiles(pair) -> None:
+    """(The module's pair: both copies get the update, so later tests still compare equal weights.)"""
+    eager, compiled = pair
+    decode_both(eager, compiled, [[1, 2, 3]], steps=1)  # compiled with the current weights
     with torch.no_grad():
         for model in (eager, compiled):
             model.layers[0].down.weight.mul_(3.0)
