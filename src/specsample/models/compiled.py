@@ -179,7 +179,8 @@ class CompiledDecode:
         return tokens.shape[1] <= MAX_BLOCK and len(torch.unique(slots)) == len(slots)
 
     def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor) -> Tensor:
-        """Hidden states `[b, 1, hidden]` for rows `slots [b]`; writes their new keys and values at `positions [b]`."""
+        """Hidden states `[b, n, hidden]` for rows `slots [b]` appending `tokens [b, n]`; writes their new keys and
+        values from `positions [b]` on."""
         # attention reads the rows' entries up to the furthest new position, not the whole allocation: the step's
         # cost follows the context. The stores' row count and length and the read length are dynamic dimensions,
         # so neither a new request nor a longer context recompiles (the read length at least 2, the masked entry
@@ -203,7 +204,8 @@ class CompiledDecode:
         if tokens.shape[1] > 1:  # one graph for every block length
             torch._dynamo.mark_dynamic(tokens, 1)
         with torch._inductor.config.patch(self.inductor_config):
-            hidden = self.step(tokens, slots.to(tokens.device).clone(), positions.to(tokens.device), key_positions, *stores)
+            hidden = self.step(tokens, slots.to(tokens.device).clone(), positions.to(tokens.device), key_positions,
+                               *stores)
         if shape not in self.compiled_shapes:
             self.compiled_shapes.add(shape)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)
