@@ -97,8 +97,8 @@ def _add_reproducibility_args(parser: argparse.ArgumentParser, default_off: bool
 
 def _add_compile_arg(parser: argparse.ArgumentParser, default_off: bool = True) -> None:
     parser.add_argument("--compile", action="store_true", default=False if default_off else None,
-                        help="compile one-token decode steps with torch.compile (our runtime only): up to 80 s once "
-                             "per process on a small CPU, then ~1.5x faster one-token steps (docs/runtime.md)")
+                        help="compile decode steps and verification blocks with torch.compile (our runtime only): "
+                             "minutes once per process on a small CPU, then ~1.5x faster steps (docs/runtime.md)")
 
 
 def _add_tree_arg(parser: argparse.ArgumentParser) -> None:

@@ -118,6 +118,7 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
                              "trained with the target's tokenizer, or use --draft ngram")
     if window == "auto":
         window = DraftWindow.from_folder(draft.folder)
+    _warm_blocks(draft.model)
     return ModelDrafter(draft.model, draft.folder, window if isinstance(window, DraftWindow) else None)
 
 
@@ -131,7 +132,16 @@ def _self_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype, device
         raise ValueError(f"{spec} needs the target on our Llama-family runtime, not {target.runtime!r}")
     draft = load_model(target.spec, dtype=dtype, device=device, compile_decode=compile_decode, quantize=mode,
                        group_size=group_size)
+    _warm_blocks(draft.model)
     return ModelDrafter(draft.model, draft.folder, None)
+
+
+def _warm_blocks(model: object) -> None:
+    """Compile a compiled model's block graph now, not in the first request (a draft model catches up on accepted
+    tokens in blocks, a target scores drafts in blocks); `load_model` warms only the one-token step."""
+    compiled = getattr(model, "compiled", None)
+    if compiled is not None:
+        compiled.warm_up(blocks=True)
 
 
 def _small_on_cpu(model: object) -> bool:
@@ -167,4 +177,6 @@ def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype
                         quantize=quantize, group_size=group_size)
     spec = resolve_draft_spec(target, draft_spec)
     drafter = load_drafter(spec, target, dtype, device, compile_decode, draft_window, draft_quantize, group_size)
+    if drafter is not None:
+        _warm_blocks(target.model)
     return Pair(target, drafter, spec, dtype, device, draft_window, draft_quantize, group_size)

@@ -98,7 +98,7 @@ class EngineOptions:
     dtype: str = "auto"
     device: str = "cpu"
     runtime: str = "auto"  # 'ours' (Llama family), 'hf' (transformers) or 'auto'
-    compile: bool = False  # compile one-token decode steps with torch.compile (our runtime)
+    compile: bool = False  # compile decode steps and verification blocks with torch.compile (our runtime)
     # how the target's weights are held: 'auto' (a GGUF's quantized tensors natively, on a CPU with dtype auto),
     # 'none' (dequantized to dtype), 'int8' or 'int4' (every projection; docs/runtime.md#quantized-weights)
     quantize: str = "auto"
@@ -242,18 +242,6 @@ class Speculator:
                       planner if planner is not None else self.planner(), grammars=self.grammars())
 
 
-def _warm_compiled_blocks(pair) -> None:
-    """Compile the block graphs of the target and of a compiled draft model now, not in the first request: rounds
-    score blocks, and a draft model catches up on accepted tokens in blocks."""
-    models, draft = [pair.target.model], pair.drafter
-    while hasattr(draft, "model"):  # a hybrid's model drafter, then its model
-        draft = draft.model
-        models.append(draft)
-    for model in models:
-        if getattr(model, "compiled", None) is not None:
-            model.compiled.warm_up(blocks=True)
-
-
 def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None) -> Speculator:
     """Load the target and drafter `options` name and measure what engines need (`say`: progress lines)."""
     say = say or log.info
@@ -264,8 +252,6 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
                      options.device, options.runtime, compile_decode=options.compile,
                      draft_window=options.draft_window, quantize=options.quantize, group_size=options.quant_group,
                      draft_quantize=options.draft_quantize)
-    if options.compile and pair.drafter is not None:
-        _warm_compiled_blocks(pair)
     if options.deterministic:
         make_deterministic(pair.target.model, options.target)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):
