@@ -192,6 +192,8 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path) -> None:
     plan = HeadTraining(target="tiny", out=tmp_path / "out", epochs=6, batch_tokens=256, max_len=64, lr=3e-3,
                         warmup=2, eval_every=4, checkpoint_minutes=10**6, unroll=2)
     frozen = Frozen(target.model, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="quantize"):
+        HeadTraining(target="tiny", out=tmp_path / "out", quantize="int3")
 
     def run(work, stop_after=None):
         torch.manual_seed(0)
@@ -230,6 +232,8 @@ def test_distill_writes_a_head_that_generate_drafts_with(tmp_path) -> None:
     assert f"{report['temperatures']['0.0']['overall']['acceptance_rate']:.3f}" in card
     assert "--kind eagle" not in card or "specsample distill" in card
     assert main(["distill", "--target", str(folder), "--out", str(out), "--width", "32"]) == 2  # a model-only flag
+    assert main(["distill", "--kind", "model", "--target", str(folder), "--out", str(tmp_path / "m"), "--quantize",
+                 "int4"]) == 2  # an eagle-only flag
     assert main(["generate", "the quick brown fox", "--target", str(folder), "--draft", str(out), "--temperature",
                  "0", "--max-new-tokens", "6", "--dtype", "float32", "--json"]) == 0
 

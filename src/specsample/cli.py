@@ -283,7 +283,7 @@ def _add_serve_parser(sub) -> None:
 
 MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
               "onpolicy_max_new")  # distill flags of --kind model
-EAGLE_ONLY = ("tokens", "epochs", "noise", "ce_weight", "unroll")  # ...and of --kind eagle
+EAGLE_ONLY = ("tokens", "epochs", "noise", "ce_weight", "unroll", "quantize")  # ...and of --kind eagle
 
 
 def _add_distill_parsers(sub) -> None:
@@ -319,6 +319,10 @@ def _add_distill_parsers(sub) -> None:
     eagle.add_argument("--unroll", type=int, default=None,
                        help="drafting steps trained per position: 1 teacher-forced; more also trains the head on its "
                             "own earlier predictions, as it drafts (EAGLE-3's training-time test; default 2)")
+    eagle.add_argument("--quantize", choices=QUANT_MODES, default=None,
+                       help="how the target's weights are held while its features are computed (default none: "
+                            "dequantized, the features closest to the model's own; the head serves the target "
+                            "whatever its weights)")
     model = dist.add_argument_group("--kind model")
     model.add_argument("--num-prompts", type=int, default=None, help="conversations scored teacher-forced (2000)")
     model.add_argument("--onpolicy-prompts", type=int, default=None, help="prompts the target answers itself (500)")
@@ -425,7 +429,7 @@ def _distill_eagle(args: argparse.Namespace) -> None:
     from specsample.distill.eagle import HeadTraining, run_head
 
     chosen = {"tokens": args.tokens, "epochs": args.epochs, "noise": args.noise, "ce_weight": args.ce_weight,
-              "unroll": args.unroll,
+              "unroll": args.unroll, "quantize": args.quantize,
               "batch_tokens": args.batch_tokens, "lr": args.lr, "max_len": args.max_len,
               "eval_prompts": args.eval_prompts}
     plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts, draft_vocab=args.draft_vocab or None,

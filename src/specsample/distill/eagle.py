@@ -41,6 +41,7 @@ from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.llama import LlamaModel
 from specsample.models.loader import load_model
+from specsample.models.quant import QUANT_MODES
 from specsample.planner import FixedGamma
 
 
@@ -64,6 +65,7 @@ class HeadTraining:
     noise: float = 0.1  # uniform noise on the input features, +-noise
     ce_weight: float = 0.1
     unroll: int = 2  # drafting steps trained per entry (1: teacher-forced only; more: the training-time test)
+    quantize: str = "none"  # the target's weights while features are computed (models/quant.py QUANT_MODES)
     seed: int = 0
     checkpoint_minutes: float = 10.0
     eval_every: int = 200  # steps between held-out measurements
@@ -79,6 +81,8 @@ class HeadTraining:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
         if self.epochs <= 0 or self.lr <= 0:
             raise ValueError(f"epochs and lr must be > 0, got {self.epochs}, {self.lr}")
+        if self.quantize not in QUANT_MODES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANT_MODES)}, got {self.quantize!r}")
 
     @property
     def work(self) -> Path:
@@ -495,7 +499,7 @@ def run_head(plan: HeadTraining, resume: bool, progress: bool = True, minutes: f
     plan.work.mkdir(parents=True, exist_ok=True)
     settings_path.write_text(json.dumps(_settings(plan), indent=2, sort_keys=True))
     torch.manual_seed(plan.seed)
-    target = load_model(plan.target, device=plan.device)
+    target = load_model(plan.target, device=plan.device, quantize=plan.quantize)
     if not isinstance(target.model, LlamaModel) or target.tokenizer is None:
         raise ValueError("a feature draft needs a Llama-family target (our runtime) with a tokenizer")
     model = target.model
@@ -569,7 +573,8 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
         lines += ["## Command", "", "```bash", command, "```", ""]
     lines += ["## Data", "",
               f"{reader.index['sequences']} ShareGPT conversations rendered with the target's chat template (cut at "
-              f"{plan.max_len} tokens), {reader.num_tokens} tokens, the target's features computed teacher-forced; "
+              f"{plan.max_len} tokens), {reader.num_tokens} tokens, the target's features computed teacher-forced "
+              f"(weights: --quantize {plan.quantize}); "
               "the loss counts reply positions. The last chunk is held out.", "",
               "## Training", "",
               f"{record['step']} steps of about {plan.batch_tokens} tokens ({record['tokens_seen']} tokens seen); "
