@@ -39,6 +39,7 @@ from specsample.distill.features import FeatureReader, FeatureWriter, collect_fe
 from specsample.drafters.eagle import EagleDrafter, EagleHead, HeadConfig
 from specsample.engine import Engine
 from specsample.metrics import StatsCollector
+from specsample.models.cpu import bf16_autocast
 from specsample.models.llama import LlamaModel
 from specsample.models.loader import load_model
 from specsample.models.quant import QUANT_MODES
@@ -273,14 +274,6 @@ def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], n
 
 # ----- training ------------------------------------------------------------------------------
 
-def _autocast(device: torch.device):
-    from specsample.models.loader import cpu_has_native_bf16
-
-    enabled = (device.type == "cuda" and torch.cuda.is_bf16_supported()) or (
-        device.type == "cpu" and cpu_has_native_bf16())
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
 def _lr(step: int, steps: int, plan: HeadTraining) -> float:
     if step < plan.warmup:
         return plan.lr * (step + 1) / plan.warmup
@@ -321,7 +314,7 @@ def heldout(head: EagleHead, frozen: Frozen, batches: Batches, plan: HeadTrainin
     for start in range(0, len(sequences), 8):
         group = sequences[start:start + 8]
         batch = make_batch(group, device)
-        with _autocast(device):
+        with bf16_autocast(device):
             _, metrics = head_loss(head, frozen, batch, 0.0, plan.ce_weight, None, plan.unroll)
         n = int(batch["mask"].sum())
         for key, value in metrics.items():
@@ -362,7 +355,7 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
         batch = make_batch(batches.next(), device)
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, record["steps"], plan)
-        with _autocast(device):
+        with bf16_autocast(device):
             loss, metrics = head_loss(head, frozen, batch, plan.noise, plan.ce_weight, generator, plan.unroll)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specsample.models.base import CausalLM
+from specsample.models.cpu import cpu_has_native_bf16
 from specsample.models.hf_names import load_hf_state_dict
 from specsample.models.hub import ALIASES, alias_folder, alias_gguf, builtin_draft
 from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel
@@ -52,15 +53,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU advertises AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_quantize(quantize: str, dtype: str | torch.dtype, device: torch.device) -> str:

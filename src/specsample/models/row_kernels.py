@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from specsample.models.cpu import cpu_flags
+
 log = logging.getLogger("specsample")
 
 SOURCE = Path(__file__).parent / "kernels" / "rows_mm.cpp"
@@ -29,12 +31,8 @@ _state: dict[str, bool] = {}  # "loaded": the outcome of the one attempt this pr
 
 
 def cpu_supports() -> bool:
-    """True when /proc/cpuinfo lists every instruction set the kernels are compiled for."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+    """True when the CPU lists every instruction set the kernels are compiled for."""
+    return set(REQUIRED_CPU_FLAGS) <= cpu_flags()
 
 
 def available() -> bool:
