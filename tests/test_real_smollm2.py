@@ -7,7 +7,9 @@ import torch
 from devices import DEVICE
 
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
+from specsample.drafters.eagle import load_head_drafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.models.hub import SMOLLM2_HEAD, builtin_draft
 from specsample.models.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -35,7 +37,8 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
     plain = generate(model, prompts, params, eos_token_ids=tokenizer.eos_token_ids)
     assert "Paris" in tokenizer.decode(plain.completions[0].token_ids)
     bf16_draft = load_model("smollm2-135m-instruct", dtype="bfloat16", device=DEVICE).model  # close to, not equal to, the target
-    for drafter in (NgramDrafter(), ModelDrafter(bf16_draft)):
+    shipped_head = load_head_drafter(builtin_draft(SMOLLM2_HEAD), model)  # reads the target's own features
+    for drafter in (NgramDrafter(), ModelDrafter(bf16_draft), shipped_head):
         spec = generate(model, prompts, params, draft=drafter, config=SpecConfig(gamma=5),
                         eos_token_ids=tokenizer.eos_token_ids)
         assert spec.stats["accepted"] > 0

@@ -60,7 +60,7 @@ class HeadTraining:
     batch_tokens: int = 16384
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
-    warmup: int = 100
+    warmup: int = 30
     weight_decay: float = 0.0
     clip: float = 0.5
     noise: float = 0.1  # uniform noise on the input features, +-noise
@@ -69,7 +69,7 @@ class HeadTraining:
     quantize: str = "none"  # the target's weights while features are computed (models/quant.py QUANT_MODES)
     seed: int = 0
     checkpoint_minutes: float = 10.0
-    eval_every: int = 200  # steps between held-out measurements
+    eval_every: int = 50  # steps between held-out measurements
     eval_prompts: str = "spec-bench"  # spec-bench (per category), sharegpt-heldout or a prompt file
     eval_per_category: int = 4
     eval_max_new_tokens: int = 64
@@ -523,6 +523,7 @@ def run_head(plan: HeadTraining, resume: bool, progress: bool = True, minutes: f
     drafter = EagleDrafter(loaded, model, loaded_subset, plan.out)
     report = evaluate_head(model, drafter, target.tokenizer, eval_prompts(plan.eval_prompts, plan.eval_per_category),
                            plan.eval_max_new_tokens, progress=progress)
+    report["target_weights"] = plan.quantize
     (plan.out / "eval.json").write_text(json.dumps(report, indent=2))
     write_card(plan, reader, record, report, command)
     return {"finished": True, "step": record["step"], "eval": report}
@@ -587,8 +588,9 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
 
 def evaluation_table(report: dict[str, Any]) -> list[str]:
     """Markdown of an `evaluate_head` report: per temperature and category, and the cost ratio."""
+    weights = f", the target's weights --quantize {report['target_weights']}" if "target_weights" in report else ""
     lines = [f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, a chain of "
-             f"{report['gamma']} drafts per round through the engine (batch 1).", ""]
+             f"{report['gamma']} drafts per round through the engine (batch 1{weights}).", ""]
     for temperature, cats in report["temperatures"].items():
         lines += [f"Temperature {temperature}:", "",
                   "| category | acceptance | alpha | tokens per target forward | acceptance by position |",

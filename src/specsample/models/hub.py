@@ -48,6 +48,7 @@ class Alias:
 
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "assets" / "drafts"
 SMOLLM2_DRAFT = "smollm2-135m-instruct-draft"
+SMOLLM2_HEAD = "smollm2-135m-instruct-eagle"  # the feature draft (EAGLE head) for the same target
 
 
 def builtin_draft(name: str) -> Path | None:
