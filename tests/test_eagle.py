@@ -201,6 +201,8 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path) -> None:
         return head, train_head(head, frozen, reader, plan, work, progress=False, stop_after=stop_after)
 
     whole, record = run(tmp_path / "whole")
+    train_tokens = sum(chunk["tokens"] for chunk in reader.index["chunks"][:-1])  # the last chunk is held out
+    assert record["tokens_seen"] == plan.epochs * train_tokens  # each epoch sees every training sequence once
     curve = record["curve"]
     assert curve[-1]["heldout_loss"] < 0.85 * curve[0]["heldout_loss"]  # over both unrolled steps
     assert curve[-1]["heldout_alpha"] > curve[0]["heldout_alpha"]

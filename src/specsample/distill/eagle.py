@@ -125,21 +125,34 @@ class Batches:
         self.cursor = [0, 0, 0]  # epoch, chunk position in the epoch's order, batch within the chunk
         self._loaded: tuple[int, list] | None = None
 
-    def _plan(self, chunk: int, epoch: int) -> list[list]:
-        sequences = self.reader.chunk(chunk)
-        rng = np.random.default_rng([self.seed, epoch, chunk])
-        order = sorted(rng.permutation(len(sequences)).tolist(), key=lambda i: len(sequences[i].tokens))
+    def _group(self, lengths: list[int], order: list[int]) -> list[list[int]]:
+        """Indices in `order`, sorted by length, cut into batches of up to `batch_tokens` padded tokens."""
         batches, current, width = [], [], 0
-        for i in order:
-            n = len(sequences[i].tokens)
+        for i in sorted(order, key=lambda i: lengths[i]):
+            n = lengths[i]
             if current and (len(current) + 1) * max(width, n) > self.batch_tokens:
                 batches.append(current)
                 current, width = [], 0
-            current.append(sequences[i])
+            current.append(i)
             width = max(width, n)
         if current:
             batches.append(current)
-        return [batches[j] for j in rng.permutation(len(batches))]
+        return batches
+
+    def _plan(self, chunk: int, epoch: int) -> list[list]:
+        sequences = self.reader.chunk(chunk)
+        rng = np.random.default_rng([self.seed, epoch, chunk])
+        batches = self._group([len(s.tokens) for s in sequences], rng.permutation(len(sequences)).tolist())
+        return [[sequences[i] for i in batches[j]] for j in rng.permutation(len(batches))]
+
+    def batches_per_epoch(self) -> int:
+        """How many batches one pass over the training chunks makes (padding leaves fewer tokens in a batch than
+        `batch_tokens`, so this exceeds tokens / batch_tokens); the count does not depend on the epoch's order."""
+        total = 0
+        for chunk in self.train_chunks:
+            lengths = self.reader.lengths(chunk)
+            total += len(self._group(lengths, list(range(len(lengths)))))
+        return total
 
     def next(self) -> list:
         """The next batch of sequences (cycling through epochs)."""
@@ -155,8 +168,6 @@ class Batches:
                 return batches[index]
             self.cursor = [epoch, position + 1, 0] if position + 1 < len(order) else [epoch + 1, 0, 0]
 
-    def train_tokens(self) -> int:
-        return sum(self.reader.index["chunks"][c]["tokens"] for c in self.train_chunks)
 
 
 def make_batch(sequences: list, device: torch.device) -> dict[str, torch.Tensor]:
@@ -337,7 +348,7 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
     head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=plan.weight_decay, betas=(0.9, 0.95))
     batches = Batches(reader, plan.batch_tokens, plan.seed)
-    steps = max(1, int(plan.epochs * batches.train_tokens() / plan.batch_tokens))
+    steps = max(1, round(plan.epochs * batches.batches_per_epoch()))
     record: dict[str, Any] = {"steps": steps, "step": 0, "tokens_seen": 0, "curve": []}
     generator = torch.Generator(device=device).manual_seed(plan.seed)
     if path.exists():
@@ -345,6 +356,7 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         batches.cursor, record = state["cursor"], state["record"]
+        record["steps"] = steps  # the schedule's length follows from the data and the settings
         generator.set_state(state["generator"])
     started = last_save = time.monotonic()
     first = record["step"]

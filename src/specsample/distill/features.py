@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
@@ -168,6 +169,12 @@ class FeatureReader:
     @property
     def num_tokens(self) -> int:
         return self.index["tokens"]
+
+    def lengths(self, i: int) -> list[int]:
+        """The token count of each sequence of chunk `i` (read without loading its features)."""
+        with safe_open(str(self.folder / self.index["chunks"][i]["file"]), framework="pt") as handle:
+            offsets = handle.get_tensor("offsets").tolist()
+        return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
 
     def chunk(self, i: int) -> list[FeatureSequence]:
         """The sequences of chunk `i`."""
