@@ -270,3 +270,17 @@ def test_training_steps_draft_as_inference_does(target) -> None:
                 entry = last + step - 1
                 predicted = head.forward_cached(embeddings[:, entry:entry + 1], predicted, head_cache, slot)
                 assert torch.allclose(predicted, steps[step - 1][:, entry:entry + 1], atol=1e-10), (last, step)
+
+
+def test_a_head_drafts_for_a_target_with_a_quantized_output_layer(tmp_path) -> None:
+    """An int8 output layer hands out float32 weights; the head and its logits run in the target's dtype."""
+    from specsample.distill.eagle import init_head
+    from specsample.models.loader import load_model
+
+    folder = write_hf_model(tmp_path / "target", tokenizer=make_tokenizer(), max_position_embeddings=128)
+    target = load_model(str(folder), dtype="bfloat16", quantize="int8").model
+    assert target.lm_head.weight.dtype != target.dtype
+    head_drafter = EagleDrafter(init_head(target, 0), target)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    result = generate(target, PROMPTS[:2], params, draft=head_drafter, config=SpecConfig(gamma=3, max_batch_size=2))
+    assert result.stats["drafted"] > 0 and all(len(c.token_ids) == 8 for c in result.completions)

@@ -203,7 +203,7 @@ class EagleDrafter:
         self.folder = folder
         self.vocab_size = target.vocab_size
         self.output_subset = output_subset.to(target.device) if output_subset is not None else None
-        weight = target.lm_head.weight.detach()
+        weight = target.lm_head.weight.detach().to(target.dtype)  # a quantized output layer dequantizes to float32
         self._out_weight = (weight[self.output_subset] if self.output_subset is not None else weight).contiguous()
         self._out_packed = prepack(self._out_weight)
         if target.device.type == "cpu":
