@@ -583,7 +583,8 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
               f"(weights: --quantize {plan.quantize}); "
               "the loss counts reply positions. The last chunk is held out.", "",
               "## Training", "",
-              f"{record['step']} steps of about {plan.batch_tokens} tokens ({record['tokens_seen']} tokens seen); "
+              f"{record['step']} steps of up to {plan.batch_tokens} tokens with padding ({record['tokens_seen']} tokens "
+              f"seen, {plan.epochs} pass(es) over the training chunks); "
               f"AdamW lr {plan.lr}, cosine to {plan.min_lr_ratio} x, feature noise +-{plan.noise}, cross-entropy "
               f"weight {plan.ce_weight}, {plan.unroll} drafting step(s) trained per entry.", "",
               "![training curve](training_curve.png)", "",
