@@ -169,7 +169,6 @@ class Batches:
             self.cursor = [epoch, position + 1, 0] if position + 1 < len(order) else [epoch + 1, 0, 0]
 
 
-
 def make_batch(sequences: list, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded tokens `[b, L]`, features `[b, L, hidden]` (float32), and the loss mask `[b, L - 1]`: entry t
     counts where t + 1 is a real position of a reply."""
