@@ -238,16 +238,21 @@ FEATURE_WARP = SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_token
 
 
 def feature_draft(target, subset: list[int] | None = SUBSET):
-    """A feature draft (EAGLE head) on the pair's target, its weights random: distributions that differ by position."""
-    from specsample.drafters.eagle import EagleDrafter, EagleHead, HeadConfig
+    """An EAGLE-3 head on the pair's target (its fused features: the embedding, the middle and the last layer's
+    output), its draft vocabulary `subset`, its weights random: distributions that differ by position."""
+    from specsample.drafters.eagle import EagleDrafter
+    from specsample.models.eagle_head import EagleHead, HeadConfig
 
-    head = EagleHead(HeadConfig.of(target.config)).double()
+    ids = torch.tensor(subset if subset is not None else list(range(VOCAB)))
+    head = EagleHead(HeadConfig.for_target(target.config, len(ids), (0, 1, 2))).double()
     generator = torch.Generator().manual_seed(30)
     with torch.no_grad():
         for name, param in head.named_parameters():
             if not name.endswith("norm.weight"):
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.05)
-    return EagleDrafter(head.to(DEVICE), target, None if subset is None else torch.tensor(subset))
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.5)
+        head.lm_head.weight.mul_(0.1)  # a layer that moves its output each step, logits that stay soft
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+    return EagleDrafter(head.to(DEVICE), target)
 
 
 def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]],

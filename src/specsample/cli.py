@@ -283,7 +283,8 @@ def _add_serve_parser(sub) -> None:
 
 MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
               "onpolicy_max_new")  # distill flags of --kind model
-EAGLE_ONLY = ("tokens", "epochs", "noise", "ce_weight", "unroll", "quantize")  # ...and of --kind eagle
+EAGLE_ONLY = ("data", "regen_temperatures", "regen_turns", "regen_max_new_tokens", "regen_batch_size", "tokens",
+              "feature_layers", "epochs", "unroll", "step_decay", "quantize")  # ...and of --kind eagle
 
 
 def _add_distill_parsers(sub) -> None:
@@ -312,17 +313,29 @@ def _add_distill_parsers(sub) -> None:
     dist.add_argument("--resume", action="store_true")
     dist.add_argument("--seed", type=int, default=0)
     eagle = dist.add_argument_group("--kind eagle")
-    eagle.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens to train on (default 7.5M)")
-    eagle.add_argument("--epochs", type=float, default=None, help="passes over them (default 1)")
-    eagle.add_argument("--noise", type=float, default=None, help="uniform noise on the input features (default 0.1)")
-    eagle.add_argument("--ce-weight", type=float, default=None, help="weight of the cross-entropy term (default 0.1)")
+    eagle.add_argument("--data", choices=("regenerate", "teacher"), default=None,
+                       help="regenerate (default): the target answers the prompts' user turns itself through our "
+                            "engine, its features recorded as it writes; teacher: the prompts' own replies, run "
+                            "through the target teacher-forced")
+    eagle.add_argument("--regen-temperatures", type=_csv(float), default=None,
+                       help="temperatures the target writes at, one per conversation in turn (default 0,0.7)")
+    eagle.add_argument("--regen-turns", type=int, default=None, help="user turns answered per conversation (default 2)")
+    eagle.add_argument("--regen-max-new-tokens", type=int, default=None, help="tokens per reply (default 256)")
+    eagle.add_argument("--regen-batch-size", type=int, default=None, help="requests decoded together (default 48)")
+    eagle.add_argument("--tokens", type=int, default=None,
+                       help="tokens of conversation to collect, prompts included (default 12M); a resumed run may "
+                            "lower it to stop collecting")
+    eagle.add_argument("--feature-layers", type=_csv(int), default=None,
+                       help="the target layers whose inputs the head reads, low,middle,high (default 2,L/2,L-3 of L)")
+    eagle.add_argument("--epochs", type=float, default=None, help="passes over the data (default 1)")
     eagle.add_argument("--unroll", type=int, default=None,
-                       help="drafting steps trained per position: 1 teacher-forced; more also trains the head on its "
-                            "own earlier predictions, as it drafts (EAGLE-3's training-time test; default 2)")
+                       help="drafting steps trained per position: the head trains on its own earlier outputs, as it "
+                            "drafts (EAGLE-3's training-time test; default 3)")
+    eagle.add_argument("--step-decay", type=float, default=None,
+                       help="the loss of drafting step s weighs this to the power s - 1 (default 0.8)")
     eagle.add_argument("--quantize", choices=QUANT_MODES, default=None,
-                       help="how the target's weights are held while its features are computed (default none: "
-                            "dequantized, the features closest to the model's own; the head serves the target "
-                            "whatever its weights)")
+                       help="how the target's weights are held while it writes or scores the data (default auto: as "
+                            "it serves, a GGUF's int4/int8 natively)")
     model = dist.add_argument_group("--kind model")
     model.add_argument("--num-prompts", type=int, default=None, help="conversations scored teacher-forced (2000)")
     model.add_argument("--onpolicy-prompts", type=int, default=None, help="prompts the target answers itself (500)")
@@ -426,19 +439,27 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 
 def _distill_eagle(args: argparse.Namespace) -> None:
-    from specsample.distill.eagle import HeadTraining, run_head
+    from dataclasses import replace
 
-    chosen = {"tokens": args.tokens, "epochs": args.epochs, "noise": args.noise, "ce_weight": args.ce_weight,
-              "unroll": args.unroll, "quantize": args.quantize,
-              "batch_tokens": args.batch_tokens, "lr": args.lr, "max_len": args.max_len,
-              "eval_prompts": args.eval_prompts}
-    plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts, draft_vocab=args.draft_vocab or None,
+    from specsample.distill.eagle import HeadTraining, run_head
+    from specsample.distill.regenerate import Regeneration
+
+    regen = {"temperatures": args.regen_temperatures, "turns": args.regen_turns,
+             "max_new_tokens": args.regen_max_new_tokens, "batch_size": args.regen_batch_size}
+    chosen = {"data": args.data, "tokens": args.tokens, "epochs": args.epochs, "unroll": args.unroll,
+              "step_decay": args.step_decay, "quantize": args.quantize, "batch_tokens": args.batch_tokens,
+              "lr": args.lr, "max_len": args.max_len, "eval_prompts": args.eval_prompts,
+              "feature_layers": args.feature_layers,
+              "draft_vocab": args.draft_vocab if args.draft_vocab else 1 << 30}  # 0: the whole vocabulary
+    plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts,
+                        regeneration=replace(Regeneration(seed=args.seed),
+                                             **{k: v for k, v in regen.items() if v is not None}),
                         eval_max_new_tokens=args.eval_max_new_tokens, device=args.device, seed=args.seed,
                         **{k: v for k, v in chosen.items() if v is not None})
     result = run_head(plan, resume=args.resume, minutes=args.max_run_minutes, command=args.command_line)
     if result["finished"]:
         overall = result["eval"]["temperatures"]["0.0"]["overall"]
-        print(f"feature draft written to {args.out}: acceptance at T 0 {overall['acceptance_rate']:.3f}, "
+        print(f"EAGLE-3 head written to {args.out}: acceptance at T 0 {overall['acceptance_rate']:.3f}, "
               f"{overall['tokens_per_round']:.2f} tokens per target forward; model card {args.out / 'README.md'}")
 
 

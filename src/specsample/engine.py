@@ -647,11 +647,10 @@ class Engine:
     def _release(self, rows: list[_Row], keep: set[str] = frozenset()) -> None:
         """Free finished or cancelled rows. Rows named in `keep` (requests that ended well) keep their caches for a
         later request sharing their prefix, the least recently finished dropped beyond `config.prefix_cache_rows`;
-        kept only where the drafter can keep its own state too (a feature draft cannot: it needs the target's
-        features of every prompt position)."""
+        kept only where the drafter can keep its own state too (`PrefixKeeper`)."""
         if not rows:
             return
-        keeping = (self.config.prefix_cache_rows > 0 and not self._wants_features()
+        keeping = (self.config.prefix_cache_rows > 0
                    and (self.drafter is None or isinstance(self.drafter, PrefixKeeper)))
         kept = [r for r in rows if keeping and r.request_id in keep]
         dropped = [r for r in rows if r not in kept]

@@ -49,14 +49,15 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 
 class DecodeStep(nn.Module):
     """Hidden states `[b, n, hidden]` after appending n tokens (a causal block) to each of the cache's rows
-    `slots [b]`."""
+    `slots [b]`, and the model's feature layers' residual streams concatenated (`LlamaModel.set_feature_layers`;
+    None where it has none)."""
 
     def __init__(self, model: nn.Module) -> None:  # a LlamaModel
         super().__init__()
         self.model = model
 
     def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor, keys: Tensor,
-                values: Tensor) -> Tensor:
+                values: Tensor) -> tuple[Tensor, Tensor | None]:
         """`keys`/`values` are a `KVCache`'s stores as allocated, `[layers * rows, KVH, max_len, hd]` (one size for
         any number of rows, 1 included), written in place from `positions [b]` on; attention reads their first
         `len(key_positions)` entries (`key_positions`: 0, 1, ..)."""
@@ -73,7 +74,10 @@ class DecodeStep(nn.Module):
         causal = key_pos <= query_pos  # [b, 1, G * n, length]; stale entries past a row's length are masked
         windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
         rows_per_layer = keys.shape[0] // len(m.layers)
+        wanted, taken = m.feature_layers or (), []
         for i, layer in enumerate(m.layers):
+            if i in wanted:
+                taken.append(x)
             qkv = project(layer.qkv, layer.input_norm(x))
             qkv = qkv.view(batch, n, heads + 2 * kv_heads, head_dim)
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
@@ -90,7 +94,9 @@ class DecodeStep(nn.Module):
             x = x + project(layer.o_proj, out.reshape(batch, n, heads * head_dim))
             gate, up = project(layer.gate_up, layer.post_norm(x)).chunk(2, dim=-1)
             x = x + project(layer.down, F.silu(gate) * up)
-        return m.norm(x)
+        if len(m.layers) in wanted:
+            taken.append(x)
+        return m.norm(x), (torch.cat(taken, dim=-1) if taken else None)
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
@@ -169,7 +175,7 @@ class CompiledDecode:
                 if (True, n == 1) in self.compiled_shapes:  # compiled already
                     continue
                 tokens = torch.zeros(1, n, dtype=torch.long, device=self.model.device)
-                self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)))
+                self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long))[0])
 
     def stale(self) -> bool:
         """True once any weight changed in place: the frozen constants no longer match the model."""
@@ -180,9 +186,10 @@ class CompiledDecode:
         """Up to MAX_BLOCK tokens per row, for distinct rows of the cache (the compiled step's contract)."""
         return tokens.shape[1] <= MAX_BLOCK and len(torch.unique(slots)) == len(slots)
 
-    def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor) -> Tensor:
-        """Hidden states `[b, n, hidden]` for rows `slots [b]` appending `tokens [b, n]`; writes their new keys and
-        values from `positions [b]` on."""
+    def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor,
+                 positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Hidden states `[b, n, hidden]` for rows `slots [b]` appending `tokens [b, n]`, and their features where the
+        model has feature layers (`DecodeStep`); writes their new keys and values from `positions [b]` on."""
         # attention reads the rows' entries up to the furthest new position, not the whole allocation: the step's
         # cost follows the context. The stores' row count and length and the read length are dynamic dimensions,
         # so neither a new request nor a longer context recompiles (the read length at least 2, the masked entry
