@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import math
 import socket
@@ -23,6 +24,7 @@ from model_factory import make_tokenizer, write_hf_model
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.drafters.model import ModelDrafter
 from specsample.sampling import sample, warp_probs
+import specsample.server.app as app_module
 from specsample.server.app import SpecServer
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
 from specsample.speculator import EngineOptions, load
@@ -158,7 +160,8 @@ def _post(live, path: str, body, headers=None, **kwargs) -> httpx.Response:
 
 def _metrics(live) -> dict[str, float]:
     values = {}
-    for family in text_string_to_metric_families(httpx.get(live.url + "/metrics").text):
+    metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    for family in text_string_to_metric_families(metrics.text):
         for sample_ in family.samples:
             values[sample_.name + json.dumps(sample_.labels, sort_keys=True)] = sample_.value
     return values
@@ -252,9 +255,9 @@ def test_a_failed_round_ends_its_requests_with_an_error(live, monkeypatch) -> No
     assert _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 200
 
 
-def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, monkeypatch) -> None:
+def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, monkeypatch, caplog) -> None:
     """Four non-streamed requests whose clients close the connection mid-generation are cancelled: their rows free,
-    each counted as cancelled, and far fewer than max_tokens generated."""
+    each counted as cancelled, far fewer than max_tokens generated, and asyncio logs nothing about them."""
     engine, runner = live.server.engine, live.server.runner
     request = {"prompt": "the lazy dog", "max_tokens": 100, "temperature": 0.8, "seed": 0}
     whole = _post(live, "/v1/completions", request).json()
@@ -284,6 +287,8 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     after = _metrics(live)
     assert runner.in_flight == 0 and engine.num_running == 0
     assert _count(after, "cancelled") - _count(before, "cancelled") == 4
+    gc.collect()  # an abandoned future's unretrieved exception is logged when it is collected
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     generated = after["specsample_generation_tokens_total{}"] - before["specsample_generation_tokens_total{}"]
     assert generated < 4 * 100 * 0.75
 
@@ -301,6 +306,10 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),  # logits / 1e-300 overflow
+    ({"prompt": "hi", "repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # "²" is a digit to str.isdigit
+    ({"prompt": "hi", "logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),  # "١٢" would read as token 12
 ])
 def test_bad_completion_requests_name_their_parameter(live, body, param) -> None:
     response = _post(live, "/v1/completions", body)
@@ -329,6 +338,44 @@ def test_a_top_p_below_float32_keeps_the_top_token(live) -> None:
     tiny = _post(live, "/v1/completions", {"prompt": "hello world", "max_tokens": 20, "top_p": 1e-300, "seed": 3})
     assert tiny.status_code == 200, tiny.text
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_deep_bodies_and_schemas_are_400(live) -> None:
+    """A body nested 30,000 levels (past json's recursion limit) and one past MAX_JSON_DEPTH, on the inference and the
+    admin routes, and schemas nested 900 and 80 levels: each a 400 in JSON, and the server carries on."""
+    deep = b'{"prompt": "hi", "user": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    over = json.dumps({"prompt": "hi", "user": json.loads("[" * 101 + "]" * 101)}).encode()
+
+    def schema_request(levels: int) -> dict:
+        schema = json.loads('{"type": "array", "items": ' * levels + "{}" + "}" * levels)
+        return {"messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+
+    answers = [_post(live, "/v1/completions", deep), _post(live, "/v1/completions", over),
+               _post(live, "/admin/draft", deep, headers={"Authorization": f"Bearer {ADMIN}"}),
+               _post(live, "/v1/chat/completions", schema_request(900)),
+               _post(live, "/v1/chat/completions", schema_request(80))]
+    assert answers[-1].json()["error"]["param"] == "response_format.json_schema.schema"
+    assert "the schema nests 81 levels deep; the limit is 64" in answers[-1].json()["error"]["message"]
+    for response in answers:
+        assert response.status_code == 400, response.text
+        assert "nests" in response.json()["error"]["message"]
+    assert _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_need_a_key_when_the_server_has_one(live, monkeypatch) -> None:
+    """With --api-key, /metrics answers the metrics key or the admin key, not the inference key nor no key; a server
+    with an API key but neither of the others says how to open it."""
+    def status(key: str | None) -> int:
+        return httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).status_code
+
+    assert [status(k) for k in (None, KEY, "wrong", ADMIN)] == [401, 401, 401, 200]
+    monkeypatch.setattr(live.server, "options", dataclasses.replace(live.server.options, metrics_key="metrics-key"))
+    assert [status(k) for k in (None, KEY, "metrics-key", ADMIN)] == [401, 401, 200, 200]
+    monkeypatch.setattr(live.server, "options", dataclasses.replace(live.server.options, metrics_key=None,
+                                                                    admin_key=None))
+    refused = httpx.get(live.url + "/metrics", headers=AUTH)
+    assert refused.status_code == 401 and "--metrics-key" in refused.json()["error"]["message"]
 
 
 def test_keys_are_compared_as_bytes(live) -> None:
@@ -383,9 +430,9 @@ def test_tokenizing_runs_off_the_event_loop(live, monkeypatch) -> None:
     assert slow_status == health_status == 200 and waited < 0.5
 
 
-def _swap(live, spec: str, key: str = ADMIN) -> httpx.Response:
-    return httpx.post(live.url + "/admin/draft", json={"draft": spec}, headers={"Authorization": f"Bearer {key}"},
-                      timeout=60)
+def _swap(live, spec: str, key: str = ADMIN, body_extra: dict | None = None) -> httpx.Response:
+    return httpx.post(live.url + "/admin/draft", json={"draft": spec, **(body_extra or {})},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
 def test_admin_needs_its_own_key_and_exists_only_with_one(live, monkeypatch) -> None:
@@ -395,7 +442,7 @@ def test_admin_needs_its_own_key_and_exists_only_with_one(live, monkeypatch) -> 
     assert _swap(live, "ngram", key=ADMIN).status_code == 404
 
 
-def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folders) -> None:
+def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folders, monkeypatch) -> None:
     """Specs outside the built-in drafts and the models folder, missing ones, files, folders elsewhere, escapes from
     the folder and drafts that do not fit the target all get the same answer; drafts in the folder swap in."""
     outside = folders["target"]
@@ -417,6 +464,11 @@ def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folder
     for spec in ("ngram", "hybrid:draft", "draft"):
         response = _swap(live, spec)
         assert response.status_code == 200, response.text
+    fetched = []  # an alias not in the cache is refused, never downloaded
+    monkeypatch.setattr(app_module, "alias_cached", lambda name: False)
+    monkeypatch.setattr(live.server.speculator.pair, "load_draft", lambda spec: fetched.append(spec))
+    assert _swap(live, "gemma3-270m").status_code == 400 and not fetched
+    assert _swap(live, "gemma3-270m", body_extra={"other": 1}).status_code == 400
     assert httpx.get(live.url + "/health").json()["draft"] == "draft"
 
 

@@ -116,7 +116,7 @@ def test_penalties_and_bias_change_the_output(live) -> None:
     ("chat", {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
      "response_format.json_schema"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
-     "response_format"),
+     "response_format.json_schema.schema"),
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("chat", {"logit_bias": {"99999": 1}}, "logit_bias"),
