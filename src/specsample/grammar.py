@@ -21,10 +21,11 @@ from specsample.config import Grammar, SettingError
 from specsample.json_schema import SchemaError, served_schema
 
 COMPILED_KEPT = 64  # compiled grammars kept per compiler (least recently used dropped first)
-# the class xgrammar writes for the characters of a length-bounded string: it admits raw control characters, which
-# JSON forbids inside a string; replaced by the class of its plain strings
-_LENGTH_CLASS = r'[^\"\\\r\n]'
-_STRING_CLASS = r'[^\0-\x1f\"\\]'
+# the classes xgrammar writes for a string's characters (in length-bounded strings, and in the others) admit
+# surrogate code points, whose UTF-8 is invalid (a decoder reads three replacement characters), and the first raw
+# control characters, which JSON forbids inside a string; each is replaced by the class of what JSON holds as itself
+_XGRAMMAR_STRING_CLASSES = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_STRING_CLASS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # xgrammar's "[time] source.cc:line: " before a message
 
 
@@ -130,7 +131,9 @@ def compile_grammar(compiler, grammar: Grammar):
         if grammar.kind in ("json_object", "json_schema"):
             schema = grammar.text if grammar.kind == "json_schema" else json.dumps({"type": "object"})
             ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-            return compiler.compile_grammar(ebnf.replace(_LENGTH_CLASS, _STRING_CLASS))
+            for written in _XGRAMMAR_STRING_CLASSES:
+                ebnf = ebnf.replace(written, _STRING_CLASS)
+            return compiler.compile_grammar(ebnf)
         if grammar.kind == "regex":
             return compiler.compile_regex(grammar.text)
         return compiler.compile_grammar(grammar.text)

@@ -33,7 +33,15 @@ MAX_PATTERN_SIZE = 1000  # characters a pattern spells out with its bounded repe
 ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$comment", "deprecated", "readOnly",
                          "writeOnly", "$schema"})
 TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
-FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+# formats whose grammar writes only valid values (not xgrammar's ipv4: leading zeros; hostname: labels past 63
+# characters; uri: not checked)
+FORMATS = frozenset({"duration", "email", "ipv6", "uuid"})
+# formats served as patterns of valid values only (xgrammar's own allow September 31): RFC 3339's date (February to
+# the 28th), time and date-time
+_DATE = (r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
 STRING_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format"})
 NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 ARRAY_KEYWORDS = frozenset({"items", "prefixItems", "minItems", "maxItems", "uniqueItems"})
@@ -200,10 +208,14 @@ class _Walk:
             if name in keys:
                 out[name] = _count(schema[name], name, path)
         if "format" in keys:
-            if schema["format"] not in FORMATS:
-                raise SchemaError(f"format{_at(path)}: {schema['format']!r} is not enforced; the supported formats "
-                                  f"are {', '.join(sorted(FORMATS))}")
-            out["format"] = schema["format"]
+            kind = schema["format"]
+            if kind in FORMAT_PATTERNS:
+                out["pattern"] = json_text_pattern(FORMAT_PATTERNS[kind])
+            elif kind in FORMATS:
+                out["format"] = kind
+            else:
+                raise SchemaError(f"format{_at(path)}: {kind!r} is not enforced; the supported formats are "
+                                  f"{', '.join(sorted(FORMATS | set(FORMAT_PATTERNS)))}")
         if "pattern" in keys:
             if not isinstance(schema["pattern"], str):
                 raise SchemaError(f"pattern{_at(path)} must be a string")
@@ -386,6 +398,8 @@ def _minus(ranges, removed) -> list[tuple[int, int]]:
 
 
 def _class_text(ranges: list[tuple[int, int]]) -> str:
+    if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
+        return _char(ranges[0][0])  # as the parser reads it back: the served form is its own served form
     return "[" + "".join(_char(lo) if lo == hi else f"{_char(lo)}-{_char(hi)}" for lo, hi in ranges) + "]"
 
 

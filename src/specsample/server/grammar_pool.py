@@ -96,6 +96,7 @@ class GrammarPool:
             sys.executable, "-m", "specsample.server.grammar_worker", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
         worker = _Worker(process)
+        self._busy.add(worker)  # from its start: close() kills it
         try:
             async with asyncio.timeout(WORKER_START_TIMEOUT):
                 process.stdin.write(struct.pack(">I", len(self._tokenizer)) + self._tokenizer)
@@ -103,9 +104,11 @@ class GrammarPool:
                 ready = await worker.answer()
         except BaseException:
             worker.kill()
+            self._busy.discard(worker)
             raise
         if not ready.get("ready"):
             worker.kill()
+            self._busy.discard(worker)
             raise CompileFailed("the grammar compiler process did not start")
         return worker
 
