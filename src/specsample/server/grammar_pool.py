@@ -45,6 +45,7 @@ class GrammarPool:
         self._slots: asyncio.Semaphore | None = None  # made in the serving loop, on first use
         self._tokenizer: bytes | None = None
         self._closed = False
+        self.compiled = 0  # grammars the workers compiled (cache hits not counted)
 
     async def compile(self, grammar: Grammar) -> None:
         """Make `grammar` compiled in the compiler's cache. Raises `SettingError` for a grammar the compiler refuses,
@@ -83,6 +84,7 @@ class GrammarPool:
             self._idle.append(worker)
         finally:
             self._slots.release()
+        self.compiled += 1
         if "error" in answer:
             raise SettingError("grammar", answer["error"])
         self.compiler.adopt(grammar, answer["compiled"])
