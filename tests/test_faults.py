@@ -5,10 +5,12 @@ route is closed and says nothing about the filesystem, and the command line refu
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import gc
 import json
 import math
+import random
 import socket
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from specsample import Engine, SamplingParams, SpecConfig
 from specsample.drafters.model import ModelDrafter
 from specsample.sampling import sample, warp_probs
 import specsample.server.app as app_module
-from specsample.server.app import SpecServer
+from specsample.server.app import SpecServer, build_app
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
 from specsample.speculator import EngineOptions, load
 from test_cli import run_cli
@@ -523,3 +525,94 @@ def test_generate_with_a_tiny_top_p_gives_the_greedy_text(folders) -> None:
     tiny = run_cli(*args, "--top-p", "1e-300", "--seed", "0")
     assert tiny.returncode == 0, tiny.stderr
     assert json.loads(tiny.stdout)["token_ids"] == json.loads(run_cli(*args, "--temperature", "0").stdout)["token_ids"]
+
+
+# ----- fuzzing: generated bad bodies never get a 5xx ------------------------------------------------------------
+
+FUZZ_BODIES = 3000
+EDGES = [None, True, False, 0, -1, 1, 2**63, 2**64, -2**63 - 1, 10**40, 1e308, -1e308, 5e-324, 1e-300, 0.5, -0.0,
+         "", "x", "0", "1e999", "\u0000", "\u202e\u0661\u00b2", "\U0001f600" * 50, "x" * 5000, [], {}, [[]], [1, 2],
+         {"a": 1}, {"type": "object"}, ["a"] * 300]
+RAW = [b"", b"{", b"[", b'{"prompt": "hi"', b"\xff\xfe{}", b'{"prompt": "\\ud800"}', b'{"prompt": NaN}',
+       b'{"prompt": "hi", "temperature": Infinity}', b'{"prompt": "hi", "max_tokens": 1e999}', b"null", b"[]",
+       b'{"prompt": "hi", "prompt": 5}', b'{"\\u0000": 1}', b"[" * 5000, b'{"a":' * 3000]
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
+          "stream_options", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "response_format", "cache_salt", "user", "model", "echo", "suffix",
+          "num_speculative_tokens", "speculative", "max_completion_tokens", "best_of", "\u00e9", "a" * 300]
+SCHEMA_KEYS = ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref",
+               "pattern", "minLength", "maxLength", "minimum", "maximum", "format", "additionalProperties", "$defs",
+               "prefixItems", "minItems", "uniqueItems", "description", "if"]
+
+
+def _fuzz_value(rng, depth: int = 0):
+    roll = rng.random()
+    if roll < 0.55 or depth > 3:
+        return rng.choice(EDGES)
+    if roll < 0.7:
+        return [_fuzz_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if roll < 0.85:
+        return {rng.choice(FIELDS + SCHEMA_KEYS): _fuzz_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+    levels = rng.choice([50, 120, 2000])
+    return json.loads("[" * levels + "]" * levels) if levels < 500 else "[" * levels
+
+
+def _fuzz_schema(rng, depth: int = 0):
+    if depth > 2 or rng.random() < 0.3:
+        return rng.choice([{"type": t} for t in ("string", "integer", "boolean", "object", "bogus")] + EDGES[:8])
+    return {rng.choice(SCHEMA_KEYS): rng.choice([_fuzz_schema(rng, depth + 1), [_fuzz_schema(rng, depth + 1)],
+                                                 _fuzz_value(rng, depth + 1), "^.{1,5000}$", "#/$defs/x"])
+            for _ in range(rng.randrange(1, 4))}
+
+
+def _fuzz_body(rng) -> tuple[str, bytes]:
+    """A path and a generated body: raw bytes, a wrong top-level value, or a valid request with fields replaced."""
+    chat = rng.random() < 0.5
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    roll = rng.random()
+    if roll < 0.1:
+        return path, rng.choice(RAW)
+    if roll < 0.15:
+        return path, json.dumps(_fuzz_value(rng)).encode()
+    body: dict = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}) | {"max_tokens": 1}
+    for _ in range(rng.randrange(1, 4)):
+        body[rng.choice(FIELDS)] = _fuzz_value(rng)
+    if rng.random() < 0.2:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "f", "schema": _fuzz_schema(rng)}}
+    text = json.dumps(body, ensure_ascii=rng.random() < 0.5)
+    return path, text.encode("utf-8", "surrogatepass")
+
+
+def test_generated_bad_bodies_get_no_5xx_and_leave_the_server_healthy(live) -> None:
+    """FUZZ_BODIES generated bodies (types, sizes, depths, Unicode, numbers at the edges, random schemas) through an
+    in-process client: no 5xx, every error in the OpenAI shape, and a healthy server afterwards."""
+    server = SpecServer(live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128,
+                                                             grammar_workers=1))
+    app = build_app()
+    app.state.server = server
+    rng, statuses = random.Random(55), collections.Counter()
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fuzz", timeout=60) as client:
+            for _ in range(FUZZ_BODIES):
+                path, body = _fuzz_body(rng)
+                response = await client.post(path, content=body, headers={"content-type": "application/json"})
+                statuses[response.status_code] += 1
+                assert response.status_code < 500, (body[:300], response.text[:300])
+                if response.status_code >= 400:
+                    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            health = await client.get("/health")
+            assert health.status_code == 200 and health.json()["running"] == 0
+            ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+    async def serve() -> None:
+        server.start()
+        try:
+            await run()
+        finally:
+            server.stop()  # in the loop its grammar workers were started in
+
+    asyncio.run(serve())
+    assert statuses[400] > FUZZ_BODIES / 2 and statuses[200] > 0, statuses

@@ -115,7 +115,8 @@ class GrammarPool:
         return worker
 
     def close(self) -> None:
-        """Kill every worker (compiles in progress fail with `CompileFailed`); later compiles are refused."""
+        """Kill every worker (compiles in progress fail with `CompileFailed`); later compiles are refused. Called in
+        the serving loop."""
         self._closed = True
         for worker in [*self._idle, *self._busy]:
             worker.kill()
@@ -141,11 +142,14 @@ class _Worker:
         return json.loads(await self.process.stdout.readexactly(size))
 
     def kill(self) -> None:
+        """Kill the process and close its pipes (in the loop that started it: asyncio's transport is not
+        thread-safe)."""
         if self.process.returncode is None:
             try:
                 self.process.kill()
             except ProcessLookupError:
                 pass
+        self.process._transport.close()  # its pipes now, not when collected after the loop has closed
 
     @property
     def returncode(self) -> int | None:
