@@ -374,3 +374,52 @@ def test_a_second_signal_ends_requests_at_once(live, monkeypatch) -> None:
     assert events[-1] == "data: [DONE]" and plain.status_code == 503 and elapsed < 1.0
     server.thread.join(timeout=10)
     assert not server.thread.is_alive()
+
+
+# ----- what a seed reproduces (docs/serving.md#reproducibility) -------------------------------------------------
+
+SEEDED = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.9, "seed": 2024}
+OTHERS = [{"prompt": p, "max_tokens": 24, "temperature": 0.9, "seed": i} for i, p in enumerate(PROMPTS[1:4])]
+
+
+def _texts(server: LiveServer, bodies: list[dict]) -> list[str]:
+    """The texts of `bodies`, sent together (batched by the server)."""
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+        return [c["text"] for a in answers for c in a.json()["choices"]]
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def bf16_servers(folders):
+    """The server's defaults (rejection sampling, gamma auto) in bfloat16, and deterministic mode in bfloat16."""
+    servers = [LiveServer(SpecServer(load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]),
+                                                        gamma="auto", max_gamma=4, dtype="bfloat16", **extra)),
+                                     ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128)))
+               for extra in ({}, {"deterministic": True})]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+def test_a_seed_reproduces_alone_with_a_fixed_gamma_under_the_default_sampling(bf16_servers) -> None:
+    """Rejection sampling in bfloat16: a seeded request run alone with a fixed num_speculative_tokens, or without
+    speculation, gives the same text each time."""
+    default, _ = bf16_servers
+    for extra in ({"num_speculative_tokens": 3}, {"speculative": False}):
+        texts = [_texts(default, [SEEDED | extra])[0] for _ in range(3)]
+        assert texts[0] == texts[1] == texts[2]
+
+
+def test_a_seed_reproduces_whatever_the_batch_in_deterministic_mode(bf16_servers) -> None:
+    """Deterministic mode in bfloat16 with gamma auto: a seeded request gives the same text alone, three times in one
+    batch beside other requests, and without speculation; choice i of n equals n=1 with seed + i."""
+    _, deterministic = bf16_servers
+    alone = _texts(deterministic, [SEEDED])[0]
+    batched = _texts(deterministic, [SEEDED] * 3 + OTHERS)[:3]
+    plain = _texts(deterministic, [SEEDED | {"speculative": False}])[0]
+    assert batched == [alone] * 3 and plain == alone
+    choices = _texts(deterministic, [SEEDED | {"n": 3}])
+    assert choices == [_texts(deterministic, [SEEDED | {"seed": 2024 + i}])[0] for i in range(3)]
