@@ -19,7 +19,7 @@ from model_factory import make_tokenizer
 from specsample.config import Grammar, SettingError
 from specsample.grammar import GrammarCompiler, unpack_bitmask
 from specsample.json_schema import MAX_PATTERN_SIZE, SchemaError, served_schema
-from specsample.server.grammar_pool import CompileTimeout, GrammarPool
+from specsample.server.grammar_pool import GrammarPool
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -55,7 +55,7 @@ CORPUS = [
     {"type": "object"},
     {"type": "object", "properties": {"ключ \"q\"": {"const": "значение\t"}}, "required": ["ключ \"q\""]},
 ]
-WALKS = 24  # random walks per schema
+WALKS = 16  # random walks per schema
 STEPS = 300  # tokens a walk may take before it is dropped as unfinished
 
 
@@ -210,27 +210,14 @@ def test_grammar_errors_carry_no_build_paths(compiler) -> None:
     assert "minimum greater than maximum" in message and ".cc" not in message and "[" not in message
 
 
-def test_the_pool_compiles_caches_by_served_form_and_kills_late_or_cancelled_compiles(compiler) -> None:
-    """One worker compiles a grammar; a schema differing only in its description is then a cache hit; a compile past
-    the time limit, and one cancelled while its worker starts, kill their worker processes."""
+def test_a_compile_cancelled_while_its_worker_starts_kills_the_worker(compiler) -> None:
+    """A cancelled compile (its client left) kills its worker process, here while it starts; the time limit's kill,
+    and the cache keyed by the served form, are tested through the server (test_server_structured.py)."""
     _, grammars = compiler
 
     async def run():
         pool = GrammarPool(grammars, workers=1, timeout=60)
         try:
-            first = Grammar.json_schema(served_schema({"type": "object", "description": "a",
-                                                       "properties": {"x": {"type": "integer"}}}))
-            await pool.compile(first)
-            assert grammars.cached(first) is not None and pool.started == 1
-            again = Grammar.json_schema(served_schema({"type": "object", "description": "b",
-                                                       "properties": {"x": {"type": "integer"}}}))
-            assert again == first and grammars.cached(again) is not None
-            worker = pool._idle[0]
-            pool.timeout = 1e-4
-            with pytest.raises(CompileTimeout):
-                await pool.compile(Grammar.json_schema(served_schema({"type": "string", "pattern": "^.{999}$"})))
-            assert await asyncio.wait_for(worker.process.wait(), 5) != 0 and pool.started == 0
-            pool.timeout = 60
             starting = asyncio.ensure_future(pool.compile(Grammar.json_schema({"type": "boolean"})))
             while not pool._busy:
                 await asyncio.sleep(0.01)

@@ -5,6 +5,7 @@ output, a 400 naming the parameter for everything we refuse, and a second chat t
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -40,7 +41,7 @@ def live(tmp_path_factory):
 def test_json_schema_output_validates(live) -> None:
     client = live.client()
     response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
-    for temperature, seed in ((0, None), (1.0, 3), (1.0, 4)):
+    for temperature, seed in ((0, None), (1.0, 3)):  # more sampled documents: the corpus test below
         out = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, temperature=temperature,
                                              seed=seed, response_format=response_format)
         assert out.choices[0].finish_reason == "stop"
@@ -206,8 +207,13 @@ def test_a_schema_compiles_once_whatever_its_annotations_and_within_its_time_lim
     for note in ("first", "second", "third"):
         ask({"type": "object", "title": note, "properties": {"z": {"type": "integer", "description": note}}})
     assert pool.compiled - before == 1
+    idle = list(pool._idle)  # the late compile takes the last
     monkeypatch.setattr(pool, "timeout", 1e-4)
     with pytest.raises(openai.BadRequestError) as caught:
         ask({"type": "object", "properties": {"late": {"type": "string", "pattern": "^.{900}$"}}})
     error = caught.value.body
     assert error["param"] == "response_format" and "--grammar-compile-timeout" in error["message"]
+    deadline = time.time() + 5
+    while idle[-1].returncode is None and time.time() < deadline:  # reaped in the server's loop
+        time.sleep(0.02)
+    assert idle[-1].returncode is not None and pool.started == len(idle) - 1  # its worker was killed

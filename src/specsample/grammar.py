@@ -21,7 +21,7 @@ from specsample.config import Grammar, SettingError
 from specsample.json_schema import SchemaError, served_schema
 
 COMPILED_KEPT = 64  # compiled grammars kept per compiler (least recently used dropped first)
-# the classes xgrammar writes for a string's characters (in length-bounded strings, and in the others) admit
+# the classes xgrammar (0.2) writes for a string's characters (in length-bounded strings, and in the others) admit
 # surrogate code points, whose UTF-8 is invalid (a decoder reads three replacement characters), and the first raw
 # control characters, which JSON forbids inside a string; each is replaced by the class of what JSON holds as itself
 _XGRAMMAR_STRING_CLASSES = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')

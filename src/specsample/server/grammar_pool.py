@@ -71,7 +71,7 @@ class GrammarPool:
             self._busy.add(worker)
             try:
                 async with asyncio.timeout_at(deadline):
-                    answer = await worker.ask({"kind": grammar.kind, "text": grammar.text})
+                    answer = await worker.ask({"kind": grammar.kind, "text": grammar.text})  # raw JSON
             except BaseException as exc:  # timed out, cancelled (client gone) or the worker died: it goes
                 worker.kill()
                 if isinstance(exc, TimeoutError):
@@ -85,9 +85,33 @@ class GrammarPool:
         finally:
             self._slots.release()
         self.compiled += 1
-        if "error" in answer:
-            raise SettingError("grammar", answer["error"])
-        self.compiler.adopt(grammar, answer["compiled"])
+        # a compiled grammar is megabytes of JSON (its token masks): read it back off the event loop
+        error = await asyncio.to_thread(self._adopt, grammar, answer)
+        if error is not None:
+            raise SettingError("grammar", error)
+
+    def _adopt(self, grammar: Grammar, answer: bytes) -> str | None:
+        """Cache the worker's compiled grammar; the compiler's refusal instead, if it refused."""
+        reply = json.loads(answer)
+        if "error" in reply:
+            return reply["error"]
+        self.compiler.adopt(grammar, reply["compiled"])
+        return None
+
+    async def warm(self) -> None:
+        """Start one worker ahead of the first compile (a start takes seconds: xgrammar's import)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.workers)
+        async with self._slots:
+            if self._idle or self._closed:
+                return
+            try:
+                worker = await self._start()
+            except (CompileFailed, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                log.warning("could not start a grammar compiler process ahead of time: %s", exc)
+                return
+            self._busy.discard(worker)
+            self._idle.append(worker)
 
     async def _start(self) -> _Worker:
         if self._tokenizer is None:
@@ -103,7 +127,7 @@ class GrammarPool:
             async with asyncio.timeout(WORKER_START_TIMEOUT):
                 process.stdin.write(struct.pack(">I", len(self._tokenizer)) + self._tokenizer)
                 await process.stdin.drain()
-                ready = await worker.answer()
+                ready = json.loads(await worker.answer())
         except BaseException:
             worker.kill()
             self._busy.discard(worker)
@@ -132,14 +156,15 @@ class _Worker:
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self.process = process
 
-    async def ask(self, request: dict) -> dict:
+    async def ask(self, request: dict) -> bytes:
         self.process.stdin.write(frame(request))
         await self.process.stdin.drain()
         return await self.answer()
 
-    async def answer(self) -> dict:
+    async def answer(self) -> bytes:
+        """The next frame's JSON, unparsed."""
         (size,) = struct.unpack(">I", await self.process.stdout.readexactly(4))
-        return json.loads(await self.process.stdout.readexactly(size))
+        return await self.process.stdout.readexactly(size)
 
     def kill(self) -> None:
         """Kill the process and close its pipes (in the loop that started it: asyncio's transport is not

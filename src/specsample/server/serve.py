@@ -33,7 +33,11 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.spec.grammar_pool is not None:  # the first structured request then waits for no process start
+            warming = self._loop.create_task(self.spec.grammar_pool.warm())
         await super().serve(sockets)
+        if self.spec.grammar_pool is not None:
+            warming.cancel()
 
     def handle_exit(self, sig: int, frame) -> None:
         # not recorded as uvicorn records signals: it would raise the signal again once shut down (exit status != 0)
