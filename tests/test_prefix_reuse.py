@@ -31,8 +31,8 @@ def drafter_for(kind: str, draft):
             "hybrid": lambda: HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2)}[kind]()
 
 
-def serve(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
-    engine.add_request(prompt, params)
+def serve(engine: Engine, prompt: list[int], params: SamplingParams, scope: str = "") -> tuple[list[int], list]:
+    engine.add_request(prompt, params, cache_scope=scope)
     tokens, stats = [], []
     for result in engine.stream():
         stats.append(result.stats)
@@ -80,3 +80,16 @@ def test_nothing_is_kept_without_prefix_cache_rows(models) -> None:
     first, _ = serve(engine, HISTORY, SamplingParams(temperature=0, max_new_tokens=4))
     _, stats = serve(engine, HISTORY + first + [1], SamplingParams(temperature=0, max_new_tokens=4))
     assert stats[0].prefix_hits == 0 and not engine._kept
+
+
+def test_rows_are_reused_only_within_their_cache_scope(models) -> None:
+    """B's request sharing A's whole history reuses nothing of A's and leaves A's kept row where it was: A's next turn
+    still reuses it."""
+    target, draft = models
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    engine = Engine(target, ModelDrafter(draft), SpecConfig(gamma=3, max_batch_size=1, prefix_cache_rows=2))
+    reply, _ = serve(engine, HISTORY, params, scope="A")
+    _, stats = serve(engine, HISTORY + reply + [1], params, scope="B")
+    assert stats[0].prefix_hits == 0 and stats[0].reused_tokens == 0
+    _, stats = serve(engine, HISTORY + reply + [2], params, scope="A")
+    assert stats[0].prefix_hits == 1 and stats[0].reused_tokens == len(HISTORY) + len(reply) - 1

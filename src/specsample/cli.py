@@ -18,7 +18,8 @@ from specsample.models.hub import ALIASES, FetchError
 from specsample.models.loader import RUNTIMES
 from specsample.models.quant import INT4_GROUP_SIZES, QUANT_MODES
 from specsample.models.row_padding import PAD_MODES
-from specsample.server.options import DEFAULT_MAX_BODY_BYTES
+from specsample.server.options import (DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
+                                       DEFAULT_SHUTDOWN_TIMEOUT)
 from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device, parse_gamma
 
 
@@ -264,6 +265,17 @@ def _add_serve_parser(sub) -> None:
                             "turn of a chat, which then prefills only what is new (default 4; 0: none)")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    serve.add_argument("--metrics-key", default=None,
+                       help="/metrics then needs 'Authorization: Bearer METRICS_KEY' (the admin key also works); with "
+                            "--api-key, /metrics answers only to these keys")
+    serve.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+                       help="seconds a request's response_format grammar may take to compile, waiting for a free "
+                            f"compiler included (default {DEFAULT_GRAMMAR_COMPILE_TIMEOUT:g}); past it: 400")
+    serve.add_argument("--grammar-workers", type=int, default=2,
+                       help="processes compiling grammars apart from the decoding loop (default 2)")
+    serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                       help="seconds requests in flight may finish in after SIGTERM or Ctrl-C; then they are ended "
+                            f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); a second signal ends them at once")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
     serve.add_argument("--min-acceptance", type=float, default=None,
                        help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)")
@@ -574,20 +586,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
                             max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
-                            max_body_bytes=args.max_body_bytes, prefix_cache_rows=args.prefix_cache_rows)
+                            max_body_bytes=args.max_body_bytes, prefix_cache_rows=args.prefix_cache_rows,
+                            metrics_key=args.metrics_key, grammar_compile_timeout=args.grammar_compile_timeout,
+                            grammar_workers=args.grammar_workers, shutdown_timeout=args.shutdown_timeout)
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
-    import uvicorn
-
-    from specsample.server.app import SpecServer, build_app
+    from specsample.server.app import SpecServer
+    from specsample.server.serve import serve_http
     from specsample.speculator import load
 
     server = SpecServer(load(options, say=_say), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
     _say(f"serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    serve_http(server, args.host, args.port)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -15,6 +15,9 @@ SEED_LIMIT = 2**64  # seeds are 0 <= seed < SEED_LIMIT (torch.Generator's range 
 MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities of, per token
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+# repetition_penalty's range: a logit divided or multiplied by it stays finite in float32 and bfloat16 up to
+# |logit| 3.4e34, far beyond any model's (a penalty of 1e-300 would make it infinite)
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 class SettingError(ValueError):
@@ -84,7 +87,8 @@ class SamplingParams:
     # prompt's and the generated ones
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from a token that appeared
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per appearance
-    repetition_penalty: float = 1.0  # > 0: a seen token's positive logit divided by it, a negative one multiplied
+    repetition_penalty: float = 1.0  # in [1e-4, 1e4]: a seen token's positive logit divided by it, a negative one
+    # multiplied
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits; a mapping
     # is accepted and stored as sorted pairs
     grammar: Grammar | None = None  # the output must follow it (a token it disallows has probability 0)
@@ -112,8 +116,9 @@ class SamplingParams:
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise SettingError(name, f"{name} must be in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
-            raise SettingError("repetition_penalty", f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_real(rp) or not low <= rp <= high:
+            raise SettingError("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}], got {rp!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise SettingError("grammar", f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")

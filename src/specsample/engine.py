@@ -111,6 +111,7 @@ class _Row:
     generator: torch.Generator
     speculative: bool
     gamma: int | None
+    cache_scope: str = ""  # a kept row's cache is reused only by a request of the same scope
     noise: NoiseStream | None = None  # coupled sampling (SpecConfig.coupled), not greedy: its per-position noise
     processors: RowProcessors | None = None  # penalties, logit bias, grammar: None when the params have none
     slot: int = -1
@@ -183,9 +184,9 @@ class Engine:
         self.drafter = _allocate_or_drop(drafter, slots, self.max_len + config.most_drafts + 2)
         self._abilities: tuple[Drafter | None, bool, bool, bool] = (None, False, False, False)  # see _abilities_of
         self._free_slots = list(range(slots))
-        # finished rows whose caches are kept for a request sharing their prefix: slot -> the tokens the target's
-        # cache holds, least recently finished first
-        self._kept: OrderedDict[int, list[int]] = OrderedDict()
+        # finished rows whose caches are kept for a request sharing their prefix: slot -> (the row's cache scope, the
+        # tokens the target's cache holds), least recently finished first
+        self._kept: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()
         self._waiting: deque[_Row] = deque()
         self._running: dict[int, _Row] = {}  # slot -> row
         self._cancelled: set[str] = set()
@@ -201,8 +202,10 @@ class Engine:
         request_id: str | None = None,
         speculative: bool = True,
         gamma: int | None = None,
+        cache_scope: str = "",
     ) -> str:
-        """Queue a request; it joins the running batch at the next round with a free slot."""
+        """Queue a request; it joins the running batch at the next round with a free slot. It reuses the cache of a
+        finished request sharing its prefix only where both have the same `cache_scope` (a tenant, say)."""
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, params, gamma)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -212,6 +215,7 @@ class Engine:
             generator=torch.Generator().manual_seed(seed),
             speculative=speculative and self.drafter is not None and self.config.speculative,
             gamma=gamma,
+            cache_scope=cache_scope,
             noise=NoiseStream(seed, self.target.vocab_size) if self.config.coupled and not params.greedy else None,
             processors=(RowProcessors(params, prompt, self.target.vocab_size, self.grammars) if params.processed
                         else None),
@@ -608,11 +612,13 @@ class Engine:
 
     def _take_slot(self, row: _Row) -> int:
         """Give `row` a slot; return how many leading prompt tokens that slot's target cache already holds. The kept
-        row sharing the longest prefix with its prompt (at least MIN_REUSED tokens) is taken; else a free slot; else
-        the least recently kept row is dropped for it."""
+        row of the row's cache scope sharing the longest prefix with its prompt (at least MIN_REUSED tokens) is taken;
+        else a free slot; else the least recently kept row is dropped for it."""
         cacheable = row.prompt[:-1]  # the last prompt token is scored in the first round
         best, shared = None, 0
-        for slot, tokens in self._kept.items():
+        for slot, (scope, tokens) in self._kept.items():
+            if scope != row.cache_scope:
+                continue
             n = _common_prefix(tokens, cacheable)
             if n > shared:
                 best, shared = slot, n
@@ -666,7 +672,7 @@ class Engine:
                 tokens = row.prompt + row.output
                 held = min(int(self.cache.lengths[row.slot]), len(tokens))  # entries past an EOS cut are dropped
                 self.cache.truncate(torch.tensor([row.slot]), torch.tensor([held]))
-                self._kept[row.slot] = tokens[:held]
+                self._kept[row.slot] = (row.cache_scope, tokens[:held])
             while len(self._kept) > self.config.prefix_cache_rows:
                 slot, _ = self._kept.popitem(last=False)
                 self._forget(slot)

@@ -8,6 +8,8 @@ from pathlib import Path
 from specsample.config import SettingError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full context of text is a few tens of KiB
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample.json_schema's limits take < 1 s
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after SIGTERM or Ctrl-C
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,10 @@ class ServerOptions:
     # finished requests' cache rows kept for requests sharing their prefix (the next turn of a chat): each costs what
     # a running row's caches cost
     prefix_cache_rows: int = 4
+    metrics_key: str | None = None  # /metrics needs 'Authorization: Bearer METRICS_KEY' (or the admin key)
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT  # a request's grammar compile, its wait included
+    grammar_workers: int = 2  # processes compiling grammars, apart from the decoding loop
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT  # after it, requests still running are ended (503 / error)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -41,9 +47,19 @@ class ServerOptions:
                                f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise SettingError("min_acceptance", f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
-        for name in ("api_key", "admin_key"):
+        for name in ("api_key", "admin_key", "metrics_key"):
             if getattr(self, name) == "":
                 raise SettingError(name, f"{name} must not be empty")
+        if self.metrics_key is not None and self.metrics_key == self.api_key:
+            raise SettingError("metrics_key", "metrics_key must differ from api_key")
+        for name in ("grammar_compile_timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise SettingError(name, f"{name} must be a number of seconds > 0, got {value!r}")
+        if isinstance(self.grammar_workers, bool) or not isinstance(self.grammar_workers, int) \
+                or self.grammar_workers < 1:
+            raise SettingError("grammar_workers", f"grammar_workers must be an integer >= 1, got "
+                                                  f"{self.grammar_workers!r}")
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise SettingError("admin_key", "admin_key must differ from api_key")
         if self.models_dir is not None and not Path(self.models_dir).is_dir():
