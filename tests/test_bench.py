@@ -144,7 +144,7 @@ def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_targe
             time.sleep(0.03)
             return super().propose(request)
 
-    config = SpecConfig(gamma=4, max_seq_len=64)
+    config = SpecConfig(max_seq_len=64)
     make = _make_engine(tiny_target, config)
 
     def systems(slow: bool = False) -> list[Ours]:

@@ -12,6 +12,7 @@ import specsample.models.compiled as compiled_module
 from specsample.models.compiled import CompiledDecode
 from specsample.models.llama import LlamaModel
 from specsample.models.tiny import tiny_lm
+from specsample.planner import FixedGamma
 
 VOCAB = 64
 SHIPPED = dict(compiled_module.CPU_INDUCTOR_CONFIG)
@@ -125,7 +126,7 @@ def test_greedy_generation_is_unchanged(pair) -> None:
     prompts = [[5, 6, 7, 8]]
     reference = generate(eager, prompts, params, config=SpecConfig(speculative=False)).completions
     assert generate(compiled, prompts, params, config=SpecConfig(speculative=False)).completions == reference
-    speculative = generate(compiled, prompts, params, draft=draft_compiled, config=SpecConfig(gamma=3))
+    speculative = generate(compiled, prompts, params, draft=draft_compiled, config=SpecConfig(), planner=FixedGamma(3))
     assert speculative.completions == reference
 
 

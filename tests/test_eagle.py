@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model_factory import make_tokenizer, write_hf_model
-from specsample import DraftRequest, Engine, SamplingParams, SpecConfig, generate, tiny_lm
+from model_factory import make_tokenizer, write_hf_model, draft_request
+from specsample import Engine, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.drafters.eagle import EagleDrafter
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.models.base import prefill_ragged
@@ -82,7 +82,7 @@ def _greedy_proposal(drafter_: EagleDrafter, target, history: list[int], gamma: 
     cache = target.new_cache(1, 64)
     drafter_.add_features([0], prefill_ragged(target, cache, torch.tensor([0]), [history[:-1]], features=True))
     greedy = SamplingParams(temperature=0)
-    return drafter_.propose(DraftRequest((0,), (gamma,), (gamma,), (greedy,), (torch.Generator(),))).probs
+    return drafter_.propose(draft_request((0,), (gamma,), (gamma,), (greedy,), (torch.Generator(),))).probs
 
 
 def test_a_head_in_the_published_layout_drafts_as_the_same_weights_in_memory(target, tmp_path) -> None:
@@ -137,7 +137,7 @@ def test_greedy_drafting_from_features_equals_target_only(target, planner) -> No
     params = SamplingParams(temperature=0, max_new_tokens=20)
     reference = [c.token_ids for c in generate(target, PROMPTS, params).completions]
     for make in (lambda: drafter(target), lambda: HybridDrafter(drafter(target, [0, 1, 2, 3, 5, 8, 13, 21, 34]))):
-        config = SpecConfig(gamma=4, adaptive=planner == "auto", max_batch_size=3)
+        config = SpecConfig(max_batch_size=3)
         result = generate(target, PROMPTS, params, draft=make(), config=config)
         assert [c.token_ids for c in result.completions] == reference
         assert result.stats["drafted"] > 0
@@ -149,7 +149,7 @@ def test_after_rejections_the_head_drafts_as_a_fresh_head_on_the_committed_text(
     text afresh."""
     head = random_head(target)
     running = EagleDrafter(head, target)
-    engine = Engine(target, running, SpecConfig(gamma=3, max_batch_size=3, max_seq_len=64), planner=FixedGamma(3))
+    engine = Engine(target, running, SpecConfig(max_batch_size=3, max_seq_len=64), planner=FixedGamma(3))
     ids = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i), gamma=1 + i)
            for i, p in enumerate(PROMPTS[:3])]
     rejected = accepted_all = 0
@@ -161,7 +161,7 @@ def test_after_rejections_the_head_drafts_as_a_fresh_head_on_the_committed_text(
     greedy = SamplingParams(temperature=0)
     for slot, rid in enumerate(ids):
         history = running.rows[slot].history
-        got = running.propose(DraftRequest((slot,), (3,), (3,), (greedy,), (torch.Generator(),))).probs
+        got = running.propose(draft_request((slot,), (3,), (3,), (greedy,), (torch.Generator(),))).probs
         running.commit([slot], [[]])  # roll the proposal back
         assert torch.allclose(got, _greedy_proposal(EagleDrafter(head, target), target, history), atol=1e-9), rid
 
@@ -171,7 +171,7 @@ def test_a_kept_row_is_reused_with_its_head_entries(target) -> None:
     tokens), and the head then drafts as a head fed the whole text afresh."""
     head = random_head(target)
     running = EagleDrafter(head, target)
-    engine = Engine(target, running, SpecConfig(gamma=3, max_batch_size=1, max_seq_len=96, prefix_cache_rows=1),
+    engine = Engine(target, running, SpecConfig(max_batch_size=1, max_seq_len=96, prefix_cache_rows=1),
                     planner=FixedGamma(3))
     first = list(range(1, 21))
     engine.add_request(first, SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
@@ -185,7 +185,7 @@ def test_a_kept_row_is_reused_with_its_head_entries(target) -> None:
     slot = next(iter(running.rows))
     history = list(running.rows[slot].history)
     greedy = SamplingParams(temperature=0)
-    got = running.propose(DraftRequest((slot,), (3,), (3,), (greedy,), (torch.Generator(),))).probs
+    got = running.propose(draft_request((slot,), (3,), (3,), (greedy,), (torch.Generator(),))).probs
     assert torch.allclose(got, _greedy_proposal(EagleDrafter(head, target), target, history), atol=1e-9)
 
 
@@ -255,7 +255,7 @@ def test_backlog_scores_are_the_heads_probabilities_of_committed_tokens(target) 
         outputs = head(embeddings, head.fuse(features.unsqueeze(0)), attend)[0]
         probs = torch.softmax(head.logits(outputs), dim=-1)
     assert scores == pytest.approx([float(probs[t, history[t + 2]]) for t in (3, 4, 5)], abs=1e-9)
-    proposal = scorer.propose(DraftRequest((0,), (2,), (2,), (sampled,), (torch.Generator().manual_seed(0),)))
+    proposal = scorer.propose(draft_request((0,), (2,), (2,), (sampled,), (torch.Generator().manual_seed(0),)))
     assert int(proposal.num_drafted[0]) == 2
 
 
@@ -404,5 +404,5 @@ def test_a_head_drafts_for_a_target_with_a_quantized_output_layer(tmp_path) -> N
     ids = torch.arange(target.vocab_size)
     head_drafter = EagleDrafter(init_head(target, ids, (0, 1, 2), 0), target)
     params = SamplingParams(temperature=0, max_new_tokens=8)
-    result = generate(target, PROMPTS[:2], params, draft=head_drafter, config=SpecConfig(gamma=3, max_batch_size=2))
+    result = generate(target, PROMPTS[:2], params, draft=head_drafter, config=SpecConfig(max_batch_size=2), planner=FixedGamma(3))
     assert result.stats["drafted"] > 0 and all(len(c.token_ids) == 8 for c in result.completions)

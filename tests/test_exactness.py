@@ -62,8 +62,9 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
 def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive: bool = False,
                   planner=None, prompt: list[int] = PROMPT, coupled: bool = False) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES independent rows of one batch."""
-    config = SpecConfig(gamma=gamma, adaptive=adaptive, max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH,
-                        coupled=coupled)
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH, coupled=coupled)
+    if planner is None:
+        planner = GammaController(gamma) if adaptive else FixedGamma(gamma)
     engine = Engine(target, as_drafter(drafter), config, planner=planner)
     ids = [engine.add_request(prompt, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
     out: dict[str, list[int]] = {i: [] for i in ids}
@@ -256,10 +257,9 @@ def feature_draft(target, subset: list[int] | None = SUBSET):
 
 
 def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]],
-                     tree: TreeShape | None = None, coupled: bool = False) -> list[np.ndarray]:
+                     coupled: bool = False) -> list[np.ndarray]:
     """Histograms of the first LENGTH tokens per prompt, the prompts' rows interleaved in one ragged batch."""
-    config = SpecConfig(gamma=3, adaptive=True, max_batch_size=SAMPLES,
-                        max_seq_len=max(len(p) for p in prompts) + LENGTH, tree=tree, coupled=coupled)
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=max(len(p) for p in prompts) + LENGTH, coupled=coupled)
     engine = Engine(target, drafter, config, planner=planner)
     ids = [engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, seed=5000 + i))
            for i in range(SAMPLES)]
@@ -274,10 +274,9 @@ def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: 
     return hists
 
 
-def _feature_chi_squares(target, drafter, planner, tree: TreeShape | None = None,
-                         coupled: bool = False) -> list[tuple[float, float]]:
+def _feature_chi_squares(target, drafter, planner, coupled: bool = False) -> list[tuple[float, float]]:
     return [chi_square(counts, exact_joint(target, FEATURE_WARP, prompt))
-            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS, tree,
+            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS,
                                                        coupled), FEATURE_PROMPTS)]
 
 
@@ -324,7 +323,7 @@ def test_tree_drafting_is_exact(pair, kind: str) -> None:
     joint distribution."""
     target, _ = pair
     planner = AlternatingTrees(TREE)
-    for statistic, threshold in _feature_chi_squares(target, tree_drafter(pair, kind), planner, TREE):
+    for statistic, threshold in _feature_chi_squares(target, tree_drafter(pair, kind), planner):
         assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
 
 
@@ -334,7 +333,7 @@ def test_tree_verifier_that_keeps_the_residual_fails(pair, monkeypatch) -> None:
     import specsample.verify_tree as tree_module
 
     monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, token, q: residual)
-    results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE), TREE)
+    results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE))
     assert any(statistic > threshold for statistic, threshold in results), results
 
 
@@ -356,7 +355,7 @@ def _coupled_chi_squares(pair, case: str) -> list[tuple[float, float]]:
         counts = engine_counts(target, drafter, params, gamma=3, adaptive=True, planner=FixedGate(3, per_draft=0.3),
                                prompt=REPEATING, coupled=True)
         return [chi_square(counts, exact_joint(target, params, REPEATING))]
-    return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(TREE), TREE, coupled=True)
+    return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(TREE), coupled=True)
 
 
 @pytest.mark.parametrize("case", COUPLED_CASES)

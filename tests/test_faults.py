@@ -30,6 +30,7 @@ import specsample.server.app as app_module
 from specsample.server.app import SpecServer, build_app
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
 from specsample.speculator import EngineOptions, load
+from specsample.planner import FixedGamma
 from test_cli import run_cli
 
 MODEL = "tiny"
@@ -60,7 +61,7 @@ def test_rows_with_nan_logits_end_alone(tiny_target, tiny_draft, monkeypatch, te
                 for i, (p, t) in enumerate(zip(prompts, temperatures))]
 
     def engine() -> Engine:
-        return Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=3, max_batch_size=4))
+        return Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=4), planner=FixedGamma(3))
 
     reference = list(_run(engine(), requests).values())
     poisoned = engine()
@@ -68,7 +69,7 @@ def test_rows_with_nan_logits_end_alone(tiny_target, tiny_draft, monkeypatch, te
 
     def poison(logits: torch.Tensor, slots: list[int], row: int, where: str) -> torch.Tensor:
         calls[where] += 1
-        rows = [i for i, s in enumerate(slots) if s in poisoned._running and poisoned._running[s].prompt == prompts[row]]
+        rows = [i for i, s in enumerate(slots) if s in poisoned.scheduler.by_slot() and poisoned.scheduler.by_slot()[s].prompt == prompts[row]]
         if rows and calls[where] > 2:
             logits = logits.clone()
             logits[rows] = float("nan")
@@ -217,7 +218,7 @@ def test_a_poisoned_request_fails_alone(live, monkeypatch, stream) -> None:
 
     def score(model, tokens, cache, slots, width, features=False):
         logits, hidden = original(model, tokens, cache, slots, width, features)
-        rows = [i for i, s in enumerate(slots.tolist()) if s in engine._running and engine._running[s].prompt == POISON]
+        rows = [i for i, s in enumerate(slots.tolist()) if s in engine.scheduler.by_slot() and engine.scheduler.by_slot()[s].prompt == POISON]
         if rows and len(slots) > 1:
             logits = logits.clone()
             logits[rows] = float("nan")

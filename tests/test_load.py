@@ -83,7 +83,7 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch) -> None:
 
     def score(model, tokens, cache, slots, width, features=False):  # the poisoned request's logits are NaN
         logits, hidden = original(model, tokens, cache, slots, width, features)
-        rows = [i for i, s in enumerate(slots.tolist()) if s in engine._running and engine._running[s].prompt == POISON]
+        rows = [i for i, s in enumerate(slots.tolist()) if s in engine.scheduler.by_slot() and engine.scheduler.by_slot()[s].prompt == POISON]
         if rows:
             logits = logits.clone()
             logits[rows] = float("nan")

@@ -13,6 +13,7 @@ from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.loader import load_model
+from specsample.planner import FixedGamma
 
 TEXT = "the quick brown fox jumps over the lazy dog, the quick brown fox"
 CONFIGS = {
@@ -123,7 +124,7 @@ def test_greedy_speculation_with_each_runtime(folders, name) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=20)
     plain = generate(target.model, prompts, params)
     for drafter in (ModelDrafter(draft.model), NgramDrafter(min_n=1)):
-        spec = generate(target.model, prompts, params, draft=drafter, config=SpecConfig(gamma=4))
+        spec = generate(target.model, prompts, params, draft=drafter, config=SpecConfig(), planner=FixedGamma(4))
         assert [c.token_ids for c in spec.completions] == [c.token_ids for c in plain.completions]
 
 

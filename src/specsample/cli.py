@@ -332,7 +332,7 @@ def _add_distill_parsers(sub) -> None:
     eagle.add_argument("--regen-temperatures", type=_csv(float), default=None,
                        help="temperatures the target writes at, one per conversation in turn (default 0,0.7)")
     eagle.add_argument("--regen-turns", type=int, default=None, help="user turns answered per conversation (default 2)")
-    eagle.add_argument("--regen-max-new-tokens", type=int, default=None, help="tokens per reply (default 256)")
+    eagle.add_argument("--regen-max-new-tokens", type=int, default=None, help="tokens per reply (default 96)")
     eagle.add_argument("--regen-batch-size", type=int, default=None, help="requests decoded together (default 48)")
     eagle.add_argument("--tokens", type=int, default=None,
                        help="tokens of conversation to collect, prompts included (default 12M); a resumed run may "

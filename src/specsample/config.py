@@ -196,20 +196,15 @@ SAMPLING_MODES = ("coupled", "rejection")  # how sampled drafts are verified (Sp
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """How the engine speculates. `gamma` is the number of draft tokens per round."""
+    """What an engine holds: its rows, their length, how sampled tokens are verified. How many drafts a round
+    proposes is the planner's (`specsample.planner`); the engine's caches keep room for the most it may plan."""
 
-    gamma: int = 5  # drafts per round; with `adaptive`, the most gamma auto may choose
-    adaptive: bool = False  # choose gamma per request online (gamma auto: specsample.planner.GammaController)
     speculative: bool = True  # False: plain autoregressive decoding through the same loop
     max_batch_size: int = 16
     max_seq_len: int | None = None  # cache length per row; None = the target's context window
     # tokens the target scores per round at batch 1 for 1, 2, ... tokens asked (extra positions are padding,
     # never read; counts past the table are scored as asked): from row_padding.measure_target_widths
     target_widths: tuple[int, ...] = ()
-    # draft token trees (scored in one forward, verified exactly) where the target's runtime can: with a fixed gamma
-    # this tree every round, with gamma auto the budgets up to its nodes, each taken only where it measures faster
-    # than a chain; None: chains only
-    tree: TreeShape | None = None
     # coupled sampling (specsample.coupling): each output position's token is the Gumbel-max of the target with noise
     # keyed by (seed, position), shared with the draft, so a seeded request gives the same tokens whatever the plan and
     # the batch; False: modified rejection sampling (accepts more often; a seed reproduces only under the same plan)
@@ -218,25 +213,13 @@ class SpecConfig:
     # their prefix, such as the next turn of a chat: it prefills only what follows the shared part; 0: none kept
     prefix_cache_rows: int = 0
 
-    @property
-    def most_drafts(self) -> int:
-        """The most draft tokens a round may score per row, and the draft's own look-ahead: what caches keep room for
-        past a row's length."""
-        if self.tree is None:
-            return self.gamma
-        return max(self.gamma, self.tree.nodes, self.tree.branch * self.tree.depth)
-
     def __post_init__(self) -> None:
-        if not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"gamma must be an integer >= 1, got {self.gamma!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not isinstance(self.prefix_cache_rows, int) or self.prefix_cache_rows < 0:
             raise ValueError(f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
-        if self.tree is not None and not isinstance(self.tree, TreeShape):
-            raise ValueError(f"tree must be a TreeShape or None, got {self.tree!r}")
         for tokens, width in enumerate(self.target_widths, start=1):
             if not isinstance(width, int) or width < tokens:
                 raise ValueError(f"target_widths[{tokens - 1}] (the width to score {tokens} tokens at) must be an "

@@ -218,12 +218,9 @@ class Speculator:
 
     def spec_config(self, max_batch_size: int = 1, max_seq_len: int | None = None,
                     prefix_cache_rows: int = 0) -> SpecConfig:
-        gamma = self.options.most_drafts
-        return SpecConfig(gamma=gamma, adaptive=self.options.gamma == "auto",
-                          speculative=self.options.speculative and self.pair.drafter is not None,
+        return SpecConfig(speculative=self.options.speculative and self.pair.drafter is not None,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths,
-                          tree=self.options.tree_shape, prefix_cache_rows=prefix_cache_rows,
-                          coupled=self.options.coupled)
+                          prefix_cache_rows=prefix_cache_rows, coupled=self.options.coupled)
 
     def engine(self, max_batch_size: int = 1, max_seq_len: int | None = None, *,
                drafter: Drafter | None | str = "loaded", planner: Planner | None = None,

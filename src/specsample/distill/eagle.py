@@ -484,7 +484,7 @@ def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt
             ids = tokenizer.encode(prompt.turns[0], chat=tokenizer.has_chat_template)
             if len(ids) + max_new_tokens > target.max_seq_len:
                 continue
-            engine = Engine(target, drafter, SpecConfig(gamma=gamma, max_seq_len=len(ids) + max_new_tokens),
+            engine = Engine(target, drafter, SpecConfig(max_seq_len=len(ids) + max_new_tokens),
                             tokenizer.eos_token_ids, planner=FixedGamma(gamma))
             engine.add_request(ids, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=i))
             for result in engine.stream():

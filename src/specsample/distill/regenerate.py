@@ -82,10 +82,10 @@ class Regeneration:
 
     temperatures: tuple[float, ...] = (0.0, 0.7)  # conversation i is sampled at temperatures[i % len]
     turns: int = 2  # user turns answered per conversation (fewer where it has fewer or the context is full)
-    max_new_tokens: int = 256  # per reply
+    max_new_tokens: int = 96  # per reply
     max_prompt_tokens: int = 768  # a first turn rendered longer than this is skipped
     batch_size: int = 48  # requests decoded together
-    chunk: int = 128  # conversations per committed chunk
+    chunk: int = 64  # conversations per committed chunk
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import TreeShape
-from specsample.coupling import draw_drafts
-from specsample.drafters.base import DraftRequest, Proposal, best_tree
+from specsample.drafters.base import DraftRequest, Proposal, best_tree, draw_chain
 from specsample.kv_cache import KVCache
 from specsample.models.eagle_head import EagleHead, is_head_folder, load_head
 from specsample.models.llama import LlamaModel
@@ -192,64 +191,25 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Proposal:
-        """Draw up to `request.reach[i]` tokens per row from the head's logits; the gate and the extension as for any
-        confident draft (`ModelDrafter.propose`). With `request.tree`, grow a token tree per row instead (`_grow`)."""
-        slots, gamma, params = request.slots, request.width, request.params
-        batch = len(slots)
+        """Draw up to `request.reach[i]` tokens per row from the head's logits through the shared draw loop
+        (`draw_chain`: the confidence gate and the extension). With `request.tree`, grow a token tree per row instead
+        (`_grow`)."""
+        slots = request.slots
         predicted, ready = self._catch_up(slots)  # [b, H]
         if request.tree is not None:
             return self._grow(slots, predicted, ready, request.drafts, request.reach, request.tree, request.shaper)
-        limits = [min(gamma, m) if r else 0 for m, r in zip(request.reach, ready)]
-        planned = list(limits) if request.extension is None else [min(p, m) for p, m in zip(request.drafts, limits)]
-        drafted = [0] * batch
-        tokens, probs, confidence = [], [], []
-        drawn: list[list[float]] = [[] for _ in range(batch)]
-        paths: list[list[int]] = [[] for _ in range(batch)]  # per row, the tokens it drew this round
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
-        for step in range(gamma):
-            active = [drafted[r] == step and step < limits[r] for r in range(batch)]
-            if not any(active):
-                break
-            logits = self.head.logits(predicted)  # [b, K]
-            if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
-                logits = request.shaper.next_logits(logits, slots, paths, self.output_subset)
-            step_probs = warp_rows(logits, params)
-            index = draw_drafts(step_probs, request, step, active, self.output_subset)
-            own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
-            token = self.output_subset[index]
-            tokens.append(token)
-            probs.append(step_probs)
-            confidence.append(own)
-            own_list = own.tolist()
-            token_list = token.tolist() if request.shaper is not None else None
-            for r in range(batch):
-                if active[r]:
-                    if token_list is not None:
-                        paths[r].append(token_list[r])
-                    drafted[r] = step + 1
-                    drawn[r].append(own_list[r])
-                    if step + 1 < planned[r]:
-                        if step < len(request.stop_thresholds) and own_list[r] < request.stop_thresholds[step]:
-                            limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
-                    elif request.extension is None or not request.extension.draws_on(request.drafts[r], drawn[r]):
-                        limits[r] = step + 1
-            if not any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
-                break
+        outputs = [predicted]
+
+        def advance(token: Tensor) -> Tensor:
             # the next entry: the token just drawn, read with the head's output that drew it
-            predicted = self.step(token.unsqueeze(1), predicted.unsqueeze(1), self.cache, slot_tensor)[:, 0]
+            outputs[0] = self.step(token.unsqueeze(1), outputs[0].unsqueeze(1), self.cache, slot_tensor)[:, 0]
             for slot in slots:
                 self.rows[slot].drafted += 1
-        steps = len(tokens)
-        draft_tokens = torch.zeros(batch, gamma, dtype=torch.long)
-        draft_probs = torch.zeros(batch, gamma, self.vocab_size, dtype=probs[0].dtype if probs else torch.float32)
-        draft_conf = torch.zeros(batch, gamma)
-        if steps:
-            draft_tokens[:, :steps] = torch.stack(tokens, dim=1).cpu()
-            stacked = torch.stack(probs, dim=1).cpu()  # [b, steps, K]
-            draft_probs[:, :steps].index_copy_(-1, self.output_subset.cpu(), stacked)  # back to vocabulary ids
-            draft_conf[:, :steps] = torch.stack(confidence, dim=1).cpu()
-        return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
-                        confidence=draft_conf)
+            return self.head.logits(outputs[0])
+
+        reach = [m if r else 0 for m, r in zip(request.reach, ready)]
+        return draw_chain(request, self.head.logits(predicted), advance, self.vocab_size, self.output_subset, reach)
 
     def _grow(self, slots: Sequence[int], predicted: Tensor, ready: list[bool], depths: Sequence[int],
               reach: Sequence[int], shape: TreeShape, shaper: Shaper | None = None) -> Proposal:

@@ -483,8 +483,9 @@ def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
 def _submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int, cache_scope: str) -> list[RequestHandle]:
     handles = []
     gamma = req.num_speculative_tokens
-    if gamma is not None and gamma > srv.engine.config.gamma:
-        raise ProtocolError(f"num_speculative_tokens must be <= {srv.engine.config.gamma}", "num_speculative_tokens")
+    if gamma is not None and gamma > srv.engine.planner.max_gamma:
+        raise ProtocolError(f"num_speculative_tokens must be <= {srv.engine.planner.max_gamma}",
+                            "num_speculative_tokens")
     try:
         for i in range(req.n):
             params = req.sampling_params(max_tokens, seed=None if req.seed is None else req.seed + i)
