@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 from dataclasses import fields, replace
 
@@ -75,6 +76,7 @@ def test_the_tables_cover_every_setting() -> None:
     assert set(SERVER_VALUES) == set(settings(ServerOptions))
 
 
+@functools.cache
 def _subparser(command: str) -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices[command]
