@@ -25,8 +25,8 @@ from specsample.models.hub import ALIASES
 from specsample.models.loader import RUNTIMES, resolve_dtype
 from specsample.models.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_MODES
 from specsample.models.row_padding import PAD_MODES, measure_target_widths
-from specsample.pair import Pair, load_pair
 from specsample.options_cli import setting
+from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner
 
 log = logging.getLogger("specsample")
