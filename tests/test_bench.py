@@ -290,6 +290,7 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
     from specsample.bench import suites
     from specsample.bench.config import BenchConfig
     from specsample.bench.run import run
+    from specsample.speculator import EngineOptions
 
     target, draft, questions = tiny_pair_files
     calls = {"n": 0}
@@ -302,9 +303,9 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
         return real(run_record)
 
     monkeypatch.setattr(suites, "record", failing)
-    config = BenchConfig(target=str(target), draft=str(draft), dataset=str(questions), suites=("compare", "gamma"),
-                         max_new_tokens=4, gammas=("auto", 2), temperatures=(0.0,), sweep_prompts=1,
-                         pad_rows="off", out=tmp_path / "out")
+    config = BenchConfig(engine=EngineOptions(target=str(target), draft=str(draft)), dataset=str(questions),
+                         suites=("compare", "gamma"), max_new_tokens=4, gammas=("auto", 2), temperatures=(0.0,),
+                         sweep_prompts=1, out=tmp_path / "out")
     results = run(config, say=lambda m: None)
     stored = json.loads((tmp_path / "out" / "results.json").read_text())
     assert stored["status"] == results["status"] == "complete, failed: compare"

@@ -386,7 +386,8 @@ def test_distill_writes_a_head_that_generate_drafts_with(tmp_path) -> None:
     report = json.loads((out / "eval.json").read_text())
     card = (out / "README.md").read_text()
     assert f"{report['temperatures']['0.0']['overall']['acceptance_rate']:.3f}" in card
-    assert "target wrote itself" in card and "token-steps" in card
+    assert report["data"]["source"] == "regenerated"  # the default data: replies the target wrote itself
+    assert f"{report['training']['token_steps']:,}" in card  # the card reports its run's record
     assert main(["distill", "--target", str(folder), "--out", str(out), "--width", "32"]) == 2  # a model-only flag
     assert main(["distill", "--kind", "model", "--target", str(folder), "--out", str(tmp_path / "m"), "--unroll",
                  "3"]) == 2  # an eagle-only flag

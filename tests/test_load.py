@@ -1,6 +1,7 @@
 """Closed-loop load on a live server (tiny models, loopback): 8 clients for two minutes, a poisoned request every
 10 s. Run with `pytest -m load` (excluded by default). No healthy request may be lost, resident memory may grow by
-at most RSS_BOUND_MIB after warm-up, and the p99 latency is printed and written to docs/results/load.json."""
+at most RSS_BOUND_MIB after warm-up, and the p99 latency is printed and written to the file SPECSAMPLE_LOAD_REPORT
+names (docs/results/load.json comes from the command in docs/serving.md), else to the test's temporary folder."""
 
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ RSS_BOUND_MIB = 64  # most resident-memory growth allowed between the end of war
 POISON = [7, 11, 13, 17, 19, 23]
 PROMPTS = ["the quick brown fox", "hello world", "speculative sampling", "the lazy dog jumps", "tokens for tests",
            "a tiny language model", "over the quick dog", "world hello fox"]
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "load.json"
 
 
 def _rss_mib() -> float:
@@ -77,7 +77,7 @@ def live(tmp_path_factory):
     server.close()
 
 
-def test_closed_loop_load_with_poisoned_requests(live, monkeypatch) -> None:
+def test_closed_loop_load_with_poisoned_requests(live, monkeypatch, tmp_path) -> None:
     engine = live.server.engine
     original = engine_module.score_padded
 
@@ -140,8 +140,9 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch) -> None:
         "models": "tiny (tests/model_factory.py), float32",
     }
     print(json.dumps(report, indent=1))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    results = Path(os.environ.get("SPECSAMPLE_LOAD_REPORT") or tmp_path / "load.json")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(report, indent=1) + "\n")
     assert not lost and len(healthy) > CONCURRENCY
     assert len(poisoned) >= int(SECONDS // POISON_EVERY) - 1 > 0
     assert all(not completed or finish == "error" for completed, finish in poisoned)

@@ -12,15 +12,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specsample.config import Grammar, SamplingParams, SettingError
-from specsample.drafters.model import WINDOW_MODES
 from specsample.metrics import StatsCollector
-from specsample.models.hub import ALIASES, FetchError
-from specsample.models.loader import RUNTIMES
-from specsample.models.quant import INT4_GROUP_SIZES, QUANT_MODES
-from specsample.models.row_padding import PAD_MODES
-from specsample.server.options import (DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
-                                       DEFAULT_SHUTDOWN_TIMEOUT)
-from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device, parse_gamma
+from specsample.models.hub import FetchError
+from specsample.models.quant import QUANT_MODES
+from specsample.options_cli import Flag, add_flags, flag_values
+from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions
+from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device
+
+# serve's engine flags named as vLLM names them (the others: as `generate` names them)
+SERVE_FLAGS = {
+    "target": Flag("--model"),
+    "draft": Flag("--speculative-model"),
+    "gamma": Flag("--num-speculative-tokens"),
+    "compile": Flag(negation="--enforce-eager", negation_help="run the target and draft eagerly, without compiling"),
+}
+BENCH_SETS = ("gamma", "speculative")  # engine options the benchmark sets per system (--gamma; target-only beside ours)
 
 
 class CliError(Exception):
@@ -34,97 +40,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"target model: alias ({', '.join(ALIASES)}), HF folder, .gguf file or hub id "
-                             f"(default: {DEFAULT_TARGET})")
-    parser.add_argument("--draft", default=None,
-                        help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt lookup), "
-                             "'hybrid[:MODEL]' (n-gram where the context repeats, the model elsewhere) or 'none'. "
-                             "Default: the target alias's (smollm2-135m-instruct: hybrid, with the distilled draft "
-                             "shipped in the package; gemma3-270m: ngram)")
-    parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
-                        help="what a draft model attends to: auto (the window saved with the draft, for the shipped "
-                             "one its first 32 and latest 256 tokens: it was trained on 512) or off (the whole "
-                             "context); never changes the output's distribution (default auto)")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in float32 on a CPU), float32, bfloat16")
-    _add_quantize_args(parser)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--runtime", default="auto", choices=RUNTIMES,
-                        help="model runtime: ours for Llama-family, transformers otherwise (default auto)")
-
-
-def _add_quantize_args(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
-    parser.add_argument("--quantize", choices=QUANT_MODES, default=default,
-                        help="how the target's weights are held: auto (default: a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 tensors "
-                             "run natively as int4/int8 on a CPU, unless --dtype names a float type), none "
-                             "(dequantized to --dtype, e.g. bfloat16), int8 (per row) or int4 (group-wise): every "
-                             "projection, weight-only (docs/runtime.md)")
-    parser.add_argument("--quant-group", type=int, choices=INT4_GROUP_SIZES, default=None if default is None else 32,
-                        help="inputs per scale of int4 weights quantized at load (default 32)")
-    parser.add_argument("--draft-quantize", choices=QUANT_MODES, default=default,
-                        help="the same for a draft model (default auto: as stored)")
-
-
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gamma", type=_gamma_arg, default="auto",
-                        help="draft tokens per round, or 'auto' (default): chosen per request online from measured "
-                             "acceptance and cost, between 1 and --max-gamma, with fallback to plain decoding")
-    parser.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
-    _add_tree_arg(parser)
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None)
-
-
-def _add_reproducibility_args(parser: argparse.ArgumentParser, default_off: bool = True) -> None:
-    from specsample.config import SAMPLING_MODES
-    from specsample.speculator import DEFAULT_SAMPLING
-
-    parser.add_argument("--sampling", choices=SAMPLING_MODES, default=None,
-                        help="how sampled drafts are verified: coupled (each token the target's Gumbel-max with noise "
-                             "keyed by seed and position, so a seed gives the same tokens whatever gamma, drafts and "
-                             "batch) or rejection (modified rejection sampling: accepts more drafts; a seed "
-                             f"reproduces only under the same plan). Default: {DEFAULT_SAMPLING}, coupled with "
-                             "--deterministic; both are exact (docs/exactness.md)")
-    parser.add_argument("--deterministic", action="store_true", default=False if default_off else None,
-                        help="batch- and shape-invariant target forwards (our runtime, not with --compile): outputs "
-                             "are bitwise reproducible for a seed and speculative greedy equals plain greedy in every "
-                             "dtype; slower (docs/exactness.md)")
-
-
-def _add_compile_arg(parser: argparse.ArgumentParser, default_off: bool = True) -> None:
-    parser.add_argument("--compile", action="store_true", default=False if default_off else None,
-                        help="compile decode steps and verification blocks with torch.compile (our runtime only): "
-                             "minutes once per process on a small CPU, then ~1.5x faster steps (docs/runtime.md)")
-
-
-def _add_tree_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree", type=_tree_arg, default="off",
-                        help="token trees, scored in one target forward and verified exactly: off (default: chains) "
-                             "or NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, 6 "
-                             "deep). With --gamma auto the largest tree it may draft, only where trees measure faster "
-                             "than chains; with a fixed gamma that tree every round. Needs our Llama-family runtime")
-
-
-def _tree_arg(value: str) -> str:
-    from specsample.speculator import parse_tree
-
-    try:
-        parse_tree(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _gamma_arg(value: str) -> int | str:
-    try:
-        return parse_gamma(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device_arg(value: str) -> str:
@@ -158,20 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streaming it as rounds commit")
     gen.add_argument("prompt")
-    _add_model_args(gen)
+    add_flags(gen, EngineOptions, title="engine")
     _add_sampling_args(gen)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: on when the model has one)")
     gen.add_argument("--system", default=None, help="system message for --chat")
-    gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
     gen.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                      help="constrain the output to JSON following the schema in FILE (exact under speculation)")
-    _add_compile_arg(gen)
-    gen.add_argument("--pad-rows", choices=PAD_MODES, default="off",
-                     help="auto: first time the target's forward per number of tokens scored (~2 s) and score "
-                          "rounds at the fastest width >= what they need (on the dev CPU 2 tokens run slower "
-                          "than 3); pays off over long or many generations (default off; serve: auto)")
-    _add_reproducibility_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
@@ -190,23 +105,18 @@ def _csv(kind):
 
 
 def _add_bench_parser(sub) -> None:
-    from specsample.bench.config import COMPARE_CHOICES, DEFAULT_SUITES, SUITES
+    from specsample.bench.config import BENCH_ENGINE_DEFAULTS, COMPARE_CHOICES, DEFAULT_SUITES, SUITES
 
     bench = sub.add_parser("bench", help="speed, acceptance and losslessness, side by side with peers")
     bench.add_argument("--suite", type=_csv(str), default=None,
                        help=f"suites to run, comma-separated: {', '.join(SUITES)} (default {','.join(DEFAULT_SUITES)})")
-    bench.add_argument("--target", default=DEFAULT_TARGET)
-    bench.add_argument("--draft", default=None, help="draft spec (default: the target alias's draft)")
     bench.add_argument("--dataset", default="spec-bench",
                        help="spec-bench (bundled), a file in its format, humaneval, sharegpt")
     bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise")
     bench.add_argument("--max-new-tokens", type=int, default=None)
     bench.add_argument("--gamma", type=_csv(int), default=None,
                        help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "
-                            "suite's bars")
-    bench.add_argument("--tree", type=_tree_arg, default=None,
-                       help="NODES[xBRANCHxDEPTH]: the compare suite also runs ours with token trees up to this "
-                            "budget (gamma auto picks trees or chains), beside chains (default off)")
+                            "suite's bars (default auto,1,2,...,8)")
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
     bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
@@ -217,14 +127,10 @@ def _add_bench_parser(sub) -> None:
                        help="the prefix suite's first chat turn, in tokens (default 1000)")
     bench.add_argument("--prefix-reps", type=int, default=None,
                        help="second turns the prefix suite times with reuse and without, each (default 5)")
-    bench.add_argument("--dtype", default=None)
-    _add_quantize_args(bench, default=None)
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
-                       help="auto (default): score our rounds at the target's fastest width, measured at start-up")
     bench.add_argument("--seed", type=int, default=None)
-    _add_reproducibility_args(bench, default_off=False)
-    _add_compile_arg(bench, default_off=False)
+    add_flags(bench, EngineOptions, defaults=BENCH_ENGINE_DEFAULTS, skip=BENCH_SETS, title="ours (the engine)", flags={
+        "tree": Flag(help="NODES[xBRANCHxDEPTH]: the compare suite also runs ours with token trees up to this budget "
+                          "(gamma auto picks trees or chains), beside chains")})
     bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
     bench.add_argument("--out", type=Path, default=None, help="folder for results.json, results.md, plots "
                                                               "(default bench-out)")
@@ -233,64 +139,17 @@ def _add_bench_parser(sub) -> None:
 
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding (vLLM's flag names)")
-    serve.add_argument("--model", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
-    serve.add_argument("--speculative-model", default=None,
-                       help="draft spec (model, 'ngram', 'hybrid[:MODEL]', 'none'); default: the target alias's draft")
-    serve.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
-                       help="what a draft model attends to: auto (the window saved with the draft) or off (the whole "
-                            "context); see generate --help")
-    serve.add_argument("--num-speculative-tokens", type=_gamma_arg, default="auto",
-                       help="gamma, or 'auto' (default): chosen per request online, up to --max-gamma")
-    serve.add_argument("--max-gamma", type=int, default=8)
-    _add_tree_arg(serve)
+    add_flags(serve, EngineOptions, defaults=SERVE_ENGINE_DEFAULTS, title="engine", flags=SERVE_FLAGS)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port_arg, default=8000)
-    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together; more wait in line")
-    serve.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
-                       help="auto (default): time the target's forward per number of tokens scored at start-up "
-                            "(a few seconds) and score single-request rounds at the fastest width >= what they "
-                            "need; off: score what is asked")
-    serve.add_argument("--max-model-len", type=int, default=2048, help="context length per request (prompt + output)")
-    _add_reproducibility_args(serve)
-    _add_compile_arg(serve)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the inference routes")
-    serve.add_argument("--admin-key", default=None,
-                       help="enable /admin/* (live draft replacement), which then needs 'Authorization: Bearer "
-                            "ADMIN_KEY'; without it /admin/* answers 404")
-    serve.add_argument("--models-dir", default=None,
-                       help="folder of drafts /admin/draft may load, named by their path inside it (besides ngram, "
-                            "hybrid and the built-in drafts)")
-    serve.add_argument("--prefix-cache-rows", type=int, default=4,
-                       help="finished requests' cache rows kept for requests sharing their prefix, such as the next "
-                            "turn of a chat, which then prefills only what is new (default 4; 0: none)")
-    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    serve.add_argument("--metrics-key", default=None,
-                       help="/metrics then needs 'Authorization: Bearer METRICS_KEY' (the admin key also works); with "
-                            "--api-key, /metrics answers only to these keys")
-    serve.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
-                       help="seconds a request's response_format grammar may take to compile, waiting for a free "
-                            f"compiler included (default {DEFAULT_GRAMMAR_COMPILE_TIMEOUT:g}); past it: 400")
-    serve.add_argument("--grammar-workers", type=int, default=2,
-                       help="processes compiling grammars apart from the decoding loop (default 2)")
-    serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
-                       help="seconds requests in flight may finish in after SIGTERM or Ctrl-C; then they are ended "
-                            f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g}); a second signal ends them at once")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
-    serve.add_argument("--min-acceptance", type=float, default=None,
-                       help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)")
-    serve.add_argument("--dtype", default="auto")
-    _add_quantize_args(serve)
-    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (checked before any model loads)")
+    add_flags(serve, ServerOptions, title="server")
     ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'ray[serve]')")
     ray.add_argument("--replicas", type=int, default=None, help="deploy N replicas behind one endpoint on Ray Serve")
     ray.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="autoscale replicas on ongoing requests")
     ray.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ray.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     ray.add_argument("--num-gpus-per-replica", type=float, default=0.0)
-    # settings named differently here than in EngineOptions and ServerOptions (the others: --NAME-WITH-DASHES)
-    serve.set_defaults(func=cmd_serve, flags={"gamma": "--num-speculative-tokens", "draft": "--speculative-model",
-                                              "target": "--model"})
+    serve.set_defaults(func=cmd_serve)
 
 
 MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
@@ -393,16 +252,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed,
                             grammar=_schema_grammar(args.json_schema))
-    options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
-                            tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
-                            runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
-                            draft_window=args.draft_window, quantize=args.quantize, quant_group=args.quant_group,
-                            draft_quantize=args.draft_quantize, sampling=args.sampling,
-                            deterministic=args.deterministic)
+    options = EngineOptions(**flag_values(EngineOptions, args))
     speculator = load(options, say=_say)
     tokenizer = speculator.pair.target.tokenizer
     if tokenizer is None:
-        raise CliError(f"{args.target} has no tokenizer files; text generation needs one")
+        raise CliError(f"{options.target} has no tokenizer files; text generation needs one")
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     prompt_ids = tokenizer.encode(args.prompt, chat=chat, system=args.system)
     # caches sized to this request, not to the model's whole context window
@@ -426,8 +280,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 sys.stdout.flush()
     stats = collector.summary()
     drafting = speculator.draft_spec != "none"
-    stats.update(gamma=args.gamma if drafting else 0, draft=speculator.draft_spec, target=args.target)
-    if args.gamma == "auto" and drafting:
+    stats.update(gamma=options.gamma if drafting else 0, draft=speculator.draft_spec, target=options.target)
+    if options.gamma == "auto" and drafting:
         stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
     if args.json:
         print(json.dumps({"text": tokenizer.decode(token_ids), "token_ids": token_ids,
@@ -575,20 +429,10 @@ def eval_prompt_set(name: str, num: int | None) -> list:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Load the pair, then serve the OpenAI API with uvicorn (or on Ray Serve) until interrupted."""
-    from specsample.server.options import ServerOptions
-
     # bad flags fail here, before any model is loaded
-    options = EngineOptions(target=args.model, draft=args.speculative_model, gamma=args.num_speculative_tokens,
-                            max_gamma=args.max_gamma, tree=args.tree, dtype=args.dtype, device=args.device,
-                            pad_rows=args.pad_rows, draft_window=args.draft_window, quantize=args.quantize,
-                            quant_group=args.quant_group, draft_quantize=args.draft_quantize, sampling=args.sampling,
-                            deterministic=args.deterministic)
-    serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                            min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
-                            max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
-                            max_body_bytes=args.max_body_bytes, prefix_cache_rows=args.prefix_cache_rows,
-                            metrics_key=args.metrics_key, grammar_compile_timeout=args.grammar_compile_timeout,
-                            grammar_workers=args.grammar_workers, shutdown_timeout=args.shutdown_timeout)
+    options = EngineOptions(**flag_values(EngineOptions, args))
+    server_flags = flag_values(ServerOptions, args)
+    serving = ServerOptions(**server_flags | {"model_name": server_flags["model_name"] or options.target})
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
@@ -599,7 +443,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server = SpecServer(load(options, say=_say), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
-    _say(f"serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
+    _say(f"serving {options.target} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
     serve_http(server, args.host, args.port)
 
 
@@ -608,16 +452,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from specsample.bench.config import BenchConfig
     from specsample.bench.run import run
 
+    engine = EngineOptions(**flag_values(EngineOptions, args, skip=BENCH_SETS))
     overrides = {k: v for k, v in {
-        "suites": args.suite, "target": args.target, "draft": args.draft, "dataset": args.dataset,
-        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "gammas": args.gamma,
-        "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
-        "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
-        "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
-        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree, "quantize": args.quantize,
-        "quant_group": args.quant_group, "draft_quantize": args.draft_quantize,
-        "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps, "sampling": args.sampling,
-        "deterministic": args.deterministic, "compile": args.compile}.items() if v is not None}
+        "suites": args.suite, "dataset": args.dataset, "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens, "gammas": args.gamma, "temperatures": args.temperature,
+        "batch_sizes": args.batch_size, "compare": args.compare, "sweep_prompts": args.sweep_prompts,
+        "lossless_samples": args.lossless_samples, "lossless_prompts": args.lossless_prompts, "seed": args.seed,
+        "out": args.out, "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps}.items()
+        if v is not None} | {"engine": engine}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
     print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "
@@ -633,13 +475,13 @@ def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving) -> 
         raise CliError("--replicas/--autoscale need Ray Serve: pip install 'ray[serve]'") from None
     from specsample.deploy import ReplicaSettings, SpecsampleReplica, deployment_options
 
-    settings = ReplicaSettings.of(options, serving)
+    settings = ReplicaSettings(options, serving)
     placement = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
                                    args.num_gpus_per_replica, serving.max_batch_size)
     ray.init(address=args.ray_address)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(SpecsampleReplica.options(**placement).bind(settings.as_args()), name="specsample", route_prefix="/")
-    _say(f"serving {args.model} on Ray Serve at http://{args.host}:{args.port}/v1 "
+    _say(f"serving {options.target} on Ray Serve at http://{args.host}:{args.port}/v1 "
          f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops")
     try:
         while True:

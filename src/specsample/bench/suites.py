@@ -259,7 +259,7 @@ def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     keeping none, alternating which goes first, --prefix-reps times each."""
     config, tokenizer = bench.config, bench.speculator.pair.target.tokenizer
     if not tokenizer.has_chat_template:
-        raise ValueError(f"{config.target} has no chat template: the prefix suite replays a chat")
+        raise ValueError(f"{config.engine.target} has no chat template: the prefix suite replays a chat")
     messages = [{"role": "user", "content": history_message(tokenizer, config.history_tokens)}]
     first_turn = tokenizer.encode_messages(messages)
     reply_params = SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens)
