@@ -6,6 +6,7 @@ an uninterrupted one does, its steps draft as inference does)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -294,27 +295,31 @@ def test_training_steps_draft_as_inference_does(target) -> None:
 
 def test_regenerated_data_holds_the_targets_own_text_and_features(tmp_path) -> None:
     """The target answers two turns per conversation through the engine; each stored sequence is the text it wrote,
-    its reply mask covers exactly the replies, its recorded features are those a teacher-forced forward gives, and a
-    cut-off run resumes with the conversations it had not finished."""
+    its reply mask covers exactly the replies, its recorded features are those a teacher-forced forward gives; a
+    cut-off run resumes with the conversations it had not finished, here with two workers writing a shard each."""
     from specsample.datasets import Prompt
     from specsample.distill.features import FeatureReader, FeatureWriter, target_features
-    from specsample.distill.regenerate import Regeneration, regenerate_features
+    from specsample.distill.regenerate import Regeneration, regenerate_features, regenerate_store
     from specsample.models.loader import load_model
 
     tokenizer = make_tokenizer()
     folder = write_hf_model(tmp_path / "target", tokenizer=tokenizer, max_position_embeddings=256)
     loaded = load_model(str(folder), dtype="float32")
-    prompts = [Prompt(str(i), "x", (f"the quick brown fox {i}", "and then"), ()) for i in range(7)]
+    prompts = [Prompt(str(i), "x", (f"the quick brown fox {i}", "and then"), ()) for i in range(9)]
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("\n".join(json.dumps({"turns": list(p.turns)}) for p in prompts))
     plan = Regeneration(temperatures=(0.0, 1.0), turns=2, max_new_tokens=6, batch_size=3, chunk=2)
-    writer = FeatureWriter(tmp_path / "data", "tiny", 64, (0, 1, 2), loaded.model.vocab_size, 256, "regenerated")
+    writer = FeatureWriter(tmp_path / "data" / "shard-0", str(folder), 64, (0, 1, 2), loaded.model.vocab_size, 256,
+                           "regenerated")
     regenerate_features(loaded.model, loaded.tokenizer, prompts, writer, plan, 10**6, max_conversations=4,
                         progress=False)
-    assert 4 <= writer.num_sequences < 7  # stopped: the rest are left for a resumed run
-    writer = FeatureWriter(tmp_path / "data", "tiny", 64, (0, 1, 2), loaded.model.vocab_size, 256, "regenerated")
-    regenerate_features(loaded.model, loaded.tokenizer, prompts, writer, plan, 10**6, progress=False)
+    assert 4 <= writer.num_sequences < 9  # stopped: the rest are left for a resumed run
+    regenerate_store(tmp_path / "data", str(folder), "none", "cpu", str(prompt_file), replace(plan, workers=2),
+                     (0, 1, 2), 256, 10**6, progress=False)
     reader = FeatureReader(tmp_path / "data")
-    assert reader.index["sequences"] == 7 and sorted(reader.index["done"]) == list(range(7))
-    assert reader.replies() == 14  # two turns answered per conversation
+    assert reader.index["sequences"] == 9 and sorted(reader.index["done"]) == list(range(9))
+    assert (tmp_path / "data" / "shard-1" / "index.json").exists()
+    assert reader.replies() == 18  # two turns answered per conversation
     for sequence in [s for i in range(reader.num_chunks) for s in reader.chunk(i)]:
         text = tokenizer.decode(sequence.tokens.tolist())
         assert "the quick brown fox" in text and "and then" in text

@@ -154,7 +154,8 @@ def _add_serve_parser(sub) -> None:
 
 MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
               "onpolicy_max_new")  # distill flags of --kind model
-EAGLE_ONLY = ("data", "regen_temperatures", "regen_turns", "regen_max_new_tokens", "regen_batch_size", "tokens",
+EAGLE_ONLY = ("data", "regen_temperatures", "regen_turns", "regen_max_new_tokens", "regen_batch_size", "regen_workers",
+              "tokens",
               "feature_layers", "epochs", "unroll", "step_decay", "quantize")  # ...and of --kind eagle
 
 
@@ -192,7 +193,11 @@ def _add_distill_parsers(sub) -> None:
                        help="temperatures the target writes at, one per conversation in turn (default 0,0.7)")
     eagle.add_argument("--regen-turns", type=int, default=None, help="user turns answered per conversation (default 2)")
     eagle.add_argument("--regen-max-new-tokens", type=int, default=None, help="tokens per reply (default 96)")
-    eagle.add_argument("--regen-batch-size", type=int, default=None, help="requests decoded together (default 48)")
+    eagle.add_argument("--regen-batch-size", type=int, default=None,
+                       help="requests decoded together, per worker (default 48)")
+    eagle.add_argument("--regen-workers", type=int, default=None,
+                       help="processes writing at once, each its own shard of the data (default 1); on cores shared "
+                            "with other work, several one-thread workers outrun one with every thread")
     eagle.add_argument("--tokens", type=int, default=None,
                        help="tokens of conversation to collect, prompts included (default 12M); a resumed run may "
                             "lower it to stop collecting")
@@ -226,7 +231,14 @@ def _add_distill_parsers(sub) -> None:
     ev.add_argument("--prompts", default="spec-bench", help="spec-bench, sharegpt-heldout or a prompt file")
     ev.add_argument("--num-prompts", type=int, default=None, help="first N prompts (per category for spec-bench)")
     ev.add_argument("--max-new-tokens", type=int, default=64)
-    ev.add_argument("--dtype", default="float32")
+    ev.add_argument("--dtype", default=None,
+                    help="the target's dtype (default: float32 for a draft model; as served for a feature draft, auto)")
+    ev.add_argument("--quantize", choices=QUANT_MODES, default=None,
+                    help="how the target's weights are held (default: none for a draft model; as served for a feature "
+                         "draft, auto)")
+    ev.add_argument("--compile", action="store_true",
+                    help="a feature draft: the target's and the head's steps compiled, so the cost ratio compares "
+                         "compiled steps (default: both eager)")
     ev.add_argument("--no-cost", action="store_true", help="skip the (machine-dependent) cost-ratio timing")
     ev.add_argument("--out", type=Path, default=None, help="write the report JSON here")
     ev.set_defaults(func=cmd_eval_draft)
@@ -311,7 +323,8 @@ def _distill_eagle(args: argparse.Namespace) -> None:
     from specsample.distill.regenerate import Regeneration
 
     regen = {"temperatures": args.regen_temperatures, "turns": args.regen_turns,
-             "max_new_tokens": args.regen_max_new_tokens, "batch_size": args.regen_batch_size}
+             "max_new_tokens": args.regen_max_new_tokens, "batch_size": args.regen_batch_size,
+             "workers": args.regen_workers}
     chosen = {"data": args.data, "tokens": args.tokens, "epochs": args.epochs, "unroll": args.unroll,
               "step_decay": args.step_decay, "quantize": args.quantize, "batch_tokens": args.batch_tokens,
               "lr": args.lr, "max_len": args.max_len, "eval_prompts": args.eval_prompts,
@@ -366,25 +379,30 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     from specsample.distill.run import evaluation_table
     from specsample.models.loader import load_model
 
-    target = load_model(args.target, dtype=args.dtype)
     prompts = eval_prompt_set(args.prompts, args.num_prompts)
-    if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of 4 drafts a round
+    if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of drafts a round
         from specsample.distill.eagle import evaluate_head
         from specsample.distill.eagle import evaluation_table as head_table
         from specsample.pair import load_drafter
 
-        drafter = load_drafter(args.draft, target, dtype=args.dtype)
+        dtype, quantize = args.dtype or "auto", args.quantize or "auto"
+        target = load_model(args.target, dtype=dtype, quantize=quantize, compile_decode=args.compile)
+        drafter = load_drafter(args.draft, target, dtype=dtype, compile_decode=args.compile)
         if drafter is None:
             raise CliError(f"draft {args.draft} could not be loaded")
         report = evaluate_head(target.model, drafter, target.tokenizer, prompts, args.max_new_tokens,
-                               progress=sys.stderr.isatty())
+                               progress=sys.stderr.isatty(), measure_cost=not args.no_cost)
+        report["target_weights"] = quantize
         report["command"] = args.command_line
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
         print(json.dumps(report, indent=2))
         print("\n".join(head_table(report)), file=sys.stderr)
         return
-    draft = load_model(args.draft, dtype=args.dtype)
+    if args.compile:
+        raise CliError("--compile applies to a feature draft (its cost ratio compiled beside the target's)")
+    target = load_model(args.target, dtype=args.dtype or "float32", quantize=args.quantize or "none")
+    draft = load_model(args.draft, dtype=args.dtype or "float32")
     if draft.model.vocab_size != target.model.vocab_size:
         raise CliError(f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary "
                        f"({target.model.vocab_size})")

@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specsample.config import SamplingParams, SpecConfig
-from specsample.datasets import Prompt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
+from specsample.datasets import Prompt, sharegpt_prompts, spec_bench_prompts, text_file_prompts, training_conversations
+from specsample.distill.card import portable_command, portable_spec
 from specsample.distill.features import FeatureReader, FeatureSequence, FeatureWriter, collect_features
-from specsample.distill.regenerate import Regeneration, regenerate_features
+from specsample.distill.regenerate import Regeneration, regenerate_store
 from specsample.drafters.eagle import EagleDrafter
 from specsample.engine import Engine
 from specsample.metrics import StatsCollector
@@ -109,28 +110,23 @@ def _log(message: str) -> None:
 
 # ----- data ----------------------------------------------------------------------------------
 
-def training_prompts(plan: HeadTraining):
-    """The source conversations (ShareGPT's first 15,000, or a prompt file's)."""
-    if plan.prompts == "sharegpt":
-        return sharegpt_prompts(limit=15000)
-    return iter(text_file_prompts(plan.prompts))
-
-
 def collect(plan: HeadTraining, target, progress: bool) -> FeatureReader:
     """Stage 1: the feature store, filled to `plan.tokens` (unless training has begun: its data is then final)."""
     model = target.model
     layers = plan.feature_layers or default_feature_layers(len(model.layers))
-    source = "regenerated" if plan.data == "regenerate" else "teacher-forced"
-    writer = FeatureWriter(plan.work / "features", plan.target, model.config.hidden_size, layers, model.vocab_size,
-                           plan.max_len, source)
+    store = plan.work / "features"
     started = (plan.work / "train" / "checkpoint.pt").exists()
+    if plan.data == "regenerate":
+        if not started:
+            regenerate_store(store, plan.target, plan.quantize, plan.device, plan.prompts, plan.regeneration, layers,
+                             plan.max_len, plan.tokens, loaded=target, progress=progress)
+        return FeatureReader(store)
+    writer = FeatureWriter(store / "shard-0", plan.target, model.config.hidden_size, layers, model.vocab_size,
+                           plan.max_len, "teacher-forced")
     if writer.num_tokens < plan.tokens and not started:
-        if plan.data == "regenerate":
-            regenerate_features(model, target.tokenizer, training_prompts(plan), writer, plan.regeneration,
-                                plan.tokens, progress=progress)
-        else:
-            collect_features(model, target.tokenizer, training_prompts(plan), writer, plan.tokens, progress=progress)
-    return FeatureReader(plan.work / "features")
+        collect_features(model, target.tokenizer, training_conversations(plan.prompts), writer, plan.tokens,
+                         progress=progress)
+    return FeatureReader(store)
 
 
 def choose_vocab(reader: FeatureReader, vocab_size: int, size: int) -> torch.Tensor:
@@ -472,7 +468,7 @@ def eval_prompts(name: str, per_category: int) -> list[Prompt]:
 
 @torch.inference_mode()
 def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt], max_new_tokens: int,
-                  gamma: int = 3, progress: bool = True) -> dict[str, Any]:
+                  gamma: int = 3, progress: bool = True, measure_cost: bool = True) -> dict[str, Any]:
     """Through the real engine, a chain of `gamma` drafts per round at temperature 0 and 0.7: per category the
     acceptance rate, acceptance by draft position and tokens per target forward; and the cost ratio c."""
     report: dict[str, Any] = {"prompts": len(prompts), "gamma": gamma, "max_new_tokens": max_new_tokens,
@@ -493,7 +489,8 @@ def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt
             bar.update(1)
         report["temperatures"][str(temperature)] = {cat: _summary(c) for cat, c in per_cat.items()}
     bar.close()
-    report["cost"] = cost_ratio(target, drafter)
+    if measure_cost:
+        report["cost"] = cost_ratio(target, drafter)
     return report
 
 
@@ -526,8 +523,8 @@ def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 
             target.forward_cached(token, cache, slot)
             target_times.append(time.perf_counter() - start)
             start = time.perf_counter()
-            hidden = drafter.step(token, hidden, head_cache, slot)
-            probs = torch.softmax(head.logits(hidden[:, 0]).float() / 0.7, dim=-1)
+            hidden, logits = drafter.step(token, hidden, head_cache, slot)
+            probs = torch.softmax(logits.float() / 0.7, dim=-1)
             torch.multinomial(probs, 1, generator=generator)
             draft_times.append(time.perf_counter() - start)
     t, d = statistics.median(target_times), statistics.median(draft_times)
@@ -542,6 +539,7 @@ def _settings(plan: HeadTraining) -> dict[str, Any]:
     out["out"] = str(plan.out)
     for key in ("device", "checkpoint_minutes", "eval_prompts", "eval_per_category", "eval_max_new_tokens", "tokens"):
         out.pop(key)  # these may differ between resumed runs
+    out["regeneration"].pop("workers")
     return out
 
 
@@ -631,20 +629,21 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
     regen = plan.regeneration
     data = (f"{index['sequences']} conversations the target wrote itself (`--data regenerate`): the user turns of "
             f"ShareGPT conversations 0..14,999 (up to {regen.turns} per conversation, {index.get('prompts', 'n/a')} "
-            f"answered in all), each reply sampled by `{plan.target}` (weights `--quantize {plan.quantize}`) through "
+            f"answered in all), each reply sampled by `{target}` (weights `--quantize {plan.quantize}`) through "
             f"our engine at temperature {' or '.join(map(str, regen.temperatures))} (alternating by conversation), "
             f"up to {regen.max_new_tokens} tokens, under its chat template; the features recorded as it wrote them"
             if plan.data == "regenerate" else
-            f"{index['sequences']} conversations from `{plan.prompts}` with their own replies, run through the target "
+            f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
             f"teacher-forced (weights `--quantize {plan.quantize}`)")
-    lines = [f"# EAGLE-3 head for {plan.target}", "",
-             f"One decoder layer at the target's width ({index['hidden_size']}) that drafts from `{plan.target}`'s "
+    target = portable_spec(plan.target)
+    lines = [f"# EAGLE-3 head for {target}", "",
+             f"One decoder layer at the target's width ({index['hidden_size']}) that drafts from `{target}`'s "
              f"hidden states entering layers {layers} (fused), with its own output layer over a {plan.draft_vocab}-token "
              "draft vocabulary. The folder is in the EAGLE-3 layout vLLM and SGLang load "
              "(`LlamaForCausalLMEagle3`: config.json, model.safetensors with d2t/t2d). Trained with "
              "`specsample distill --kind eagle`.", ""]
     if command:
-        lines += ["## Command", "", "```bash", command, "```", ""]
+        lines += ["## Command", "", "```bash", portable_command(command), "```", ""]
     hours = record["seconds"] / 3600
     lines += ["## Data", "",
               f"{data}. {index['tokens']:,} tokens, {index['reply_tokens']:,} of them in replies (the loss counts "
@@ -689,8 +688,9 @@ def evaluation_table(report: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {c['acceptance_rate']:.3f} | {c['alpha']:.3f} | {c['tokens_per_round']:.2f} | "
                          f"{positions} |")
         lines.append("")
-    cost = report["cost"]
-    mode = "compiled" if cost.get("compiled") else "eager"
-    lines.append(f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target one-token step "
-                 f"{cost['target_step_ms']:.2f} ms, batch 1, both {mode}).")
+    cost = report.get("cost")
+    if cost is not None:
+        mode = "compiled" if cost.get("compiled") else "eager"
+        lines.append(f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target one-token "
+                     f"step {cost['target_step_ms']:.2f} ms, batch 1, both {mode}).")
     return lines

@@ -204,15 +204,41 @@ def _write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def shard_folders(folder: Path) -> list[Path]:
+    """The stores a feature store folder holds: itself (a store of one writer), or its `shard-N` folders (a store
+    several writers filled at once, each its own shard), in shard order."""
+    folder = Path(folder)
+    if (folder / "index.json").exists():
+        return [folder]
+    return sorted((f for f in folder.glob("shard-*") if (f / "index.json").exists()),
+                  key=lambda f: int(f.name.removeprefix("shard-")))
+
+
 class FeatureReader:
-    """The committed chunks of a store, one chunk in memory at a time."""
+    """The committed chunks of a store (all its shards, in shard order), one chunk in memory at a time."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
-        self.index = read_index(self.folder)
-        for chunk in self.index["chunks"]:
-            if not (self.folder / chunk["file"]).exists():
-                raise ValueError(f"{self.folder / chunk['file']} is missing: the store is incomplete")
+        shards = shard_folders(self.folder)
+        if not shards:
+            raise ValueError(f"{folder} is not a feature store (no index.json, no shard-N/index.json)")
+        indices = [read_index(shard) for shard in shards]
+        first = indices[0]
+        for shard, index in zip(shards[1:], indices[1:]):
+            for key in ("target", "hidden_size", "feature_layers", "vocab_size", "max_len", "source"):
+                if index[key] != first[key]:
+                    raise ValueError(f"{shard} holds features of another {key} ({index[key]}) than {shards[0]}")
+        self.index = {**first, "chunks": [], "done": [], "sequences": 0, "tokens": 0, "reply_tokens": 0}
+        for shard, index in zip(shards, indices):
+            prefix = shard.relative_to(self.folder)
+            for chunk in index["chunks"]:
+                path = shard / chunk["file"]
+                if not path.exists():
+                    raise ValueError(f"{path} is missing: the store is incomplete")
+                self.index["chunks"].append({**chunk, "file": str(prefix / chunk["file"])})
+            self.index["done"] += index["done"]
+            for key in ("sequences", "tokens", "reply_tokens"):
+                self.index[key] += index[key]
 
     @property
     def num_chunks(self) -> int:

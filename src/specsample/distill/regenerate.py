@@ -12,8 +12,10 @@ forwards that write it: no second pass over the text.
 from __future__ import annotations
 
 from collections import deque
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -21,7 +23,8 @@ from tqdm import tqdm
 
 from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt
-from specsample.distill.features import FeatureSequence, FeatureWriter, recording_layers, reply_spans, split_features
+from specsample.distill.features import (FeatureSequence, FeatureWriter, read_index, recording_layers, reply_spans,
+                                         shard_folders, split_features)
 from specsample.drafters.base import DraftRequest, Proposal
 from specsample.engine import Engine
 from specsample.tokenizer import Tokenizer
@@ -84,15 +87,19 @@ class Regeneration:
     turns: int = 2  # user turns answered per conversation (fewer where it has fewer or the context is full)
     max_new_tokens: int = 96  # per reply
     max_prompt_tokens: int = 768  # a first turn rendered longer than this is skipped
-    batch_size: int = 48  # requests decoded together
+    batch_size: int = 48  # requests decoded together (per worker)
     chunk: int = 64  # conversations per committed chunk
     seed: int = 0
+    # processes writing at once, each its own shard of the store (conversation i goes to shard i % workers); where
+    # cores are shared or a step's small ops dominate, several one-thread workers outrun one worker with every thread
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(f"regeneration temperatures must be >= 0, got {self.temperatures}")
-        if min(self.turns, self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.chunk) < 1:
-            raise ValueError("turns, max_new_tokens, max_prompt_tokens, batch_size and chunk must be >= 1")
+        if min(self.turns, self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.chunk,
+               self.workers) < 1:
+            raise ValueError("turns, max_new_tokens, max_prompt_tokens, batch_size, chunk and workers must be >= 1")
 
 
 @dataclass
@@ -106,15 +113,18 @@ class _Conversation:
 
 def regenerate_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], writer: FeatureWriter,
                         plan: Regeneration, max_tokens: int, max_conversations: int | None = None,
-                        progress: bool = True) -> None:
+                        progress: bool = True, shard: tuple[int, int] = (0, 1),
+                        skip: frozenset[int] = frozenset()) -> None:
     """Have the target answer the source conversations' user turns and store each finished conversation's tokens,
-    reply mask and recorded features (skipping the source conversations `writer` handled already), until the store
-    holds `max_tokens` tokens, `max_conversations` conversations or the source runs out. The engine stays full:
-    a conversation's next turn joins the batch as soon as its previous reply is written."""
+    reply mask and recorded features (of the conversations of `shard` (k, n): index i with i % n == k, skipping
+    those `writer` or another shard (`skip`) handled already), until the store holds `max_tokens` tokens,
+    `max_conversations` conversations or the source runs out. The engine stays full: a conversation's next turn
+    joins the batch as soon as its previous reply is written."""
     model.set_feature_layers(recording_layers(writer.index["feature_layers"], len(model.layers)))
     max_len = writer.index["max_len"]
-    done = writer.done
-    source = ((i, p) for i, p in enumerate(prompts) if i not in done)
+    done = writer.done | skip
+    mine, workers = shard
+    source = ((i, p) for i, p in enumerate(prompts) if i % workers == mine and i not in done)
     finished: list[tuple[_Conversation, list[int], Tensor]] = []
     recorder = FeatureRecorder(lambda key, tokens, features: finished.append((key, tokens, features)))
     engine = Engine(model, recorder, SpecConfig(speculative=False, max_batch_size=plan.batch_size,
@@ -216,3 +226,73 @@ def _sequence(model, tokenizer: Tokenizer, conversation: _Conversation, tokens: 
     finals = torch.zeros(len(tokens), final.shape[-1], dtype=torch.bfloat16)
     finals[: len(final)] = final
     return FeatureSequence(torch.tensor(tokens), padded, finals, torch.tensor(mask), len(features))
+
+
+def regenerate_store(folder: Path, target: str, quantize: str, device: str, prompts: str, plan: Regeneration,
+                     feature_layers: Sequence[int], max_len: int, max_tokens: int, loaded=None,
+                     progress: bool = True) -> None:
+    """Fill the feature store in `folder` with conversations the target writes (`regenerate_features`) from the
+    source `prompts` (`datasets.training_conversations`), up to `max_tokens` tokens in all: `plan.workers` processes
+    at once, worker k filling `shard-k` with conversation i % workers == k, each resuming its shard and skipping what
+    any shard handled. With one worker it runs here, on `loaded` (the target already loaded) where given."""
+    folder = Path(folder)
+    share = -(-max_tokens // plan.workers)
+    if plan.workers == 1:
+        _fill_shard(folder, 0, plan, target, quantize, device, prompts, feature_layers, max_len, share, loaded,
+                    progress)
+        return
+    import multiprocessing
+    import time
+
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_fill_shard, name=f"regenerate shard {k}",
+                               args=(folder, k, plan, target, quantize, device, prompts, feature_layers, max_len,
+                                     share, None, False))
+               for k in range(plan.workers)]
+    for worker in workers:
+        worker.start()
+    bar = tqdm(total=max_tokens, desc=f"target-written conversations ({plan.workers} workers)", unit="tok",
+               unit_scale=True, disable=not progress)
+    try:
+        while any(w.is_alive() for w in workers):
+            time.sleep(5)
+            bar.update(min(_stored_tokens(folder), max_tokens) - bar.n)
+    except BaseException:
+        for worker in workers:
+            worker.terminate()
+        raise
+    finally:
+        for worker in workers:
+            worker.join()
+        bar.close()
+    failed = [w.name for w in workers if w.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"{', '.join(failed)} failed (exit code {workers[0].exitcode}); run again to resume")
+
+
+def _stored_tokens(folder: Path) -> int:
+    total = 0
+    for shard in shard_folders(folder):
+        try:
+            total += read_index(shard)["tokens"]
+        except ValueError:  # being rewritten this instant: counted at the next poll
+            pass
+    return total
+
+
+def _fill_shard(folder: Path, shard: int, plan: Regeneration, target: str, quantize: str, device: str, prompts: str,
+                feature_layers: Sequence[int], max_len: int, max_tokens: int, loaded=None, progress: bool = False) -> None:
+    """One worker of `regenerate_store`: its shard of the conversations into `folder/shard-{shard}`."""
+    from specsample.datasets import training_conversations
+    from specsample.models.loader import load_model
+
+    if loaded is None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.workers))
+        loaded = load_model(target, device=device, quantize=quantize)
+    model = loaded.model
+    writer = FeatureWriter(Path(folder) / f"shard-{shard}", target, model.config.hidden_size, feature_layers,
+                           model.vocab_size, max_len, "regenerated")
+    elsewhere = frozenset(i for other in shard_folders(Path(folder)) if other.name != f"shard-{shard}"
+                          for i in read_index(other)["done"])
+    regenerate_features(model, loaded.tokenizer, training_conversations(prompts), writer, plan, max_tokens,
+                        progress=progress, shard=(shard, plan.workers), skip=elsewhere)

@@ -50,7 +50,8 @@ class EagleDrafter:
 
     wants_features = True
 
-    def __init__(self, head: EagleHead, target: LlamaModel, folder: Path | None = None) -> None:
+    def __init__(self, head: EagleHead, target: LlamaModel, folder: Path | None = None, compile: bool = False) -> None:
+        """`compile`: run drafting steps through a compiled graph (as `--compile` runs the target's), compiled now."""
         head.config.check_target(target.config, head.embed is not None)
         self.head = head.to(device=target.device, dtype=target.dtype).eval()
         self.target = target
@@ -59,8 +60,14 @@ class EagleDrafter:
         self.output_subset = self.head.draft_ids  # [K] the target's id of each draft id
         self.feature_layers = head.config.feature_layers
         target.set_feature_layers(self.feature_layers)
-        if target.device.type == "cpu":
+        if target.device.type == "cpu" and not compile:
             self.head.pack_for_cpu()
+        self.compiled = None
+        if compile:
+            from specsample.models.compiled import CompiledHeadStep
+
+            self.compiled = CompiledHeadStep(self.head)
+            self.compiled.warm_up(self.embed)
         self.cache: KVCache | None = None
         self.rows: dict[int, _Row] = {}
         self._parked: dict[int, _Row] = {}
@@ -134,10 +141,14 @@ class EagleDrafter:
 
     # ----- drafting -------------------------------------------------------------------------
 
-    def step(self, tokens: Tensor, hidden: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
+    def step(self, tokens: Tensor, hidden: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
         """One drafting step: an entry per row for `tokens [b, 1]` read with the head's outputs `hidden [b, 1, H]` of
-        the entry before; their outputs `[b, 1, H]`."""
-        return self.head.forward_cached(self.embed(tokens), hidden, cache, slots)
+        the entry before; their outputs `[b, 1, H]` and logits over the draft vocabulary `[b, K]` (one compiled graph
+        where the drafter compiles)."""
+        if self.compiled is not None:
+            return self.compiled(self.embed(tokens), hidden, cache, slots)
+        outputs = self.head.forward_cached(self.embed(tokens), hidden, cache, slots)
+        return outputs, self.head.logits(outputs[:, 0])
 
     def _entries(self, row: _Row, count: int) -> tuple[Tensor, list[int]]:
         """The first `count` unfed entries of a row: their features `[count, F]` and tokens."""
@@ -203,10 +214,11 @@ class EagleDrafter:
 
         def advance(token: Tensor) -> Tensor:
             # the next entry: the token just drawn, read with the head's output that drew it
-            outputs[0] = self.step(token.unsqueeze(1), outputs[0].unsqueeze(1), self.cache, slot_tensor)[:, 0]
+            out, logits = self.step(token.unsqueeze(1), outputs[0].unsqueeze(1), self.cache, slot_tensor)
+            outputs[0] = out[:, 0]
             for slot in slots:
                 self.rows[slot].drafted += 1
-            return self.head.logits(outputs[0])
+            return logits
 
         reach = [m if r else 0 for m, r in zip(request.reach, ready)]
         return draw_chain(request, self.head.logits(predicted), advance, self.vocab_size, self.output_subset, reach)
@@ -349,8 +361,9 @@ def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def load_head_drafter(folder: str | Path, target: LlamaModel) -> EagleDrafter:
-    """The EAGLE-3 head in `folder` as a drafter for `target` (our Llama-family runtime)."""
+def load_head_drafter(folder: str | Path, target: LlamaModel, compile: bool = False) -> EagleDrafter:
+    """The EAGLE-3 head in `folder` as a drafter for `target` (our Llama-family runtime); `compile`: its drafting
+    steps through a compiled graph."""
     if not isinstance(target, LlamaModel):
         raise ValueError("a feature draft (EAGLE-3 head) needs the target on our Llama-family runtime")
-    return EagleDrafter(load_head(Path(folder), target.config), target, Path(folder))
+    return EagleDrafter(load_head(Path(folder), target.config), target, Path(folder), compile=compile)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models.layers import apply_rope, weight_version
+from specsample.models.rope import rope_tables
 from specsample.models.quant import QuantLinear, SplitLinear
 
 log = logging.getLogger(__name__)
@@ -230,3 +231,74 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(hidden, 1)
         with torch._inductor.config.patch(self.inductor_config):
             return self.head[1](hidden)
+
+
+class HeadStep(nn.Module):
+    """One drafting step of an EAGLE-3 head (`models/eagle_head.py`) on each of the cache's rows `slots [b]`: the
+    entry of a drawn token read with the head's output before it, appended at `positions [b]`; its output `[b, 1, H]`
+    and logits over the draft vocabulary `[b, K]`."""
+
+    def __init__(self, head: nn.Module) -> None:  # an EagleHead
+        super().__init__()
+        self.head = head
+
+    def forward(self, embeddings: Tensor, hidden: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor,
+                keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        h, c = self.head, self.head.layer_config
+        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        groups = heads // kv_heads
+        batch, length = embeddings.shape[0], key_positions.shape[0]
+        normed = h.hidden_norm(hidden)
+        residual = normed if h.config.norm_before_residual else hidden
+        qkv = project(h.qkv, torch.cat([h.input_norm(embeddings), normed], dim=-1)).view(batch, 1, heads + 2 * kv_heads,
+                                                                                          head_dim)
+        cos, sin = rope_tables(h._inv_freq, h.rope_scale, positions.view(batch, 1), qkv.dtype)
+        qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
+        keys[slots.view(batch, 1), :, positions.view(batch, 1)] = qk[:, :, heads:]  # [b, 1, KVH, hd]
+        values[slots.view(batch, 1), :, positions.view(batch, 1)] = qkv[:, :, heads + kv_heads:]
+        mask = key_positions.view(1, 1, 1, length) <= positions.view(batch, 1, 1, 1)  # [b, 1, 1, length]
+        q = qk[:, :, :heads].reshape(batch, kv_heads, groups, head_dim)
+        out = F.scaled_dot_product_attention(q, keys[:, :, :length].index_select(0, slots),
+                                             values[:, :, :length].index_select(0, slots), attn_mask=mask)
+        x = residual.to(out.dtype) + project(h.o_proj, out.reshape(batch, 1, heads * head_dim))
+        gate, up = project(h.gate_up, h.post_norm(x)).chunk(2, dim=-1)
+        x = x + project(h.down, F.silu(gate) * up)
+        return x, project(h.lm_head, h.norm(x[:, 0]))
+
+
+class CompiledHeadStep:
+    """A compiled `HeadStep` for one head: what a drafting step runs where the target runs compiled."""
+
+    def __init__(self, head: nn.Module) -> None:  # an EagleHead
+        self.head = head
+        self.step = torch.compile(_private_forward(HeadStep(head).eval()), fullgraph=True)
+        self.inductor_config = CPU_INDUCTOR_CONFIG if head.device.type == "cpu" else {}
+        self.compiled = False
+
+    def warm_up(self, embed) -> None:
+        """Compile the step now for batch 1 on a throwaway cache (`embed`: the token embedding the drafter uses)."""
+        cache = self.head.new_cache(1, 8)
+        with torch.inference_mode():
+            hidden = torch.zeros(1, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=self.head.device)
+            self(embed(torch.zeros(1, 1, dtype=torch.long)), hidden, cache, torch.zeros(1, dtype=torch.long))
+
+    def __call__(self, embeddings: Tensor, hidden: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The head's output `[b, 1, H]` and logits `[b, K]` for one entry per row `slots [b]`, appended after each
+        row's length in `cache` (which grows by one)."""
+        starts = cache.reserve(slots, 1)
+        length = min(max(int(starts.max()) + 1, 2), cache.key_store.shape[3])
+        key_positions = torch.arange(length, device=hidden.device)
+        torch._dynamo.mark_dynamic(key_positions, 0)
+        stores = (cache.flat_keys, cache.flat_values)
+        for tensor in stores:
+            for dim in (0, 2):
+                if tensor.shape[dim] > 1:  # dynamo always specialises size 1
+                    torch._dynamo.mark_dynamic(tensor, dim)
+        if not self.compiled:
+            log.info("compiling the feature draft's step (10-30 s on a small CPU, once per process)")
+        with torch._inductor.config.patch(self.inductor_config):
+            out = self.step(embeddings.contiguous(), hidden.contiguous(), slots.to(hidden.device).clone(),
+                            starts.to(hidden.device), key_positions, *stores)
+        self.compiled = True
+        cache.lengths[slots.cpu()] = starts + 1
+        return out
