@@ -609,7 +609,8 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
         if f"heldout_{key}" in curve[0]:
             right.plot(steps, [c[f"heldout_{key}"] for c in curve], label=f"held-out {label}")
     right.set_xlabel("token-steps (M)")
-    right.legend()
+    if right.lines:
+        right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -619,6 +620,7 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
                command: str | None) -> None:
     """README.md beside the head: data, compute, curve and evaluation, all from this run's files."""
     index = reader.index
+    target = portable_spec(plan.target)
     layers = ", ".join(map(str, index["feature_layers"]))
     regen = plan.regeneration
     data = (f"{index['sequences']} conversations the target wrote itself (`--data regenerate`): the user turns of "
@@ -629,7 +631,6 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
             if plan.data == "regenerate" else
             f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
             f"teacher-forced (weights `--quantize {plan.quantize}`)")
-    target = portable_spec(plan.target)
     lines = [f"# EAGLE-3 head for {target}", "",
              f"One decoder layer at the target's width ({index['hidden_size']}) that drafts from `{target}`'s "
              f"hidden states entering layers {layers} (fused), with its own output layer over a {plan.draft_vocab}-token "

@@ -148,6 +148,20 @@ def _private_forward(module: nn.Module) -> nn.Module:
     return module
 
 
+def _dynamic_reads(cache: KVCache, length: int, device: torch.device) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """The key positions `[length]` a compiled step's attention reads (at least 2: dynamo specialises a size of 1;
+    at most the allocation) and the cache's stores, their sizes marked dynamic: neither a longer context nor a cache
+    with more rows recompiles the step."""
+    key_positions = torch.arange(min(max(length, 2), cache.key_store.shape[3]), device=device)
+    torch._dynamo.mark_dynamic(key_positions, 0)
+    stores = (cache.flat_keys, cache.flat_values)
+    for tensor in stores:
+        for dim in (0, 2):
+            if tensor.shape[dim] > 1:  # dynamo always specialises size 1
+                torch._dynamo.mark_dynamic(tensor, dim)
+    return key_positions, stores
+
+
 def _total_version(tensors: list[Tensor]) -> int:
     """Sum of version counters: they only grow, so the sum changes exactly when some tensor was written."""
     return sum(map(weight_version, tensors))
@@ -195,14 +209,7 @@ class CompiledDecode:
         # cost follows the context. The stores' row count and length and the read length are dynamic dimensions,
         # so neither a new request nor a longer context recompiles (the read length at least 2, the masked entry
         # past position 0 included: dynamo specialises a size of 1)
-        length = min(max(int(positions.max()) + tokens.shape[1], 2), cache.key_store.shape[3])
-        key_positions = torch.arange(length, device=tokens.device)
-        torch._dynamo.mark_dynamic(key_positions, 0)
-        stores = (cache.flat_keys, cache.flat_values)
-        for tensor in stores:
-            for dim in (0, 2):
-                if tensor.shape[dim] > 1:  # dynamo always specialises size 1
-                    torch._dynamo.mark_dynamic(tensor, dim)
+        key_positions, stores = _dynamic_reads(cache, int(positions.max()) + tokens.shape[1], tokens.device)
         shape = (tokens.shape[0] == 1, tokens.shape[1] == 1)
         if shape not in self.compiled_shapes:
             log.info("compiling the decode step for batch %s, %s (20-80 s on a small CPU, once per process)",
@@ -286,14 +293,7 @@ class CompiledHeadStep:
         """The head's output `[b, 1, H]` and logits `[b, K]` for one entry per row `slots [b]`, appended after each
         row's length in `cache` (which grows by one)."""
         starts = cache.reserve(slots, 1)
-        length = min(max(int(starts.max()) + 1, 2), cache.key_store.shape[3])
-        key_positions = torch.arange(length, device=hidden.device)
-        torch._dynamo.mark_dynamic(key_positions, 0)
-        stores = (cache.flat_keys, cache.flat_values)
-        for tensor in stores:
-            for dim in (0, 2):
-                if tensor.shape[dim] > 1:  # dynamo always specialises size 1
-                    torch._dynamo.mark_dynamic(tensor, dim)
+        key_positions, stores = _dynamic_reads(cache, int(starts.max()) + 1, hidden.device)
         if not self.compiled:
             log.info("compiling the feature draft's step (10-30 s on a small CPU, once per process)")
         with torch._inductor.config.patch(self.inductor_config):
