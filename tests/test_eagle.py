@@ -141,7 +141,7 @@ def test_a_feature_draft_needs_a_target_that_returns_features(target) -> None:
 
     with pytest.raises(ValueError, match="does not return"):
         Engine(LogitsOnly(target), drafter(target))
-    Engine(LogitsOnly(target), HybridDrafter(drafter(target)).ngram)  # a drafter without features runs
+    Engine(LogitsOnly(target), HybridDrafter(drafter(target)).lookup)  # a drafter without features runs
 
 
 def test_backlog_scores_are_the_heads_probabilities_of_committed_tokens(target) -> None:

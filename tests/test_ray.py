@@ -187,13 +187,13 @@ def test_every_engine_option_reaches_the_replicas() -> None:
     from specsample.server.options import ServerOptions
     from specsample.speculator import EngineOptions
 
-    options = EngineOptions(compile=True, quantize="int8", pad_rows="off", sampling="coupled")
+    options = EngineOptions(compile=True, quantize="int8", pad_rows="off", sampling="coupled", suffix_cache_scope="request")
     assert ReplicaSettings.of(options, ServerOptions(model_name="m")).engine_options() == options
     assert ReplicaSettings.from_args({"compile": "true"}).engine_options().compile is True
     assert ReplicaSettings.from_args({"compile": "False"}).engine_options().compile is False
     with pytest.raises(ValueError, match="true or false"):
         ReplicaSettings.from_args({"compile": "maybe"})
-    assert {f.name for f in fields(ReplicaSettings)} >= {"compile", "deterministic"}
+    assert {f.name for f in fields(ReplicaSettings)} >= {"compile", "deterministic", "suffix_cache_scope"}
 
 
 def test_serve_and_bench_take_compile() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.drafters.model import WINDOW_MODES
+from specsample.drafters.suffix import SCOPES as SUFFIX_SCOPES
 from specsample.metrics import StatsCollector
 from specsample.models.hub import ALIASES, FetchError
 from specsample.models.loader import RUNTIMES
@@ -39,7 +40,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=None,
                         help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt lookup), "
-                             "'hybrid[:MODEL]' (n-gram where the context repeats, the model elsewhere) or 'none'. "
+                             "'suffix' (suffix drafting over the request and recent requests' outputs), "
+                             "'hybrid[:MODEL]' (suffix drafting where the text repeats, the model elsewhere) or "
+                             "'none'. "
                              "Default: the target alias's (smollm2-135m-instruct: hybrid, with the distilled draft "
                              "shipped in the package; gemma3-270m: ngram)")
     parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
@@ -198,7 +201,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--draft", default=None, help="draft spec (default: the target alias's draft)")
     bench.add_argument("--dataset", default="spec-bench",
                        help="spec-bench (bundled), a file in its format, humaneval, sharegpt")
-    bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise")
+    bench.add_argument("--num-prompts", type=int, default=None,
+                       help="per category for spec-bench, in total otherwise; the repeat suite: items per kind")
     bench.add_argument("--max-new-tokens", type=int, default=None)
     bench.add_argument("--gamma", type=_csv(int), default=None,
                        help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "
@@ -234,7 +238,8 @@ def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding (vLLM's flag names)")
     serve.add_argument("--model", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
     serve.add_argument("--speculative-model", default=None,
-                       help="draft spec (model, 'ngram', 'hybrid[:MODEL]', 'none'); default: the target alias's draft")
+                       help="draft spec (model, 'ngram', 'suffix', 'hybrid[:MODEL]', 'none'); default: the "
+                            "target alias's draft")
     serve.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
                        help="what a draft model attends to: auto (the window saved with the draft) or off (the whole "
                             "context); see generate --help")
@@ -258,7 +263,11 @@ def _add_serve_parser(sub) -> None:
                             "ADMIN_KEY'; without it /admin/* answers 404")
     serve.add_argument("--models-dir", default=None,
                        help="folder of drafts /admin/draft may load, named by their path inside it (besides ngram, "
-                            "hybrid and the built-in drafts)")
+                            "suffix, hybrid and the built-in drafts)")
+    serve.add_argument("--suffix-cache-scope", choices=SUFFIX_SCOPES, default="global",
+                       help="what suffix drafts come from: global (default: the request and recent requests' outputs, "
+                            "shared across clients; a request then decodes faster where another client wrote the "
+                            "same text, a timing side channel) or request (the request alone)")
     serve.add_argument("--prefix-cache-rows", type=int, default=4,
                        help="finished requests' cache rows kept for requests sharing their prefix, such as the next "
                             "turn of a chat, which then prefills only what is new (default 4; 0: none)")
@@ -549,7 +558,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                             max_gamma=args.max_gamma, tree=args.tree, dtype=args.dtype, device=args.device,
                             pad_rows=args.pad_rows, draft_window=args.draft_window, quantize=args.quantize,
                             quant_group=args.quant_group, draft_quantize=args.draft_quantize, sampling=args.sampling,
-                            deterministic=args.deterministic)
+                            deterministic=args.deterministic, suffix_cache_scope=args.suffix_cache_scope)
     serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
                             min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
                             max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,

@@ -57,6 +57,7 @@ class ReplicaSettings:
     deterministic: bool = False  # see `specsample serve --deterministic`
     compile: bool = False  # see `specsample serve --compile`
     prefix_cache_rows: int = 4  # see `specsample serve --prefix-cache-rows`
+    suffix_cache_scope: str = "global"  # see `specsample serve --suffix-cache-scope` (each replica holds its own)
 
     def __post_init__(self) -> None:
         self.engine_options()  # bad settings fail here, before any replica loads a model
@@ -67,7 +68,8 @@ class ReplicaSettings:
                              tree=self.tree, dtype=self.dtype, device=self.device, pad_rows=self.pad_rows,
                              draft_window=self.draft_window, quantize=self.quantize, quant_group=self.quant_group,
                              draft_quantize=self.draft_quantize, sampling=self.sampling,
-                             deterministic=self.deterministic, compile=self.compile)
+                             deterministic=self.deterministic, compile=self.compile,
+                             suffix_cache_scope=self.suffix_cache_scope)
 
     def server_options(self, replica_id: str | None = None) -> ServerOptions:
         return ServerOptions(model_name=self.served_model_name or self.model, api_key=self.api_key,
@@ -88,7 +90,7 @@ class ReplicaSettings:
                    pad_rows=options.pad_rows, draft_window=options.draft_window, admin_key=serving.admin_key,
                    models_dir=serving.models_dir, max_body_bytes=serving.max_body_bytes, sampling=options.sampling,
                    deterministic=options.deterministic, compile=options.compile,
-                   prefix_cache_rows=serving.prefix_cache_rows)
+                   prefix_cache_rows=serving.prefix_cache_rows, suffix_cache_scope=options.suffix_cache_scope)
 
     def as_args(self) -> dict[str, Any]:
         return asdict(self)

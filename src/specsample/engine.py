@@ -394,7 +394,7 @@ class Engine:
         proposal = self.drafter.propose(DraftRequest(
             tuple(r.slot for r in rows), tuple(r.drafts for r in plan.rows), reach, tuple(r.params for r in rows),
             tuple(r.generator for r in rows), tuple(r.source for r in plan.rows), plan.stop_thresholds,
-            plan.extension, tree=plan.tree, shaper=shaper, noise=self._noise(rows)))
+            plan.extension, tree=plan.tree, shaper=shaper, noise=self._noise(rows), lookup_trees=plan.lookup_trees))
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor(reach))
         used = int(num_drafted.max())  # the drafter may have stopped every row early
         return Proposal(proposal.tokens[:, :used].to(device),

@@ -18,6 +18,7 @@ import torch
 from specsample.config import SAMPLING_MODES, SettingError, SpecConfig, TreeShape
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import WINDOW_MODES
+from specsample.drafters.suffix import SCOPES as SUFFIX_SCOPES
 from specsample.engine import Engine
 from specsample.grammar import GrammarCompiler
 from specsample.models.base import TreeLM
@@ -115,6 +116,9 @@ class EngineOptions:
     # one-token forward of its row alone computes them, so outputs are bitwise reproducible for a seed and speculative
     # greedy equals plain greedy in every dtype; slower (docs/exactness.md)
     deterministic: bool = False
+    # what suffix drafts (the hybrid's lookup, --draft suffix) come from: 'global' (the request and the outputs of the
+    # engine's recent requests) or 'request' (the request alone); docs/serving.md#the-suffix-cache
+    suffix_cache_scope: str = "global"
 
     def __post_init__(self) -> None:
         """Every setting is checked here; whether this process can use the device, by `load` before it loads
@@ -150,6 +154,9 @@ class EngineOptions:
             raise ValueError("--compile needs our Llama-family runtime, not --runtime hf")
         if self.sampling is not None and self.sampling not in SAMPLING_MODES:
             raise SettingError("sampling", f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.suffix_cache_scope not in SUFFIX_SCOPES:
+            raise SettingError("suffix_cache_scope", f"suffix_cache_scope must be one of {', '.join(SUFFIX_SCOPES)}, "
+                                                     f"got {self.suffix_cache_scope!r}")
         if not isinstance(self.deterministic, bool):
             raise SettingError("deterministic", f"deterministic must be true or false, got {self.deterministic!r}")
         if self.deterministic:
@@ -251,7 +258,7 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
     pair = load_pair(options.target, options.draft if options.speculative else "none", options.dtype,
                      options.device, options.runtime, compile_decode=options.compile,
                      draft_window=options.draft_window, quantize=options.quantize, group_size=options.quant_group,
-                     draft_quantize=options.draft_quantize)
+                     draft_quantize=options.draft_quantize, suffix_scope=options.suffix_cache_scope)
     if options.deterministic:
         make_deterministic(pair.target.model, options.target)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):

@@ -79,6 +79,9 @@ class DraftRequest:
     # coupled sampling (specsample.coupling): per row the noise its draws use in place of its generator (None: a greedy
     # row); empty: draw from the generators
     noise: tuple[DraftNoise | None, ...] = ()
+    # rows sent to their lookup (source True) may propose a token tree of up to `reach[i]` nodes where their
+    # continuations branch (the target scores trees); False: chains, unless `tree`
+    lookup_trees: bool = False
 
     def __post_init__(self) -> None:
         rows = len(self.slots)
@@ -103,7 +106,7 @@ class DraftRequest:
                             tuple(self.generators[i] for i in rows),
                             tuple(self.source[i] for i in rows) if self.source else (),
                             self.stop_thresholds, self.extension, self.width, self.tree, self.shaper,
-                            tuple(self.noise[i] for i in rows) if self.noise else ())
+                            tuple(self.noise[i] for i in rows) if self.noise else (), self.lookup_trees)
 
     def refuse_extension(self, rows: Sequence[int], why: str) -> None:
         """Raise where one of `rows` may draft past its plan, which the caller cannot honour (`why`); a tree's reach is
