@@ -11,7 +11,9 @@
 - structured: ours and target-only on prompts asking for a JSON record, each under a JSON-schema grammar and free,
   interleaved: how much of the unconstrained speed a grammar keeps;
 - prefix: time to first token of a second chat turn after a first turn of --history-tokens, on an engine that
-  kept the first turn's cache rows (prefix reuse) and on one that did not.
+  kept the first turn's cache rows (prefix reuse) and on one that did not;
+- repeat: repetitive traffic (second turns, extraction, reworded questions) as a stream through one long-lived
+  engine per system, so a shared suffix cache warms (`repeat.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from specsample.config import Grammar, SamplingParams
 from specsample.datasets import spec_bench_prompts
 from specsample.metrics import percentile
 from specsample.planner import FixedGamma, GammaController
+from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 
 STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
               "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",

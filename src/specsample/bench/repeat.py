@@ -1,0 +1,188 @@
+"""The repeat suite: repetitive traffic, as a stream of requests through one long-lived engine per system.
+
+The workload is built from the bundled Spec-Bench questions (evaluation only: never train on them), N items of each
+of three kinds (N = --num-prompts, default all), interleaved kind by kind:
+
+- two-turn chats: a multi-turn question's first turn, then its second turn after the first reply (the second turn
+  asks to rewrite, extend or correct that reply);
+- extraction: a math word problem given with a JSON schema to fill (people, quantities, question); the schema is in
+  the prompt and decoding is unconstrained, as a peer decodes it;
+- reworded questions: a QA question asked as written, then twice more in other words, each wording a full pass over
+  the N questions later.
+
+Every system (target-only, the hybrid with n-gram lookup, the hybrid with suffix drafting in request and in global
+scope, and the peers) keeps one engine for the whole stream at a temperature, so a shared cache warms as it would in
+a server; each first decodes WARM_UP untimed. Then each request is decoded by every system: ours in lockstep, round
+by round in an order drawn afresh every round, each on its own clock (`run_lockstep`), then the peers one after
+another in an order rotating request by request. A second turn's history holds target-only's first reply, so every
+system sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specsample.bench.context import Bench, Progress, Recorder
+from specsample.bench.systems import Ours, OursRun, run_lockstep
+from specsample.datasets import spec_bench_prompts
+from specsample.drafters.base import Drafter
+from specsample.engine import Engine
+from specsample.planner import GammaController
+
+EXTRACTION_SCHEMA = {"type": "object", "properties": {
+    "people": {"type": "array", "items": {"type": "string"}},
+    "quantities": {"type": "array", "items": {"type": "number"}},
+    "question": {"type": "string"}}, "required": ["people", "quantities", "question"]}
+EXTRACTION = ("Extract the information in the text below as a JSON object that follows this JSON schema:\n"
+              + json.dumps(EXTRACTION_SCHEMA) + "\nAnswer with the JSON object only.\n\nText: ")  # + the text
+REWORDINGS = ("{question}", "Can you tell me: {lower}", "Someone asked me this and I did not know the answer. {question}")
+KINDS = ("first turn", "second turn", "extraction", "question", "reworded question")
+WARM_UP = "Say OK."  # each system's first request, not timed (its few tokens enter a shared cache)
+WARM_UP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the stream: its kind, an id, its chat messages; a second turn's history is completed at run
+    time with the reply to request `after` (its index in the stream)."""
+
+    kind: str
+    id: str
+    messages: tuple[dict[str, str], ...]
+    after: int | None = None
+
+
+def workload(per_kind: int | None = None) -> list[Request]:
+    """The stream (see the module docstring): N two-turn chats, N extractions, N questions each asked three ways."""
+    prompts = spec_bench_prompts()
+    chats = [p for p in prompts if len(p.turns) >= 2][:per_kind]
+    problems = [p for p in prompts if p.category == "math_reasoning"][:per_kind]
+    questions = [p for p in prompts if p.category == "qa"][:per_kind]
+    lanes: list[list[tuple[str, str, tuple[dict[str, str], ...], int | None]]] = [[], [], []]
+    for p in chats:  # the second turn names its first turn by lane position, resolved below
+        lanes[0].append(("first turn", f"{p.id}.1", ({"role": "user", "content": p.turns[0]},), None))
+        lanes[0].append(("second turn", f"{p.id}.2", ({"role": "user", "content": p.turns[1]},),
+                         len(lanes[0]) - 1))
+    for p in problems:
+        lanes[1].append(("extraction", p.id, ({"role": "user", "content": EXTRACTION + p.turns[0]},),
+                         None))
+    for w, wording in enumerate(REWORDINGS):
+        for p in questions:
+            text = wording.format(question=p.turns[0], lower=_lower_first(p.turns[0]))
+            lanes[2].append(("question" if w == 0 else "reworded question", f"{p.id}.w{w}",
+                             ({"role": "user", "content": text},), None))
+    stream: list[Request] = []
+    positions: dict[tuple[int, int], int] = {}  # (lane, position in lane) -> index in the stream
+    for step in range(max(len(lane) for lane in lanes)):
+        for k, lane in enumerate(lanes):
+            if step < len(lane):
+                kind, rid, messages, after = lane[step]
+                positions[(k, step)] = len(stream)
+                stream.append(Request(kind, rid, messages, None if after is None else positions[(k, after)]))
+    return stream
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def context_needed(bench: Bench, stream: list[Request]) -> int:
+    """Tokens the longest request of the stream may hold: its prompt, a first reply in its history (with the chat
+    template's markers around it) and its own reply."""
+    tokenizer, budget = bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens
+    longest = 0
+    for request in stream:
+        prompt = len(tokenizer.encode_messages(list(request.messages)))
+        history = stream[request.after] if request.after is not None else None
+        if history is not None:
+            prompt += len(tokenizer.encode_messages(list(history.messages))) + budget + 16
+        longest = max(longest, prompt + budget)
+    return longest
+
+
+def repeat_systems(bench: Bench, max_len: int) -> list[Ours]:
+    """Target-only and the lookups the repeat suite compares, each on an engine of its own kept for the stream."""
+    def resident(name: str, drafter: Drafter | None) -> Ours:
+        planner = GammaController(bench.config.max_gamma)
+        engine = bench.speculator.engine(1, max_len, drafter=drafter, planner=planner)
+        return Resident(name, engine)
+
+    systems = [resident("target-only", None)]
+    kinds = (("hybrid, n-gram lookup", "hybrid-ngram"), ("hybrid, suffix (request)", "hybrid-request"),
+             ("hybrid, suffix (global)", "hybrid")) if bench.draft_model() is not None else (
+             ("n-gram lookup", "ngram"), ("suffix (request)", "suffix-request"), ("suffix (global)", "suffix"))
+    systems += [resident(name, bench.fresh(kind)) for name, kind in kinds]
+    return systems
+
+
+class Resident(Ours):
+    """One of ours on one engine kept across runs, as a server keeps it: each run queues its prompts on it."""
+
+    def __init__(self, name: str, engine: Engine) -> None:
+        self.name, self.drafter, self.engine, self.planner = name, engine.drafter, engine, engine.planner
+
+    def start(self, prompts: list[list[int]], params) -> OursRun:
+        return OursRun(self.name, lambda: self.engine, prompts, params)
+
+
+def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
+    """The stream through every system at every --temperature, request by request: ours in lockstep (turns shuffled
+    every round), then the peers in a rotating order; fresh engines per temperature."""
+    from specsample.bench.suites import _line, record
+
+    tokenizer = bench.speculator.pair.target.tokenizer
+    if not tokenizer.has_chat_template:
+        raise ValueError(f"{bench.config.target} has no chat template: the repeat suite sends chats")
+    stream = workload(bench.config.num_prompts)
+    max_len = context_needed(bench, stream)
+    store.update(requests=len(stream), kinds={k: sum(r.kind == k for r in stream) for k in KINDS}, runs={},
+                 warm_up=WARM_UP)
+    warm_up = tokenizer.encode(WARM_UP, chat=True)
+    shuffle = random.Random(bench.config.seed)
+    for temperature in bench.config.temperatures:
+        ours = repeat_systems(bench, max_len)
+        peers = [p for p in bench.peers if not isinstance(p, Ours)]
+        store["systems"] = [s.name for s in ours + peers]
+        for system in ours + peers:  # first-use costs (compiled graphs, allocations) land here, untimed
+            system.run([warm_up], [bench.params(temperature, 10**6, WARM_UP_TOKENS)])
+        rows = store["runs"].setdefault(str(temperature), [])
+        replies: dict[int, list[int]] = {}  # stream index -> target-only's reply
+        progress = Progress(f"repeat T={temperature}", len(stream))
+        for i, request in enumerate(stream):
+            prompt = tokenizer.encode_messages(_messages(request, stream, replies, tokenizer.decode))
+            params = bench.params(temperature, i)
+            turn = i % max(len(peers), 1)
+            named = {s.name: r[0] for s, r in zip(ours, run_lockstep(ours, [prompt], [params], shuffle))}
+            for peer in peers[turn:] + peers[:turn]:
+                named[peer.name] = peer.run([prompt], [params])[0]
+            replies[i] = named["target-only"].tokens
+            row = {"prompt": request.id, "category": request.kind, "prompt_tokens": len(prompt),
+                   "systems": {name: record(named[name]) for name in store["systems"]}}
+            rows.append(row)
+            recorder.save()
+            progress.step(_line(row))
+        progress.close()
+        store.setdefault("suffix_cache", {})[str(temperature)] = _cache_of(ours)
+
+
+def _messages(request: Request, stream: list[Request], replies: dict[int, list[int]],
+              decode: Callable[[list[int]], str]) -> list[dict[str, str]]:
+    """A request's chat: a second turn after its first turn and target-only's reply to it."""
+    if request.after is None:
+        return list(request.messages)
+    first = stream[request.after]
+    return [*first.messages, {"role": "assistant", "content": decode(replies[request.after])}, *request.messages]
+
+
+def _cache_of(systems: list) -> dict[str, dict[str, int]]:
+    """What each system's shared suffix cache held at the end of the stream."""
+    from dataclasses import asdict
+
+    from specsample.drafters.suffix import SuffixCacheHolder
+
+    return {s.name: asdict(s.drafter.suffix_cache()) for s in systems
+            if isinstance(getattr(s, "drafter", None), SuffixCacheHolder) and s.drafter.suffix_cache() is not None}
