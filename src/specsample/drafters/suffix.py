@@ -14,18 +14,17 @@ the verifier keeps the output exact: each proposed token is accepted with the ta
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from specsample.drafters.base import DraftRequest, Proposal, chain_parents
+from specsample.drafters.base import DraftRequest, Proposal
 from specsample.drafters.suffix_index import LEVELS, Draft, Occurrence, SuffixIndex, best_draft
 
 SCOPES = ("request", "global")  # what a row's drafts may come from: its own text, or recent requests' outputs too
-SHARED_TOKENS = 65536  # tokens the shared cache holds by default (about 27 MB: docs/drafts.md)
+SHARED_TOKENS = 65536  # tokens the shared cache holds by default (about 28 MiB: docs/results/suffix_cost)
 LEAD_IN = 8  # prompt tokens kept before each output in the shared cache, to match a reply's first tokens
 SPEC_FACTOR = 1.0  # a match of m tokens drafts up to SPEC_FACTOR x m + SPEC_OFFSET tokens...
 SPEC_OFFSET = 2.0
@@ -151,15 +150,16 @@ class SuffixDrafter:
                 shared = best_draft(self.shared, shared_found, nodes, depth, self.factor, self.offset, self.min_prob,
                                     chain)
                 if shared.score > best.score:
-                    best = dataclasses.replace(shared, shared=True)
+                    best = Draft(shared.tokens, shared.parents, shared.probs, shared.match, shared=True)
             drafts[asked] = best
         return drafts[asked]
 
     def offer(self, slot: int, max_tokens: int) -> tuple[int, int]:
-        """Tokens the row's draft (a tree) holds, up to `max_tokens`, and the match it came from (0: none)."""
+        """Tokens the row's chain (its path of most frequent continuations) holds, up to `max_tokens`, and the match it
+        came from (0: none). A round that lets lookups branch spends as many tokens on a tree."""
         if max_tokens <= 0:
             return 0, 0
-        found = self.draft(slot, max_tokens, max_tokens, chain=False)
+        found = self.draft(slot, max_tokens, max_tokens, chain=True)
         return len(found), found.match
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
@@ -179,20 +179,20 @@ class SuffixDrafter:
         request.refuse_extension([i for i in rows if request.source_of(i) is not False],
                                  "a suffix draft has no confidence to extend by")
         width = max(request.width, 1)
-        tokens = torch.zeros(len(request.slots), width, dtype=torch.long)
-        parents = chain_parents(len(request.slots), width)
-        counts, branched = [], request.tree is not None
-        for i in rows:
+        chain = list(range(-1, width - 1))
+        tokens, parents, counts, branched = [], [], [], request.tree is not None
+        for i in rows:  # [rows, width] as lists: one tensor each at the end (a round's cost is mostly per call)
             found = self.row_draft(request, i)
-            tokens[i, : len(found)] = torch.tensor(found.tokens, dtype=torch.long)
-            parents[i, : len(found)] = torch.tensor(found.parents, dtype=torch.long)
+            tokens.append(list(found.tokens) + [0] * (width - len(found)))
+            parents.append(list(found.parents) + chain[len(found):])
             counts.append(len(found))
             branched |= not found.is_chain
             if found.tokens:
                 self.proposed["shared" if found.shared else "own"] += 1
                 self.proposed["trees"] += not found.is_chain
-        return Proposal(tokens=tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long),
-                        parents=parents if branched else None)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), probs=None,
+                        num_drafted=torch.tensor(counts, dtype=torch.long),
+                        parents=torch.tensor(parents, dtype=torch.long) if branched else None)
 
     def row_draft(self, request: DraftRequest, i: int) -> Draft:
         """Row i's draft for the request (see `propose`)."""

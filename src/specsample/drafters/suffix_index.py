@@ -194,11 +194,7 @@ class SuffixIndex:
             if held is None:  # its sequence was dropped: the chain ends here
                 break
             if tuple(held[end - n + 1:end + 1]) == tail:  # not a hash collision
-                match = n
-                reach = min(self.longest, end + 1, size)
-                while match < reach and held[end - match] == context[size - 1 - match]:
-                    match += 1
-                found.append(Occurrence(seq, end, match))
+                found.append(Occurrence(seq, end, _match(held, end, context, n, min(self.longest, end + 1, size))))
                 if len(found) == self.occurrences:
                     break
             position = self._chains[seq][level][end]
@@ -207,6 +203,20 @@ class SuffixIndex:
     def continuation(self, occurrence: Occurrence, depth: int) -> tuple[int, ...]:
         """Up to `depth` tokens that followed an occurrence."""
         return tuple(self._tokens[occurrence.seq][occurrence.end + 1:occurrence.end + 1 + depth])
+
+
+def _match(held: Sequence[int], end: int, context: Sequence[int], match: int, reach: int) -> int:
+    """How many tokens back from `end` `held` agrees with the context's tail (at least `match`, at most `reach`):
+    compared 8 at a time as slices, then one at a time in the block that differs."""
+    size = len(context)
+    while match < reach:
+        step = min(8, reach - match)
+        if held[end - match - step + 1:end - match + 1] != context[size - match - step:size - match]:
+            break
+        match += step
+    while match < reach and held[end - match] == context[size - 1 - match]:
+        match += 1
+    return match
 
 
 def cap(match: int, factor: float, offset: float, budget: int) -> int:
