@@ -13,9 +13,10 @@ of three kinds (N = --num-prompts, default all), interleaved kind by kind:
 Every system (target-only, the hybrid with n-gram lookup, the hybrid with suffix drafting in request and in global
 scope, and the peers) keeps one engine for the whole stream at a temperature, so a shared cache warms as it would in
 a server; each first decodes WARM_UP untimed. Then each request is decoded by every system: ours in lockstep, round
-by round in an order drawn afresh every round, each on its own clock (`run_lockstep`), then the peers one after
-another in an order rotating request by request. A second turn's history holds target-only's first reply, so every
-system sees the same prompts.
+by round in an order drawn afresh every round, each on its own clock (as `run_lockstep`), then the peers one after
+another in an order rotating request by request. A second turn's history holds the first reply the system itself
+sent, as a client sends back what it received (at temperature 0 the same text for every system, up to the rounding
+of bfloat16 scores).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specsample.bench.context import Bench, Progress, Recorder
-from specsample.bench.systems import Ours, OursRun, run_lockstep
+from specsample.bench.systems import Ours, OursRun
 from specsample.datasets import spec_bench_prompts
 from specsample.drafters.base import Drafter
 from specsample.engine import Engine
@@ -131,7 +132,8 @@ class Resident(Ours):
 
 def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """The stream through every system at every --temperature, request by request: ours in lockstep (turns shuffled
-    every round), then the peers in a rotating order; fresh engines per temperature."""
+    every round), then the peers in a rotating order; fresh engines per temperature. `prompt_tokens` is
+    target-only's prompt (a second turn's differs between systems by their first replies)."""
     from specsample.bench.suites import _line, record
 
     tokenizer = bench.speculator.pair.target.tokenizer
@@ -150,18 +152,21 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         for system in ours + peers:  # first-use costs (compiled graphs, allocations) land here, untimed
             system.run([warm_up], [bench.params(temperature, 10**6, WARM_UP_TOKENS)])
         rows = store["runs"].setdefault(str(temperature), [])
-        replies: dict[int, list[int]] = {}  # stream index -> target-only's reply
+        replies: dict[str, dict[int, list[int]]] = {s.name: {} for s in ours + peers}  # system -> request -> reply
         progress = Progress(f"repeat T={temperature}", len(stream))
         for i, request in enumerate(stream):
-            prompt = tokenizer.encode_messages(_messages(request, stream, replies, tokenizer.decode))
+            prompts = {name: tokenizer.encode_messages(_messages(request, stream, own, tokenizer.decode))
+                       for name, own in replies.items()}
             params = bench.params(temperature, i)
             turn = i % max(len(peers), 1)
-            named = {s.name: r[0] for s, r in zip(ours, run_lockstep(ours, [prompt], [params], shuffle))}
+            named = _lockstep(ours, prompts, params, shuffle)
             for peer in peers[turn:] + peers[:turn]:
-                named[peer.name] = peer.run([prompt], [params])[0]
-            replies[i] = named["target-only"].tokens
-            row = {"prompt": request.id, "category": request.kind, "prompt_tokens": len(prompt),
-                   "systems": {name: record(named[name]) for name in store["systems"]}}
+                named[peer.name] = peer.run([prompts[peer.name]], [params])[0]
+            row = {"prompt": request.id, "category": request.kind,
+                   "prompt_tokens": len(prompts["target-only"]), "systems": {}}
+            for name in store["systems"]:
+                replies[name][i] = named[name].tokens
+                row["systems"][name] = record(named[name])
             rows.append(row)
             recorder.save()
             progress.step(_line(row))
@@ -169,9 +174,20 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         store.setdefault("suffix_cache", {})[str(temperature)] = _cache_of(ours)
 
 
+def _lockstep(systems: list[Ours], prompts: dict[str, list[int]], params, shuffle: random.Random) -> dict:
+    """Each system's run of its own prompt, the systems taking turns round by round in an order drawn afresh every
+    round (`run_lockstep`, with a prompt per system): name -> its record."""
+    runs = {s.name: s.start([prompts[s.name]], [params]) for s in systems}
+    active = list(runs.values())
+    while active:
+        shuffle.shuffle(active)
+        active = [run for run in active if run.step()]
+    return {name: run.records()[0] for name, run in runs.items()}
+
+
 def _messages(request: Request, stream: list[Request], replies: dict[int, list[int]],
               decode: Callable[[list[int]], str]) -> list[dict[str, str]]:
-    """A request's chat: a second turn after its first turn and target-only's reply to it."""
+    """A request's chat: a second turn after its first turn and the reply the system sent to it."""
     if request.after is None:
         return list(request.messages)
     first = stream[request.after]
