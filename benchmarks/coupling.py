@@ -97,7 +97,7 @@ def main() -> None:
         return sum(x != y for x, y in zip(outputs[a], outputs[b]))
 
     results = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "command": shlex.join(["python", *sys.argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads, load average before {load_before[0]:.1f}",
         "target": speculator.options.target, "draft": speculator.draft_spec, "dtype": str(model.dtype),

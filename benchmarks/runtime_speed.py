@@ -56,6 +56,7 @@ from specsample.models.loader import load_model
 from specsample.models.quant import QuantLinear
 from specsample.models.quant_model import dequantized_model
 from specsample.pair import load_drafter
+from specsample.planner import FixedGamma
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -211,15 +212,16 @@ def self_draft(spec: str, prompts: list[list[int]], new_tokens: int, gamma: int)
     target = load_model(spec, dtype=torch.bfloat16)
     drafter = load_drafter("self:int4", target, dtype=torch.bfloat16)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
-    config = SpecConfig(gamma=gamma)
-    generate(target.model, [prompts[0]], SamplingParams(temperature=0, max_new_tokens=8), drafter, config)  # warm-up
+    config = SpecConfig()
+    generate(target.model, [prompts[0]], SamplingParams(temperature=0, max_new_tokens=8), drafter, config,
+             planner=FixedGamma(gamma))  # warm-up
     plain_s, spec_s, drafted, accepted, same = 0.0, 0.0, 0, 0, 0
     for prompt in prompts:
         start = time.perf_counter()
         plain = generate(target.model, [prompt], params)
         plain_s += time.perf_counter() - start
         start = time.perf_counter()
-        spec = generate(target.model, [prompt], params, drafter, config)
+        spec = generate(target.model, [prompt], params, drafter, config, planner=FixedGamma(gamma))
         spec_s += time.perf_counter() - start
         drafted, accepted = drafted + spec.stats["drafted"], accepted + spec.stats["accepted"]
         same += int(plain.completions[0].token_ids == spec.completions[0].token_ids)

@@ -145,3 +145,19 @@ def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True, type
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def draft_request(slots, drafts, reach, params, generators, source=(), stop_thresholds=(), extension=None, width=-1,
+                  tree=None, shaper=None, noise=(), lookup_trees=False):
+    """A `DraftRequest` from per-row sequences (slots, planned drafts, reach, params, generators, and optionally
+    sources and coupled noise), as the tests write them."""
+    from specsample.drafters.base import DraftRequest, DraftRow
+
+    rows = len(slots)
+    if any(len(part) != rows for part in (drafts, reach, params, generators)) or (source and len(source) != rows):
+        raise ValueError("a draft request needs one plan, reach, params, generator (and source) per slot")
+    return DraftRequest(tuple(DraftRow(slots[i], drafts[i], reach[i], params[i], generators[i],
+                                       source[i] if source else None, noise[i] if noise else None)
+                              for i in range(rows)),
+                        tuple(stop_thresholds), extension, width, tree, shaper, coupled=bool(noise),
+                        lookup_trees=lookup_trees)

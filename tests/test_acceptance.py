@@ -71,11 +71,12 @@ def test_the_engine_tells_gamma_auto_each_positions_acceptance_probability(tiny_
     seen: list[RowOutcome] = []
 
     class Spy(GammaController):
-        def learn(self, plan, outcome: RoundOutcome) -> None:
-            seen.extend(r for r in outcome.rows if r.num_drafted > 0)
-            super().learn(plan, outcome)
+        def read_outcome(self, plan, outcome: RoundOutcome):
+            rows = super().read_outcome(plan, outcome)
+            seen.extend(r for r in rows if r.num_drafted > 0)
+            return rows
 
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True, max_batch_size=2),
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=2),
                     planner=Spy(4))
     engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=40, seed=1), request_id="sampled")
     engine.add_request([4, 5, 6], SamplingParams(temperature=0, max_new_tokens=40), request_id="greedy")

@@ -144,7 +144,7 @@ def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_targe
             time.sleep(0.03)
             return super().propose(request)
 
-    config = SpecConfig(gamma=4, max_seq_len=64)
+    config = SpecConfig(max_seq_len=64)
     make = _make_engine(tiny_target, config)
 
     def systems(slow: bool = False) -> list[Ours]:
@@ -272,10 +272,12 @@ def test_repeat_suite_streams_through_one_engine_per_system(tiny_pair_files, tmp
     turn's prompt holds its first turn and target-only's reply; the global suffix cache holds every request."""
     from specsample.bench.config import BenchConfig
     from specsample.bench.run import run
+    from specsample.speculator import EngineOptions
 
     target, draft, questions = tiny_pair_files
-    config = BenchConfig(target=str(target), draft=str(draft), dataset=str(questions), suites=("repeat",),
-                         num_prompts=1, max_new_tokens=2, temperatures=(0.7,), pad_rows="off", out=tmp_path / "out")
+    config = BenchConfig(engine=EngineOptions(target=str(target), draft=str(draft), pad_rows="off"),
+                         dataset=str(questions), suites=("repeat",), num_prompts=1, max_new_tokens=2,
+                         temperatures=(0.7,), out=tmp_path / "out")
     results = run(config, say=lambda m: None)
     assert results["status"] == "complete", results["suites"]["repeat"].get("error")
     repeat = results["suites"]["repeat"]
@@ -318,6 +320,7 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
     from specsample.bench import suites
     from specsample.bench.config import BenchConfig
     from specsample.bench.run import run
+    from specsample.speculator import EngineOptions
 
     target, draft, questions = tiny_pair_files
     calls = {"n": 0}
@@ -330,9 +333,9 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
         return real(run_record)
 
     monkeypatch.setattr(suites, "record", failing)
-    config = BenchConfig(target=str(target), draft=str(draft), dataset=str(questions), suites=("compare", "gamma"),
-                         max_new_tokens=4, gammas=("auto", 2), temperatures=(0.0,), sweep_prompts=1,
-                         pad_rows="off", out=tmp_path / "out")
+    config = BenchConfig(engine=EngineOptions(target=str(target), draft=str(draft)), dataset=str(questions),
+                         suites=("compare", "gamma"), max_new_tokens=4, gammas=("auto", 2), temperatures=(0.0,),
+                         sweep_prompts=1, out=tmp_path / "out")
     results = run(config, say=lambda m: None)
     stored = json.loads((tmp_path / "out" / "results.json").read_text())
     assert stored["status"] == results["status"] == "complete, failed: compare"

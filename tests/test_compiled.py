@@ -12,6 +12,7 @@ import specsample.models.compiled as compiled_module
 from specsample.models.compiled import CompiledDecode
 from specsample.models.llama import LlamaModel
 from specsample.models.tiny import tiny_lm
+from specsample.planner import FixedGamma
 
 VOCAB = 64
 SHIPPED = dict(compiled_module.CPU_INDUCTOR_CONFIG)
@@ -125,7 +126,7 @@ def test_greedy_generation_is_unchanged(pair) -> None:
     prompts = [[5, 6, 7, 8]]
     reference = generate(eager, prompts, params, config=SpecConfig(speculative=False)).completions
     assert generate(compiled, prompts, params, config=SpecConfig(speculative=False)).completions == reference
-    speculative = generate(compiled, prompts, params, draft=draft_compiled, config=SpecConfig(gamma=3))
+    speculative = generate(compiled, prompts, params, draft=draft_compiled, config=SpecConfig(), planner=FixedGamma(3))
     assert speculative.completions == reference
 
 
@@ -237,3 +238,33 @@ def test_blocks_of_tokens_match_eager(pair, monkeypatch) -> None:
     assert calls[0] == before + 3
     assert torch.equal(caches[0].lengths, caches[1].lengths)
     assert torch.allclose(caches[0].key_store, caches[1].key_store, atol=1e-5)
+
+
+def test_a_feature_drafts_compiled_step_computes_the_eager_one(pair) -> None:
+    """An EAGLE-3 head's drafting step through its compiled graph (`--compile`): the outputs and logits of the eager
+    step, for ragged rows of its cache, and the cache grows alike."""
+    from specsample.drafters.eagle import EagleDrafter
+    from specsample.models.eagle_head import EagleHead, HeadConfig
+
+    eager_target, _ = pair
+    head = EagleHead(HeadConfig.for_target(eager_target.config, 16, (0, 1, 2)))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    compiled = EagleDrafter(head, eager_target, compile=True)
+    eager = EagleDrafter(head, eager_target)
+    results = []
+    for drafter in (eager, compiled):
+        cache = head.new_cache(3, 16)
+        slots = torch.tensor([2, 0])
+        cache.lengths[slots] = torch.tensor([5, 3])
+        hidden = torch.randn(2, 1, head.config.hidden_size, generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            out, logits = drafter.step(torch.tensor([[4], [9]]), hidden, cache, slots)
+            out2, logits2 = drafter.step(torch.tensor([[1], [2]]), out, cache, slots)
+        results.append((out2, logits2, cache.lengths.clone()))
+    (a, la, lengths_a), (b, lb, lengths_b) = results
+    assert torch.equal(lengths_a, lengths_b) and lengths_a.tolist() == [5, 0, 7]
+    assert torch.allclose(a, b, atol=1e-4) and torch.allclose(la, lb, atol=1e-4)

@@ -36,8 +36,7 @@ def bf16_pair():
 def _tokens(target, draft, params, planner, companions: bool, speculative: bool = True) -> list[list[int]]:
     """The first prompt's tokens, alone or in a batch with the others (each with `params`)."""
     prompts = PROMPTS if companions else PROMPTS[:1]
-    config = SpecConfig(gamma=4, adaptive=isinstance(planner, GammaController), max_batch_size=len(prompts),
-                        coupled=True, speculative=speculative)
+    config = SpecConfig(max_batch_size=len(prompts), coupled=True, speculative=speculative)
     result = generate(target, prompts, params, draft=None if draft is None else ModelDrafter(draft), config=config,
                       planner=planner)
     return [c.token_ids for c in result.completions]

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from model_factory import make_tokenizer, write_hf_model
+from specsample.cli import build_parser
+from specsample.distill.card import portable_command
 from specsample.distill.collect import CollectConfig, collect_on_policy, collect_teacher_forced
 from specsample.distill.data import DataReader, DataWriter, Sequence_
 from specsample.distill.train import (Batches, DraftShape, TrainConfig, choose_output_subset, heldout_metrics,
@@ -129,12 +133,11 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"the quick brown fox number {i} jumps"}) for i in range(40)))
     out = tmp_path / "draft"
-    done = subprocess.run([sys.executable, "-m", "specsample.cli", "distill", "--kind", "model", "--target", str(target),
-                           "--out", str(out),
-                           "--prompts", str(prompts), "--num-prompts", "24", "--onpolicy-prompts", "8", "--steps", "20",
-                           "--max-len", "64", "--onpolicy-max-new", "12", "--width", "32", "--layers", "1", "--heads", "2",
-                           "--kv-heads", "1", "--draft-vocab", "64", "--batch-tokens", "512", "--eval-max-new-tokens", "8"],
-                          capture_output=True, text=True, timeout=600)
+    argv = ["distill", "--kind", "model", "--target", str(target), "--out", str(out), "--prompts", str(prompts),
+            "--num-prompts", "24", "--onpolicy-prompts", "8", "--steps", "20", "--max-len", "64", "--onpolicy-max-new",
+            "12", "--width", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--draft-vocab", "64",
+            "--batch-tokens", "512", "--eval-max-new-tokens", "8"]
+    done = subprocess.run([sys.executable, "-m", "specsample.cli", *argv], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "draft_vocab.json", "README.md", "eval.json",
                  "training_curve.png", "draft_window.json"):
@@ -152,5 +155,16 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     card = (out / "README.md").read_text()
     overall = json.loads((out / "eval.json").read_text())["categories"]["overall"]
     assert f"{overall['agree']:.3f}" in card
-    assert f"specsample distill --kind model --target {target} --out {out}" in card  # the command that made it
-    assert "drafts from the first 4 and the latest 32 tokens" in card  # its window, from --max-len 64
+    # the command that made it, with this machine's folders shown by their names: the same settings
+    assert str(tmp_path) not in card
+    command = shlex.split(card.split("```bash\n", 1)[1].split("\n", 1)[0])
+    assert command[0] == "specsample"
+    shown, given = build_parser().parse_args(command[1:]), build_parser().parse_args(argv)
+    assert vars(shown) == vars(given) | {"target": target.name, "out": Path(out.name), "prompts": prompts.name}
+
+
+def test_a_card_shows_a_command_without_the_machines_folders() -> None:
+    assert portable_command("specsample distill --out /work/runs/draft --prompts=~/data/p.jsonl --target "
+                            "smollm2-135m-instruct --eval-prompts 'my prompts.jsonl' --x runs/rel") == \
+        "specsample distill --out draft --prompts=p.jsonl --target smollm2-135m-instruct --eval-prompts " \
+        "'my prompts.jsonl' --x runs/rel"

@@ -3,9 +3,10 @@ CPU, small float32 matrices left unpacked. Each must compute what the plain path
 
 from __future__ import annotations
 
+from model_factory import draft_request
 import torch
 
-from specsample import DraftRequest, ModelDrafter, SamplingParams, tiny_lm
+from specsample import ModelDrafter, SamplingParams, tiny_lm
 from specsample.models.convert import save_hf_folder
 from specsample.models.hf_names import export_hf_state_dict
 from specsample.models.layers import PACK_MIN_FLOAT32_ELEMENTS, prepack
@@ -56,7 +57,7 @@ def test_subset_drafting_draws_what_full_vocabulary_drafting_draws() -> None:
             drafter.allocate(2, 64)
             drafter.add_rows([0, 1], [[1, 2, 3, 4], [5, 6]])
         for _ in range(4):
-            got = {d: d.propose(DraftRequest((0, 1), (3, 2), (3, 2), (params,) * 2, tuple(gens[d]), width=3))
+            got = {d: d.propose(draft_request((0, 1), (3, 2), (3, 2), (params,) * 2, tuple(gens[d]), width=3))
                    for d in (fast, plain)}
             a, b = got[fast], got[plain]
             assert a.tokens.tolist() == b.tokens.tolist() and a.num_drafted.tolist() == b.num_drafted.tolist()

@@ -3,22 +3,24 @@ context, and re-windows a row before its cache passes `limit` positions; the out
 
 from __future__ import annotations
 
+from model_factory import draft_request
 import json
 
 import pytest
 import torch
 
 from specsample import Engine, SamplingParams, SpecConfig, generate
-from specsample.drafters.base import DraftRequest
+
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.hub import SMOLLM2_DRAFT, builtin_draft
+from specsample.planner import FixedGamma
 
 
 def _propose(drafter, slots, reach, params, generators):
     """Each row drafts up to its reach, the round as wide as the widest."""
-    return drafter.propose(DraftRequest(tuple(slots), tuple(reach), tuple(reach), tuple(params), tuple(generators)))
+    return drafter.propose(draft_request(tuple(slots), tuple(reach), tuple(reach), tuple(params), tuple(generators)))
 
 
 def test_view_keeps_the_sink_and_the_latest_tokens() -> None:
@@ -122,7 +124,7 @@ def test_windowed_greedy_equals_target_greedy(tiny_target, tiny_draft, drafter: 
     chosen = model if drafter == "model" else HybridDrafter(model, NgramDrafter(min_n=1), min_match=2)
     params = SamplingParams(temperature=0, max_new_tokens=40)
     plain = generate(tiny_target, PROMPTS, params, config=SpecConfig(speculative=False))
-    spec = generate(tiny_target, PROMPTS, params, chosen, SpecConfig(gamma=3, max_batch_size=3))
+    spec = generate(tiny_target, PROMPTS, params, chosen, SpecConfig(max_batch_size=3), planner=FixedGamma(3))
     assert [c.token_ids for c in spec.completions] == [c.token_ids for c in plain.completions]
     assert spec.stats["drafted"] > 0
 
@@ -131,7 +133,7 @@ def test_engine_runs_long_requests_with_a_small_window(tiny_target, tiny_draft) 
     """Batches, ragged acceptance, requests joining and leaving: the draft cache stays within its limit."""
     window = DraftWindow(sink=2, recent=6, limit=16)
     drafter = ModelDrafter(tiny_draft, window=window)
-    engine = Engine(tiny_target, drafter, SpecConfig(gamma=4, max_batch_size=2, max_seq_len=128))
+    engine = Engine(tiny_target, drafter, SpecConfig(max_batch_size=2, max_seq_len=128), planner=FixedGamma(4))
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=50 + 10 * i, seed=i))
     tokens = 0

@@ -3,24 +3,26 @@ score through another, merged proposals, a drafter swapped mid-run, and drafts t
 
 from __future__ import annotations
 
+from model_factory import draft_request
 import pytest
 import torch
 
 from specsample import Engine, SamplingParams, SpecConfig
-from specsample.drafters.base import BacklogScorer, DraftRequest, Proposal, merge_proposals
+from specsample.drafters.base import BacklogScorer, NoDrafter, Proposal, merge_proposals
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.routed import RoutedDrafter
 from specsample.sampling import warp_probs
+from specsample.planner import FixedGamma
 
 HISTORY = [(7 * t + 3) % 32 for t in range(60)]
 
 
 def _request(slots: tuple[int, ...], reach: tuple[int, ...], params: tuple[SamplingParams, ...],
-             seeds: tuple[int, ...]) -> DraftRequest:
+             seeds: tuple[int, ...]) :
     """Each row drafts up to `reach[i]`, its plan."""
-    return DraftRequest(slots, reach, reach, params, tuple(torch.Generator().manual_seed(s) for s in seeds))
+    return draft_request(slots, reach, reach, params, tuple(torch.Generator().manual_seed(s) for s in seeds))
 
 
 # ----- catching up -----------------------------------------------------------------------
@@ -198,14 +200,15 @@ def test_a_draft_request_for_some_rows_keeps_the_rounds_width_and_rule() -> None
     """A drafter handing rows to another passes them the same round: its width, gate and extension."""
     params = tuple(SamplingParams(seed=s) for s in range(3))
     generators = tuple(torch.Generator() for _ in range(3))
-    request = DraftRequest((4, 5, 6), (1, 0, 2), (3, 0, 2), params, generators, source=(False, None, True),
+    request = draft_request((4, 5, 6), (1, 0, 2), (3, 0, 2), params, generators, source=(False, None, True),
                            stop_thresholds=(0.2,))
     part = request.select([2, 0])
-    assert (part.slots, part.drafts, part.reach, part.source) == ((6, 4), (2, 1), (2, 3), (True, False))
+    assert (part.slots, part.drafts, part.reach) == ((6, 4), (2, 1), (2, 3))
+    assert [part.source_of(i) for i in range(2)] == [True, False]
     assert part.params == (params[2], params[0]) and part.generators == (generators[2], generators[0])
     assert part.width == request.width == 3 and part.stop_thresholds == (0.2,)
-    with pytest.raises(ValueError, match="3 rows got 2 sources"):
-        DraftRequest((4, 5, 6), (1, 0, 2), (3, 0, 2), params, generators, source=(False, None))
+    with pytest.raises(ValueError, match="need 0 <= drafts <= reach"):
+        draft_request((4,), (3,), (2,), params[:1], generators[:1])
     with pytest.raises(ValueError, match="rows \\[0\\] may draft past their plan, but no"):
         request.refuse_extension([0, 1, 2], "no")
     request.refuse_extension([1, 2], "no")  # rows within their plan
@@ -216,7 +219,7 @@ def test_a_draft_request_for_some_rows_keeps_the_rounds_width_and_rule() -> None
 
 def test_swap_from_ngram_to_a_model_draft_mid_run(tiny_target, tiny_draft) -> None:
     routed = RoutedDrafter(NgramDrafter(min_n=1))
-    engine = Engine(tiny_target, routed, SpecConfig(gamma=3, max_batch_size=3))
+    engine = Engine(tiny_target, routed, SpecConfig(max_batch_size=3), planner=FixedGamma(3))
     params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=0)
     engine.add_request([1, 2, 1, 2, 1], params)
     engine.step()
@@ -233,8 +236,8 @@ class _FailingDrafter(NgramDrafter):
 
 
 def test_draft_cache_allocation_failure_decodes_without_drafting(tiny_target, caplog) -> None:
-    engine = Engine(tiny_target, _FailingDrafter(), SpecConfig(gamma=4, max_batch_size=2))
-    assert engine.drafter is None
+    engine = Engine(tiny_target, _FailingDrafter(), SpecConfig(max_batch_size=2), planner=FixedGamma(4))
+    assert isinstance(engine.drafter, NoDrafter)
     assert "WITHOUT speculation" in caplog.text
     engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5))
     tokens = [t for r in engine.stream() for u in r.rows for t in u.new_tokens]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from model_factory import draft_request
 import pytest
 import torch
 
-from specsample import DraftRequest, Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
+from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.models.base import prefill_ragged
+from specsample.planner import FixedGamma
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
@@ -23,9 +25,9 @@ def plain_greedy(tiny_target):
 
 @pytest.mark.parametrize("gamma", range(1, 9))
 def test_greedy_speculative_equals_target_only(tiny_target, tiny_draft, plain_greedy, gamma) -> None:
-    batched = _tokens(generate(tiny_target, PROMPTS, GREEDY, draft=tiny_draft, config=SpecConfig(gamma=gamma)))
+    batched = _tokens(generate(tiny_target, PROMPTS, GREEDY, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(gamma)))
     assert batched == plain_greedy
-    alone = [_tokens(generate(tiny_target, [p], GREEDY, draft=tiny_draft, config=SpecConfig(gamma=gamma)))[0]
+    alone = [_tokens(generate(tiny_target, [p], GREEDY, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(gamma)))[0]
              for p in PROMPTS]
     assert alone == plain_greedy
 
@@ -33,7 +35,7 @@ def test_greedy_speculative_equals_target_only(tiny_target, tiny_draft, plain_gr
 def test_ragged_rows_equal_rows_run_alone(tiny_target, tiny_draft) -> None:
     # different prompt lengths and budgets: rows finish at different rounds
     params = [SamplingParams(temperature=0, max_new_tokens=n) for n in (5, 17, 9, 30)]
-    batched = _tokens(generate(tiny_target, PROMPTS, params, draft=tiny_draft, config=SpecConfig(gamma=4)))
+    batched = _tokens(generate(tiny_target, PROMPTS, params, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(4)))
     for prompt, p, out in zip(PROMPTS, params, batched):
         assert out == _tokens(generate(tiny_target, [prompt], p))[0]
         assert len(out) == p.max_new_tokens
@@ -41,7 +43,7 @@ def test_ragged_rows_equal_rows_run_alone(tiny_target, tiny_draft) -> None:
 
 def test_identical_draft_accepts_every_token(tiny_target) -> None:
     params = SamplingParams(temperature=0.9, max_new_tokens=40, seed=3)
-    result = generate(tiny_target, PROMPTS, params, draft=tiny_target, config=SpecConfig(gamma=5))
+    result = generate(tiny_target, PROMPTS, params, draft=tiny_target, config=SpecConfig(), planner=FixedGamma(5))
     assert result.stats["drafted"] > 0
     assert result.stats["accepted"] == result.stats["drafted"]
 
@@ -80,7 +82,7 @@ def _fresh_cache_matches(model, cache, slot: int, tokens: list[int]) -> None:
 
 def test_caches_equal_fresh_prefill_after_rejections(tiny_target, tiny_draft) -> None:
     drafter = ModelDrafter(tiny_draft)
-    engine = Engine(tiny_target, drafter, SpecConfig(gamma=4, max_batch_size=4, max_seq_len=128))
+    engine = Engine(tiny_target, drafter, SpecConfig(max_batch_size=4, max_seq_len=128), planner=FixedGamma(4))
     ids = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=60, seed=i))
            for i, p in enumerate(PROMPTS)]
     outputs = {i: list(p) for i, p in zip(ids, PROMPTS)}
@@ -90,7 +92,7 @@ def test_caches_equal_fresh_prefill_after_rejections(tiny_target, tiny_draft) ->
         for update in result.rows:
             outputs[update.request_id].extend(update.new_tokens)
             rejections += update.num_accepted < update.num_drafted
-        for slot, row in engine._running.items():
+        for slot, row in engine.scheduler.by_slot().items():
             tokens = outputs[row.request_id]
             # the target cache holds every committed token but the last (the next round's input)
             assert int(engine.cache.lengths[slot]) == len(tokens) - 1
@@ -110,7 +112,7 @@ def test_plain_mode_uses_the_same_loop(tiny_target, tiny_draft, plain_greedy) ->
 
 
 def test_round_stats(tiny_target, tiny_draft) -> None:
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=3, max_batch_size=2))
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=2), planner=FixedGamma(3))
     engine.add_request([1, 2], SamplingParams(temperature=1.0, max_new_tokens=20, seed=0))
     engine.add_request([3, 4, 5], SamplingParams(temperature=1.0, max_new_tokens=20, seed=1))
     stats = engine.step().stats
@@ -122,7 +124,7 @@ def test_round_stats(tiny_target, tiny_draft) -> None:
 
 
 def test_cancel_frees_the_slot(tiny_target, tiny_draft) -> None:
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=3, max_batch_size=1))
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=1), planner=FixedGamma(3))
     first = engine.add_request([1, 2], SamplingParams(max_new_tokens=50, seed=0))
     second = engine.add_request([3, 4], SamplingParams(max_new_tokens=5, seed=0))
     engine.step()
@@ -137,7 +139,7 @@ def test_cancel_frees_the_slot(tiny_target, tiny_draft) -> None:
     "make, message",
     [
         (lambda t, d: generate(t, [[]], SamplingParams()), "prompt is empty"),
-        (lambda t, d: generate(t, [[1]], SamplingParams(), draft=d, config=SpecConfig(gamma=0)), "gamma"),
+        (lambda t, d: generate(t, [[1]], SamplingParams(), draft=d, config=SpecConfig(), planner=FixedGamma(0)), "gamma"),
         (lambda t, d: generate(t, [[1]], SamplingParams(temperature=-1)), "temperature"),
         (lambda t, d: generate(t, [[1]], SamplingParams(top_p=0)), "top_p"),
         (lambda t, d: generate(t, [[1]], SamplingParams(top_k=0)), "top_k"),
@@ -158,11 +160,11 @@ class _BrokenAdmission(ModelDrafter):
 
 
 def test_failed_admission_returns_its_slots(tiny_target, tiny_draft) -> None:
-    engine = Engine(tiny_target, _BrokenAdmission(tiny_draft), SpecConfig(gamma=3, max_batch_size=2))
+    engine = Engine(tiny_target, _BrokenAdmission(tiny_draft), SpecConfig(max_batch_size=2), planner=FixedGamma(3))
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4))
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.step()
-    assert engine._free_slots == [0, 1] and engine.num_running == 0
+    assert list(engine.scheduler.free) == [0, 1] and engine.num_running == 0
     assert int(engine.cache.lengths.sum()) == 0
 
 
@@ -190,11 +192,11 @@ def test_a_draft_row_that_stopped_early_keeps_its_last_committed_token_unfed(tin
     drafter.add_rows([0, 1], [[1, 2, 3], [4, 5, 6]])
     greedy = SamplingParams(temperature=0.0)
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
-    proposal = drafter.propose(DraftRequest((0, 1), (1, 3), (1, 3), (greedy, greedy), tuple(generators)))
+    proposal = drafter.propose(draft_request((0, 1), (1, 3), (1, 3), (greedy, greedy), tuple(generators)))
     assert proposal.num_drafted.tolist() == [1, 3]
     filler = drafter._drafted[0][1]  # what row 0's cache was fed after its only draft
     drafter.commit([0, 1], [[int(proposal.tokens[0, 0]), filler], [int(proposal.tokens[1, 0])]])
     for slot in (0, 1):
         assert drafter._fed(slot) < len(drafter.history[slot])
-    again = drafter.propose(DraftRequest((0, 1), (2, 2), (2, 2), (greedy, greedy), tuple(generators)))
+    again = drafter.propose(draft_request((0, 1), (2, 2), (2, 2), (greedy, greedy), tuple(generators)))
     assert again.num_drafted.tolist() == [2, 2]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import specsample.engine as engine_module
+import specsample.verifier as verifier_module
 from broken import (BROKEN, ExtensionDropsToken, coupled_trusts_the_draft, GateDropsToken, ProbsOneStepAhead,
                     SubsetProbsUnmapped, SuffixFrequenciesAsProbs)
 from devices import DEVICE
@@ -64,8 +64,9 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
 def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive: bool = False,
                   planner=None, prompt: list[int] = PROMPT, coupled: bool = False) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES independent rows of one batch."""
-    config = SpecConfig(gamma=gamma, adaptive=adaptive, max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH,
-                        coupled=coupled)
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH, coupled=coupled)
+    if planner is None:
+        planner = GammaController(gamma) if adaptive else FixedGamma(gamma)
     engine = Engine(target, as_drafter(drafter), config, planner=planner)
     ids = [engine.add_request(prompt, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
     out: dict[str, list[int]] = {i: [] for i in ids}
@@ -87,7 +88,7 @@ def test_engine_matches_exact_distribution(pair, warp: str) -> None:
 @pytest.mark.parametrize("broken", list(BROKEN))
 def test_broken_verifier_fails(pair, monkeypatch, broken: str) -> None:
     target, draft = pair
-    monkeypatch.setattr(engine_module, "verify", BROKEN[broken])
+    monkeypatch.setattr(verifier_module, "verify", BROKEN[broken])
     params = WARPS["temperature_1"]
     statistic, threshold = chi_square(engine_counts(target, draft, params, gamma=2), exact_joint(target, params))
     assert statistic > threshold, f"{broken} was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
@@ -156,7 +157,7 @@ class ScoresThenDrafts(FixedGate):
     def plan(self, batch):
         self.round += 1
         drafts = [0 if self.round == 1 else max(0, min(2, r.remaining - 1)) for r in batch.rows]
-        rows = tuple(RowPlan(drafts=d, reach=d, score_backlog=r.backlog) for d, r in zip(drafts, batch.rows))
+        rows = tuple(RowPlan(drafts=d, reach=d, score_backlog=self._backlog(r)) for d, r in zip(drafts, batch.rows))
         return RoundPlan(rows, chosen_ids=tuple(r.request_id for r in batch.rows))
 
 
@@ -228,7 +229,7 @@ def suffix_counts(target, drafter, suffix: SuffixDrafter) -> np.ndarray:
     (through slots the engine does not use): PROMPT is too short to match itself, so every draft comes from what
     other requests wrote, then from what the other rows commit."""
     params = WARPS["temperature_1"]
-    config = SpecConfig(gamma=3, adaptive=True, max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
     engine = Engine(target, drafter, config, planner=TakesLookups(3))
     for slot, written in enumerate(WRITTEN, start=SAMPLES):
         suffix.add_rows([slot], [PROMPT])
@@ -295,23 +296,27 @@ FEATURE_WARP = SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_token
 
 
 def feature_draft(target, subset: list[int] | None = SUBSET):
-    """A feature draft (EAGLE head) on the pair's target, its weights random: distributions that differ by position."""
-    from specsample.drafters.eagle import EagleDrafter, EagleHead, HeadConfig
+    """An EAGLE-3 head on the pair's target (its fused features: the embedding, the middle and the last layer's
+    output), its draft vocabulary `subset`, its weights random: distributions that differ by position."""
+    from specsample.drafters.eagle import EagleDrafter
+    from specsample.models.eagle_head import EagleHead, HeadConfig
 
-    head = EagleHead(HeadConfig.of(target.config)).double()
+    ids = torch.tensor(subset if subset is not None else list(range(VOCAB)))
+    head = EagleHead(HeadConfig.for_target(target.config, len(ids), (0, 1, 2))).double()
     generator = torch.Generator().manual_seed(30)
     with torch.no_grad():
         for name, param in head.named_parameters():
             if not name.endswith("norm.weight"):
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.05)
-    return EagleDrafter(head.to(DEVICE), target, None if subset is None else torch.tensor(subset))
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.5)
+        head.lm_head.weight.mul_(0.1)  # a layer that moves its output each step, logits that stay soft
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+    return EagleDrafter(head.to(DEVICE), target)
 
 
 def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]],
-                     tree: TreeShape | None = None, coupled: bool = False) -> list[np.ndarray]:
+                     coupled: bool = False) -> list[np.ndarray]:
     """Histograms of the first LENGTH tokens per prompt, the prompts' rows interleaved in one ragged batch."""
-    config = SpecConfig(gamma=3, adaptive=True, max_batch_size=SAMPLES,
-                        max_seq_len=max(len(p) for p in prompts) + LENGTH, tree=tree, coupled=coupled)
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=max(len(p) for p in prompts) + LENGTH, coupled=coupled)
     engine = Engine(target, drafter, config, planner=planner)
     ids = [engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, seed=5000 + i))
            for i in range(SAMPLES)]
@@ -326,10 +331,9 @@ def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: 
     return hists
 
 
-def _feature_chi_squares(target, drafter, planner, tree: TreeShape | None = None,
-                         coupled: bool = False) -> list[tuple[float, float]]:
+def _feature_chi_squares(target, drafter, planner, coupled: bool = False) -> list[tuple[float, float]]:
     return [chi_square(counts, exact_joint(target, FEATURE_WARP, prompt))
-            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS, tree,
+            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS,
                                                        coupled), FEATURE_PROMPTS)]
 
 
@@ -376,7 +380,7 @@ def test_tree_drafting_is_exact(pair, kind: str) -> None:
     joint distribution."""
     target, _ = pair
     planner = AlternatingTrees(TREE)
-    for statistic, threshold in _feature_chi_squares(target, tree_drafter(pair, kind), planner, TREE):
+    for statistic, threshold in _feature_chi_squares(target, tree_drafter(pair, kind), planner):
         assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
 
 
@@ -385,8 +389,8 @@ def test_tree_verifier_that_keeps_the_residual_fails(pair, monkeypatch) -> None:
     norm(max(0, p - q)) update) must fail the same test."""
     import specsample.verify_tree as tree_module
 
-    monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, token, q: residual)
-    results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE), TREE)
+    monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
+    results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE))
     assert any(statistic > threshold for statistic, threshold in results), results
 
 
@@ -408,7 +412,7 @@ def _coupled_chi_squares(pair, case: str) -> list[tuple[float, float]]:
         counts = engine_counts(target, drafter, params, gamma=3, adaptive=True, planner=FixedGate(3, per_draft=0.3),
                                prompt=REPEATING, coupled=True)
         return [chi_square(counts, exact_joint(target, params, REPEATING))]
-    return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(TREE), TREE, coupled=True)
+    return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(TREE), coupled=True)
 
 
 @pytest.mark.parametrize("case", COUPLED_CASES)
@@ -430,6 +434,6 @@ def test_coupled_noise_reused_at_every_position_fails(pair, monkeypatch) -> None
 def test_coupled_verifier_that_trusts_the_draft_fails(pair, monkeypatch) -> None:
     """A coupled verifier that accepts a draft because the draft's own Gumbel-max chose it (every draft), instead of
     checking it is the target's Gumbel-max token, must fail the same test."""
-    monkeypatch.setattr(engine_module, "verify_coupled", coupled_trusts_the_draft)
+    monkeypatch.setattr(verifier_module, "verify_coupled", coupled_trusts_the_draft)
     results = _coupled_chi_squares(pair, "model_chain")
     assert any(statistic > threshold for statistic, threshold in results), results

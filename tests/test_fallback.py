@@ -326,10 +326,11 @@ class _Watching(GammaController):
         self.in_fallback_at.append(self.in_fallback(batch.rows[0].request_id))
         return plan
 
-    def learn(self, plan, outcome: RoundOutcome) -> None:
-        for row in outcome.rows:
+    def read_outcome(self, plan, outcome: RoundOutcome):
+        rows = super().read_outcome(plan, outcome)
+        for row in rows:
             self.seen += list(row.backlog_scores or ())
-        super().learn(plan, outcome)
+        return rows
 
 
 class _Recording(ModelDrafter):
@@ -355,7 +356,7 @@ def test_a_request_in_fallback_learns_from_scores_not_probes(tiny_target, tiny_d
     params = SamplingParams(temperature=temperature, max_new_tokens=budget, seed=3)
     controller = _Watching(4)
     drafter = _Recording(tiny_draft)
-    engine = Engine(tiny_target, drafter, SpecConfig(gamma=4, adaptive=True, max_batch_size=1), planner=controller)
+    engine = Engine(tiny_target, drafter, SpecConfig(max_batch_size=1), planner=controller)
     engine.add_request(prompt, params, request_id="r")
     drafted, reply, scored_rows = [], [], 0
     for result in engine.stream():

@@ -5,9 +5,12 @@ route is closed and says nothing about the filesystem, and the command line refu
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import gc
 import json
 import math
+import random
 import socket
 import time
 from pathlib import Path
@@ -23,9 +26,11 @@ from model_factory import make_tokenizer, write_hf_model
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.drafters.model import ModelDrafter
 from specsample.sampling import sample, warp_probs
-from specsample.server.app import SpecServer
+import specsample.server.app as app_module
+from specsample.server.app import SpecServer, build_app
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
 from specsample.speculator import EngineOptions, load
+from specsample.planner import FixedGamma
 from test_cli import run_cli
 
 MODEL = "tiny"
@@ -56,7 +61,7 @@ def test_rows_with_nan_logits_end_alone(tiny_target, tiny_draft, monkeypatch, te
                 for i, (p, t) in enumerate(zip(prompts, temperatures))]
 
     def engine() -> Engine:
-        return Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=3, max_batch_size=4))
+        return Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=4), planner=FixedGamma(3))
 
     reference = list(_run(engine(), requests).values())
     poisoned = engine()
@@ -64,7 +69,7 @@ def test_rows_with_nan_logits_end_alone(tiny_target, tiny_draft, monkeypatch, te
 
     def poison(logits: torch.Tensor, slots: list[int], row: int, where: str) -> torch.Tensor:
         calls[where] += 1
-        rows = [i for i, s in enumerate(slots) if s in poisoned._running and poisoned._running[s].prompt == prompts[row]]
+        rows = [i for i, s in enumerate(slots) if s in poisoned.scheduler.by_slot() and poisoned.scheduler.by_slot()[s].prompt == prompts[row]]
         if rows and calls[where] > 2:
             logits = logits.clone()
             logits[rows] = float("nan")
@@ -158,7 +163,8 @@ def _post(live, path: str, body, headers=None, **kwargs) -> httpx.Response:
 
 def _metrics(live) -> dict[str, float]:
     values = {}
-    for family in text_string_to_metric_families(httpx.get(live.url + "/metrics").text):
+    metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    for family in text_string_to_metric_families(metrics.text):
         for sample_ in family.samples:
             values[sample_.name + json.dumps(sample_.labels, sort_keys=True)] = sample_.value
     return values
@@ -212,7 +218,7 @@ def test_a_poisoned_request_fails_alone(live, monkeypatch, stream) -> None:
 
     def score(model, tokens, cache, slots, width, features=False):
         logits, hidden = original(model, tokens, cache, slots, width, features)
-        rows = [i for i, s in enumerate(slots.tolist()) if s in engine._running and engine._running[s].prompt == POISON]
+        rows = [i for i, s in enumerate(slots.tolist()) if s in engine.scheduler.by_slot() and engine.scheduler.by_slot()[s].prompt == POISON]
         if rows and len(slots) > 1:
             logits = logits.clone()
             logits[rows] = float("nan")
@@ -252,9 +258,9 @@ def test_a_failed_round_ends_its_requests_with_an_error(live, monkeypatch) -> No
     assert _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 200
 
 
-def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, monkeypatch) -> None:
+def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, monkeypatch, caplog) -> None:
     """Four non-streamed requests whose clients close the connection mid-generation are cancelled: their rows free,
-    each counted as cancelled, and far fewer than max_tokens generated."""
+    each counted as cancelled, far fewer than max_tokens generated, and asyncio logs nothing about them."""
     engine, runner = live.server.engine, live.server.runner
     request = {"prompt": "the lazy dog", "max_tokens": 100, "temperature": 0.8, "seed": 0}
     whole = _post(live, "/v1/completions", request).json()
@@ -284,6 +290,8 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     after = _metrics(live)
     assert runner.in_flight == 0 and engine.num_running == 0
     assert _count(after, "cancelled") - _count(before, "cancelled") == 4
+    gc.collect()  # an abandoned future's unretrieved exception is logged when it is collected
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     generated = after["specsample_generation_tokens_total{}"] - before["specsample_generation_tokens_total{}"]
     assert generated < 4 * 100 * 0.75
 
@@ -301,6 +309,10 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),  # logits / 1e-300 overflow
+    ({"prompt": "hi", "repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # "²" is a digit to str.isdigit
+    ({"prompt": "hi", "logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),  # "١٢" would read as token 12
 ])
 def test_bad_completion_requests_name_their_parameter(live, body, param) -> None:
     response = _post(live, "/v1/completions", body)
@@ -329,6 +341,44 @@ def test_a_top_p_below_float32_keeps_the_top_token(live) -> None:
     tiny = _post(live, "/v1/completions", {"prompt": "hello world", "max_tokens": 20, "top_p": 1e-300, "seed": 3})
     assert tiny.status_code == 200, tiny.text
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_deep_bodies_and_schemas_are_400(live) -> None:
+    """A body nested 30,000 levels (past json's recursion limit) and one past MAX_JSON_DEPTH, on the inference and the
+    admin routes, and schemas nested 900 and 80 levels: each a 400 in JSON, and the server carries on."""
+    deep = b'{"prompt": "hi", "user": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    over = json.dumps({"prompt": "hi", "user": json.loads("[" * 101 + "]" * 101)}).encode()
+
+    def schema_request(levels: int) -> dict:
+        schema = json.loads('{"type": "array", "items": ' * levels + "{}" + "}" * levels)
+        return {"messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+
+    answers = [_post(live, "/v1/completions", deep), _post(live, "/v1/completions", over),
+               _post(live, "/admin/draft", deep, headers={"Authorization": f"Bearer {ADMIN}"}),
+               _post(live, "/v1/chat/completions", schema_request(900)),
+               _post(live, "/v1/chat/completions", schema_request(80))]
+    assert answers[-1].json()["error"]["param"] == "response_format.json_schema.schema"
+    assert "the schema nests 81 levels deep; the limit is 64" in answers[-1].json()["error"]["message"]
+    for response in answers:
+        assert response.status_code == 400, response.text
+        assert "nests" in response.json()["error"]["message"]
+    assert _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_need_a_key_when_the_server_has_one(live, monkeypatch) -> None:
+    """With --api-key, /metrics answers the metrics key or the admin key, not the inference key nor no key; a server
+    with an API key but neither of the others says how to open it."""
+    def status(key: str | None) -> int:
+        return httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).status_code
+
+    assert [status(k) for k in (None, KEY, "wrong", ADMIN)] == [401, 401, 401, 200]
+    monkeypatch.setattr(live.server, "options", dataclasses.replace(live.server.options, metrics_key="metrics-key"))
+    assert [status(k) for k in (None, KEY, "metrics-key", ADMIN)] == [401, 401, 200, 200]
+    monkeypatch.setattr(live.server, "options", dataclasses.replace(live.server.options, metrics_key=None,
+                                                                    admin_key=None))
+    refused = httpx.get(live.url + "/metrics", headers=AUTH)
+    assert refused.status_code == 401 and "--metrics-key" in refused.json()["error"]["message"]
 
 
 def test_keys_are_compared_as_bytes(live) -> None:
@@ -383,9 +433,9 @@ def test_tokenizing_runs_off_the_event_loop(live, monkeypatch) -> None:
     assert slow_status == health_status == 200 and waited < 0.5
 
 
-def _swap(live, spec: str, key: str = ADMIN) -> httpx.Response:
-    return httpx.post(live.url + "/admin/draft", json={"draft": spec}, headers={"Authorization": f"Bearer {key}"},
-                      timeout=60)
+def _swap(live, spec: str, key: str = ADMIN, body_extra: dict | None = None) -> httpx.Response:
+    return httpx.post(live.url + "/admin/draft", json={"draft": spec, **(body_extra or {})},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
 def test_admin_needs_its_own_key_and_exists_only_with_one(live, monkeypatch) -> None:
@@ -395,7 +445,7 @@ def test_admin_needs_its_own_key_and_exists_only_with_one(live, monkeypatch) -> 
     assert _swap(live, "ngram", key=ADMIN).status_code == 404
 
 
-def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folders) -> None:
+def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folders, monkeypatch) -> None:
     """Specs outside the built-in drafts and the models folder, missing ones, files, folders elsewhere, escapes from
     the folder and drafts that do not fit the target all get the same answer; drafts in the folder swap in."""
     outside = folders["target"]
@@ -417,6 +467,11 @@ def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folder
     for spec in ("ngram", "suffix", "hybrid:draft", "draft"):
         response = _swap(live, spec)
         assert response.status_code == 200, response.text
+    fetched = []  # an alias not in the cache is refused, never downloaded
+    monkeypatch.setattr(app_module, "alias_cached", lambda name: False)
+    monkeypatch.setattr(live.server.speculator.pair, "load_draft", lambda spec: fetched.append(spec))
+    assert _swap(live, "gemma3-270m").status_code == 400 and not fetched
+    assert _swap(live, "gemma3-270m", body_extra={"other": 1}).status_code == 400
     assert httpx.get(live.url + "/health").json()["draft"] == "draft"
 
 
@@ -471,3 +526,94 @@ def test_generate_with_a_tiny_top_p_gives_the_greedy_text(folders) -> None:
     tiny = run_cli(*args, "--top-p", "1e-300", "--seed", "0")
     assert tiny.returncode == 0, tiny.stderr
     assert json.loads(tiny.stdout)["token_ids"] == json.loads(run_cli(*args, "--temperature", "0").stdout)["token_ids"]
+
+
+# ----- fuzzing: generated bad bodies never get a 5xx ------------------------------------------------------------
+
+FUZZ_BODIES = 3000
+EDGES = [None, True, False, 0, -1, 1, 2**63, 2**64, -2**63 - 1, 10**40, 1e308, -1e308, 5e-324, 1e-300, 0.5, -0.0,
+         "", "x", "0", "1e999", "\u0000", "\u202e\u0661\u00b2", "\U0001f600" * 50, "x" * 5000, [], {}, [[]], [1, 2],
+         {"a": 1}, {"type": "object"}, ["a"] * 300]
+RAW = [b"", b"{", b"[", b'{"prompt": "hi"', b"\xff\xfe{}", b'{"prompt": "\\ud800"}', b'{"prompt": NaN}',
+       b'{"prompt": "hi", "temperature": Infinity}', b'{"prompt": "hi", "max_tokens": 1e999}', b"null", b"[]",
+       b'{"prompt": "hi", "prompt": 5}', b'{"\\u0000": 1}', b"[" * 5000, b'{"a":' * 3000]
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
+          "stream_options", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "response_format", "cache_salt", "user", "model", "echo", "suffix",
+          "num_speculative_tokens", "speculative", "max_completion_tokens", "best_of", "\u00e9", "a" * 300]
+SCHEMA_KEYS = ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref",
+               "pattern", "minLength", "maxLength", "minimum", "maximum", "format", "additionalProperties", "$defs",
+               "prefixItems", "minItems", "uniqueItems", "description", "if"]
+
+
+def _fuzz_value(rng, depth: int = 0):
+    roll = rng.random()
+    if roll < 0.55 or depth > 3:
+        return rng.choice(EDGES)
+    if roll < 0.7:
+        return [_fuzz_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if roll < 0.85:
+        return {rng.choice(FIELDS + SCHEMA_KEYS): _fuzz_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+    levels = rng.choice([50, 120, 2000])
+    return json.loads("[" * levels + "]" * levels) if levels < 500 else "[" * levels
+
+
+def _fuzz_schema(rng, depth: int = 0):
+    if depth > 2 or rng.random() < 0.3:
+        return rng.choice([{"type": t} for t in ("string", "integer", "boolean", "object", "bogus")] + EDGES[:8])
+    return {rng.choice(SCHEMA_KEYS): rng.choice([_fuzz_schema(rng, depth + 1), [_fuzz_schema(rng, depth + 1)],
+                                                 _fuzz_value(rng, depth + 1), "^.{1,5000}$", "#/$defs/x"])
+            for _ in range(rng.randrange(1, 4))}
+
+
+def _fuzz_body(rng) -> tuple[str, bytes]:
+    """A path and a generated body: raw bytes, a wrong top-level value, or a valid request with fields replaced."""
+    chat = rng.random() < 0.5
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    roll = rng.random()
+    if roll < 0.1:
+        return path, rng.choice(RAW)
+    if roll < 0.15:
+        return path, json.dumps(_fuzz_value(rng)).encode()
+    body: dict = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}) | {"max_tokens": 1}
+    for _ in range(rng.randrange(1, 4)):
+        body[rng.choice(FIELDS)] = _fuzz_value(rng)
+    if rng.random() < 0.2:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "f", "schema": _fuzz_schema(rng)}}
+    text = json.dumps(body, ensure_ascii=rng.random() < 0.5)
+    return path, text.encode("utf-8", "surrogatepass")
+
+
+def test_generated_bad_bodies_get_no_5xx_and_leave_the_server_healthy(live) -> None:
+    """FUZZ_BODIES generated bodies (types, sizes, depths, Unicode, numbers at the edges, random schemas) through an
+    in-process client: no 5xx, every error in the OpenAI shape, and a healthy server afterwards."""
+    server = SpecServer(live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128,
+                                                             grammar_workers=1))
+    app = build_app()
+    app.state.server = server
+    rng, statuses = random.Random(55), collections.Counter()
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fuzz", timeout=60) as client:
+            for _ in range(FUZZ_BODIES):
+                path, body = _fuzz_body(rng)
+                response = await client.post(path, content=body, headers={"content-type": "application/json"})
+                statuses[response.status_code] += 1
+                assert response.status_code < 500, (body[:300], response.text[:300])
+                if response.status_code >= 400:
+                    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            health = await client.get("/health")
+            assert health.status_code == 200 and health.json()["running"] == 0
+            ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+    async def serve() -> None:
+        server.start()
+        try:
+            await run()
+        finally:
+            server.stop()  # in the loop its grammar workers were started in
+
+    asyncio.run(serve())
+    assert statuses[400] > FUZZ_BODIES / 2 and statuses[200] > 0, statuses

@@ -20,6 +20,7 @@ from specsample import Engine, SamplingParams, SpecConfig, tiny_lm
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.planner import FixedGamma, GammaController
 from virtual_clock import ClockedLM, VirtualClock
 
 CASES = json.loads((Path(__file__).parent / "golden" / "engine_outputs.json").read_text())
@@ -62,11 +63,11 @@ def _run(case: dict, models) -> tuple[list[list[int]], list[str], list[list[int]
     target, draft, window = models
     clock = VirtualClock()
     gamma = case["gamma"]
-    config = SpecConfig(gamma=6 if gamma == "auto" else gamma, adaptive=gamma == "auto",
-                        speculative=case["drafter"] != "none", max_batch_size=case["max_batch_size"],
+    config = SpecConfig(speculative=case["drafter"] != "none", max_batch_size=case["max_batch_size"],
                         max_seq_len=case["max_seq_len"], target_widths=tuple(case["target_widths"]))
+    planner = GammaController(6) if gamma == "auto" else FixedGamma(gamma)
     engine = Engine(ClockedLM(target, clock, *COSTS["target"]), _drafter(case["drafter"], draft, clock, window),
-                    config, case["eos"], clock=clock)
+                    config, case["eos"], planner, clock=clock)
     ids = [engine.add_request(r["prompt"], SamplingParams(
                temperature=r["temperature"], top_k=r.get("top_k"), top_p=r.get("top_p", 1.0),
                max_new_tokens=r["max_new_tokens"], seed=r["seed"]),

@@ -4,13 +4,14 @@ estimates; what the drafters offer and propose; the engine running them."""
 
 from __future__ import annotations
 
+from model_factory import draft_request
 import random
 
 import pytest
 import torch
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
-from specsample.drafters.base import DraftRequest, PromptLookup
+from specsample.drafters.base import PromptLookup
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.routed import RoutedDrafter
@@ -157,7 +158,7 @@ def test_lookup_lengths_match_what_propose_takes() -> None:
     ngram.add_rows([0, 1, 2], [[1, 2, 3, 4, 1, 2], [5, 6, 5, 6, 7, 5, 6], [5, 6, 5]])
     lengths = ngram.lookup_lengths([0, 1, 2], [2, 4, 4])
     assert lengths == [2, 3, 0]
-    proposal = ngram.propose(DraftRequest((0, 1, 2), tuple(lengths), tuple(lengths), (SamplingParams(),) * 3,
+    proposal = ngram.propose(draft_request((0, 1, 2), tuple(lengths), tuple(lengths), (SamplingParams(),) * 3,
                                           (torch.Generator(),) * 3, width=4))
     assert proposal.num_drafted.tolist() == lengths and proposal.tokens[1, :3].tolist() == [7, 5, 6]
     routed = RoutedDrafter(ngram)
@@ -175,7 +176,7 @@ def test_hybrid_offers_gamma_auto_shorter_matches_than_it_takes_alone(tiny_draft
     params, generators = (SamplingParams(),), (torch.Generator().manual_seed(0),)
 
     def proposal(n: int, source: tuple[bool | None, ...]):
-        return hybrid.propose(DraftRequest((0,), (n,), (n,), params, generators, source=source))
+        return hybrid.propose(draft_request((0,), (n,), (n,), params, generators, source=source))
 
     chosen = proposal(3, (True,))  # gamma auto took the offer
     assert chosen.probs is None and chosen.tokens[0].tolist() == [9, 1, 2]
@@ -191,7 +192,7 @@ def test_engine_runs_lookups_and_model_drafts_and_reports_them(tiny_target, tiny
     prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]  # repeats: the lookup has a continuation at once
     controller = GammaController(4)
     engine = Engine(tiny_target, HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2),
-                    SpecConfig(gamma=4, adaptive=True), planner=controller)
+                    SpecConfig(), planner=controller)
     engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=40))
     stats = [r.stats for r in engine.stream()]
     lookups_run = sum(s.lookup_rows for s in stats)
@@ -201,7 +202,7 @@ def test_engine_runs_lookups_and_model_drafts_and_reports_them(tiny_target, tiny
 
 
 def test_engine_without_a_model_drafts_only_where_a_lookup_is_offered(tiny_target) -> None:
-    engine = Engine(tiny_target, NgramDrafter(min_n=2), SpecConfig(gamma=4, adaptive=True), planner=GammaController(4))
+    engine = Engine(tiny_target, NgramDrafter(min_n=2), SpecConfig(), planner=GammaController(4))
     engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_new_tokens=20))
     stats = [r.stats for r in engine.stream()]
     # a round without a lookup was planned plain (the drafting path skipped), one with a lookup proposed it
@@ -211,7 +212,7 @@ def test_engine_without_a_model_drafts_only_where_a_lookup_is_offered(tiny_targe
 
 def test_engine_without_lookup_drafter_offers_none(tiny_target, tiny_draft) -> None:
     controller = GammaController(4)
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True), planner=controller)
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(), planner=controller)
     engine.add_request([1, 2, 1, 2, 1, 2], SamplingParams(temperature=0, max_new_tokens=12))
     assert sum(r.stats.lookup_rows for r in engine.stream()) == 0 and controller.lookup_rounds == 0
 
@@ -225,7 +226,7 @@ def test_greedy_hybrid_auto_equals_target_only(tiny_target, tiny_draft, seed: in
     plain.add_request(prompt, params)
     expected = [t for r in plain.stream() for u in r.rows for t in u.new_tokens]
     engine = Engine(tiny_target, HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=1),
-                    SpecConfig(gamma=6, adaptive=True))
+                    SpecConfig(), planner=GammaController(6))
     engine.add_request(prompt, params)
     assert [t for r in engine.stream() for u in r.rows for t in u.new_tokens] == expected
     assert engine.planner.lookup_rounds > 0

@@ -13,6 +13,7 @@ from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.loader import load_model
+from specsample.planner import FixedGamma
 
 TEXT = "the quick brown fox jumps over the lazy dog, the quick brown fox"
 CONFIGS = {
@@ -123,7 +124,7 @@ def test_greedy_speculation_with_each_runtime(folders, name) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=20)
     plain = generate(target.model, prompts, params)
     for drafter in (ModelDrafter(draft.model), NgramDrafter(min_n=1)):
-        spec = generate(target.model, prompts, params, draft=drafter, config=SpecConfig(gamma=4))
+        spec = generate(target.model, prompts, params, draft=drafter, config=SpecConfig(), planner=FixedGamma(4))
         assert [c.token_ids for c in spec.completions] == [c.token_ids for c in plain.completions]
 
 
@@ -275,7 +276,7 @@ def test_a_token_tree_scores_each_path_as_a_chain_and_keeps_one_path() -> None:
     from specsample.models.tiny import tiny_lm
 
     model = tiny_lm(40, 2, init_scale=0.2, dtype=torch.float64)
-    context, slot = torch.tensor([[1, 2, 3, 4]]), torch.tensor([0])
+    slot = torch.tensor([0])
     # the pending token 5 at block index 0; its children 6 and 7; 8 under 6; 9 under 8; 10 under 7
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
     parents = torch.tensor([[-1, 0, 0, 1, 3, 2]])

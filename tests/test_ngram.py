@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from model_factory import draft_request
 import random
 
 import pytest
 import torch
 
 from specsample import SamplingParams
-from specsample.drafters.base import DraftRequest
+
 from specsample.drafters.ngram import NgramDrafter, NgramIndex
 from ngram_reference import reference_continuation
 
@@ -77,13 +78,13 @@ def test_ngram_drafter_rows_and_commit() -> None:
     drafter = NgramDrafter(min_n=1, max_n=3)
     drafter.add_rows([0, 3], [[1, 2, 3, 1, 2], [9, 8, 7]])
     gens = (torch.Generator(), torch.Generator())
-    proposal = drafter.propose(DraftRequest((0, 3), (4, 4), (4, 4), (SamplingParams(),) * 2, gens))
+    proposal = drafter.propose(draft_request((0, 3), (4, 4), (4, 4), (SamplingParams(),) * 2, gens))
     assert proposal.probs is None and proposal.num_drafted.tolist() == [3, 0]
     assert proposal.tokens[0, :3].tolist() == [3, 1, 2]
     drafter.commit([0, 3], [[3, 1], [9]])
     assert drafter.rows[3].tokens == [9, 8, 7, 9]
     # a row proposes up to its reach, in a proposal as wide as the round
-    narrow = drafter.propose(DraftRequest((3,), (2,), (2,), (SamplingParams(),), gens[:1], width=4))
+    narrow = drafter.propose(draft_request((3,), (2,), (2,), (SamplingParams(),), gens[:1], width=4))
     assert narrow.tokens[0].tolist() == [8, 7, 0, 0] and narrow.num_drafted.tolist() == [2]
 
 
@@ -91,7 +92,7 @@ def test_rows_sent_away_from_their_lookup_propose_nothing() -> None:
     drafter = NgramDrafter(min_n=1, max_n=3)
     drafter.add_rows([0, 1], [[1, 2, 3, 1, 2], [4, 5, 4, 5]])
     gens = (torch.Generator(), torch.Generator())
-    proposal = drafter.propose(DraftRequest((0, 1), (3, 3), (3, 3), (SamplingParams(),) * 2, gens,
+    proposal = drafter.propose(draft_request((0, 1), (3, 3), (3, 3), (SamplingParams(),) * 2, gens,
                                             source=(False, True)))
     assert proposal.num_drafted.tolist() == [0, 2] and proposal.tokens[1, :2].tolist() == [4, 5]
 

@@ -28,7 +28,6 @@ def test_fixed_gamma_plans_every_row_its_gamma_within_its_budget() -> None:
     assert drafts(plan) == [4, 2, 4, 0, 2, 0]
     assert [r.reach for r in plan.rows] == drafts(plan) and plan.extension is None and plan.stop_thresholds == ()
     assert plan.chosen_ids == () and not any(r.fallback for r in plan.rows) and plan.width == 4
-    assert not planner.adaptive  # the engine need not compute lookup offers or backlogs for it
 
 
 @pytest.mark.parametrize("make", [FixedGamma, GammaController])
@@ -153,7 +152,7 @@ def test_the_engine_tells_gamma_auto_each_rows_budget_left(tiny_target, tiny_dra
             seen.append({r.request_id: r.remaining for r in batch.rows if r.chosen})
             return super().plan(batch)
 
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True, max_batch_size=4),
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=4),
                     planner=Spy(4))
     budgets = {"auto-a": 12, "fixed": 20, "plain": 7, "auto-b": 9}
     for rid, budget in budgets.items():
@@ -177,11 +176,6 @@ def test_greedy_output_is_the_targets_with_every_drafter_and_planner(tiny_target
         "model": lambda: ModelDrafter(tiny_draft),
     }
     for name, make in drafters.items():
-        for config in (SpecConfig(gamma=4), SpecConfig(gamma=8, adaptive=True)):
-            out = generate(tiny_target, prompts, params, draft=make(), config=config)
-            assert [c.token_ids for c in out.completions] == plain, (name, config)
-
-
-def test_an_engine_refuses_a_planner_wider_than_its_caches(tiny_target, tiny_draft) -> None:
-    with pytest.raises(ValueError, match="plan 8 drafts per round"):
-        Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(gamma=4, adaptive=True), planner=GammaController(8))
+        for planner in (FixedGamma(4), GammaController(8)):
+            out = generate(tiny_target, prompts, params, draft=make(), planner=planner)
+            assert [c.token_ids for c in out.completions] == plain, (name, planner)

@@ -13,7 +13,8 @@ from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
-from specsample.engine import MIN_REUSED
+from specsample.scheduler import MIN_REUSED
+from specsample.planner import FixedGamma
 
 VOCAB = 32
 HISTORY = [(7 * i + 3) % VOCAB for i in range(60)]
@@ -31,8 +32,8 @@ def drafter_for(kind: str, draft):
             "hybrid": lambda: HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2)}[kind]()
 
 
-def serve(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
-    engine.add_request(prompt, params)
+def serve(engine: Engine, prompt: list[int], params: SamplingParams, scope: str = "") -> tuple[list[int], list]:
+    engine.add_request(prompt, params, cache_scope=scope)
     tokens, stats = [], []
     for result in engine.stream():
         stats.append(result.stats)
@@ -46,13 +47,13 @@ def serve(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[li
 def test_second_turn_reuses_the_prefix_and_decodes_the_same(models, kind: str, temperature: float) -> None:
     target, draft = models
     params = SamplingParams(temperature=temperature, max_new_tokens=10, seed=11)
-    kept = Engine(target, drafter_for(kind, draft), SpecConfig(gamma=3, max_batch_size=2, prefix_cache_rows=2))
+    kept = Engine(target, drafter_for(kind, draft), SpecConfig(max_batch_size=2, prefix_cache_rows=2), planner=FixedGamma(3))
     first, _ = serve(kept, HISTORY, params)
     follow_up = HISTORY + first + [5, 6, 7]  # the next turn: the history, the reply, a new message
     second, stats = serve(kept, follow_up, params)
     assert stats[0].prefix_hits == 1 and stats[0].reused_tokens == len(HISTORY) + len(first) - 1
     assert stats[0].admitted_tokens == len(follow_up) - 1
-    fresh = Engine(target, drafter_for(kind, draft), SpecConfig(gamma=3, max_batch_size=2))
+    fresh = Engine(target, drafter_for(kind, draft), SpecConfig(max_batch_size=2), planner=FixedGamma(3))
     again, fresh_stats = serve(fresh, follow_up, params)
     assert fresh_stats[0].prefix_hits == 0
     assert second == again
@@ -61,10 +62,10 @@ def test_second_turn_reuses_the_prefix_and_decodes_the_same(models, kind: str, t
 def test_kept_rows_are_bounded_least_recent_first(models) -> None:
     target, draft = models
     params = SamplingParams(temperature=0, max_new_tokens=4)
-    engine = Engine(target, ModelDrafter(draft), SpecConfig(gamma=3, max_batch_size=1, prefix_cache_rows=2))
+    engine = Engine(target, ModelDrafter(draft), SpecConfig(max_batch_size=1, prefix_cache_rows=2), planner=FixedGamma(3))
     prompts = [[i] * 3 + HISTORY[i:i + 30] for i in range(3)]
     replies = [serve(engine, p, params)[0] for p in prompts]
-    assert len(engine._kept) == 2  # the first was dropped when the third finished
+    assert len(engine.scheduler.kept) == 2  # the first was dropped when the third finished
     _, stats = serve(engine, prompts[0] + replies[0] + [1], params)
     assert stats[0].prefix_hits == 0  # dropped
     _, stats = serve(engine, prompts[2] + replies[2] + [1], params)
@@ -76,7 +77,20 @@ def test_kept_rows_are_bounded_least_recent_first(models) -> None:
 
 def test_nothing_is_kept_without_prefix_cache_rows(models) -> None:
     target, draft = models
-    engine = Engine(target, ModelDrafter(draft), SpecConfig(gamma=3, max_batch_size=1))
+    engine = Engine(target, ModelDrafter(draft), SpecConfig(max_batch_size=1), planner=FixedGamma(3))
     first, _ = serve(engine, HISTORY, SamplingParams(temperature=0, max_new_tokens=4))
     _, stats = serve(engine, HISTORY + first + [1], SamplingParams(temperature=0, max_new_tokens=4))
-    assert stats[0].prefix_hits == 0 and not engine._kept
+    assert stats[0].prefix_hits == 0 and not engine.scheduler.kept
+
+
+def test_rows_are_reused_only_within_their_cache_scope(models) -> None:
+    """B's request sharing A's whole history reuses nothing of A's and leaves A's kept row where it was: A's next turn
+    still reuses it."""
+    target, draft = models
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    engine = Engine(target, ModelDrafter(draft), SpecConfig(max_batch_size=1, prefix_cache_rows=2), planner=FixedGamma(3))
+    reply, _ = serve(engine, HISTORY, params, scope="A")
+    _, stats = serve(engine, HISTORY + reply + [1], params, scope="B")
+    assert stats[0].prefix_hits == 0 and stats[0].reused_tokens == 0
+    _, stats = serve(engine, HISTORY + reply + [2], params, scope="A")
+    assert stats[0].prefix_hits == 1 and stats[0].reused_tokens == len(HISTORY) + len(reply) - 1

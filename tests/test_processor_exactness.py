@@ -97,7 +97,7 @@ def grammars() -> GrammarCompiler:
 
 def engine_counts(target, drafter, params: SamplingParams, planner) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES rows of one batch."""
-    config = SpecConfig(gamma=3, max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH, tree=TREE)
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
     engine = Engine(target, drafter, config, planner=planner, grammars=grammars())
     ids = [engine.add_request(PROMPT, dataclasses.replace(params, seed=7000 + i)) for i in range(SAMPLES)]
     out: dict[str, list[int]] = {i: [] for i in ids}

@@ -37,7 +37,7 @@ def draft():
 
 def run(target, drafter, params: SamplingParams, prompts=PROMPTS, tree: TreeShape | None = None,
         speculative: bool = True) -> list[tuple[list[int], list]]:
-    engine = Engine(target, drafter, SpecConfig(gamma=3, max_batch_size=len(prompts), tree=tree),
+    engine = Engine(target, drafter, SpecConfig(max_batch_size=len(prompts)),
                     planner=FixedGamma(3, tree), grammars=GrammarCompiler.from_vocab(list(LETTERS)))
     ids = [engine.add_request(p, params, speculative=speculative) for p in prompts]
     tokens: dict[str, list[int]] = {i: [] for i in ids}

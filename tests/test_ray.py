@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from dataclasses import asdict
 
 import httpx
 import openai
@@ -48,10 +47,12 @@ def cluster(folders):
         ray.init(num_cpus=4, include_dashboard=False, object_store_memory=150 * 2**20,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ReplicaSettings(model=str(folders["target"]), draft=str(folders["draft"]), gamma="4",
-                                   max_batch_size=4, max_model_len=256, served_model_name=MODEL, dtype="float32")
+        settings = ReplicaSettings.from_args({"model": str(folders["target"]), "draft": str(folders["draft"]),
+                                              "gamma": "4", "max_batch_size": "4", "max_model_len": "256",
+                                              "served_model_name": MODEL, "dtype": "float32"})
         options = deployment_options(replicas=2, num_cpus=0.5, max_batch_size=4)
-        serve.run(SpecsampleReplica.options(**options).bind(asdict(settings)), name="specsample", route_prefix="/")
+        serve.run(SpecsampleReplica.options(**options).bind(settings.as_args()), name="specsample",
+                  route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -162,46 +163,3 @@ def test_serve_config_yaml_builds() -> None:
         builder({**args, "modle": "typo"})
     with pytest.raises(ValueError, match="MIN:MAX"):
         builder({**args, "autoscale": "4:1"})
-
-
-def test_every_serving_option_reaches_the_replicas(tmp_path) -> None:
-    """`specsample serve --replicas` hands each replica the server options it was given, none dropped."""
-    from specsample.deploy import ReplicaSettings
-    from specsample.server.options import ServerOptions
-    from specsample.speculator import EngineOptions
-
-    serving = ServerOptions(model_name="m", max_batch_size=3, max_model_len=512, max_body_bytes=4096,
-                            prefix_cache_rows=2, admin_key="a" * 16, models_dir=str(tmp_path))
-    replica = ReplicaSettings.of(EngineOptions(), serving).server_options("r1")
-    for name in ("model_name", "max_batch_size", "max_model_len", "max_body_bytes", "prefix_cache_rows", "admin_key",
-                 "models_dir"):
-        assert getattr(replica, name) == getattr(serving, name), name
-    assert ReplicaSettings.from_args({"prefix_cache_rows": "0"}).server_options().prefix_cache_rows == 0
-
-
-def test_every_engine_option_reaches_the_replicas() -> None:
-    """`specsample serve --replicas` hands each replica the engine options it was given; text flags parse."""
-    from dataclasses import fields
-
-    from specsample.deploy import ReplicaSettings
-    from specsample.server.options import ServerOptions
-    from specsample.speculator import EngineOptions
-
-    options = EngineOptions(compile=True, quantize="int8", pad_rows="off", sampling="coupled",
-                            suffix_cache_scope="request")
-    assert ReplicaSettings.of(options, ServerOptions(model_name="m")).engine_options() == options
-    assert ReplicaSettings.from_args({"compile": "true"}).engine_options().compile is True
-    assert ReplicaSettings.from_args({"compile": "False"}).engine_options().compile is False
-    with pytest.raises(ValueError, match="true or false"):
-        ReplicaSettings.from_args({"compile": "maybe"})
-    assert {f.name for f in fields(ReplicaSettings)} >= {"compile", "deterministic", "suffix_cache_scope"}
-
-
-def test_serve_and_bench_take_compile() -> None:
-    from specsample.cli import build_parser
-
-    parser = build_parser()
-    assert parser.parse_args(["serve", "--compile"]).compile is True
-    assert parser.parse_args(["serve"]).compile is False
-    assert parser.parse_args(["bench", "--compile"]).compile is True
-    assert parser.parse_args(["bench"]).compile is None  # BenchConfig's default applies

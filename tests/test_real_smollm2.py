@@ -11,6 +11,7 @@ from specsample.drafters.eagle import load_head_drafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.hub import SMOLLM2_HEAD, builtin_draft
 from specsample.models.loader import load_model
+from specsample.planner import FixedGamma
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -39,8 +40,8 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
     bf16_draft = load_model("smollm2-135m-instruct", dtype="bfloat16", device=DEVICE).model  # close to, not equal to, the target
     shipped_head = load_head_drafter(builtin_draft(SMOLLM2_HEAD), model)  # reads the target's own features
     for drafter in (NgramDrafter(), ModelDrafter(bf16_draft), shipped_head):
-        spec = generate(model, prompts, params, draft=drafter, config=SpecConfig(gamma=5),
-                        eos_token_ids=tokenizer.eos_token_ids)
+        spec = generate(model, prompts, params, draft=drafter, config=SpecConfig(),
+                        eos_token_ids=tokenizer.eos_token_ids, planner=FixedGamma(5))
         assert spec.stats["accepted"] > 0
         for prompt, a, b in zip(prompts, plain.completions, spec.completions):
             _agree_or_near_tie(model, prompt, a.token_ids, b.token_ids)

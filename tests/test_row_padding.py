@@ -8,6 +8,7 @@ import torch
 import specsample.engine as engine_module
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
 from specsample.models.row_padding import fastest_widths, measure_target_widths
+from specsample.planner import FixedGamma
 from test_engine import PROMPTS, _fresh_cache_matches
 
 
@@ -64,13 +65,13 @@ def test_measure_pads_only_where_both_halves_agree(tiny_target) -> None:
 
 def test_measured_widths_fit_the_config(tiny_target) -> None:
     widths = measure_target_widths(tiny_target, 4, context=8, repeats=2)  # real timings: any valid table
-    assert SpecConfig(gamma=3, target_widths=widths).target_widths == widths
+    assert SpecConfig(target_widths=widths).target_widths == widths
 
 
 @pytest.mark.parametrize("widths", [(1, 1), (1, 2, 2), (0,), (1, 2.5)])
 def test_bad_widths_are_refused(widths) -> None:
     with pytest.raises(ValueError, match=r"target_widths\[\d\] \(the width to score"):
-        SpecConfig(gamma=2, target_widths=widths)
+        SpecConfig(target_widths=widths)
 
 
 def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: SamplingParams) -> list[list[int]]:
@@ -79,19 +80,18 @@ def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: Sampling
     outputs = []
     for prompt in PROMPTS:
         drafter = ModelDrafter(draft)
-        config = SpecConfig(gamma=gamma, max_batch_size=1, max_seq_len=len(prompt) + params.max_new_tokens,
-                            target_widths=widths)
-        engine = Engine(target, drafter, config)
+        config = SpecConfig(max_batch_size=1, max_seq_len=len(prompt) + params.max_new_tokens, target_widths=widths)
+        engine = Engine(target, drafter, config, planner=FixedGamma(gamma))
         rid = engine.add_request(prompt, params)
         tokens = list(prompt)
         while engine.has_work():
             for update in engine.step().rows:
                 tokens.extend(update.new_tokens)
-            for slot in engine._running:  # the padding was rolled back: the cache is every token but the last
+            for slot in engine.scheduler.by_slot():  # the padding was rolled back: the cache is every token but the last
                 assert int(engine.cache.lengths[slot]) == len(tokens) - 1
                 _fresh_cache_matches(target.model if isinstance(target, _Watched) else target, engine.cache, slot, tokens)
         outputs.append(tokens[len(prompt):])
-        assert rid not in engine._running.values()
+        assert rid not in engine.scheduler.by_slot().values()
     return outputs
 
 
@@ -124,7 +124,7 @@ def test_reading_the_padding_is_caught(tiny_target, tiny_draft, monkeypatch) -> 
 def test_batches_are_not_padded(tiny_target, tiny_draft) -> None:
     """The widths were measured at batch 1: a batch of rows scores what it asks."""
     spy = _Watched(tiny_target)
-    engine = Engine(spy, ModelDrafter(tiny_draft), SpecConfig(gamma=2, max_batch_size=2, target_widths=(1, 8, 8)))
+    engine = Engine(spy, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=2, target_widths=(1, 8, 8)), planner=FixedGamma(2))
     for prompt in PROMPTS[:2]:
         engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=8))
     engine.step()

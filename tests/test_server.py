@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from live_server import LiveServer
+from live_server import LiveServer, free_port
 from model_factory import make_tokenizer, write_hf_model
-from specsample.server.app import SpecServer
+from specsample.server.app import SpecServer, build_app
 from specsample.server.options import ServerOptions
 from specsample.speculator import EngineOptions, load
 from specsample.server.protocol import TextAssembler
+from specsample.server.serve import FLUSH_SECONDS, DrainingServer
 
 MODEL = "tiny"
 PROMPTS = ["the quick brown fox", "hello world", "speculative sampling", "the lazy dog jumps",
@@ -297,3 +301,145 @@ def test_api_key_and_draft_swap(folders) -> None:
         assert server.server.engine.drafter.generations <= 2
     finally:
         server.close()
+
+
+# ----- shutdown: in flight requests drain until --shutdown-timeout, then end cleanly -----------------------------
+
+class _Draining:
+    """A server run by `DrainingServer` in a thread; `signal()` does what SIGTERM or Ctrl-C does."""
+
+    def __init__(self, spec: SpecServer) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(build_app(spec), host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=FLUSH_SECONDS)
+        self.server = DrainingServer(config, spec)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def signal(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)
+
+
+async def _stream_events(client: httpx.AsyncClient, body: dict) -> list[str]:
+    async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+        return [line async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+def _draining(live, monkeypatch, timeout: float) -> _Draining:
+    spec = SpecServer(live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128,
+                                                            shutdown_timeout=timeout))
+    step = spec.engine.step
+
+    def slow_step():
+        time.sleep(0.1)
+        return step()
+
+    monkeypatch.setattr(spec.engine, "step", slow_step)
+    return _Draining(spec)
+
+
+# runs to max_tokens (the special tokens, end of text among them, banned): at least 24 rounds of 0.1 s
+LONG = {"prompt": "the quick brown fox", "max_tokens": 120, "temperature": 0.8, "seed": 1,
+        "logit_bias": {"0": -100, "1": -100, "2": -100}}
+
+
+def test_shutdown_finishes_what_fits_in_its_limit_and_ends_the_rest(live, monkeypatch) -> None:
+    """After the signal: a new request gets 503, a short request in flight finishes, and at the limit a long stream
+    ends with an error event then [DONE] and a long non-streamed request gets 503; then the server stops."""
+    server = _draining(live, monkeypatch, timeout=1.0)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            stream = asyncio.ensure_future(_stream_events(client, LONG))
+            plain = asyncio.ensure_future(client.post("/v1/completions", json=LONG))
+            short = asyncio.ensure_future(client.post("/v1/completions", json=LONG | {"max_tokens": 4}))
+            await asyncio.sleep(0.3)
+            server.signal()
+            signalled = time.perf_counter()
+            await asyncio.sleep(0.1)
+            refused = await client.post("/v1/completions", json=LONG)
+            events, plain, short = await stream, await plain, await short
+            return refused, events, plain, short, time.perf_counter() - signalled
+
+    refused, events, plain, short, elapsed = asyncio.run(run())
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] == "length"
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+    assert 0.9 < elapsed < 2.5
+    server.thread.join(timeout=10)
+    assert not server.thread.is_alive()
+
+
+def test_a_second_signal_ends_requests_at_once(live, monkeypatch) -> None:
+    server = _draining(live, monkeypatch, timeout=60.0)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            stream = asyncio.ensure_future(_stream_events(client, LONG))
+            plain = asyncio.ensure_future(client.post("/v1/completions", json=LONG))
+            await asyncio.sleep(0.3)
+            server.signal()
+            server.signal()
+            signalled = time.perf_counter()
+            events, plain = await stream, await plain
+            return events, plain, time.perf_counter() - signalled
+
+    events, plain, elapsed = asyncio.run(run())
+    assert events[-1] == "data: [DONE]" and plain.status_code == 503 and elapsed < 1.0
+    server.thread.join(timeout=10)
+    assert not server.thread.is_alive()
+
+
+# ----- what a seed reproduces (docs/serving.md#reproducibility) -------------------------------------------------
+
+SEEDED = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.9, "seed": 2024}
+OTHERS = [{"prompt": p, "max_tokens": 24, "temperature": 0.9, "seed": i} for i, p in enumerate(PROMPTS[1:4])]
+
+
+def _texts(server: LiveServer, bodies: list[dict]) -> list[str]:
+    """The texts of `bodies`, sent together (batched by the server)."""
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+        return [c["text"] for a in answers for c in a.json()["choices"]]
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def bf16_servers(folders):
+    """The server's defaults (rejection sampling, gamma auto) in bfloat16, and deterministic mode in bfloat16."""
+    servers = [LiveServer(SpecServer(load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]),
+                                                        gamma="auto", max_gamma=4, dtype="bfloat16", **extra)),
+                                     ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128)))
+               for extra in ({}, {"deterministic": True})]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+def test_a_seed_reproduces_alone_with_a_fixed_gamma_under_the_default_sampling(bf16_servers) -> None:
+    """Rejection sampling in bfloat16: a seeded request run alone with a fixed num_speculative_tokens, or without
+    speculation, gives the same text each time."""
+    default, _ = bf16_servers
+    for extra in ({"num_speculative_tokens": 3}, {"speculative": False}):
+        texts = [_texts(default, [SEEDED | extra])[0] for _ in range(3)]
+        assert texts[0] == texts[1] == texts[2]
+
+
+def test_a_seed_reproduces_whatever_the_batch_in_deterministic_mode(bf16_servers) -> None:
+    """Deterministic mode in bfloat16 with gamma auto: a seeded request gives the same text alone, three times in one
+    batch beside other requests, and without speculation; choice i of n equals n=1 with seed + i."""
+    _, deterministic = bf16_servers
+    alone = _texts(deterministic, [SEEDED])[0]
+    batched = _texts(deterministic, [SEEDED] * 3 + OTHERS)[:3]
+    plain = _texts(deterministic, [SEEDED | {"speculative": False}])[0]
+    assert batched == [alone] * 3 and plain == alone
+    choices = _texts(deterministic, [SEEDED | {"n": 3}])
+    assert choices == [_texts(deterministic, [SEEDED | {"seed": 2024 + i}])[0] for i in range(3)]

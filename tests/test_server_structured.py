@@ -5,6 +5,7 @@ output, a 400 naming the parameter for everything we refuse, and a second chat t
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -40,7 +41,7 @@ def live(tmp_path_factory):
 def test_json_schema_output_validates(live) -> None:
     client = live.client()
     response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
-    for temperature, seed in ((0, None), (1.0, 3), (1.0, 4)):
+    for temperature, seed in ((0, None), (1.0, 3)):  # more sampled documents: the corpus test below
         out = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=40, temperature=temperature,
                                              seed=seed, response_format=response_format)
         assert out.choices[0].finish_reason == "stop"
@@ -116,7 +117,12 @@ def test_penalties_and_bias_change_the_output(live) -> None:
     ("chat", {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
      "response_format.json_schema"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
-     "response_format"),
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^[0-9]{1,16000}$"}}}}}},
+     "response_format.json_schema.schema"),
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("chat", {"logit_bias": {"99999": 1}}, "logit_bias"),
@@ -134,8 +140,10 @@ def test_unsupported_combinations_are_400_naming_the_parameter(live, path, body,
     assert response.json()["error"]["param"] == param, response.text
 
 
-def test_second_turn_reuses_the_first_turns_cache(live) -> None:
-    client = live.client()
+def test_second_turn_reuses_the_first_turns_cache_of_its_own_key_and_salt(live) -> None:
+    """The second turn reuses the first's cache, but only when it presents the same API key and cache_salt: another
+    key, or another salt, reuses nothing (and leaves the row for its owner)."""
+    client = live.client(key="tenant-a")
 
     def counters() -> dict[str, float]:
         families = text_string_to_metric_families(httpx.get(live.url + "/metrics").text)
@@ -143,11 +151,69 @@ def test_second_turn_reuses_the_first_turns_cache(live) -> None:
 
     history = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 3}]
     first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
-    before = counters()
     history += [{"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "hello world"}]
-    client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
-    after = counters()
-    assert after["specsample_prefix_cache_hits_total"] - before["specsample_prefix_cache_hits_total"] == 1
-    reused = "specsample_prefix_cache_reused_tokens_total"
-    assert after[reused] - before[reused] > 30
+    hits, reused = "specsample_prefix_cache_hits_total", "specsample_prefix_cache_reused_tokens_total"
+
+    def turn(other, **extra) -> tuple[float, float]:
+        before = counters()
+        other.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, extra_body=extra)
+        after = counters()
+        return after[hits] - before[hits], after[reused] - before[reused]
+
+    assert turn(live.client(key="tenant-b")) == (0, 0)
+    hit, tokens = turn(client)
+    assert hit == 1 and tokens > 30
+    assert turn(client, cache_salt="session-2") == (0, 0)
+
+
+# documents served under a schema, sampled from the random tiny model (valid only when the grammar is right)
+SERVED_CORPUS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer",
+     "minimum": -5, "maximum": 120}, "tags": {"type": "array", "items": {"enum": ["a", "b\"", "c\n"]},
+     "maxItems": 3}}, "required": ["name", "n", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"free": {"type": "string", "pattern": "^.{1,12}$"},
+                                      "day": {"type": "string", "format": "date"}}, "required": ["free", "day"]},
+    {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": ["string", "null"],
+                                                                          "minLength": 2, "maxLength": 4}]},
+]
+
+
+def test_completions_that_stop_under_a_schema_validate_against_it(live) -> None:
+    """Four sampled choices per schema at temperature 1: every one that ends "stop" parses and validates (most do)."""
+    client, stopped = live.client(), 0
+    for i, schema in enumerate(SERVED_CORPUS):
+        out = client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=80, temperature=1.0, seed=i, n=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}})
+        for choice in out.choices:
+            if choice.finish_reason == "stop":
+                jsonschema.validate(json.loads(choice.message.content), schema,
+                                    format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+                stopped += 1
+    assert stopped >= len(SERVED_CORPUS) * 4 // 2
+
+
+def test_a_schema_compiles_once_whatever_its_annotations_and_within_its_time_limit(live, monkeypatch) -> None:
+    """Schemas differing only in title and description compile once; a compile past --grammar-compile-timeout is a
+    400 naming response_format and the limit."""
+    pool, client = live.server.grammar_pool, live.client()
+
+    def ask(schema: dict):
+        return client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0, response_format={
+            "type": "json_schema", "json_schema": {"name": "doc", "schema": schema}})
+
+    before = pool.compiled
+    for note in ("first", "second", "third"):
+        ask({"type": "object", "title": note, "properties": {"z": {"type": "integer", "description": note}}})
+    assert pool.compiled - before == 1
+    idle = list(pool._idle)  # the late compile takes the last
+    monkeypatch.setattr(pool, "timeout", 1e-4)
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask({"type": "object", "properties": {"late": {"type": "string", "pattern": "^.{900}$"}}})
+    error = caught.value.body
+    assert error["param"] == "response_format" and "--grammar-compile-timeout" in error["message"]
+    deadline = time.time() + 5
+    while idle[-1].returncode is None and time.time() < deadline:  # reaped in the server's loop
+        time.sleep(0.02)
+    assert idle[-1].returncode is not None and pool.started == len(idle) - 1  # its worker was killed

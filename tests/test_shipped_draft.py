@@ -8,6 +8,7 @@ import pytest
 from devices import DEVICE
 
 from specsample.cli import eval_prompt_set
+from specsample.distill.card import portable_command
 from specsample.distill.evaluate import evaluate
 from specsample.models.hub import ALIASES, DRAFTS_DIR, SMOLLM2_DRAFT, builtin_draft
 from specsample.models.loader import load_model
@@ -60,6 +61,12 @@ def test_model_card_shows_the_recorded_evaluation() -> None:
     assert f"{full['cost']['c']:.3f}" in card
     for name in full["categories"]:
         assert f"| {name} |" in card
+
+
+def test_model_card_command_names_no_folder_of_the_training_machine() -> None:
+    card = (FOLDER / "README.md").read_text()
+    command = card.split("```bash\n", 1)[1].split("\n", 1)[0]
+    assert command.startswith("specsample distill ") and portable_command(command) == command
 
 
 def test_quick_evaluation_rerun_matches_the_record(quick_record: dict, smollm2, shipped_draft) -> None:

@@ -12,12 +12,12 @@ import torch
 from planner_driver import batch
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.config import TreeShape
-from specsample.drafters.base import DraftRequest
+from model_factory import draft_request
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
-from specsample.drafters.suffix import LEAD_IN, SuffixDrafter
+from specsample.drafters.suffix import SuffixDrafter
 from specsample.drafters.suffix_index import WALK, Draft, SuffixIndex, best_draft, cap, draft_tree
-from specsample.planner import GammaController
+from specsample.planner import FixedGamma, GammaController
 from specsample.planner.base import RowState
 from suffix_reference import reference_find
 
@@ -136,11 +136,11 @@ def test_the_longer_match_drafts_more_and_wins_where_it_scores_higher() -> None:
     assert (draft.tokens, draft.parents, draft.match) == ((3, 4, 4, 7), (-1, 0, 1, -1), 2)
 
 
-def _request(slots, reach, tree=None, lookup_trees=False, source=()) -> DraftRequest:
+def _request(slots, reach, tree=None, lookup_trees=False, source=()) :
     rows = len(slots)
     drafts = tuple(min(r, tree.depth) for r in reach) if tree is not None else tuple(reach)
-    return DraftRequest(tuple(slots), drafts, tuple(reach), (SamplingParams(),) * rows,
-                        (torch.Generator(),) * rows, source=tuple(source), tree=tree, lookup_trees=lookup_trees)
+    return draft_request(tuple(slots), drafts, tuple(reach), (SamplingParams(),) * rows,
+                         (torch.Generator(),) * rows, source=tuple(source), tree=tree, lookup_trees=lookup_trees)
 
 
 def test_a_row_drafts_from_its_own_text_and_from_what_other_requests_wrote() -> None:
@@ -196,7 +196,7 @@ def test_proposals_are_chains_unless_the_round_lets_lookups_branch() -> None:
     assert shaped.parents is not None and max(_depth(shaped.parents[0].tolist()[:4])) <= 2
     assert drafter.propose(_request([0], [4], source=(False,))).num_drafted.tolist() == [0]
     with pytest.raises(ValueError, match="no confidence"):
-        drafter.propose(DraftRequest((0,), (1,), (3,), (SamplingParams(),), (torch.Generator(),)))
+        drafter.propose(draft_request((0,), (1,), (3,), (SamplingParams(),), (torch.Generator(),)))
 
 
 def _depth(parents: list[int]) -> list[int]:
@@ -243,7 +243,7 @@ def test_a_repeated_request_drafts_from_the_shared_cache_and_decodes_as_plain(ti
     prompt, params = [5, 17, 3, 29, 11, 8, 2, 23, 14], SamplingParams(temperature=0, max_new_tokens=16)
     plain, _ = _decode(Engine(tiny_target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=32)),
                        prompt, params)
-    engine = Engine(tiny_target, SuffixDrafter(), SpecConfig(gamma=6, max_batch_size=1, max_seq_len=32))
+    engine = Engine(tiny_target, SuffixDrafter(), SpecConfig(max_batch_size=1, max_seq_len=32), planner=FixedGamma(6))
     (first, first_rounds), (again, again_rounds) = _decode(engine, prompt, params), _decode(engine, prompt, params)
     assert first == again == plain
     assert again_rounds < 0.5 * first_rounds

@@ -4,13 +4,14 @@ engine where trees pay and where they do not). Exactness at T > 0 is in test_exa
 
 from __future__ import annotations
 
+from model_factory import draft_request
 import random
 
 import pytest
 import torch
 
 from planner_driver import UNLIMITED, batch, learn
-from specsample import DraftRequest, Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
+from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.config import SettingError, TreeShape
 from specsample.drafters.eagle import EagleDrafter
 from specsample.drafters.hybrid import HybridDrafter
@@ -19,7 +20,7 @@ from specsample.planner import FixedGamma, GammaController
 from specsample.planner.base import BatchState, RowOutcome, RowState
 from specsample.planner.trees import budgets
 from specsample.theory import expected_tokens_per_round
-from test_eagle import PROMPTS, _fresh_proposal, random_head
+from test_eagle import PROMPTS, _greedy_proposal, random_head
 
 VOCAB = 48
 TREE = TreeShape(8, 3, 4)
@@ -47,11 +48,12 @@ def test_greedy_trees_give_the_targets_output(target, adaptive: bool) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=20)
     reference = [c.token_ids for c in generate(target, PROMPTS, params).completions]
     for name, make in drafters(target).items():
-        config = SpecConfig(gamma=4, adaptive=adaptive, max_batch_size=3, tree=TREE)
-        result = generate(target, PROMPTS, params, draft=make(), config=config)
+        config = SpecConfig(max_batch_size=3)
+        planner = GammaController(4, TREE) if adaptive else FixedGamma(4, TREE)
+        result = generate(target, PROMPTS, params, draft=make(), config=config, planner=planner)
         assert [c.token_ids for c in result.completions] == reference, name
     # the target drafting for itself, every node kept: each tree's spine is the target's greedy path, accepted whole
-    engine = Engine(target, ModelDrafter(target), SpecConfig(gamma=4, tree=TreeShape(12, 3, 4)))
+    engine = Engine(target, ModelDrafter(target), SpecConfig(), planner=FixedGamma(4, TreeShape(12, 3, 4)))
     engine.add_request(PROMPTS[0], params)
     rounds = [(u.num_drafted, u.num_accepted) for result in engine.stream() for u in result.rows]
     assert rounds[:2] == [(12, 4), (12, 4)], rounds
@@ -59,7 +61,7 @@ def test_greedy_trees_give_the_targets_output(target, adaptive: bool) -> None:
 
 def _cache_matches_a_fresh_prefill(target, engine: Engine) -> None:
     """Each running row's next-token logits from the engine's cache equal those of the target over its whole text."""
-    for slot, row in engine._running.items():
+    for slot, row in engine.scheduler.by_slot().items():
         text = row.prompt + row.output
         assert int(engine.cache.lengths[slot]) == len(text) - 1  # the last token is pending
         cached = target.forward_cached(torch.tensor([[text[-1]]]), engine.cache, torch.tensor([slot]))[0, -1]
@@ -71,23 +73,25 @@ def _cache_matches_a_fresh_prefill(target, engine: Engine) -> None:
 def test_both_caches_keep_the_accepted_path(target) -> None:
     """Tree rounds at temperature 1 whose accepted paths run through side branches, in a ragged batch: the target's
     cache scores as a fresh prefill of the committed text, and the feature draft proposes as a fresh head on it."""
-    head = random_head(target)
+    head = random_head(target, scale=0.05)
+    with torch.no_grad():  # the target's output layer: proposals it accepts now and then
+        head.lm_head.weight.copy_(target.lm_head.weight)
     running = EagleDrafter(head, target)
-    engine = Engine(target, running, SpecConfig(gamma=4, max_batch_size=3, max_seq_len=64, tree=TREE))
+    engine = Engine(target, running, SpecConfig(max_batch_size=3, max_seq_len=64), planner=FixedGamma(4, TREE))
     for i, prompt in enumerate(PROMPTS[:3]):
-        engine.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i))
+        engine.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=40, seed=i))
     side_paths = 0
-    for _ in range(6):
+    for _ in range(10):
         result = engine.step()
         side_paths += sum(u.num_accepted > 0 for u in result.rows)
         _cache_matches_a_fresh_prefill(target, engine)
     assert side_paths > 0
     greedy = SamplingParams(temperature=0)
-    for slot in engine._running:
+    for slot in engine.scheduler.by_slot():
         history = running.rows[slot].history
-        got = running.propose(DraftRequest((slot,), (3,), (3,), (greedy,), (torch.Generator(),))).probs
+        got = running.propose(draft_request((slot,), (3,), (3,), (greedy,), (torch.Generator(),))).probs
         running.commit([slot], [[]])  # roll the proposal back
-        assert torch.allclose(got, _fresh_proposal(target, head, history, 3), atol=1e-9), slot
+        assert torch.allclose(got, _greedy_proposal(EagleDrafter(head, target), target, history), atol=1e-9), slot
 
 
 def test_the_draft_model_drafts_as_a_fresh_one_after_tree_rounds(target) -> None:
@@ -95,21 +99,21 @@ def test_the_draft_model_drafts_as_a_fresh_one_after_tree_rounds(target) -> None
     accepted: afterwards its history is the committed text and its next chain equals a fresh drafter's on it."""
     draft = tiny_lm(VOCAB, seed=5, init_scale=0.2, num_layers=1, dtype=torch.float64)
     running = ModelDrafter(draft)
-    engine = Engine(target, running, SpecConfig(gamma=4, max_batch_size=3, max_seq_len=64, tree=TREE))
+    engine = Engine(target, running, SpecConfig(max_batch_size=3, max_seq_len=64), planner=FixedGamma(4, TREE))
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i))
     for _ in range(6):
         engine.step()
     greedy = SamplingParams(temperature=0)
-    assert engine._running
-    for slot, row in engine._running.items():
+    assert engine.scheduler.by_slot()
+    for slot, row in engine.scheduler.by_slot().items():
         text = row.prompt + row.output
         assert running.history[slot] == text
-        got = running.propose(DraftRequest((slot,), (3,), (3,), (greedy,), (torch.Generator(),)))
+        got = running.propose(draft_request((slot,), (3,), (3,), (greedy,), (torch.Generator(),)))
         fresh = ModelDrafter(draft)
         fresh.allocate(1, 64)
         fresh.add_rows([0], [text])
-        expected = fresh.propose(DraftRequest((0,), (3,), (3,), (greedy,), (torch.Generator(),)))
+        expected = fresh.propose(draft_request((0,), (3,), (3,), (greedy,), (torch.Generator(),)))
         assert torch.equal(got.tokens, expected.tokens) and torch.allclose(got.probs, expected.probs, atol=1e-9), slot
 
 
@@ -125,7 +129,7 @@ def test_a_feature_tree_keeps_the_best_nodes_of_its_expansions(target) -> None:
     drafter.add_features([0], prefill_ragged(target, cache, torch.tensor([0]), [PROMPTS[0][:-1]], features=True))
     greedy = SamplingParams(temperature=0)
     shape = TreeShape(10, 3, 4)
-    proposal = drafter.propose(DraftRequest((0,), (10,), (10,), (greedy,), (torch.Generator(),), tree=shape))
+    proposal = drafter.propose(draft_request((0,), (10,), (10,), (greedy,), (torch.Generator(),), tree=shape))
     parents = proposal.parents[0].tolist()
     assert int(proposal.num_drafted[0]) == 10 and proposal.probs is None
     assert all(p < i for i, p in enumerate(parents))  # parents first
@@ -148,13 +152,13 @@ def test_lookup_branches_merge_into_a_trie() -> None:
     drafter = NgramDrafter(min_n=1)
     drafter.allocate(1, 64)
     drafter.add_rows([0], [[7, 1, 2, 7, 3, 4, 7, 5, 6, 7]])  # "7" was followed by 1, 3 and 5
-    request = DraftRequest((0,), (6,), (6,), (SamplingParams(temperature=0),), (torch.Generator(),),
+    request = draft_request((0,), (6,), (6,), (SamplingParams(temperature=0),), (torch.Generator(),),
                            tree=TreeShape(6, 3, 2))
     proposal = drafter.propose(request)
     # the most recent continuation first, whole; then the next most recent while the budget lasts
     assert proposal.tokens[0].tolist() == [5, 6, 7, 3, 4, 7] and int(proposal.num_drafted[0]) == 6
     assert proposal.parents[0].tolist() == [-1, 0, 1, -1, 3, 4]
-    short = DraftRequest((0,), (2,), (2,), (SamplingParams(temperature=0),), (torch.Generator(),),
+    short = draft_request((0,), (2,), (2,), (SamplingParams(temperature=0),), (torch.Generator(),),
                          tree=TreeShape(2, 3, 2))
     assert drafter.propose(short).tokens[0].tolist() == [5, 6]
 
@@ -165,7 +169,7 @@ def test_tree_settings_are_checked_and_parsed() -> None:
     for bad in ("", "x", "16x4", "0", "4x2x8", "ax2x3"):
         with pytest.raises(SettingError, match="tree"):
             TreeShape.parse(bad)
-    assert SpecConfig(gamma=5, tree=TreeShape(16, 4, 6)).most_drafts == 24  # four children at six depths
+    assert FixedGamma(5, TreeShape(16, 4, 6)).most_drafts == 24  # four children at six depths
     assert [s.nodes for s in budgets(TreeShape(32, 4, 6))] == [8, 12, 16, 24, 32]
 
 

@@ -12,15 +12,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specsample.config import Grammar, SamplingParams, SettingError
-from specsample.drafters.model import WINDOW_MODES
-from specsample.drafters.suffix import SCOPES as SUFFIX_SCOPES
 from specsample.metrics import StatsCollector
-from specsample.models.hub import ALIASES, FetchError
-from specsample.models.loader import RUNTIMES
-from specsample.models.quant import INT4_GROUP_SIZES, QUANT_MODES
-from specsample.models.row_padding import PAD_MODES
-from specsample.server.options import DEFAULT_MAX_BODY_BYTES
-from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device, parse_gamma
+from specsample.models.hub import FetchError
+from specsample.models.quant import QUANT_MODES
+from specsample.options_cli import Flag, add_flags, flag_values
+from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions
+from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device
+
+# serve's engine flags named as vLLM names them (the others: as `generate` names them)
+SERVE_FLAGS = {
+    "target": Flag("--model"),
+    "draft": Flag("--speculative-model"),
+    "gamma": Flag("--num-speculative-tokens"),
+    "compile": Flag(negation="--enforce-eager", negation_help="run the target and draft eagerly, without compiling"),
+}
+BENCH_SETS = ("gamma", "speculative")  # engine options the benchmark sets per system (--gamma; target-only beside ours)
 
 
 class CliError(Exception):
@@ -34,99 +40,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"target model: alias ({', '.join(ALIASES)}), HF folder, .gguf file or hub id "
-                             f"(default: {DEFAULT_TARGET})")
-    parser.add_argument("--draft", default=None,
-                        help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt lookup), "
-                             "'suffix' (suffix drafting over the request and recent requests' outputs), "
-                             "'hybrid[:MODEL]' (suffix drafting where the text repeats, the model elsewhere) or "
-                             "'none'. "
-                             "Default: the target alias's (smollm2-135m-instruct: hybrid, with the distilled draft "
-                             "shipped in the package; gemma3-270m: ngram)")
-    parser.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
-                        help="what a draft model attends to: auto (the window saved with the draft, for the shipped "
-                             "one its first 32 and latest 256 tokens: it was trained on 512) or off (the whole "
-                             "context); never changes the output's distribution (default auto)")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in float32 on a CPU), float32, bfloat16")
-    _add_quantize_args(parser)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--runtime", default="auto", choices=RUNTIMES,
-                        help="model runtime: ours for Llama-family, transformers otherwise (default auto)")
-
-
-def _add_quantize_args(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
-    parser.add_argument("--quantize", choices=QUANT_MODES, default=default,
-                        help="how the target's weights are held: auto (default: a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 tensors "
-                             "run natively as int4/int8 on a CPU, unless --dtype names a float type), none "
-                             "(dequantized to --dtype, e.g. bfloat16), int8 (per row) or int4 (group-wise): every "
-                             "projection, weight-only (docs/runtime.md)")
-    parser.add_argument("--quant-group", type=int, choices=INT4_GROUP_SIZES, default=None if default is None else 32,
-                        help="inputs per scale of int4 weights quantized at load (default 32)")
-    parser.add_argument("--draft-quantize", choices=QUANT_MODES, default=default,
-                        help="the same for a draft model (default auto: as stored)")
-
-
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gamma", type=_gamma_arg, default="auto",
-                        help="draft tokens per round, or 'auto' (default): chosen per request online from measured "
-                             "acceptance and cost, between 1 and --max-gamma, with fallback to plain decoding")
-    parser.add_argument("--max-gamma", type=int, default=8, help="upper bound for --gamma auto (default 8)")
-    _add_tree_arg(parser)
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None)
-
-
-def _add_reproducibility_args(parser: argparse.ArgumentParser, default_off: bool = True) -> None:
-    from specsample.config import SAMPLING_MODES
-    from specsample.speculator import DEFAULT_SAMPLING
-
-    parser.add_argument("--sampling", choices=SAMPLING_MODES, default=None,
-                        help="how sampled drafts are verified: coupled (each token the target's Gumbel-max with noise "
-                             "keyed by seed and position, so a seed gives the same tokens whatever gamma, drafts and "
-                             "batch) or rejection (modified rejection sampling: accepts more drafts; a seed "
-                             f"reproduces only under the same plan). Default: {DEFAULT_SAMPLING}, coupled with "
-                             "--deterministic; both are exact (docs/exactness.md)")
-    parser.add_argument("--deterministic", action="store_true", default=False if default_off else None,
-                        help="batch- and shape-invariant target forwards (our runtime, not with --compile): outputs "
-                             "are bitwise reproducible for a seed and speculative greedy equals plain greedy in every "
-                             "dtype; slower (docs/exactness.md)")
-
-
-def _add_compile_arg(parser: argparse.ArgumentParser, default_off: bool = True) -> None:
-    parser.add_argument("--compile", action="store_true", default=False if default_off else None,
-                        help="compile decode steps and verification blocks with torch.compile (our runtime only): "
-                             "minutes once per process on a small CPU, then ~1.5x faster steps (docs/runtime.md)")
-
-
-def _add_tree_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tree", type=_tree_arg, default="off",
-                        help="token trees, scored in one target forward and verified exactly: off (default: chains) "
-                             "or NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, 6 "
-                             "deep). With --gamma auto the largest tree it may draft, only where trees measure faster "
-                             "than chains; with a fixed gamma that tree every round. Needs our Llama-family runtime")
-
-
-def _tree_arg(value: str) -> str:
-    from specsample.speculator import parse_tree
-
-    try:
-        parse_tree(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _gamma_arg(value: str) -> int | str:
-    try:
-        return parse_gamma(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device_arg(value: str) -> str:
@@ -160,20 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streaming it as rounds commit")
     gen.add_argument("prompt")
-    _add_model_args(gen)
+    add_flags(gen, EngineOptions, title="engine")
     _add_sampling_args(gen)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: on when the model has one)")
     gen.add_argument("--system", default=None, help="system message for --chat")
-    gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the same loop")
     gen.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                      help="constrain the output to JSON following the schema in FILE (exact under speculation)")
-    _add_compile_arg(gen)
-    gen.add_argument("--pad-rows", choices=PAD_MODES, default="off",
-                     help="auto: first time the target's forward per number of tokens scored (~2 s) and score "
-                          "rounds at the fastest width >= what they need (on the dev CPU 2 tokens run slower "
-                          "than 3); pays off over long or many generations (default off; serve: auto)")
-    _add_reproducibility_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
@@ -192,24 +105,18 @@ def _csv(kind):
 
 
 def _add_bench_parser(sub) -> None:
-    from specsample.bench.config import COMPARE_CHOICES, DEFAULT_SUITES, SUITES
+    from specsample.bench.config import BENCH_ENGINE_DEFAULTS, COMPARE_CHOICES, DEFAULT_SUITES, SUITES
 
     bench = sub.add_parser("bench", help="speed, acceptance and losslessness, side by side with peers")
     bench.add_argument("--suite", type=_csv(str), default=None,
                        help=f"suites to run, comma-separated: {', '.join(SUITES)} (default {','.join(DEFAULT_SUITES)})")
-    bench.add_argument("--target", default=DEFAULT_TARGET)
-    bench.add_argument("--draft", default=None, help="draft spec (default: the target alias's draft)")
     bench.add_argument("--dataset", default="spec-bench",
                        help="spec-bench (bundled), a file in its format, humaneval, sharegpt")
-    bench.add_argument("--num-prompts", type=int, default=None,
-                       help="per category for spec-bench, in total otherwise; the repeat suite: items per kind")
+    bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise; the repeat suite: items per kind")
     bench.add_argument("--max-new-tokens", type=int, default=None)
     bench.add_argument("--gamma", type=_csv(int), default=None,
                        help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "
-                            "suite's bars")
-    bench.add_argument("--tree", type=_tree_arg, default=None,
-                       help="NODES[xBRANCHxDEPTH]: the compare suite also runs ours with token trees up to this "
-                            "budget (gamma auto picks trees or chains), beside chains (default off)")
+                            "suite's bars (default auto,1,2,...,8)")
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
     bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
@@ -220,14 +127,10 @@ def _add_bench_parser(sub) -> None:
                        help="the prefix suite's first chat turn, in tokens (default 1000)")
     bench.add_argument("--prefix-reps", type=int, default=None,
                        help="second turns the prefix suite times with reuse and without, each (default 5)")
-    bench.add_argument("--dtype", default=None)
-    _add_quantize_args(bench, default=None)
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--pad-rows", choices=PAD_MODES, default=None,
-                       help="auto (default): score our rounds at the target's fastest width, measured at start-up")
     bench.add_argument("--seed", type=int, default=None)
-    _add_reproducibility_args(bench, default_off=False)
-    _add_compile_arg(bench, default_off=False)
+    add_flags(bench, EngineOptions, defaults=BENCH_ENGINE_DEFAULTS, skip=BENCH_SETS, title="ours (the engine)", flags={
+        "tree": Flag(help="NODES[xBRANCHxDEPTH]: the compare suite also runs ours with token trees up to this budget "
+                          "(gamma auto picks trees or chains), beside chains")})
     bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
     bench.add_argument("--out", type=Path, default=None, help="folder for results.json, results.md, plots "
                                                               "(default bench-out)")
@@ -236,63 +139,24 @@ def _add_bench_parser(sub) -> None:
 
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding (vLLM's flag names)")
-    serve.add_argument("--model", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
-    serve.add_argument("--speculative-model", default=None,
-                       help="draft spec (model, 'ngram', 'suffix', 'hybrid[:MODEL]', 'none'); default: the "
-                            "target alias's draft")
-    serve.add_argument("--draft-window", choices=WINDOW_MODES, default="auto",
-                       help="what a draft model attends to: auto (the window saved with the draft) or off (the whole "
-                            "context); see generate --help")
-    serve.add_argument("--num-speculative-tokens", type=_gamma_arg, default="auto",
-                       help="gamma, or 'auto' (default): chosen per request online, up to --max-gamma")
-    serve.add_argument("--max-gamma", type=int, default=8)
-    _add_tree_arg(serve)
+    add_flags(serve, EngineOptions, defaults=SERVE_ENGINE_DEFAULTS, title="engine", flags=SERVE_FLAGS)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port_arg, default=8000)
-    serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together; more wait in line")
-    serve.add_argument("--pad-rows", choices=PAD_MODES, default="auto",
-                       help="auto (default): time the target's forward per number of tokens scored at start-up "
-                            "(a few seconds) and score single-request rounds at the fastest width >= what they "
-                            "need; off: score what is asked")
-    serve.add_argument("--max-model-len", type=int, default=2048, help="context length per request (prompt + output)")
-    _add_reproducibility_args(serve)
-    _add_compile_arg(serve)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the inference routes")
-    serve.add_argument("--admin-key", default=None,
-                       help="enable /admin/* (live draft replacement), which then needs 'Authorization: Bearer "
-                            "ADMIN_KEY'; without it /admin/* answers 404")
-    serve.add_argument("--models-dir", default=None,
-                       help="folder of drafts /admin/draft may load, named by their path inside it (besides ngram, "
-                            "suffix, hybrid and the built-in drafts)")
-    serve.add_argument("--suffix-cache-scope", choices=SUFFIX_SCOPES, default="global",
-                       help="what suffix drafts come from: global (default: the request and recent requests' outputs, "
-                            "shared across clients; a request then decodes faster where another client wrote the "
-                            "same text, a timing side channel) or request (the request alone)")
-    serve.add_argument("--prefix-cache-rows", type=int, default=4,
-                       help="finished requests' cache rows kept for requests sharing their prefix, such as the next "
-                            "turn of a chat, which then prefills only what is new (default 4; 0: none)")
-    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help=f"refuse request bodies larger than this with 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: the --model spec)")
-    serve.add_argument("--min-acceptance", type=float, default=None,
-                       help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)")
-    serve.add_argument("--dtype", default="auto")
-    _add_quantize_args(serve)
-    serve.add_argument("--device", default="cpu", help="cpu or cuda[:N] (checked before any model loads)")
+    add_flags(serve, ServerOptions, title="server")
     ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'ray[serve]')")
     ray.add_argument("--replicas", type=int, default=None, help="deploy N replicas behind one endpoint on Ray Serve")
     ray.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="autoscale replicas on ongoing requests")
     ray.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ray.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     ray.add_argument("--num-gpus-per-replica", type=float, default=0.0)
-    # settings named differently here than in EngineOptions and ServerOptions (the others: --NAME-WITH-DASHES)
-    serve.set_defaults(func=cmd_serve, flags={"gamma": "--num-speculative-tokens", "draft": "--speculative-model",
-                                              "target": "--model"})
+    serve.set_defaults(func=cmd_serve)
 
 
 MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
               "onpolicy_max_new")  # distill flags of --kind model
-EAGLE_ONLY = ("tokens", "epochs", "noise", "ce_weight", "unroll", "quantize")  # ...and of --kind eagle
+EAGLE_ONLY = ("data", "regen_temperatures", "regen_turns", "regen_max_new_tokens", "regen_batch_size", "regen_workers",
+              "tokens",
+              "feature_layers", "epochs", "unroll", "step_decay", "quantize")  # ...and of --kind eagle
 
 
 def _add_distill_parsers(sub) -> None:
@@ -321,17 +185,33 @@ def _add_distill_parsers(sub) -> None:
     dist.add_argument("--resume", action="store_true")
     dist.add_argument("--seed", type=int, default=0)
     eagle = dist.add_argument_group("--kind eagle")
-    eagle.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens to train on (default 7.5M)")
-    eagle.add_argument("--epochs", type=float, default=None, help="passes over them (default 1)")
-    eagle.add_argument("--noise", type=float, default=None, help="uniform noise on the input features (default 0.1)")
-    eagle.add_argument("--ce-weight", type=float, default=None, help="weight of the cross-entropy term (default 0.1)")
+    eagle.add_argument("--data", choices=("regenerate", "teacher"), default=None,
+                       help="regenerate (default): the target answers the prompts' user turns itself through our "
+                            "engine, its features recorded as it writes; teacher: the prompts' own replies, run "
+                            "through the target teacher-forced")
+    eagle.add_argument("--regen-temperatures", type=_csv(float), default=None,
+                       help="temperatures the target writes at, one per conversation in turn (default 0,0.7)")
+    eagle.add_argument("--regen-turns", type=int, default=None, help="user turns answered per conversation (default 2)")
+    eagle.add_argument("--regen-max-new-tokens", type=int, default=None, help="tokens per reply (default 96)")
+    eagle.add_argument("--regen-batch-size", type=int, default=None,
+                       help="requests decoded together, per worker (default 48)")
+    eagle.add_argument("--regen-workers", type=int, default=None,
+                       help="processes writing at once, each its own shard of the data (default 1); on cores shared "
+                            "with other work, several one-thread workers outrun one with every thread")
+    eagle.add_argument("--tokens", type=int, default=None,
+                       help="tokens of conversation to collect, prompts included (default 12M); a resumed run may "
+                            "lower it to stop collecting")
+    eagle.add_argument("--feature-layers", type=_csv(int), default=None,
+                       help="the target layers whose inputs the head reads, low,middle,high (default 2,L/2,L-3 of L)")
+    eagle.add_argument("--epochs", type=float, default=None, help="passes over the data (default 1)")
     eagle.add_argument("--unroll", type=int, default=None,
-                       help="drafting steps trained per position: 1 teacher-forced; more also trains the head on its "
-                            "own earlier predictions, as it drafts (EAGLE-3's training-time test; default 2)")
+                       help="drafting steps trained per position: the head trains on its own earlier outputs, as it "
+                            "drafts (EAGLE-3's training-time test; default 3)")
+    eagle.add_argument("--step-decay", type=float, default=None,
+                       help="the loss of drafting step s weighs this to the power s - 1 (default 0.8)")
     eagle.add_argument("--quantize", choices=QUANT_MODES, default=None,
-                       help="how the target's weights are held while its features are computed (default none: "
-                            "dequantized, the features closest to the model's own; the head serves the target "
-                            "whatever its weights)")
+                       help="how the target's weights are held while it writes or scores the data (default auto: as "
+                            "it serves, a GGUF's int4/int8 natively)")
     model = dist.add_argument_group("--kind model")
     model.add_argument("--num-prompts", type=int, default=None, help="conversations scored teacher-forced (2000)")
     model.add_argument("--onpolicy-prompts", type=int, default=None, help="prompts the target answers itself (500)")
@@ -351,7 +231,14 @@ def _add_distill_parsers(sub) -> None:
     ev.add_argument("--prompts", default="spec-bench", help="spec-bench, sharegpt-heldout or a prompt file")
     ev.add_argument("--num-prompts", type=int, default=None, help="first N prompts (per category for spec-bench)")
     ev.add_argument("--max-new-tokens", type=int, default=64)
-    ev.add_argument("--dtype", default="float32")
+    ev.add_argument("--dtype", default=None,
+                    help="the target's dtype (default: float32 for a draft model; as served for a feature draft, auto)")
+    ev.add_argument("--quantize", choices=QUANT_MODES, default=None,
+                    help="how the target's weights are held (default: none for a draft model; as served for a feature "
+                         "draft, auto)")
+    ev.add_argument("--compile", action="store_true",
+                    help="a feature draft: the target's and the head's steps compiled, so the cost ratio compares "
+                         "compiled steps (default: both eager)")
     ev.add_argument("--no-cost", action="store_true", help="skip the (machine-dependent) cost-ratio timing")
     ev.add_argument("--out", type=Path, default=None, help="write the report JSON here")
     ev.set_defaults(func=cmd_eval_draft)
@@ -377,16 +264,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed,
                             grammar=_schema_grammar(args.json_schema))
-    options = EngineOptions(target=args.target, draft=args.draft, gamma=args.gamma, max_gamma=args.max_gamma,
-                            tree=args.tree, speculative=not args.no_speculation, dtype=args.dtype, device=args.device,
-                            runtime=args.runtime, compile=args.compile, pad_rows=args.pad_rows,
-                            draft_window=args.draft_window, quantize=args.quantize, quant_group=args.quant_group,
-                            draft_quantize=args.draft_quantize, sampling=args.sampling,
-                            deterministic=args.deterministic)
+    options = EngineOptions(**flag_values(EngineOptions, args))
     speculator = load(options, say=_say)
     tokenizer = speculator.pair.target.tokenizer
     if tokenizer is None:
-        raise CliError(f"{args.target} has no tokenizer files; text generation needs one")
+        raise CliError(f"{options.target} has no tokenizer files; text generation needs one")
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     prompt_ids = tokenizer.encode(args.prompt, chat=chat, system=args.system)
     # caches sized to this request, not to the model's whole context window
@@ -410,8 +292,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 sys.stdout.flush()
     stats = collector.summary()
     drafting = speculator.draft_spec != "none"
-    stats.update(gamma=args.gamma if drafting else 0, draft=speculator.draft_spec, target=args.target)
-    if args.gamma == "auto" and drafting:
+    stats.update(gamma=options.gamma if drafting else 0, draft=speculator.draft_spec, target=options.target)
+    if options.gamma == "auto" and drafting:
         stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
     if args.json:
         print(json.dumps({"text": tokenizer.decode(token_ids), "token_ids": token_ids,
@@ -435,19 +317,28 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 
 def _distill_eagle(args: argparse.Namespace) -> None:
-    from specsample.distill.eagle import HeadTraining, run_head
+    from dataclasses import replace
 
-    chosen = {"tokens": args.tokens, "epochs": args.epochs, "noise": args.noise, "ce_weight": args.ce_weight,
-              "unroll": args.unroll, "quantize": args.quantize,
-              "batch_tokens": args.batch_tokens, "lr": args.lr, "max_len": args.max_len,
-              "eval_prompts": args.eval_prompts}
-    plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts, draft_vocab=args.draft_vocab or None,
+    from specsample.distill.eagle import HeadTraining, run_head
+    from specsample.distill.regenerate import Regeneration
+
+    regen = {"temperatures": args.regen_temperatures, "turns": args.regen_turns,
+             "max_new_tokens": args.regen_max_new_tokens, "batch_size": args.regen_batch_size,
+             "workers": args.regen_workers}
+    chosen = {"data": args.data, "tokens": args.tokens, "epochs": args.epochs, "unroll": args.unroll,
+              "step_decay": args.step_decay, "quantize": args.quantize, "batch_tokens": args.batch_tokens,
+              "lr": args.lr, "max_len": args.max_len, "eval_prompts": args.eval_prompts,
+              "feature_layers": args.feature_layers,
+              "draft_vocab": args.draft_vocab if args.draft_vocab else 1 << 30}  # 0: the whole vocabulary
+    plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts,
+                        regeneration=replace(Regeneration(seed=args.seed),
+                                             **{k: v for k, v in regen.items() if v is not None}),
                         eval_max_new_tokens=args.eval_max_new_tokens, device=args.device, seed=args.seed,
                         **{k: v for k, v in chosen.items() if v is not None})
     result = run_head(plan, resume=args.resume, minutes=args.max_run_minutes, command=args.command_line)
     if result["finished"]:
         overall = result["eval"]["temperatures"]["0.0"]["overall"]
-        print(f"feature draft written to {args.out}: acceptance at T 0 {overall['acceptance_rate']:.3f}, "
+        print(f"EAGLE-3 head written to {args.out}: acceptance at T 0 {overall['acceptance_rate']:.3f}, "
               f"{overall['tokens_per_round']:.2f} tokens per target forward; model card {args.out / 'README.md'}")
 
 
@@ -488,25 +379,30 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     from specsample.distill.run import evaluation_table
     from specsample.models.loader import load_model
 
-    target = load_model(args.target, dtype=args.dtype)
     prompts = eval_prompt_set(args.prompts, args.num_prompts)
-    if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of 4 drafts a round
+    if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of drafts a round
         from specsample.distill.eagle import evaluate_head
         from specsample.distill.eagle import evaluation_table as head_table
         from specsample.pair import load_drafter
 
-        drafter = load_drafter(args.draft, target, dtype=args.dtype)
+        dtype, quantize = args.dtype or "auto", args.quantize or "auto"
+        target = load_model(args.target, dtype=dtype, quantize=quantize, compile_decode=args.compile)
+        drafter = load_drafter(args.draft, target, dtype=dtype, compile_decode=args.compile)
         if drafter is None:
             raise CliError(f"draft {args.draft} could not be loaded")
         report = evaluate_head(target.model, drafter, target.tokenizer, prompts, args.max_new_tokens,
-                               progress=sys.stderr.isatty())
+                               progress=sys.stderr.isatty(), measure_cost=not args.no_cost)
+        report["target_weights"] = quantize
         report["command"] = args.command_line
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
         print(json.dumps(report, indent=2))
         print("\n".join(head_table(report)), file=sys.stderr)
         return
-    draft = load_model(args.draft, dtype=args.dtype)
+    if args.compile:
+        raise CliError("--compile applies to a feature draft (its cost ratio compiled beside the target's)")
+    target = load_model(args.target, dtype=args.dtype or "float32", quantize=args.quantize or "none")
+    draft = load_model(args.draft, dtype=args.dtype or "float32")
     if draft.model.vocab_size != target.model.vocab_size:
         raise CliError(f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary "
                        f"({target.model.vocab_size})")
@@ -551,31 +447,22 @@ def eval_prompt_set(name: str, num: int | None) -> list:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Load the pair, then serve the OpenAI API with uvicorn (or on Ray Serve) until interrupted."""
-    from specsample.server.options import ServerOptions
-
     # bad flags fail here, before any model is loaded
-    options = EngineOptions(target=args.model, draft=args.speculative_model, gamma=args.num_speculative_tokens,
-                            max_gamma=args.max_gamma, tree=args.tree, dtype=args.dtype, device=args.device,
-                            pad_rows=args.pad_rows, draft_window=args.draft_window, quantize=args.quantize,
-                            quant_group=args.quant_group, draft_quantize=args.draft_quantize, sampling=args.sampling,
-                            deterministic=args.deterministic, suffix_cache_scope=args.suffix_cache_scope)
-    serving = ServerOptions(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                            min_acceptance=args.min_acceptance, max_batch_size=args.max_batch_size,
-                            max_model_len=args.max_model_len, admin_key=args.admin_key, models_dir=args.models_dir,
-                            max_body_bytes=args.max_body_bytes, prefix_cache_rows=args.prefix_cache_rows)
+    options = EngineOptions(**flag_values(EngineOptions, args))
+    server_flags = flag_values(ServerOptions, args)
+    serving = ServerOptions(**server_flags | {"model_name": server_flags["model_name"] or options.target})
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
-    import uvicorn
-
-    from specsample.server.app import SpecServer, build_app
+    from specsample.server.app import SpecServer
+    from specsample.server.serve import serve_http
     from specsample.speculator import load
 
     server = SpecServer(load(options, say=_say), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
-    _say(f"serving {args.model} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    _say(f"serving {options.target} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
+    serve_http(server, args.host, args.port)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -583,16 +470,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from specsample.bench.config import BenchConfig
     from specsample.bench.run import run
 
+    engine = EngineOptions(**flag_values(EngineOptions, args, skip=BENCH_SETS))
     overrides = {k: v for k, v in {
-        "suites": args.suite, "target": args.target, "draft": args.draft, "dataset": args.dataset,
-        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "gammas": args.gamma,
-        "temperatures": args.temperature, "batch_sizes": args.batch_size, "compare": args.compare,
-        "sweep_prompts": args.sweep_prompts, "lossless_samples": args.lossless_samples,
-        "lossless_prompts": args.lossless_prompts, "dtype": args.dtype, "device": args.device,
-        "pad_rows": args.pad_rows, "seed": args.seed, "out": args.out, "tree": args.tree, "quantize": args.quantize,
-        "quant_group": args.quant_group, "draft_quantize": args.draft_quantize,
-        "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps, "sampling": args.sampling,
-        "deterministic": args.deterministic, "compile": args.compile}.items() if v is not None}
+        "suites": args.suite, "dataset": args.dataset, "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens, "gammas": args.gamma, "temperatures": args.temperature,
+        "batch_sizes": args.batch_size, "compare": args.compare, "sweep_prompts": args.sweep_prompts,
+        "lossless_samples": args.lossless_samples, "lossless_prompts": args.lossless_prompts, "seed": args.seed,
+        "out": args.out, "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps}.items()
+        if v is not None} | {"engine": engine}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
     print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "
@@ -608,13 +493,13 @@ def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving) -> 
         raise CliError("--replicas/--autoscale need Ray Serve: pip install 'ray[serve]'") from None
     from specsample.deploy import ReplicaSettings, SpecsampleReplica, deployment_options
 
-    settings = ReplicaSettings.of(options, serving)
+    settings = ReplicaSettings(options, serving)
     placement = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
                                    args.num_gpus_per_replica, serving.max_batch_size)
     ray.init(address=args.ray_address)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(SpecsampleReplica.options(**placement).bind(settings.as_args()), name="specsample", route_prefix="/")
-    _say(f"serving {args.model} on Ray Serve at http://{args.host}:{args.port}/v1 "
+    _say(f"serving {options.target} on Ray Serve at http://{args.host}:{args.port}/v1 "
          f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops")
     try:
         while True:

@@ -15,6 +15,9 @@ SEED_LIMIT = 2**64  # seeds are 0 <= seed < SEED_LIMIT (torch.Generator's range 
 MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask log-probabilities of, per token
 MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI bounds it
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+# repetition_penalty's range: a logit divided or multiplied by it stays finite in float32 and bfloat16 up to
+# |logit| 3.4e34, far beyond any model's (a penalty of 1e-300 would make it infinite)
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 class SettingError(ValueError):
@@ -84,7 +87,8 @@ class SamplingParams:
     # prompt's and the generated ones
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from a token that appeared
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per appearance
-    repetition_penalty: float = 1.0  # > 0: a seen token's positive logit divided by it, a negative one multiplied
+    repetition_penalty: float = 1.0  # in [1e-4, 1e4]: a seen token's positive logit divided by it, a negative one
+    # multiplied
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits; a mapping
     # is accepted and stored as sorted pairs
     grammar: Grammar | None = None  # the output must follow it (a token it disallows has probability 0)
@@ -112,8 +116,9 @@ class SamplingParams:
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise SettingError(name, f"{name} must be in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
-            raise SettingError("repetition_penalty", f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_real(rp) or not low <= rp <= high:
+            raise SettingError("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}], got {rp!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise SettingError("grammar", f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")
@@ -191,20 +196,15 @@ SAMPLING_MODES = ("coupled", "rejection")  # how sampled drafts are verified (Sp
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """How the engine speculates. `gamma` is the number of draft tokens per round."""
+    """What an engine holds: its rows, their length, how sampled tokens are verified. How many drafts a round
+    proposes is the planner's (`specsample.planner`); the engine's caches keep room for the most it may plan."""
 
-    gamma: int = 5  # drafts per round; with `adaptive`, the most gamma auto may choose
-    adaptive: bool = False  # choose gamma per request online (gamma auto: specsample.planner.GammaController)
     speculative: bool = True  # False: plain autoregressive decoding through the same loop
     max_batch_size: int = 16
     max_seq_len: int | None = None  # cache length per row; None = the target's context window
     # tokens the target scores per round at batch 1 for 1, 2, ... tokens asked (extra positions are padding,
     # never read; counts past the table are scored as asked): from row_padding.measure_target_widths
     target_widths: tuple[int, ...] = ()
-    # draft token trees (scored in one forward, verified exactly) where the target's runtime can: with a fixed gamma
-    # this tree every round, with gamma auto the budgets up to its nodes, each taken only where it measures faster
-    # than a chain; None: chains only
-    tree: TreeShape | None = None
     # coupled sampling (specsample.coupling): each output position's token is the Gumbel-max of the target with noise
     # keyed by (seed, position), shared with the draft, so a seeded request gives the same tokens whatever the plan and
     # the batch; False: modified rejection sampling (accepts more often; a seed reproduces only under the same plan)
@@ -213,25 +213,13 @@ class SpecConfig:
     # their prefix, such as the next turn of a chat: it prefills only what follows the shared part; 0: none kept
     prefix_cache_rows: int = 0
 
-    @property
-    def most_drafts(self) -> int:
-        """The most draft tokens a round may score per row, and the draft's own look-ahead: what caches keep room for
-        past a row's length."""
-        if self.tree is None:
-            return self.gamma
-        return max(self.gamma, self.tree.nodes, self.tree.branch * self.tree.depth)
-
     def __post_init__(self) -> None:
-        if not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"gamma must be an integer >= 1, got {self.gamma!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not isinstance(self.prefix_cache_rows, int) or self.prefix_cache_rows < 0:
             raise ValueError(f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
-        if self.tree is not None and not isinstance(self.tree, TreeShape):
-            raise ValueError(f"tree must be a TreeShape or None, got {self.tree!r}")
         for tokens, width in enumerate(self.target_widths, start=1):
             if not isinstance(width, int) or width < tokens:
                 raise ValueError(f"target_widths[{tokens - 1}] (the width to score {tokens} tokens at) must be an "

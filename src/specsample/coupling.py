@@ -18,18 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from specsample.sampling import sample
-from specsample.verify import Verdict, _num_drafted_or_full, verdict_of_choices
+from specsample.verify import Verdict, verdict_of_choices
 from specsample.verify_tree import TreeVerdict, follow_choices
-
-if TYPE_CHECKING:
-    from specsample.drafters.base import DraftRequest
 
 TOKEN_NOISE = 0  # the purpose word of the counter: the noise that picks a position's token
 _UNIT = 2.0**-53
@@ -83,24 +78,6 @@ def gumbel_argmax(probs: Tensor, gumbels: Tensor) -> Tensor:
     return (probs.to(torch.float64).log() + gumbels.to(probs.device)).argmax(dim=-1)
 
 
-def draw_drafts(probs: Tensor, request: DraftRequest, step: int, active: Sequence[bool],
-                subset: Tensor | None = None) -> Tensor:
-    """The tokens `[rows]` a draft model draws at draft `step` from its warped `probs [rows, K]` (K: the vocabulary,
-    or the columns of an output `subset` of token ids): from each row's generator, or, when the request carries
-    coupled noise, as the Gumbel-max of its probabilities with the row's noise at that position (a row without
-    noise, greedy, takes its argmax). Inactive rows draw nothing (token 0)."""
-    if not request.noise:
-        return sample(probs, request.generators, active)
-    rows, width = probs.shape
-    gumbels = torch.zeros(rows, width, dtype=torch.float64)
-    for row, noise in enumerate(request.noise):
-        if active[row] and noise is not None:
-            g = noise.gumbel(step)
-            gumbels[row] = g if subset is None else g[subset.cpu()]
-    tokens = gumbel_argmax(probs, gumbels)
-    return torch.where(torch.tensor(list(active), device=tokens.device), tokens, torch.zeros_like(tokens))
-
-
 def coupled_choices(target_probs: Tensor, noise: Sequence[DraftNoise | None],
                     offsets: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
     """The target's Gumbel-max token `[b, n]` at each of row i's first `len(offsets[i])` columns of `target_probs
@@ -133,8 +110,9 @@ def verify_coupled(
     if target_probs.shape[:2] != (batch, gamma + 1):
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [batch={batch}, "
                          f"gamma + 1={gamma + 1}, vocab]")
-    drafted = _num_drafted_or_full(num_drafted, draft_tokens)
-    choice, unusable = coupled_choices(target_probs, noise, [range(d + 1) for d in drafted.tolist()])
+    counts = num_drafted.cpu() if num_drafted is not None else torch.full((batch,), gamma)  # the proposal's: host
+    choice, unusable = coupled_choices(target_probs, noise, [range(d + 1) for d in counts.tolist()])
+    drafted = counts.to(draft_tokens.device)
     return verdict_of_choices(draft_tokens, choice.to(draft_tokens.device), unusable.to(draft_tokens.device), drafted)
 
 

@@ -141,3 +141,13 @@ def text_file_prompts(path: Path | str) -> list[Prompt]:
         else:
             out.append(Prompt(id=str(i), category="file", turns=(str(row),)))
     return out
+
+
+SHAREGPT_TRAINING = 15000  # ShareGPT conversations drafts train on; later ones stay held out for evaluation
+
+
+def training_conversations(name: str) -> Iterator[Prompt]:
+    """Conversations a draft trains on: 'sharegpt' (ShareGPT's first SHAREGPT_TRAINING) or a prompt file."""
+    if name == "sharegpt":
+        return sharegpt_prompts(limit=SHAREGPT_TRAINING)
+    return iter(text_file_prompts(name))

@@ -9,6 +9,7 @@ A matcher rolls back any number of tokens, which is what a rejected draft needs.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -17,8 +18,15 @@ import torch
 from torch import Tensor
 
 from specsample.config import Grammar, SettingError
+from specsample.json_schema import SchemaError, served_schema
 
 COMPILED_KEPT = 64  # compiled grammars kept per compiler (least recently used dropped first)
+# the classes xgrammar (0.2) writes for a string's characters (in length-bounded strings, and in the others) admit
+# surrogate code points, whose UTF-8 is invalid (a decoder reads three replacement characters), and the first raw
+# control characters, which JSON forbids inside a string; each is replaced by the class of what JSON holds as itself
+_XGRAMMAR_STRING_CLASSES = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_STRING_CLASS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # xgrammar's "[time] source.cc:line: " before a message
 
 
 def _xgrammar():
@@ -58,29 +66,38 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(list(tokens), stop_token_ids=sorted(int(t) for t in stop_token_ids))
         return cls(info, len(tokens))
 
-    def compile(self, grammar: Grammar):
-        """The compiled grammar (from the cache when it was compiled lately); `SettingError` naming 'grammar' when
-        the engine refuses it (an unsupported schema feature, a malformed pattern)."""
+    @property
+    def tokenizer_json(self) -> str:
+        """The tokenizer's description as xgrammar serializes it (what a compiling worker process starts from)."""
+        return self._info.serialize_json()
+
+    def cached(self, grammar: Grammar):
+        """The compiled grammar if it is in the cache, else None."""
         with self._lock:
             if grammar in self._compiled:
                 self._compiled.move_to_end(grammar)
                 return self._compiled[grammar]
-        try:
-            if grammar.kind == "json_object":
-                compiled = self._compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
-            elif grammar.kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(grammar.text, any_whitespace=False)
-            elif grammar.kind == "regex":
-                compiled = self._compiler.compile_regex(grammar.text)
-            else:
-                compiled = self._compiler.compile_grammar(grammar.text)
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own errors for bad input
-            raise SettingError("grammar", f"the {grammar.kind} grammar cannot be compiled: {exc}") from None
+        return None
+
+    def adopt(self, grammar: Grammar, serialized: str) -> None:
+        """Cache `grammar` as compiled elsewhere (`compile_serialized` in another process)."""
+        self._keep(grammar, self._xgr.CompiledGrammar.deserialize_json(serialized, self._info))
+
+    def compile(self, grammar: Grammar):
+        """The compiled grammar (from the cache when it was compiled lately); `SettingError` naming 'grammar' when
+        the engine refuses it (a schema keyword it cannot enforce, a malformed pattern: specsample.json_schema)."""
+        compiled = self.cached(grammar)
+        if compiled is None:
+            compiled = compile_grammar(self._compiler, grammar)
+            self._keep(grammar, compiled)
+        return compiled
+
+    def _keep(self, grammar: Grammar, compiled) -> None:
         with self._lock:
             self._compiled[grammar] = compiled
+            self._compiled.move_to_end(grammar)
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
-        return compiled
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes token id `token` stands for (a byte-level token may hold part of a UTF-8 character; a special
@@ -91,6 +108,43 @@ class GrammarCompiler:
 
     def matcher(self, grammar: Grammar) -> Matcher:
         return Matcher(self._xgr, self.compile(grammar), self.vocab_size)
+
+
+def served_grammar(grammar: Grammar) -> Grammar:
+    """`grammar` as it is compiled and cached: a JSON schema in its served form (specsample.json_schema: annotations
+    dropped, keywords checked, patterns rewritten), anything else as it is; `SettingError` naming 'grammar' for a
+    schema the grammar cannot enforce."""
+    if grammar.kind != "json_schema":
+        return grammar
+    try:
+        return Grammar.json_schema(served_schema(json.loads(grammar.text)))
+    except SchemaError as exc:
+        raise SettingError("grammar", f"the JSON schema cannot be enforced: {exc}") from None
+
+
+def compile_grammar(compiler, grammar: Grammar):
+    """`grammar` compiled by an xgrammar `GrammarCompiler`; `SettingError` naming 'grammar' for a grammar it refuses,
+    with xgrammar's message (less its log prefix)."""
+    xgr = _xgrammar()
+    grammar = served_grammar(grammar)
+    try:
+        if grammar.kind in ("json_object", "json_schema"):
+            schema = grammar.text if grammar.kind == "json_schema" else json.dumps({"type": "object"})
+            ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+            for written in _XGRAMMAR_STRING_CLASSES:
+                ebnf = ebnf.replace(written, _STRING_CLASS)
+            return compiler.compile_grammar(ebnf)
+        if grammar.kind == "regex":
+            return compiler.compile_regex(grammar.text)
+        return compiler.compile_grammar(grammar.text)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own errors for bad input
+        raise SettingError("grammar", f"the {grammar.kind} grammar cannot be compiled: {_message(exc)}") from None
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's message for a refused grammar: its first line, without the time and source file it logs."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return _LOG_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
 
 
 class Matcher:

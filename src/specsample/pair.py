@@ -103,7 +103,7 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
             raise ValueError(f"{spec} is a feature draft (EAGLE head): it needs the target on our Llama-family "
                              "runtime, not the transformers adapter")
         try:
-            return load_head_drafter(head, target.model)
+            return load_head_drafter(head, target.model, compile=compile_decode)
         except (OSError, RuntimeError, MemoryError, SafetensorError) as exc:
             log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
             return None

@@ -22,9 +22,11 @@ from specsample.drafters.suffix import SCOPES as SUFFIX_SCOPES
 from specsample.engine import Engine
 from specsample.grammar import GrammarCompiler
 from specsample.models.base import TreeLM
+from specsample.models.hub import ALIASES
 from specsample.models.loader import RUNTIMES, resolve_dtype
 from specsample.models.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_MODES
 from specsample.models.row_padding import PAD_MODES, measure_target_widths
+from specsample.options_cli import setting
 from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner
 
@@ -86,39 +88,69 @@ def check_device(spec: str | torch.device) -> None:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Everything that decides how engines are built (the CLI's, the server's and Ray's settings)."""
+    """Everything that decides how engines are built: the settings of `specsample generate`, `serve` and `bench`
+    and of Ray replicas, whose flags are made from these fields (`options_cli`; each help is its flag's)."""
 
-    target: str = DEFAULT_TARGET  # alias, Hugging Face folder, .gguf file or hub id
-    draft: str | None = None  # model spec, 'ngram', 'hybrid[:MODEL]', 'none'; None: the target alias's default
-    gamma: int | str = "auto"  # drafts per round, or 'auto': chosen per request, up to max_gamma
-    max_gamma: int = 8
-    # token trees: 'off' (chains), or NODES[xBRANCHxDEPTH]: with gamma auto the largest tree budget it may take
-    # where trees measure faster, with a fixed gamma that tree every round
-    tree: str = "off"
-    speculative: bool = True  # False: plain decoding through the same loop (no draft is loaded)
-    dtype: str = "auto"
-    device: str = "cpu"
-    runtime: str = "auto"  # 'ours' (Llama family), 'hf' (transformers) or 'auto'
-    compile: bool = False  # compile decode steps and verification blocks with torch.compile (our runtime)
-    # how the target's weights are held: 'auto' (a GGUF's quantized tensors natively, on a CPU with dtype auto),
-    # 'none' (dequantized to dtype), 'int8' or 'int4' (every projection; docs/runtime.md#quantized-weights)
-    quantize: str = "auto"
-    quant_group: int = DEFAULT_INT4_GROUP  # inputs per scale of int4 weights quantized at load
-    draft_quantize: str = "auto"  # the same for a draft model
-    pad_rows: str = "off"  # 'auto': time the target's forward per tokens scored, score rounds at the fastest width
-    draft_window: str = "auto"  # what a draft model attends to: 'auto' (the window saved with it) or 'off'
-    # how sampled tokens are verified: 'coupled' (each token the target's Gumbel-max with noise keyed by (seed,
-    # position): a seed gives the same tokens under any plan and batch) or 'rejection' (modified rejection sampling:
-    # accepts more drafts; a seed reproduces only under the same plan); None: coupled with `deterministic`, else
-    # DEFAULT_SAMPLING
-    sampling: str | None = None
-    # batch- and shape-invariant target forwards (our runtime, models/invariant.py): every position's logits as a
-    # one-token forward of its row alone computes them, so outputs are bitwise reproducible for a seed and speculative
-    # greedy equals plain greedy in every dtype; slower (docs/exactness.md)
-    deterministic: bool = False
-    # what suffix drafts (the hybrid's lookup, --draft suffix) come from: 'global' (the request and the outputs of the
-    # engine's recent requests) or 'request' (the request alone); docs/serving.md#the-suffix-cache
-    suffix_cache_scope: str = "global"
+    target: str = setting(DEFAULT_TARGET, help=f"target model: alias ({', '.join(ALIASES)}), Hugging Face folder, "
+                                               ".gguf file or hub id")
+    draft: str | None = setting(None, help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt "
+                                           "lookup), 'suffix' (suffix drafting over the request and recent "
+                                           "requests' outputs), 'hybrid[:MODEL]' (suffix drafting where the text "
+                                           "repeats, the model elsewhere) or 'none'. Default: the target alias's (smollm2-135m-instruct: "
+                                           "hybrid, with the distilled draft shipped in the package; gemma3-270m: "
+                                           "ngram)")
+    gamma: int | str = setting("auto", help="draft tokens per round, or 'auto': chosen per request online from "
+                                            "measured acceptance and cost, up to --max-gamma, with fallback to plain "
+                                            "decoding")
+    max_gamma: int = setting(8, help="upper bound for gamma auto")
+    tree: str = setting("off", help="token trees, scored in one target forward and verified exactly: off (chains) or "
+                                    "NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, "
+                                    "6 deep). With gamma auto the largest tree it may draft, only where trees measure "
+                                    "faster than chains; with a fixed gamma that tree every round. Needs our "
+                                    "Llama-family runtime")
+    speculative: bool = setting(True, help="draft and verify (false: plain decoding)", negation="--no-speculation",
+                                negation_help="plain decoding through the same loop (no draft is loaded)")
+    dtype: str = setting("auto", help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in "
+                                      "float32 on a CPU), float32, bfloat16")
+    device: str = setting("cpu", help="cpu, cuda or cuda:N (checked before any model loads)")
+    runtime: str = setting("auto", choices=RUNTIMES, help="model runtime: ours (Llama family), hf (transformers) or "
+                                                          "auto (ours where it applies)")
+    compile: bool = setting(False, help="compile decode steps and verification blocks with torch.compile (our "
+                                        "runtime only): minutes once per process on a small CPU, then ~1.5x faster "
+                                        "steps (docs/runtime.md)")
+    quantize: str = setting("auto", choices=QUANT_MODES,
+                            help="how the target's weights are held: auto (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 tensors run "
+                                 "natively as int4/int8 on a CPU, unless --dtype names a float type), none "
+                                 "(dequantized to --dtype, e.g. bfloat16), int8 (per row) or int4 (group-wise): every "
+                                 "projection, weight-only (docs/runtime.md)")
+    quant_group: int = setting(DEFAULT_INT4_GROUP, choices=INT4_GROUP_SIZES,
+                               help="inputs per scale of int4 weights quantized at load")
+    draft_quantize: str = setting("auto", choices=QUANT_MODES, help="the same for a draft model (auto: as stored)")
+    pad_rows: str = setting("off", choices=PAD_MODES,
+                            help="auto: first time the target's forward per number of tokens scored (a few seconds) "
+                                 "and score rounds at the fastest width >= what they need, which pays off over long or "
+                                 "many generations; off: score what is asked")
+    draft_window: str = setting("auto", choices=WINDOW_MODES,
+                                help="what a draft model attends to: auto (the window saved with the draft, for the "
+                                     "shipped one its first 32 and latest 256 tokens: it was trained on 512) or off "
+                                     "(the whole context); never changes the output's distribution")
+    sampling: str | None = setting(None, choices=SAMPLING_MODES,
+                                   help="how sampled drafts are verified: coupled (each token the target's Gumbel-max "
+                                        "with noise keyed by seed and position, so a seed gives the same tokens "
+                                        "whatever gamma, drafts and batch) or rejection (modified rejection sampling: "
+                                        "accepts more drafts; a seed reproduces only under the same plan). Default: "
+                                        f"{DEFAULT_SAMPLING}, coupled with --deterministic; both are exact "
+                                        "(docs/exactness.md)")
+    deterministic: bool = setting(False, help="batch- and shape-invariant target forwards (our runtime, not with "
+                                              "--compile): outputs are bitwise reproducible for a seed and "
+                                              "speculative greedy equals plain greedy in every dtype; slower "
+                                              "(docs/exactness.md)")
+    suffix_cache_scope: str = setting("global", choices=SUFFIX_SCOPES,
+                                      help="what suffix drafts (the hybrid's lookup, --draft suffix) come from: global "
+                                           "(the request and the outputs of the engine's recent requests, shared "
+                                           "across clients: a request decodes faster where another client wrote the "
+                                           "same text, a timing side channel) or request (the request alone); "
+                                           "docs/serving.md#the-suffix-cache")
 
     def __post_init__(self) -> None:
         """Every setting is checked here; whether this process can use the device, by `load` before it loads
@@ -225,12 +257,9 @@ class Speculator:
 
     def spec_config(self, max_batch_size: int = 1, max_seq_len: int | None = None,
                     prefix_cache_rows: int = 0) -> SpecConfig:
-        gamma = self.options.most_drafts
-        return SpecConfig(gamma=gamma, adaptive=self.options.gamma == "auto",
-                          speculative=self.options.speculative and self.pair.drafter is not None,
+        return SpecConfig(speculative=self.options.speculative and self.pair.drafter is not None,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths,
-                          tree=self.options.tree_shape, prefix_cache_rows=prefix_cache_rows,
-                          coupled=self.options.coupled)
+                          prefix_cache_rows=prefix_cache_rows, coupled=self.options.coupled)
 
     def engine(self, max_batch_size: int = 1, max_seq_len: int | None = None, *,
                drafter: Drafter | None | str = "loaded", planner: Planner | None = None,

@@ -10,25 +10,26 @@ from pathlib import Path
 from typing import Any
 
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
-from specsample.speculator import DEFAULT_TARGET
+from specsample.speculator import EngineOptions
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp", "llama.cpp-lookup", "hybrid-ngram")
 SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "repeat")
 DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
+BENCH_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto")  # ours score rounds at the target's fastest width
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark run (the CLI's flags)."""
 
-    target: str = DEFAULT_TARGET
-    draft: str | None = None  # None: the target alias's default
+    # the engine ours load: its target, draft, dtype, device, quantization, trees, sampling... (not its gamma, which
+    # each system sets from `gammas`, nor `speculative`: target-only runs beside ours)
+    engine: EngineOptions = BENCH_ENGINE_DEFAULTS
     suites: tuple[str, ...] = DEFAULT_SUITES
     dataset: str = "spec-bench"  # spec-bench (bundled), a file in its format, humaneval, sharegpt
     num_prompts: int | None = None  # per category for spec-bench, in total otherwise; the repeat suite's per kind
     max_new_tokens: int = 128
     gammas: tuple[int | str, ...] = ("auto", 1, 2, 3, 4, 5, 6, 7, 8)  # the first: the compare suite's gamma
-    tree: str = "off"  # NODES[xBRANCHxDEPTH]: the compare suite runs ours with these trees too, beside chains
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup, llama.cpp, llama.cpp-lookup, hybrid-ngram
@@ -38,19 +39,13 @@ class BenchConfig:
     lossless_tokens: int = 4
     history_tokens: int = 1000  # the prefix suite's first turn (a chat message of about this many tokens)
     prefix_reps: int = 5  # second turns the prefix suite times with and without reuse, each
-    dtype: str = "auto"
-    quantize: str = "auto"  # how the target's weights are held (EngineOptions.quantize)
-    quant_group: int = 32
-    draft_quantize: str = "auto"
-    device: str = "cpu"
-    pad_rows: str = "auto"  # score our rounds at the target's fastest width (measured at start-up)
     seed: int = 0
-    sampling: str | None = None  # ours: 'coupled' or 'rejection' (None: the default, see EngineOptions.sampling)
-    deterministic: bool = False  # ours with batch- and shape-invariant target forwards
-    compile: bool = False  # ours with compiled one-token decode steps (EngineOptions.compile)
     out: Path = Path("bench-out")
 
     def __post_init__(self) -> None:
+        if self.engine.gamma != "auto" or not self.engine.speculative:
+            raise ValueError("the benchmark sets each system's gamma (--gamma) and runs target-only beside ours: "
+                             "leave the engine options' gamma at auto and speculative on")
         unknown = [s for s in self.suites if s not in SUITES]
         if unknown or not self.suites:
             raise ValueError(f"unknown or no suite {unknown}; choose from {', '.join(SUITES)}")
@@ -73,9 +68,6 @@ class BenchConfig:
         for name in ("sweep_prompts", "lossless_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        from specsample.speculator import parse_tree
-
-        parse_tree(self.tree)
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num-prompts must be >= 1, got {self.num_prompts}")
 
@@ -88,8 +80,13 @@ class BenchConfig:
 
     @property
     def max_gamma(self) -> int:
-        """The widest round any system of the run drafts (gamma auto's bound: 8, or the widest fixed gamma)."""
-        return max([8] + [g for g in self.gammas if g != "auto"])
+        """The widest round any system of the run drafts (gamma auto's bound, or the widest fixed gamma)."""
+        return max([self.engine.max_gamma] + [g for g in self.gammas if g != "auto"])
+
+    @property
+    def engine_options(self) -> EngineOptions:
+        """The options the run loads with: its engine's, with caches for its widest round."""
+        return dataclasses.replace(self.engine, max_gamma=self.max_gamma)
 
 
 def load_prompts(name: str, num: int | None) -> list[Prompt]:

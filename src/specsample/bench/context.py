@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specsample.bench.config import BenchConfig, load_prompts
+from specsample.bench.repeat_stream import context_needed, workload
 from specsample.bench.systems import HFGenerate, Ours, load_hf_peer
 from specsample.config import SamplingParams
 from specsample.drafters.base import Drafter
@@ -23,7 +24,7 @@ from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SuffixDrafter
 from specsample.planner import FixedGamma, GammaController, Planner
-from specsample.speculator import EngineOptions, Speculator, load
+from specsample.speculator import Speculator, load
 
 class Progress:
     """A bar on a terminal; elsewhere (a log, CI) one line per step on stderr."""
@@ -71,15 +72,10 @@ class Bench:
     def __init__(self, config: BenchConfig, say: Callable[[str], None]) -> None:
         self.config, self._say = config, say
         self.notes: list[str] = []
-        options = EngineOptions(target=config.target, draft=config.draft, gamma="auto", max_gamma=config.max_gamma,
-                                tree=config.tree, dtype=config.dtype, device=config.device, pad_rows=config.pad_rows,
-                                quantize=config.quantize, quant_group=config.quant_group,
-                                draft_quantize=config.draft_quantize, sampling=config.sampling,
-                                deterministic=config.deterministic, compile=config.compile)
-        self.speculator: Speculator = load(options, say=say)
+        self.speculator: Speculator = load(config.engine_options, say=say)
         tokenizer = self.speculator.pair.target.tokenizer
         if tokenizer is None:
-            raise ValueError(f"{config.target} has no tokenizer; benchmarks need text prompts")
+            raise ValueError(f"{config.engine.target} has no tokenizer; benchmarks need text prompts")
         self.eos = tokenizer.eos_token_ids
         loaded = load_prompts(config.dataset, config.num_prompts)
         chat = tokenizer.has_chat_template and config.dataset != "humaneval"
@@ -94,9 +90,8 @@ class Bench:
         self.prompt_ids = [ids for _, ids in kept]
         self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens
         if "repeat" in config.suites:  # peers hold the repeat suite's longest request too
-            from specsample.bench.repeat import context_needed, workload
-
-            self.max_len = max(self.max_len, context_needed(self, workload(config.num_prompts)))
+            self.max_len = max(self.max_len, context_needed(tokenizer, config.max_new_tokens,
+                                                            workload(config.num_prompts)))
         if self.speculator.target_widths:
             self.notes.append(f"target rounds of 1..{len(self.speculator.target_widths)} tokens scored as "
                               f"{self.speculator.target_widths} (measured at start-up, --pad-rows auto)")
@@ -124,7 +119,7 @@ class Bench:
              max_len: int | None = None) -> Ours:
         """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto; with `tree`, with --tree's trees."""
         if self.speculator.drafter is None:
-            raise ValueError(f"no draft for {self.config.target}: pass --draft")
+            raise ValueError(f"no draft for {self.config.engine.target}: pass --draft")
         shape = self.speculator.options.tree_shape if tree else None
         if gamma == "auto":
             make = lambda: GammaController(self.config.max_gamma, shape)  # noqa: E731
@@ -178,14 +173,14 @@ class Bench:
             self.notes.append("the target was not loaded from a folder: transformers peers skipped")
             return peers
         dtype = getattr(self.speculator.pair.target.model, "dtype", torch.float32)
-        hf_target = load_hf_peer(folder, dtype, self.config.device)
+        hf_target = load_hf_peer(folder, dtype, self.config.engine.device)
         if "hf" in self.config.compare:
             peers.append(HFGenerate("transformers generate", hf_target, self.eos))
         if "hf-assisted" in self.config.compare:
             model = self.draft_model()  # the default hybrid's model is transformers' assistant
             if model is not None and model.folder is not None:
                 peers.append(HFGenerate("transformers assisted", hf_target, self.eos,
-                                        assistant=load_hf_peer(model.folder, dtype, self.config.device)))
+                                        assistant=load_hf_peer(model.folder, dtype, self.config.engine.device)))
             else:
                 self.notes.append(f"hf-assisted skipped: the draft ({self.speculator.draft_spec}) is not a model "
                                   "folder transformers can load")
@@ -222,7 +217,7 @@ def environment(bench: Bench) -> dict[str, Any]:
                              "torch": torch.__version__, "python": platform.python_version(),
                              "machine": platform.platform(), "device": str(device),
                              "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
-                             "target": bench.config.target, "draft": bench.speculator.draft_spec,
+                             "target": bench.config.engine.target, "draft": bench.speculator.draft_spec,
                              "weights": bench.speculator.pair.target.quantize}
     if device.type == "cuda":
         about["gpu"] = torch.cuda.get_device_name(device)

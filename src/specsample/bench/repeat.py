@@ -21,95 +21,25 @@ of bfloat16 scores).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from specsample.bench.context import Bench, Progress, Recorder
-from specsample.bench.systems import Ours, OursRun
-from specsample.datasets import spec_bench_prompts
+from specsample.bench.systems import Ours, OursRun, record, speed_line
+from specsample.bench.repeat_stream import KINDS, Request, context_needed, workload
 from specsample.drafters.base import Drafter
 from specsample.engine import Engine
 from specsample.planner import GammaController
 
-EXTRACTION_SCHEMA = {"type": "object", "properties": {
-    "people": {"type": "array", "items": {"type": "string"}},
-    "quantities": {"type": "array", "items": {"type": "number"}},
-    "question": {"type": "string"}}, "required": ["people", "quantities", "question"]}
-EXTRACTION = ("Extract the information in the text below as a JSON object that follows this JSON schema:\n"
-              + json.dumps(EXTRACTION_SCHEMA) + "\nAnswer with the JSON object only.\n\nText: ")  # + the text
-REWORDINGS = ("{question}", "Can you tell me: {lower}",
-              "Someone asked me this and I did not know the answer. {question}")
-KINDS = ("first turn", "second turn", "extraction", "question", "reworded question")
 WARM_UP = "Say OK."  # each system's first request, not timed (its few tokens enter a shared cache)
 WARM_UP_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request of the stream: its kind, an id, its chat messages; a second turn's history is completed at run
-    time with the reply to request `after` (its index in the stream)."""
-
-    kind: str
-    id: str
-    messages: tuple[dict[str, str], ...]
-    after: int | None = None
-
-
-def workload(per_kind: int | None = None) -> list[Request]:
-    """The stream (see the module docstring): N two-turn chats, N extractions, N questions each asked three ways."""
-    prompts = spec_bench_prompts()
-    chats = [p for p in prompts if len(p.turns) >= 2][:per_kind]
-    problems = [p for p in prompts if p.category == "math_reasoning"][:per_kind]
-    questions = [p for p in prompts if p.category == "qa"][:per_kind]
-    lanes: list[list[tuple[str, str, tuple[dict[str, str], ...], int | None]]] = [[], [], []]
-    for p in chats:  # the second turn names its first turn by lane position, resolved below
-        lanes[0].append(("first turn", f"{p.id}.1", ({"role": "user", "content": p.turns[0]},), None))
-        lanes[0].append(("second turn", f"{p.id}.2", ({"role": "user", "content": p.turns[1]},),
-                         len(lanes[0]) - 1))
-    for p in problems:
-        lanes[1].append(("extraction", p.id, ({"role": "user", "content": EXTRACTION + p.turns[0]},),
-                         None))
-    for w, wording in enumerate(REWORDINGS):
-        for p in questions:
-            text = wording.format(question=p.turns[0], lower=_lower_first(p.turns[0]))
-            lanes[2].append(("question" if w == 0 else "reworded question", f"{p.id}.w{w}",
-                             ({"role": "user", "content": text},), None))
-    stream: list[Request] = []
-    positions: dict[tuple[int, int], int] = {}  # (lane, position in lane) -> index in the stream
-    for step in range(max(len(lane) for lane in lanes)):
-        for k, lane in enumerate(lanes):
-            if step < len(lane):
-                kind, rid, messages, after = lane[step]
-                positions[(k, step)] = len(stream)
-                stream.append(Request(kind, rid, messages, None if after is None else positions[(k, after)]))
-    return stream
-
-
-def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]
-
-
-def context_needed(bench: Bench, stream: list[Request]) -> int:
-    """Tokens the longest request of the stream may hold: its prompt, a first reply in its history (with the chat
-    template's markers around it) and its own reply."""
-    tokenizer, budget = bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens
-    longest = 0
-    for request in stream:
-        prompt = len(tokenizer.encode_messages(list(request.messages)))
-        history = stream[request.after] if request.after is not None else None
-        if history is not None:
-            prompt += len(tokenizer.encode_messages(list(history.messages))) + budget + 16
-        longest = max(longest, prompt + budget)
-    return longest
 
 
 def repeat_systems(bench: Bench, max_len: int) -> list[Ours]:
     """Target-only and the lookups the repeat suite compares, each on an engine of its own kept for the stream."""
     def resident(name: str, drafter: Drafter | None) -> Ours:
-        planner = GammaController(bench.config.max_gamma)
+        planner = GammaController(bench.config.engine.max_gamma)
         engine = bench.speculator.engine(1, max_len, drafter=drafter, planner=planner)
         return Resident(name, engine)
 
@@ -135,13 +65,12 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """The stream through every system at every --temperature, request by request: ours in lockstep (turns shuffled
     every round), then the peers in a rotating order; fresh engines per temperature. `prompt_tokens` is
     target-only's prompt (a second turn's differs between systems by their first replies)."""
-    from specsample.bench.suites import _line, record
 
     tokenizer = bench.speculator.pair.target.tokenizer
     if not tokenizer.has_chat_template:
-        raise ValueError(f"{bench.config.target} has no chat template: the repeat suite sends chats")
+        raise ValueError(f"{bench.config.engine.target} has no chat template: the repeat suite sends chats")
     stream = workload(bench.config.num_prompts)
-    max_len = context_needed(bench, stream)
+    max_len = context_needed(bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens, stream)
     store.update(requests=len(stream), kinds={k: sum(r.kind == k for r in stream) for k in KINDS}, runs={},
                  warm_up=WARM_UP)
     warm_up = tokenizer.encode(WARM_UP, chat=True)
@@ -170,7 +99,7 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
                 row["systems"][name] = record(named[name])
             rows.append(row)
             recorder.save()
-            progress.step(_line(row))
+            progress.step(speed_line(row))
         progress.close()
         store.setdefault("suffix_cache", {})[str(temperature)] = _cache_of(ours)
 

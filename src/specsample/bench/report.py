@@ -352,7 +352,7 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> Non
                    f"device {env['device']}" + (f" ({env['gpu']})" if env.get("gpu") else ""))
         held = {"auto": "the GGUF's quantized", "int8": "int8", "int4": "int4"}.get(env.get("weights"))
         weights = f"{held} weights, " if held else ""
-        compiled = ", compiled one-token steps" if cfg.get("compile") else ""
+        compiled = ", compiled one-token steps" if cfg["engine"]["compile"] else ""
         lines += [f"Target `{env['target']}` ({weights}{env['dtype']} compute{compiled}), draft `{env['draft']}`; dataset `{cfg['dataset']}`, "
                   f"{cfg['max_new_tokens']} new tokens. Machine: {machine}.", ""]
     for note in results.get("notes", []):

@@ -27,31 +27,11 @@ from typing import Any
 from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.stats import two_sample_test
-from specsample.bench.systems import Ours, RunRecord, run_lockstep
+from specsample.bench.systems import Ours, record, run_lockstep, speed_line
 from specsample.config import Grammar, SamplingParams
 from specsample.datasets import spec_bench_prompts
-from specsample.metrics import percentile
 from specsample.planner import FixedGamma, GammaController
 from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
-
-STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
-              "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
-              "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings", "tree_row_rounds",
-              "tree_budgets")
-
-
-def record(run: RunRecord) -> dict[str, Any]:
-    """What the report reads of one generation."""
-    return {"tokens": len(run.tokens), "seconds": run.seconds, "ttft": run.ttft,
-            "tpot_p50": percentile(run.tpots, 50) if run.tpots else None,
-            "tpot_p99": percentile(run.tpots, 99) if run.tpots else None,
-            "stats": {k: run.stats[k] for k in STATS_KEPT if k in run.stats}}
-
-
-def _line(row: dict[str, Any]) -> str:
-    return f"{row['category']} {row['prompt']}: " + ", ".join(
-        f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0)
-
 
 def _interleaved(bench: Bench, systems: list, indices: list[int], temperature: float, rows: list[dict[str, Any]],
                  recorder: Recorder, label: str) -> None:
@@ -66,7 +46,7 @@ def _interleaved(bench: Bench, systems: list, indices: list[int], temperature: f
         row["systems"] = {s.name: row["systems"][s.name] for s in systems}
         rows.append(row)
         recorder.save()
-        progress.step(_line(row))
+        progress.step(speed_line(row))
     progress.close()
 
 
@@ -182,7 +162,7 @@ def adaptive(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
                    "systems": {s.name: record(r[0]) for s, r in zip(systems, runs)}}
             rows.append(row)
             recorder.save()
-            progress.step(_line(row))
+            progress.step(speed_line(row))
         progress.close()
 
 
@@ -224,7 +204,7 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
             row["systems"] = {name: row["systems"][name] for name, _, _ in systems}
             rows.append(row)
             recorder.save()
-            progress.step(_line(row))
+            progress.step(speed_line(row))
         progress.close()
 
 
@@ -262,7 +242,7 @@ def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     keeping none, alternating which goes first, --prefix-reps times each."""
     config, tokenizer = bench.config, bench.speculator.pair.target.tokenizer
     if not tokenizer.has_chat_template:
-        raise ValueError(f"{config.target} has no chat template: the prefix suite replays a chat")
+        raise ValueError(f"{config.engine.target} has no chat template: the prefix suite replays a chat")
     messages = [{"role": "user", "content": history_message(tokenizer, config.history_tokens)}]
     first_turn = tokenizer.encode_messages(messages)
     reply_params = SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens)

@@ -1,18 +1,18 @@
-"""`specsample distill --kind eagle`: train a feature draft (EAGLE head) for a Llama-family target.
+"""`specsample distill --kind eagle`: train an EAGLE-3 head (`models/eagle_head.py`) for a Llama-family target.
 
-1. Features: ShareGPT conversations rendered with the target's chat template are run through the target once,
-   teacher-forced; per token the store keeps its id, the target's final hidden state and whether it belongs to a
-   reply (`distill/features.py`, chunked and resumable).
-2. Output subset (FR-Spec): the `draft_vocab` tokens most frequent in the replies.
-3. Training (EAGLE's loss): entry t reads the token t + 1's embedding and the target's feature f_t (with uniform
-   noise), predicts f_{t+1}; loss = smooth L1 to f_{t+1} + `ce_weight` x cross-entropy from the target's
-   distribution at t + 1 to the head's, both over the output subset, on reply positions; with `unroll` s > 1 each
-   entry also drafts s - 1 steps further from its own predictions, as at inference (EAGLE-3's training-time
-   test). Resumable:
-   a checkpoint holds the weights, the optimiser, the data cursor and the curve, so a resumed run ends with the
-   same weights as an uninterrupted one.
-4. Export: the head's folder, its evaluation (acceptance by position at T 0 and 0.7 through the real engine, the
-   cost ratio c) and its model card.
+1. Data (`distill/features.py`, chunked and resumable): conversations the target writes itself, its features recorded
+   as it writes them (`--data regenerate`, the default: `distill/regenerate.py`), or a dataset's own replies run
+   through the target teacher-forced (`--data teacher`). Per token: the fused features of the feature layers, the
+   final hidden state and whether it belongs to a reply.
+2. Draft vocabulary (FR-Spec, EAGLE-3's d2t): the `draft_vocab` tokens most frequent in the replies.
+3. Training with EAGLE-3's training-time test: entry t reads token t + 1's embedding and the fused features of
+   position t and predicts token t + 2; each of `unroll` steps drafts once more from the head's own outputs (entry t
+   of step s reads the output entry t - 1 made in step s - 1, and attends as the head's cache holds that draft);
+   the loss is the cross-entropy from the target's distribution at t + 1 (over the draft vocabulary) to the head's,
+   on reply positions, step s weighted `step_decay` ** (s - 1). Resumable: a checkpoint holds the weights, the
+   optimiser, the data cursor and the curve, so a resumed run ends with the same weights as an uninterrupted one.
+4. Export: the head's folder in the published layout, its evaluation (acceptance by position at T 0 and 0.7 through
+   the real engine, the cost ratio) and its model card.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,42 +34,51 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specsample.config import SamplingParams, SpecConfig
-from specsample.datasets import Prompt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
-from specsample.distill.features import FeatureReader, FeatureWriter, collect_features
-from specsample.drafters.eagle import EagleDrafter, EagleHead, HeadConfig
+from specsample.datasets import Prompt, sharegpt_prompts, spec_bench_prompts, text_file_prompts, training_conversations
+from specsample.distill.card import portable_command, portable_spec
+from specsample.distill.features import FeatureReader, FeatureSequence, FeatureWriter, collect_features
+from specsample.distill.regenerate import Regeneration, regenerate_store
+from specsample.drafters.eagle import EagleDrafter
 from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.cpu import bf16_autocast
+from specsample.models.eagle_head import EagleHead, HeadConfig, default_feature_layers, load_head, save_head
 from specsample.models.llama import LlamaModel
 from specsample.models.loader import load_model
 from specsample.models.quant import QUANT_MODES
 from specsample.planner import FixedGamma
 
+DATA_SOURCES = ("regenerate", "teacher")
+METRICS_EVERY = 10  # training steps between measurements of the head's acceptance on its batch
+
 
 @dataclass(frozen=True)
 class HeadTraining:
-    """What `specsample distill --kind eagle` does (a resumed run must pass the same settings)."""
+    """What `specsample distill --kind eagle` does (a resumed run must pass the same settings, but `tokens`, which
+    only bounds data collection)."""
 
     target: str
     out: Path
     prompts: str = "sharegpt"  # 'sharegpt' (conversations 0..14999; later ones stay held out) or a prompt file
-    tokens: int = 7_500_000  # teacher-forced tokens to train on
+    data: str = "regenerate"  # 'regenerate': the target writes the replies; 'teacher': the prompts' own replies
+    regeneration: Regeneration = field(default_factory=Regeneration)
+    tokens: int = 12_000_000  # tokens of conversation to collect (prompts and replies)
     max_len: int = 1536  # tokens per conversation (longer ones are cut)
-    draft_vocab: int | None = 8192  # output subset size (None: the whole vocabulary)
+    feature_layers: tuple[int, ...] | None = None  # None: EAGLE-3's low, middle and high layer of the target
+    draft_vocab: int = 8192  # draft vocabulary size (tokens most frequent in the replies)
     epochs: float = 1.0
     batch_tokens: int = 16384
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
-    warmup: int = 30
+    warmup: int = 50
     weight_decay: float = 0.0
     clip: float = 0.5
-    noise: float = 0.1  # uniform noise on the input features, +-noise
-    ce_weight: float = 0.1
-    unroll: int = 2  # drafting steps trained per entry (1: teacher-forced only; more: the training-time test)
-    quantize: str = "none"  # the target's weights while features are computed (models/quant.py QUANT_MODES)
+    unroll: int = 3  # drafting steps trained per entry (the training-time test)
+    step_decay: float = 0.8  # the loss of drafting step s weighs step_decay ** (s - 1)
+    quantize: str = "auto"  # the target's weights while it writes or scores the data (models/quant.py QUANT_MODES)
     seed: int = 0
     checkpoint_minutes: float = 10.0
-    eval_every: int = 50  # steps between held-out measurements
+    eval_every: int = 100  # steps between held-out measurements
     eval_prompts: str = "spec-bench"  # spec-bench (per category), sharegpt-heldout or a prompt file
     eval_per_category: int = 4
     eval_max_new_tokens: int = 64
@@ -78,10 +87,16 @@ class HeadTraining:
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.max_len < 8 or self.batch_tokens < self.max_len:
             raise ValueError("need tokens >= 1, max_len >= 8 and batch_tokens >= max_len")
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"data must be one of {', '.join(DATA_SOURCES)}, got {self.data!r}")
         if self.unroll < 1:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay}")
         if self.epochs <= 0 or self.lr <= 0:
             raise ValueError(f"epochs and lr must be > 0, got {self.epochs}, {self.lr}")
+        if self.draft_vocab < 2:
+            raise ValueError(f"draft_vocab must be >= 2, got {self.draft_vocab}")
         if self.quantize not in QUANT_MODES:
             raise ValueError(f"quantize must be one of {', '.join(QUANT_MODES)}, got {self.quantize!r}")
 
@@ -96,22 +111,42 @@ def _log(message: str) -> None:
 
 # ----- data ----------------------------------------------------------------------------------
 
-def training_prompts(plan: HeadTraining):
-    """The conversations features are collected from (ShareGPT's first 15,000, or a prompt file's)."""
-    if plan.prompts == "sharegpt":
-        return sharegpt_prompts(limit=15000)
-    return iter(text_file_prompts(plan.prompts))
+def collect(plan: HeadTraining, target, progress: bool) -> FeatureReader:
+    """Stage 1: the feature store, filled to `plan.tokens` (unless training has begun: its data is then final)."""
+    model = target.model
+    layers = plan.feature_layers or default_feature_layers(len(model.layers))
+    store = plan.work / "features"
+    started = (plan.work / "train" / "checkpoint.pt").exists()
+    if plan.data == "regenerate":
+        if not started:
+            regenerate_store(store, plan.target, plan.quantize, plan.device, plan.prompts, plan.regeneration, layers,
+                             plan.max_len, plan.tokens, loaded=target, progress=progress)
+        return FeatureReader(store)
+    writer = FeatureWriter(store / "shard-0", plan.target, model.config.hidden_size, layers, model.vocab_size,
+                           plan.max_len, "teacher-forced")
+    if writer.num_tokens < plan.tokens and not started:
+        collect_features(model, target.tokenizer, training_conversations(plan.prompts), writer, plan.tokens,
+                         progress=progress)
+    return FeatureReader(store)
 
 
-def choose_subset(reader: FeatureReader, vocab_size: int, size: int | None) -> torch.Tensor | None:
-    """The `size` tokens most frequent in the replies (FR-Spec); None for the whole vocabulary."""
-    if size is None or size >= vocab_size:
-        return None
+def choose_vocab(reader: FeatureReader, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` tokens most frequent in the replies (in id order): the head's draft vocabulary."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(reader.num_chunks):
         for seq in reader.chunk(i):
             counts += torch.bincount(seq.tokens[seq.reply], minlength=vocab_size)
+    size = min(size, vocab_size)
     return torch.sort(torch.argsort(counts, descending=True, stable=True)[:size]).values
+
+
+def vocab_coverage(reader: FeatureReader, ids: torch.Tensor, vocab_size: int) -> float:
+    """The share of reply tokens in the held-out chunk that the draft vocabulary holds."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[ids] = True
+    chunk = reader.num_chunks - 1
+    tokens = torch.cat([s.tokens[s.reply] for s in reader.chunk(chunk)])
+    return float(inside[tokens].float().mean()) if len(tokens) else float("nan")
 
 
 class Batches:
@@ -123,7 +158,7 @@ class Batches:
         self.train_chunks = list(range(max(reader.num_chunks - 1, 1)))  # the last chunk is held out
         self.heldout_chunk = reader.num_chunks - 1 if reader.num_chunks > 1 else None
         self.cursor = [0, 0, 0]  # epoch, chunk position in the epoch's order, batch within the chunk
-        self._loaded: tuple[int, list] | None = None
+        self._loaded: tuple[tuple[int, int], list] | None = None
 
     def _group(self, lengths: list[int], order: list[int]) -> list[list[int]]:
         """Indices in `order`, sorted by length, cut into batches of up to `batch_tokens` padded tokens."""
@@ -147,14 +182,14 @@ class Batches:
 
     def batches_per_epoch(self) -> int:
         """How many batches one pass over the training chunks makes (padding leaves fewer tokens in a batch than
-        `batch_tokens`, so this exceeds tokens / batch_tokens); the count does not depend on the epoch's order."""
+        `batch_tokens`); the count does not depend on the epoch's order."""
         total = 0
         for chunk in self.train_chunks:
             lengths = self.reader.lengths(chunk)
             total += len(self._group(lengths, list(range(len(lengths)))))
         return total
 
-    def next(self) -> list:
+    def next(self) -> list[FeatureSequence]:
         """The next batch of sequences (cycling through epochs)."""
         while True:
             epoch, position, index = self.cursor
@@ -169,117 +204,112 @@ class Batches:
             self.cursor = [epoch, position + 1, 0] if position + 1 < len(order) else [epoch + 1, 0, 0]
 
 
-def make_batch(sequences: list, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded tokens `[b, L]`, features `[b, L, hidden]` (float32), and the loss mask `[b, L - 1]`: entry t
-    counts where t + 1 is a real position of a reply."""
+def make_batch(sequences: list[FeatureSequence], device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded tokens `[b, L]`, fused features `[b, L, F]` and final hidden states `[b, L, H]` (bfloat16), and
+    the loss mask `[b, L - 1]`: entry t counts where t + 1 is a reply position whose features are known."""
     width = max(len(s.tokens) for s in sequences)
-    hidden = sequences[0].features.shape[-1]
     tokens = torch.zeros(len(sequences), width, dtype=torch.long)
-    features = torch.zeros(len(sequences), width, hidden)
+    features = torch.zeros(len(sequences), width, sequences[0].features.shape[-1], dtype=torch.bfloat16)
+    final = torch.zeros(len(sequences), width, sequences[0].final.shape[-1], dtype=torch.bfloat16)
     mask = torch.zeros(len(sequences), width - 1, dtype=torch.bool)
     for row, seq in enumerate(sequences):
         n = len(seq.tokens)
         tokens[row, :n] = seq.tokens
-        features[row, :n] = seq.features.float()
-        mask[row, : n - 1] = seq.reply[1:n]
+        features[row, :n] = seq.features
+        final[row, :n] = seq.final
+        mask[row, : seq.known - 1] = seq.reply[1: seq.known]
     lengths = torch.tensor([len(s.tokens) for s in sequences])
-    return {"tokens": tokens.to(device), "features": features.to(device), "mask": mask.to(device), "lengths": lengths}
+    return {"tokens": tokens.to(device), "features": features.to(device), "final": final.to(device),
+            "mask": mask.to(device), "lengths": lengths}
 
 
 # ----- loss ----------------------------------------------------------------------------------
 
 class Frozen:
-    """The target's embedding and output layer (over the subset), float32, without gradients."""
+    """What training reads of the target without training it: its embedding, and its output layer's rows of the
+    draft vocabulary (for the target's distribution over it)."""
 
-    def __init__(self, target: LlamaModel, subset: torch.Tensor | None, device: torch.device) -> None:
-        self.embed = target.embed.weight.detach().float().to(device)
-        weight = target.lm_head.weight.detach().float()
-        self.out = (weight[subset] if subset is not None else weight).to(device)  # [K, hidden]
+    def __init__(self, target: LlamaModel, draft_ids: torch.Tensor, device: torch.device) -> None:
+        self.embed = target.embed.weight.detach().to(device, torch.bfloat16)
+        weight = target.lm_head.weight.detach()  # a quantized output layer hands out float32
+        self.out = weight[draft_ids.to(weight.device)].to(device, torch.bfloat16).contiguous()  # [K, hidden]
 
 
 class UnrolledAttention:
     """The head's attention over whole sequences for `unroll` drafting steps at once (EAGLE-3's training-time test).
 
-    Step 1 is teacher-forced: entry t sees entries 0..t, all with the target's features. At step s > 1, entry t
+    Step 1 is teacher-forced: entry t sees entries 0..t, all read with the target's features. At step s > 1, entry t
     stands for the (s - 1)-th draft past a last true entry e = t - s + 1: it sees the true entries 0..e, the entry
     step j made at position e + j - 1 for each j in 2..s - 1, and itself, as the head's cache holds them while it
-    drafts. Call `__call__` once per step, in order."""
+    drafts. Call `__call__` once per step, in order: step s attends over the keys of every step so far at once
+    (fused attention with that mask; grouped-query heads read their shared keys without copies)."""
 
     def __init__(self, config, batch: int, n: int, device: torch.device) -> None:
-        self.groups = config.num_heads // config.num_kv_heads
-        self.scale = config.head_dim ** -0.5
         self.rope_positions = torch.arange(n, device=device).unsqueeze(0).expand(batch, n)
         self.positions = self.rope_positions
         self.keys: list[torch.Tensor] = []  # per step [b, KVH, n, hd]
         self.values: list[torch.Tensor] = []
         self.layer = 0
 
+    @staticmethod
+    def mask(n: int, step: int, device: torch.device) -> torch.Tensor:
+        """`[n, step * n]` which keys (the true entries', then each later step's) query t of drafting step `step`
+        sees."""
+        query = torch.arange(n, device=device).view(-1, 1)
+        key = torch.arange(n, device=device).view(1, -1)
+        parts = [key <= query - step + 1] + [key == query - (step - j) for j in range(2, step + 1)]
+        return torch.cat(parts, dim=1)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, n, heads, head_dim = q.shape
         q = q.transpose(1, 2)  # [b, H, n, hd]
-        k = k.transpose(1, 2).repeat_interleave(self.groups, dim=1)  # [b, H, n, hd]
-        v = v.transpose(1, 2).repeat_interleave(self.groups, dim=1)
-        step = len(self.keys) + 1
-        self.keys.append(k)
-        self.values.append(v)
+        self.keys.append(k.transpose(1, 2))  # [b, KVH, n, hd]
+        self.values.append(v.transpose(1, 2))
+        step = len(self.keys)
         if step == 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
-        true_keys, true_values = self.keys[0], self.values[0]
-        scores = (q @ true_keys.transpose(-1, -2)).float() * self.scale  # [b, H, n, n]
-        query, key = torch.arange(n, device=q.device).view(-1, 1), torch.arange(n, device=q.device).view(1, -1)
-        scores = scores.masked_fill(key > query - step + 1, float("-inf"))  # true entries 0..t - s + 1
-        diagonals = []  # the speculative entries of steps 2..s, each one per query
-        for j in range(2, step + 1):
-            shift = step - j  # entry t sees step j's entry at t - shift
-            keys_j = F.pad(self.keys[j - 1], (0, 0, shift, 0))[:, :, :n]
-            diagonals.append(((q * keys_j).sum(-1).float() * self.scale).masked_fill(query.view(-1) < shift,
-                                                                                      float("-inf")))
-        weights = torch.softmax(torch.cat([scores, torch.stack(diagonals, dim=-1)], dim=-1), dim=-1)
-        weights = torch.nan_to_num(weights).to(q.dtype)  # entries before step s exists see nothing
-        out = weights[..., :n] @ true_values
-        for i, j in enumerate(range(2, step + 1)):
-            shift = step - j
-            values_j = F.pad(self.values[j - 1], (0, 0, shift, 0))[:, :, :n]
-            out = out + weights[..., n + i].unsqueeze(-1) * values_j
+            out = F.scaled_dot_product_attention(q, self.keys[0], self.values[0], is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2),
+                                                 attn_mask=self.mask(n, step, q.device), enable_gqa=True)
         return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
 
 
-def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], noise: float, ce_weight: float,
-              generator: torch.Generator | None, unroll: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE's loss over the masked entries: smooth L1 from the predicted to the target's next feature, plus
-    `ce_weight` x cross-entropy from the target's next-token distribution to the head's (over the output subset),
-    averaged over `unroll` drafting steps (step s: entry t reads the head's own prediction made at entry t - 1 in
-    step s - 1, as the s-th draft does); with, per step, the head's acceptance sum(min(p, q)) at temperature 1 and
-    its greedy agreement with the target."""
-    tokens, features, mask = batch["tokens"], batch["features"], batch["mask"]
-    embeddings = F.embedding(tokens[:, 1:], frozen.embed)  # [b, L - 1, hidden]: token t + 1 at entry t
-    target = features[:, 1:]  # f_{t+1}
-    inputs = features[:, :-1]
-    if noise and head.training:
-        inputs = inputs + (torch.rand(inputs.shape, generator=generator, device=inputs.device) * 2 - 1) * noise
-    p = torch.softmax((target @ frozen.out.T).float(), dim=-1)  # [b, L - 1, K]
+def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], unroll: int, step_decay: float,
+              metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE-3's loss over the masked entries: per drafting step s, the cross-entropy from the target's next-token
+    distribution (over the draft vocabulary, renormalised there) to the head's, weighted step_decay ** (s - 1); with
+    `metrics`, per step the KL divergence (the cross-entropy less the target's entropy), the head's acceptance
+    sum(min(p, q)) at temperature 1 and its greedy agreement with the target (else only the loss)."""
+    tokens, mask = batch["tokens"], batch["mask"]
+    embeddings = F.embedding(tokens[:, 1:], frozen.embed)  # [b, L - 1, H]: token t + 1 at entry t
+    hidden = head.fc(batch["features"][:, :-1])  # [b, L - 1, H]: the fused features, projected
+    with torch.no_grad():
+        log_p = torch.log_softmax((batch["final"][:, 1:][mask] @ frozen.out.T).float(), dim=-1)  # [M, K]
+        p = log_p.exp()
     attend = UnrolledAttention(head.layer_config, *embeddings.shape[:2], embeddings.device)
-    total, metrics = 0.0, {}
+    total, weights, out = 0.0, 0.0, {}
     for step in range(1, unroll + 1):
         valid = mask.clone()
         valid[:, : step - 1] = False  # no (step - 1)-th draft before position step - 1
-        count = valid.sum().clamp(min=1)
-        predicted = head(embeddings, inputs, attend).float()  # [b, L - 1, hidden]
-        regression = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * valid).sum() / count
-        log_q = torch.log_softmax((predicted @ frozen.out.T).float(), dim=-1)
-        cross = (-(p * log_q).sum(-1) * valid).sum() / count
-        total = total + regression + ce_weight * cross
-        with torch.no_grad():
-            alpha = (torch.minimum(p, log_q.exp()).sum(-1) * valid).sum() / count
-            agree = ((p.argmax(-1) == log_q.argmax(-1)) * valid).sum() / count
-        suffix = "" if step == 1 else f"_{step}"
-        metrics.update({f"regression{suffix}": regression.item(), f"cross_entropy{suffix}": cross.item(),
-                        f"alpha{suffix}": alpha.item(), f"agree{suffix}": agree.item()})
-        inputs = torch.cat([inputs[:, :1], predicted[:, :-1].to(inputs.dtype)], dim=1)  # entry t: prediction at t - 1
-    loss = total / unroll
-    metrics["loss"] = loss.item()
-    return loss, metrics
+        rows = valid[mask]  # the masked entries this step counts
+        outputs = head(embeddings, hidden, attend)  # [b, L - 1, H]
+        logits = head.logits(outputs[valid]).float()  # [M_s, K]
+        target = p[rows]
+        cross = F.cross_entropy(logits, target)  # soft targets: one fused pass over the logits
+        weight = step_decay ** (step - 1)
+        total, weights = total + weight * cross, weights + weight
+        if metrics:
+            with torch.no_grad():
+                log_q = torch.log_softmax(logits, dim=-1)
+                suffix = "" if step == 1 else f"_{step}"
+                out.update({f"cross_entropy{suffix}": cross.item(),
+                            f"kl{suffix}": (cross + (target * log_p[rows]).sum(-1).mean()).item(),
+                            f"alpha{suffix}": torch.minimum(target, log_q.exp()).sum(-1).mean().item(),
+                            f"agree{suffix}": (target.argmax(-1) == log_q.argmax(-1)).float().mean().item()})
+        hidden = torch.cat([hidden[:, :1], outputs[:, :-1].to(hidden.dtype)], dim=1)  # entry t: output at t - 1
+    loss = total / weights
+    out["loss"] = loss.item()
+    return loss, out
 
 
 # ----- training ------------------------------------------------------------------------------
@@ -292,22 +322,27 @@ def _lr(step: int, steps: int, plan: HeadTraining) -> float:
     return plan.lr * (plan.min_lr_ratio + (1 - plan.min_lr_ratio) * cosine)
 
 
-def init_head(target: LlamaModel, seed: int) -> EagleHead:
-    """A head that starts as the identity on the feature: fc passes the feature through (the embedding half small)
-    and the decoder layer's residual branches start at zero (their output projections), so training starts from
-    "the next feature is this one" rather than from noise."""
-    head = EagleHead(HeadConfig.of(target.config))
+def init_head(target: LlamaModel, draft_ids: torch.Tensor, feature_layers: tuple[int, ...], seed: int) -> EagleHead:
+    """A new head at the target's shape: the projection passes the highest feature layer through, the decoder layer's
+    residual branches start at zero (their output projections), the output layer and final norm as the target's
+    (its rows of the draft vocabulary), the rest small and random; so training starts from the target's own early
+    exit at that layer rather than from noise."""
+    config = HeadConfig.for_target(target.config, len(draft_ids), feature_layers)
+    head = EagleHead(config)
     generator = torch.Generator().manual_seed(seed)
-    hidden = target.config.hidden_size
     with torch.no_grad():
         for name, param in head.named_parameters():
             if name.endswith("norm.weight"):
                 continue
             param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-        head.layer.o_proj.weight.zero_()
-        head.layer.down.weight.zero_()
-        head.fc.weight[:, hidden:] += torch.eye(hidden)
-        head.fc.bias.zero_()
+        head.o_proj.weight.zero_()
+        head.down.weight.zero_()
+        hidden = config.target_hidden_size
+        if config.hidden_size == hidden:
+            head.fc.weight[:, -hidden:] += torch.eye(hidden)
+        head.lm_head.weight.copy_(target.lm_head.weight.detach()[draft_ids.to(target.device)].float().cpu())
+        head.norm.weight.copy_(target.norm.weight.detach().float().cpu())
+        head.d2t.copy_(draft_ids.cpu() - torch.arange(len(draft_ids)))
     return head
 
 
@@ -325,7 +360,7 @@ def heldout(head: EagleHead, frozen: Frozen, batches: Batches, plan: HeadTrainin
         group = sequences[start:start + 8]
         batch = make_batch(group, device)
         with bf16_autocast(device):
-            _, metrics = head_loss(head, frozen, batch, 0.0, plan.ce_weight, None, plan.unroll)
+            _, metrics = head_loss(head, frozen, batch, plan.unroll, plan.step_decay)
         n = int(batch["mask"].sum())
         for key, value in metrics.items():
             sums[key] += value * n
@@ -340,7 +375,8 @@ def heldout(head: EagleHead, frozen: Frozen, batches: Batches, plan: HeadTrainin
 def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: HeadTraining, work: Path,
                progress: bool = True, minutes: float | None = None, stop_after: int | None = None) -> dict[str, Any]:
     """Train `head`; checkpoints to `work/checkpoint.pt` (a later call resumes it exactly). `minutes` and
-    `stop_after` bound this call (it checkpoints, and a resumed call continues). Returns the training record."""
+    `stop_after` bound this call (it checkpoints, and a resumed call continues). Returns the training record:
+    steps, tokens seen, token-steps (reply entries trained, summed over the drafting steps) and the curve."""
     device = torch.device(plan.device)
     work.mkdir(parents=True, exist_ok=True)
     path = work / "checkpoint.pt"
@@ -348,45 +384,50 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
     optimizer = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=plan.weight_decay, betas=(0.9, 0.95))
     batches = Batches(reader, plan.batch_tokens, plan.seed)
     steps = max(1, round(plan.epochs * batches.batches_per_epoch()))
-    record: dict[str, Any] = {"steps": steps, "step": 0, "tokens_seen": 0, "curve": []}
-    generator = torch.Generator(device=device).manual_seed(plan.seed)
+    record: dict[str, Any] = {"steps": steps, "step": 0, "tokens_seen": 0, "token_steps": 0, "seconds": 0.0,
+                              "curve": []}
     if path.exists():
         state = torch.load(path, weights_only=False)
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         batches.cursor, record = state["cursor"], state["record"]
         record["steps"] = steps  # the schedule's length follows from the data and the settings
-        generator.set_state(state["generator"])
     started = last_save = time.monotonic()
     first = record["step"]
     bar = tqdm(total=record["steps"], initial=record["step"], desc="train head", unit="step", disable=not progress)
     window: list[dict[str, float]] = []
     while record["step"] < record["steps"]:
         step = record["step"]
+        tick = time.monotonic()
         batch = make_batch(batches.next(), device)
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, record["steps"], plan)
-        with bf16_autocast(device):
-            loss, metrics = head_loss(head, frozen, batch, plan.noise, plan.ce_weight, generator, plan.unroll)
+        with bf16_autocast(device):  # the train metrics every METRICS_EVERY steps: they cost a pass over the logits
+            loss, metrics = head_loss(head, frozen, batch, plan.unroll, plan.step_decay, step % METRICS_EVERY == 0)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), plan.clip)
         optimizer.step()
         record["step"] = step + 1
         record["tokens_seen"] += int(batch["lengths"].sum())
+        mask = batch["mask"]
+        record["token_steps"] += sum(int(mask[:, s:].sum()) for s in range(plan.unroll))
+        record["seconds"] += time.monotonic() - tick
         window.append(metrics)
         if record["step"] % plan.eval_every == 0 or record["step"] == record["steps"]:
             point = {"step": record["step"], "tokens_seen": record["tokens_seen"],
-                     **{f"train_{k}": statistics.fmean(w[k] for w in window) for k in window[0]},
+                     "token_steps": record["token_steps"],
+                     **{f"train_{k}": statistics.fmean(w[k] for w in window if k in w)
+                        for k in sorted({k for w in window for k in w})},
                      **{f"heldout_{k}": v for k, v in heldout(head, frozen, batches, plan, device).items()}}
             record["curve"].append(point)
             window = []
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", alpha=f"{metrics['alpha']:.3f}")
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         out_of_time = (minutes is not None and time.monotonic() - started > 60 * minutes) or (
             stop_after is not None and record["step"] - first >= stop_after)
         if out_of_time or record["step"] == record["steps"] or time.monotonic() - last_save > 60 * plan.checkpoint_minutes:
-            _save(path, head, optimizer, batches, record, generator)
+            _save(path, head, optimizer, batches, record)
             last_save = time.monotonic()
         if out_of_time:
             break
@@ -394,11 +435,10 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
     return record
 
 
-def _save(path: Path, head: EagleHead, optimizer, batches: Batches, record: dict[str, Any],
-          generator: torch.Generator) -> None:
+def _save(path: Path, head: EagleHead, optimizer, batches: Batches, record: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor,
-                "record": record, "generator": generator.get_state()}, tmp)
+                "record": record}, tmp)
     os.replace(tmp, path)
     (path.parent / "curve.json").write_text(json.dumps(record["curve"], indent=1))
 
@@ -422,7 +462,7 @@ def eval_prompts(name: str, per_category: int) -> list[Prompt]:
 
 @torch.inference_mode()
 def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt], max_new_tokens: int,
-                  gamma: int = 4, progress: bool = True) -> dict[str, Any]:
+                  gamma: int = 3, progress: bool = True, measure_cost: bool = True) -> dict[str, Any]:
     """Through the real engine, a chain of `gamma` drafts per round at temperature 0 and 0.7: per category the
     acceptance rate, acceptance by draft position and tokens per target forward; and the cost ratio c."""
     report: dict[str, Any] = {"prompts": len(prompts), "gamma": gamma, "max_new_tokens": max_new_tokens,
@@ -434,7 +474,7 @@ def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt
             ids = tokenizer.encode(prompt.turns[0], chat=tokenizer.has_chat_template)
             if len(ids) + max_new_tokens > target.max_seq_len:
                 continue
-            engine = Engine(target, drafter, SpecConfig(gamma=gamma, max_seq_len=len(ids) + max_new_tokens),
+            engine = Engine(target, drafter, SpecConfig(max_seq_len=len(ids) + max_new_tokens),
                             tokenizer.eos_token_ids, planner=FixedGamma(gamma))
             engine.add_request(ids, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=i))
             for result in engine.stream():
@@ -443,7 +483,8 @@ def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt
             bar.update(1)
         report["temperatures"][str(temperature)] = {cat: _summary(c) for cat, c in per_cat.items()}
     bar.close()
-    report["cost"] = cost_ratio(target, drafter)
+    if measure_cost:
+        report["cost"] = cost_ratio(target, drafter)
     return report
 
 
@@ -455,30 +496,34 @@ def _summary(collector: StatsCollector) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 128) -> dict[str, float]:
-    """Median seconds of a target decode step and of one draft step (the head's forward, its logits and a draw),
-    batch 1, interleaved; c = draft step / target step."""
+def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 128) -> dict[str, Any]:
+    """Median seconds of the target's one-token step and of one draft step (the head's forward on one entry, its
+    logits and a draw), batch 1, interleaved, each as the engine runs it (compiled where the target is); c = draft
+    step / target step."""
     head = drafter.head
-    params, generator = [SamplingParams(temperature=0.7)], [torch.Generator().manual_seed(0)]
+    generator = torch.Generator().manual_seed(0)
     target_times, draft_times = [], []
+    slot = torch.tensor([0])
+    token = torch.tensor([[5]], device=target.device)
     for _ in range(3):
         cache = target.new_cache(1, context + repeats + 2)
-        slot = torch.tensor([0])
         target.prefill(torch.randint(0, min(1000, target.vocab_size), (1, context)), cache, slot)
         head_cache = head.new_cache(1, context + repeats + 2)
-        feature = torch.zeros(1, 1, head.config.hidden_size, dtype=head.dtype, device=target.device)
+        head.forward_cached(drafter.embed(token.expand(1, context)), torch.zeros(1, context, head.config.hidden_size,
+                                                                                dtype=head.dtype), head_cache, slot)
+        hidden = torch.zeros(1, 1, head.config.hidden_size, dtype=head.dtype, device=target.device)
         for _ in range(repeats):
             start = time.perf_counter()
-            target.forward_cached(torch.tensor([[5]]), cache, slot)
+            target.forward_cached(token, cache, slot)
             target_times.append(time.perf_counter() - start)
             start = time.perf_counter()
-            predicted = head.forward_cached(target.embed(torch.tensor([[5]], device=target.device)), feature,
-                                            head_cache, slot)[:, 0]
-            sample_probs = torch.softmax(drafter._logits(predicted).float() / 0.7, dim=-1)
-            torch.multinomial(sample_probs, 1, generator=generator[0])
+            hidden, logits = drafter.step(token, hidden, head_cache, slot)
+            probs = torch.softmax(logits.float() / 0.7, dim=-1)
+            torch.multinomial(probs, 1, generator=generator)
             draft_times.append(time.perf_counter() - start)
     t, d = statistics.median(target_times), statistics.median(draft_times)
-    return {"target_step_ms": 1000 * t, "draft_step_ms": 1000 * d, "c": d / t}
+    return {"target_step_ms": 1000 * t, "draft_step_ms": 1000 * d, "c": d / t,
+            "compiled": target.compiled is not None}
 
 
 # ----- the whole run -------------------------------------------------------------------------
@@ -486,19 +531,21 @@ def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 
 def _settings(plan: HeadTraining) -> dict[str, Any]:
     out = asdict(plan)
     out["out"] = str(plan.out)
-    for key in ("device", "checkpoint_minutes", "eval_prompts", "eval_per_category", "eval_max_new_tokens"):
+    for key in ("device", "checkpoint_minutes", "eval_prompts", "eval_per_category", "eval_max_new_tokens", "tokens"):
         out.pop(key)  # these may differ between resumed runs
+    out["regeneration"].pop("workers")
     return out
 
 
 def run_head(plan: HeadTraining, resume: bool, progress: bool = True, minutes: float | None = None,
              command: str | None = None) -> dict[str, Any]:
-    """Collect features, choose the output subset, train, export, evaluate; each stage resumes where an
-    interrupted run stopped."""
+    """Collect data, choose the draft vocabulary, train, export, evaluate; each stage resumes where an interrupted
+    run stopped."""
     settings_path = plan.work / "settings.json"
     if plan.work.exists() and not resume:
         raise ValueError(f"{plan.out} already holds a training run; pass --resume to continue it")
-    if resume and settings_path.exists() and json.loads(settings_path.read_text()) != _settings(plan):
+    if resume and settings_path.exists() and json.loads(settings_path.read_text()) != json.loads(
+            json.dumps(_settings(plan))):
         raise ValueError(f"--resume needs the same settings as the run in {plan.out} (see {settings_path})")
     plan.work.mkdir(parents=True, exist_ok=True)
     settings_path.write_text(json.dumps(_settings(plan), indent=2, sort_keys=True))
@@ -507,34 +554,36 @@ def run_head(plan: HeadTraining, resume: bool, progress: bool = True, minutes: f
     if not isinstance(target.model, LlamaModel) or target.tokenizer is None:
         raise ValueError("a feature draft needs a Llama-family target (our runtime) with a tokenizer")
     model = target.model
-    writer = FeatureWriter(plan.work / "features", plan.target, model.config.hidden_size, model.vocab_size,
-                           plan.max_len)
-    if writer.num_tokens < plan.tokens:
-        collect_features(model, target.tokenizer, training_prompts(plan), writer, plan.tokens, progress=progress)
-    reader = FeatureReader(plan.work / "features")
-    _log(f"features: {reader.index['sequences']} conversations, {reader.num_tokens} tokens")
-    subset_path = plan.work / "subset.json"
-    if not subset_path.exists():
-        subset = choose_subset(reader, model.vocab_size, plan.draft_vocab)
-        subset_path.write_text(json.dumps({"token_ids": None if subset is None else subset.tolist()}))
-    ids = json.loads(subset_path.read_text())["token_ids"]
-    subset = None if ids is None else torch.tensor(ids)
+    reader = collect(plan, target, progress)
+    _log(f"data: {reader.index['sequences']} conversations, {reader.num_tokens} tokens "
+         f"({reader.index['reply_tokens']} in replies)")
+    vocab_path = plan.work / "draft_vocab.json"
+    if not vocab_path.exists():
+        vocab_path.write_text(json.dumps({"token_ids": choose_vocab(reader, model.vocab_size, plan.draft_vocab)
+                                          .tolist()}))
+    draft_ids = torch.tensor(json.loads(vocab_path.read_text())["token_ids"])
     device = torch.device(plan.device)
-    frozen = Frozen(model, subset, device)
-    head = init_head(model, plan.seed)
+    layers = tuple(reader.index["feature_layers"])
+    frozen = Frozen(model, draft_ids, device)
+    head = init_head(model, draft_ids, layers, plan.seed)
     record = train_head(head, frozen, reader, plan, plan.work / "train", progress, minutes)
     if record["step"] < record["steps"]:
         _log(f"stopped at step {record['step']}/{record['steps']}; rerun with --resume to continue")
         return {"finished": False, "step": record["step"], "steps": record["steps"]}
-    head.save(plan.out, plan.target, subset, {"trained": {"tokens": reader.num_tokens, "steps": record["step"],
-                                                          "settings": _settings(plan)}})
+    save_head(head.cpu(), plan.out)
     (plan.out / "training_curve.json").write_text(json.dumps(record["curve"], indent=1))
     _plot_curve(record["curve"], plan.out / "training_curve.png")
-    loaded, loaded_subset, _ = EagleHead.load(plan.out)
-    drafter = EagleDrafter(loaded, model, loaded_subset, plan.out)
+    drafter = EagleDrafter(load_head(plan.out, model.config), model, plan.out)
     report = evaluate_head(model, drafter, target.tokenizer, eval_prompts(plan.eval_prompts, plan.eval_per_category),
                            plan.eval_max_new_tokens, progress=progress)
     report["target_weights"] = plan.quantize
+    report["draft_vocab_coverage"] = vocab_coverage(reader, draft_ids, model.vocab_size)
+    index = reader.index
+    report["data"] = {"source": index["source"], "conversations": index["sequences"], "prompts": reader.replies(),
+                      "tokens": index["tokens"], "reply_tokens": index["reply_tokens"]}
+    report["training"] = {"unroll": plan.unroll, "epochs": plan.epochs, "steps": record["step"],
+                          "token_steps": record["token_steps"], "hours": record["seconds"] / 3600,
+                          "device": _device_name(plan.device)}
     (plan.out / "eval.json").write_text(json.dumps(report, indent=2))
     write_card(plan, reader, record, report, command)
     return {"finished": True, "step": record["step"], "eval": report}
@@ -548,19 +597,20 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tokens = [c["tokens_seen"] / 1e6 for c in curve]
+    steps = [c["token_steps"] / 1e6 for c in curve]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-    left.plot(tokens, [c["train_loss"] for c in curve], label="train")
+    left.plot(steps, [c["train_loss"] for c in curve], label="train")
     if "heldout_loss" in curve[0]:
-        left.plot(tokens, [c["heldout_loss"] for c in curve], label="held-out")
-    left.set_xlabel("training tokens (M)")
+        left.plot(steps, [c["heldout_loss"] for c in curve], label="held-out")
+    left.set_xlabel("token-steps (M)")
     left.set_ylabel("loss")
     left.legend()
-    for key, label in (("alpha", "alpha (T=1)"), ("agree", "greedy agreement")):
+    for key, label in (("alpha", "alpha, step 1"), ("alpha_2", "alpha, step 2"), ("agree", "greedy agreement")):
         if f"heldout_{key}" in curve[0]:
-            right.plot(tokens, [c[f"heldout_{key}"] for c in curve], label=f"held-out {label}")
-    right.set_xlabel("training tokens (M)")
-    right.legend()
+            right.plot(steps, [c[f"heldout_{key}"] for c in curve], label=f"held-out {label}")
+    right.set_xlabel("token-steps (M)")
+    if right.lines:
+        right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -568,34 +618,54 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
 
 def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any], report: dict[str, Any],
                command: str | None) -> None:
-    """README.md beside the head: data, training, curve and evaluation, all from this run's files."""
-    lines = [f"# Feature draft (EAGLE head) for {plan.target}", "",
-             f"One decoder layer at the target's width ({reader.index['hidden_size']}) that drafts from "
-             f"`{plan.target}`'s own final hidden states, with its embedding and output layer (frozen, shared; "
-             f"output restricted to {plan.draft_vocab or 'all'} tokens). Trained with `specsample distill --kind "
-             "eagle`.", ""]
+    """README.md beside the head: data, compute, curve and evaluation, all from this run's files."""
+    index = reader.index
+    target = portable_spec(plan.target)
+    layers = ", ".join(map(str, index["feature_layers"]))
+    regen = plan.regeneration
+    data = (f"{index['sequences']} conversations the target wrote itself (`--data regenerate`): the user turns of "
+            f"ShareGPT conversations 0..14,999 (up to {regen.turns} per conversation, {index.get('prompts', 'n/a')} "
+            f"answered in all), each reply sampled by `{target}` (weights `--quantize {plan.quantize}`) through "
+            f"our engine at temperature {' or '.join(map(str, regen.temperatures))} (alternating by conversation), "
+            f"up to {regen.max_new_tokens} tokens, under its chat template; the features recorded as it wrote them"
+            if plan.data == "regenerate" else
+            f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
+            f"teacher-forced (weights `--quantize {plan.quantize}`)")
+    lines = [f"# EAGLE-3 head for {target}", "",
+             f"One decoder layer at the target's width ({index['hidden_size']}) that drafts from `{target}`'s "
+             f"hidden states entering layers {layers} (fused), with its own output layer over a {plan.draft_vocab}-token "
+             "draft vocabulary. The folder is in the EAGLE-3 layout vLLM and SGLang load "
+             "(`LlamaForCausalLMEagle3`: config.json, model.safetensors with d2t/t2d). Trained with "
+             "`specsample distill --kind eagle`.", ""]
     if command:
-        lines += ["## Command", "", "```bash", command, "```", ""]
+        lines += ["## Command", "", "```bash", portable_command(command), "```", ""]
+    hours = record["seconds"] / 3600
     lines += ["## Data", "",
-              f"{reader.index['sequences']} ShareGPT conversations rendered with the target's chat template (cut at "
-              f"{plan.max_len} tokens), {reader.num_tokens} tokens, the target's features computed teacher-forced "
-              f"(weights: --quantize {plan.quantize}); "
-              "the loss counts reply positions. The last chunk is held out.", "",
+              f"{data}. {index['tokens']:,} tokens, {index['reply_tokens']:,} of them in replies (the loss counts "
+              f"reply positions); conversations cut at {plan.max_len} tokens. The last chunk is held out. The draft "
+              f"vocabulary covers {report.get('draft_vocab_coverage', float('nan')):.1%} of held-out reply tokens.", "",
               "## Training", "",
-              f"{record['step']} steps of up to {plan.batch_tokens} tokens with padding ({record['tokens_seen']} tokens "
-              f"seen, {plan.epochs} pass(es) over the training chunks); "
-              f"AdamW lr {plan.lr}, cosine to {plan.min_lr_ratio} x, feature noise +-{plan.noise}, cross-entropy "
-              f"weight {plan.ce_weight}, {plan.unroll} drafting step(s) trained per entry.", "",
-              "![training curve](training_curve.png)", "",
-              "| step | tokens | train loss | held-out loss | held-out alpha (T=1) | held-out greedy agreement |",
-              "|---|---|---|---|---|---|"]
+              f"{record['step']} steps of up to {plan.batch_tokens} tokens with padding ({record['tokens_seen']:,} "
+              f"tokens seen, {plan.epochs} pass(es)), {plan.unroll} drafting steps per entry (the training-time test, "
+              f"step s weighted {plan.step_decay}^(s-1)): {record['token_steps']:,} token-steps. AdamW lr {plan.lr}, "
+              f"cosine to {plan.min_lr_ratio} x. Compute: {hours:.1f} h of training on {_device_name(plan.device)}.",
+              "", "![training curve](training_curve.png)", "",
+              "| step | token-steps | train loss | held-out loss | held-out alpha (T=1), steps 1 / 2 / 3 | "
+              "held-out greedy agreement |", "|---|---|---|---|---|---|"]
     curve = record["curve"]
     shown = curve[:: max(1, len(curve) // 12)]
     for c in shown + [c for c in curve[-1:] if c not in shown]:
-        lines.append(f"| {c['step']} | {c['tokens_seen']} | {c['train_loss']:.4f} | {c.get('heldout_loss', float('nan')):.4f} | "
-                     f"{c.get('heldout_alpha', float('nan')):.3f} | {c.get('heldout_agree', float('nan')):.3f} |")
+        alphas = " / ".join(f"{c.get(f'heldout_alpha{s}', float('nan')):.3f}" for s in ("", "_2", "_3"))
+        lines.append(f"| {c['step']} | {c['token_steps']:,} | {c['train_loss']:.4f} | "
+                     f"{c.get('heldout_loss', float('nan')):.4f} | {alphas} | {c.get('heldout_agree', float('nan')):.3f} |")
     lines += ["", "## Evaluation", "", *evaluation_table(report)]
     (plan.out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"one {torch.cuda.get_device_name(torch.device(device))}"
+    return f"{os.cpu_count()} CPU cores" if device == "cpu" else device
 
 
 def evaluation_table(report: dict[str, Any]) -> list[str]:
@@ -613,7 +683,9 @@ def evaluation_table(report: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {c['acceptance_rate']:.3f} | {c['alpha']:.3f} | {c['tokens_per_round']:.2f} | "
                          f"{positions} |")
         lines.append("")
-    cost = report["cost"]
-    lines.append(f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target step "
-                 f"{cost['target_step_ms']:.2f} ms, batch 1).")
+    cost = report.get("cost")
+    if cost is not None:
+        mode = "compiled" if cost.get("compiled") else "eager"
+        lines.append(f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target one-token "
+                     f"step {cost['target_step_ms']:.2f} ms, batch 1, both {mode}).")
     return lines

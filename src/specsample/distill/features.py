@@ -1,13 +1,16 @@
-"""Teacher-forced target features on disk: what a feature draft (EAGLE) trains on.
+"""Target features on disk: what a feature draft (EAGLE-3 head) trains on.
 
-Each conversation is rendered with the target's chat template, cut at `max_len` tokens and run through the
-target once; the store keeps, per token, its id, the target's final hidden state there (the vector its output
-layer reads) and whether the token belongs to an assistant reply. Chunks of conversations are written as
-safetensors files, each committed by rewriting `index.json` atomically, so an interrupted run resumes after
-its last committed chunk and memory stays bounded by one chunk:
+Each conversation is a sequence of token ids (rendered with the target's chat template, cut at `max_len`) with, per
+token, the target's fused features there (the residual stream entering each feature layer, concatenated: what the
+head reads), its final normed hidden state (what its output layer reads: the training target's distribution) and
+whether the token belongs to an assistant reply. Conversations come either teacher-forced from a dataset's own replies
+(`collect_features`) or written by the target itself, the features recorded as it generated
+(`distill/regenerate.py`). Chunks of conversations are written as safetensors files, each committed by rewriting
+`index.json` atomically, so an interrupted run resumes after its last committed chunk and memory stays bounded:
 
-    index.json              format, target, sizes, committed chunks, conversations consumed
-    chunk-00000.safetensors tokens [T] int32, features [T, hidden], reply [T] uint8, offsets [n + 1] int64
+    index.json              format, target, sizes, feature layers, committed chunks, source conversations handled
+    chunk-00000.safetensors tokens [T] int32, features [T, F], final [T, hidden], reply [T] uint8,
+                            offsets [n + 1] int64, known [n] int64 (positions whose features were computed)
 """
 
 from __future__ import annotations
@@ -28,33 +31,40 @@ from tqdm import tqdm
 from specsample.datasets import Prompt
 from specsample.tokenizer import Tokenizer
 
-FORMAT = "specsample-features/1"
+FORMAT = "specsample-features/2"
 
 
 @dataclass(frozen=True)
 class FeatureSequence:
-    """One conversation: token ids `[n]`, the target's final hidden states `[n, hidden]`, reply mask `[n]`."""
+    """One conversation: token ids `[n]`, fused features `[n, F]`, final hidden states `[n, hidden]`, reply mask `[n]`;
+    features are known for the first `known` positions (a generated sequence's last token was never scored)."""
 
     tokens: Tensor
     features: Tensor
+    final: Tensor
     reply: Tensor
+    known: int
 
 
-def rendered_conversation(tokenizer: Tokenizer, prompt: Prompt, max_len: int) -> tuple[list[int], list[bool]]:
-    """Chat-rendered token ids of a conversation (its turns and replies, cut at `max_len`) and, per token,
-    whether it belongs to an assistant reply (from the reply's first token to its end-of-turn token)."""
+def render_messages(tokenizer: Tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    """Token ids of `messages` under the target's chat template."""
+    text = tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return list(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
+
+
+def reply_spans(tokenizer: Tokenizer, turns: Sequence[str], replies: Sequence[str]) -> tuple[list[int], list[bool]]:
+    """Chat-rendered token ids of user `turns` each followed by its reply (`replies`, as many or one fewer: then the
+    ids end with the generation prompt of the last turn) and, per token, whether it belongs to an assistant reply
+    (from the reply's first token to its end-of-turn token)."""
     messages: list[dict[str, str]] = []
     spans = []
-    for i, turn in enumerate(prompt.turns):
+    for i, turn in enumerate(turns):
         messages.append({"role": "user", "content": turn})
-        if i < len(prompt.replies):
-            start = len(_render(tokenizer, messages, generation_prompt=True))
-            messages.append({"role": "assistant", "content": prompt.replies[i]})
-            ids = _render(tokenizer, messages, generation_prompt=False)
-            spans.append((start, len(ids)))
-            if len(ids) >= max_len:
-                break
-    ids = _render(tokenizer, messages, generation_prompt=False)[:max_len]
+        if i < len(replies):
+            start = len(render_messages(tokenizer, messages, generation_prompt=True))
+            messages.append({"role": "assistant", "content": replies[i]})
+            spans.append((start, len(render_messages(tokenizer, messages, generation_prompt=False))))
+    ids = render_messages(tokenizer, messages, generation_prompt=len(replies) < len(turns))
     reply = [False] * len(ids)
     for start, end in spans:
         for position in range(start, min(end, len(ids))):
@@ -62,74 +72,116 @@ def rendered_conversation(tokenizer: Tokenizer, prompt: Prompt, max_len: int) ->
     return ids, reply
 
 
-def _render(tokenizer: Tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    text = tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return list(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
+def rendered_conversation(tokenizer: Tokenizer, prompt: Prompt, max_len: int) -> tuple[list[int], list[bool]]:
+    """`reply_spans` of a conversation's turns and replies (as many turns as it has replies), cut at `max_len`."""
+    turns = prompt.turns[: len(prompt.replies)]
+    for count in range(1, len(turns) + 1):  # the fewest turns that reach max_len: later ones would be cut anyway
+        ids, reply = reply_spans(tokenizer, turns[:count], prompt.replies[:count])
+        if len(ids) >= max_len:
+            break
+    else:
+        ids, reply = reply_spans(tokenizer, turns, prompt.replies) if turns else ([], [])
+    return ids[:max_len], reply[:max_len]
+
+
+def recording_layers(feature_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """The layers to ask the target for: the feature layers and the last layer's output (for the final hidden state)."""
+    return tuple(sorted(set(feature_layers) | {num_layers}))
+
+
+def split_features(model, stacked: Tensor, feature_layers: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Features `[.., k * hidden]` taken at a model's `recording_layers` as the fused features of `feature_layers`
+    `[.., len(feature_layers) * hidden]` and the final normed hidden states `[.., hidden]`."""
+    recorded = recording_layers(feature_layers, len(model.layers))
+    blocks = stacked.split(model.config.hidden_size, dim=-1)
+    fused = torch.cat([blocks[recorded.index(layer)] for layer in feature_layers], dim=-1)
+    with torch.no_grad():
+        final = model.norm(blocks[recorded.index(len(model.layers))].to(model.dtype))
+    return fused, final
 
 
 @torch.inference_mode()
-def target_features(model, sequences: Sequence[Sequence[int]]) -> list[Tensor]:
-    """The target's final hidden states `[len, hidden]` of each sequence, teacher-forced in one batch (right
-    padding never reaches earlier positions of a causal model)."""
+def target_features(model, sequences: Sequence[Sequence[int]],
+                    feature_layers: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
+    """The target's fused features of `feature_layers` and final hidden states of each sequence, teacher-forced in one
+    batch (right padding never reaches earlier positions of a causal model)."""
+    model.set_feature_layers(recording_layers(feature_layers, len(model.layers)))
+    from specsample.models.llama import Attention
+
     width = max(len(s) for s in sequences)
     batch = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
         batch[row, : len(seq)] = torch.tensor(seq)
-    hidden = model.uncached_hidden(batch)  # [b, width, hidden]
-    return [hidden[row, : len(seq)].cpu() for row, seq in enumerate(sequences)]
+    attend = Attention(None, None, torch.zeros(len(sequences), dtype=torch.long), width, model.config, model.groups,
+                       model.device)
+    _, stacked = model.hidden_states(batch.to(model.device), attend)
+    features, final = split_features(model, stacked, feature_layers)
+    return [(features[row, : len(seq)].cpu(), final[row, : len(seq)].cpu()) for row, seq in enumerate(sequences)]
 
 
 class FeatureWriter:
     """Appends chunks of conversations; reopening a store continues after its last committed chunk."""
 
-    def __init__(self, folder: Path, target: str, hidden_size: int, vocab_size: int, max_len: int) -> None:
+    def __init__(self, folder: Path, target: str, hidden_size: int, feature_layers: Sequence[int], vocab_size: int,
+                 max_len: int, source: str) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "index.json"
-        asked = {"target": target, "hidden_size": hidden_size, "vocab_size": vocab_size, "max_len": max_len}
+        asked = {"target": target, "hidden_size": hidden_size, "feature_layers": list(feature_layers),
+                 "vocab_size": vocab_size, "max_len": max_len, "source": source}
         if path.exists():
             self.index = read_index(self.folder)
-            held = {k: self.index[k] for k in asked}
+            held = {k: self.index.get(k) for k in asked}
             if held != asked:
                 raise ValueError(f"{self.folder} holds features of {held}; asked for {asked}")
         else:
-            self.index = {"format": FORMAT, **asked, "chunks": [], "consumed": 0, "sequences": 0, "tokens": 0}
+            self.index = {"format": FORMAT, **asked, "chunks": [], "done": [], "sequences": 0, "tokens": 0,
+                          "reply_tokens": 0}
         committed = {c["file"] for c in self.index["chunks"]}
         for stray in self.folder.glob("chunk-*.safetensors*"):  # written by a run that stopped before committing
             if stray.name not in committed:
                 stray.unlink()
 
     @property
-    def consumed(self) -> int:
-        """Source conversations handled so far (written, or skipped as empty)."""
-        return self.index["consumed"]
+    def done(self) -> set[int]:
+        """Source conversations handled so far (written, or skipped)."""
+        return set(self.index["done"])
 
     @property
     def num_tokens(self) -> int:
         return self.index["tokens"]
 
-    def append(self, sequences: Sequence[FeatureSequence], consumed: int) -> None:
-        """Write one chunk and commit it together with the count of source conversations it used (none written:
-        only the count)."""
+    @property
+    def num_sequences(self) -> int:
+        return self.index["sequences"]
+
+    def append(self, sequences: Sequence[FeatureSequence], done: Iterable[int]) -> None:
+        """Write one chunk and commit it together with the source conversations it handled (none written: only
+        those)."""
+        done = sorted(set(self.index["done"]) | set(done))
         if not sequences:
-            self.index["consumed"] += consumed
+            self.index["done"] = done
             _write_json(self.folder / "index.json", self.index)
             return
         name = f"chunk-{len(self.index['chunks']):05d}.safetensors"
         lengths = torch.tensor([0] + [len(s.tokens) for s in sequences], dtype=torch.long)
+        reply = torch.cat([s.reply for s in sequences]).to(torch.uint8)
         tensors = {
             "tokens": torch.cat([s.tokens for s in sequences]).to(torch.int32),
-            "features": torch.cat([s.features for s in sequences]).contiguous(),
-            "reply": torch.cat([s.reply for s in sequences]).to(torch.uint8),
+            "features": torch.cat([s.features for s in sequences]).to(torch.bfloat16).contiguous(),
+            "final": torch.cat([s.final for s in sequences]).to(torch.bfloat16).contiguous(),
+            "reply": reply,
             "offsets": lengths.cumsum(0),
+            "known": torch.tensor([s.known for s in sequences], dtype=torch.long),
         }
         tmp = self.folder / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, self.folder / name)
         self.index["chunks"].append({"file": name, "sequences": len(sequences), "tokens": int(lengths.sum())})
-        self.index["consumed"] += consumed
+        self.index["done"] = done
         self.index["sequences"] += len(sequences)
         self.index["tokens"] += int(lengths.sum())
+        self.index["reply_tokens"] += int(reply.sum())
         _write_json(self.folder / "index.json", self.index)
 
 
@@ -148,19 +200,45 @@ def read_index(folder: Path) -> dict[str, Any]:
 
 def _write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
+    tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
 
 
+def shard_folders(folder: Path) -> list[Path]:
+    """The stores a feature store folder holds: itself (a store of one writer), or its `shard-N` folders (a store
+    several writers filled at once, each its own shard), in shard order."""
+    folder = Path(folder)
+    if (folder / "index.json").exists():
+        return [folder]
+    return sorted((f for f in folder.glob("shard-*") if (f / "index.json").exists()),
+                  key=lambda f: int(f.name.removeprefix("shard-")))
+
+
 class FeatureReader:
-    """The committed chunks of a store, one chunk in memory at a time."""
+    """The committed chunks of a store (all its shards, in shard order), one chunk in memory at a time."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
-        self.index = read_index(self.folder)
-        for chunk in self.index["chunks"]:
-            if not (self.folder / chunk["file"]).exists():
-                raise ValueError(f"{self.folder / chunk['file']} is missing: the store is incomplete")
+        shards = shard_folders(self.folder)
+        if not shards:
+            raise ValueError(f"{folder} is not a feature store (no index.json, no shard-N/index.json)")
+        indices = [read_index(shard) for shard in shards]
+        first = indices[0]
+        for shard, index in zip(shards[1:], indices[1:]):
+            for key in ("target", "hidden_size", "feature_layers", "vocab_size", "max_len", "source"):
+                if index[key] != first[key]:
+                    raise ValueError(f"{shard} holds features of another {key} ({index[key]}) than {shards[0]}")
+        self.index = {**first, "chunks": [], "done": [], "sequences": 0, "tokens": 0, "reply_tokens": 0}
+        for shard, index in zip(shards, indices):
+            prefix = shard.relative_to(self.folder)
+            for chunk in index["chunks"]:
+                path = shard / chunk["file"]
+                if not path.exists():
+                    raise ValueError(f"{path} is missing: the store is incomplete")
+                self.index["chunks"].append({**chunk, "file": str(prefix / chunk["file"])})
+            self.index["done"] += index["done"]
+            for key in ("sequences", "tokens", "reply_tokens"):
+                self.index[key] += index[key]
 
     @property
     def num_chunks(self) -> int:
@@ -176,12 +254,25 @@ class FeatureReader:
             offsets = handle.get_tensor("offsets").tolist()
         return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
 
+    def replies(self) -> int:
+        """How many replies (user turns answered) the store's sequences hold: their runs of reply tokens."""
+        count = 0
+        for i in range(self.num_chunks):
+            with safe_open(str(self.folder / self.index["chunks"][i]["file"]), framework="pt") as handle:
+                reply = handle.get_tensor("reply").bool()
+                offsets = handle.get_tensor("offsets")
+            starts = reply.clone()
+            starts[1:] &= ~reply[:-1]
+            starts[offsets[:-1]] = reply[offsets[:-1]]  # a sequence starting inside a reply starts a run
+            count += int(starts.sum())
+        return count
+
     def chunk(self, i: int) -> list[FeatureSequence]:
         """The sequences of chunk `i`."""
-        tensors = load_file(str(self.folder / self.index["chunks"][i]["file"]))
-        offsets = tensors["offsets"].tolist()
-        return [FeatureSequence(tensors["tokens"][a:b].long(), tensors["features"][a:b], tensors["reply"][a:b].bool())
-                for a, b in zip(offsets[:-1], offsets[1:])]
+        t = load_file(str(self.folder / self.index["chunks"][i]["file"]))
+        offsets, known = t["offsets"].tolist(), t["known"].tolist()
+        return [FeatureSequence(t["tokens"][a:b].long(), t["features"][a:b], t["final"][a:b], t["reply"][a:b].bool(),
+                                k) for a, b, k in zip(offsets[:-1], offsets[1:], known)]
 
 
 def _length_batches(items: list[tuple[list[int], list[bool]]], batch_tokens: int) -> Iterator[list[int]]:
@@ -197,60 +288,32 @@ def _length_batches(items: list[tuple[list[int], list[bool]]], batch_tokens: int
         yield batch
 
 
-def answered(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_new_tokens: int, seed: int) -> list[Prompt]:
-    """The prompts with their first turn answered by the target itself (sampled at temperature 0.7, seeded)."""
-    from specsample.config import SamplingParams, SpecConfig
-    from specsample.engine import Engine
-
-    ids = [tokenizer.encode(p.turns[0], chat=True) for p in prompts]
-    engine = Engine(model, None, SpecConfig(speculative=False, max_batch_size=min(16, len(prompts)),
-                                            max_seq_len=max(len(i) for i in ids) + max_new_tokens),
-                    tokenizer.eos_token_ids)
-    rids = [engine.add_request(i, SamplingParams(temperature=0.7, max_new_tokens=max_new_tokens, seed=seed + n))
-            for n, i in enumerate(ids)]
-    replies: dict[str, list[int]] = {r: [] for r in rids}
-    for result in engine.stream():
-        for update in result.rows:
-            replies[update.request_id].extend(update.new_tokens)
-    return [Prompt(p.id, p.category, p.turns[:1], (tokenizer.decode(replies[r]),)) for p, r in zip(prompts, rids)]
-
-
 def collect_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], writer: FeatureWriter,
                      max_tokens: int, batch_tokens: int = 8192, chunk_conversations: int = 64,
                      progress: bool = True) -> None:
-    """Run the target over conversations (skipping the `writer.consumed` already handled) until the store holds
-    `max_tokens` tokens or the prompts run out. A prompt without replies is answered by the target itself first
-    (up to a quarter of `max_len` tokens); conversations left without a reply token are skipped."""
+    """Run the target teacher-forced over conversations with replies (skipping those `writer` handled already) until
+    the store holds `max_tokens` tokens or the prompts run out; conversations without a reply token are skipped."""
     bar = tqdm(total=max_tokens, initial=min(writer.num_tokens, max_tokens), desc="target features", unit="tok",
                unit_scale=True, disable=not progress)
-    source = iter(prompts)
-    for _ in range(writer.consumed):
-        next(source, None)
+    done = writer.done
+    source = ((i, p) for i, p in enumerate(prompts) if i not in done)
     max_len = writer.index["max_len"]
     while writer.num_tokens < max_tokens:
-        items, consumed, chunk = [], 0, []
-        for prompt in source:
-            consumed += 1
-            chunk.append(prompt)
-            if len(chunk) >= chunk_conversations:
-                break
-        unanswered = [p for p in chunk if not p.replies]
-        if unanswered:
-            own = dict(zip((id(p) for p in unanswered),
-                           answered(model, tokenizer, unanswered, max(8, max_len // 4), seed=writer.consumed)))
-            chunk = [own.get(id(p), p) for p in chunk]
-        for prompt in chunk:
+        chunk = [item for _, item in zip(range(chunk_conversations), source)]
+        if not chunk:
+            break
+        items = []
+        for _, prompt in chunk:
             ids, reply = rendered_conversation(tokenizer, prompt, max_len)
             if any(reply[1:]):
                 items.append((ids, reply))
-        if not chunk:
-            break
         sequences: list[FeatureSequence | None] = [None] * len(items)
         for batch in _length_batches(items, batch_tokens):
-            for i, features in zip(batch, target_features(model, [items[i][0] for i in batch])):
+            for i, (features, final) in zip(batch, target_features(model, [items[i][0] for i in batch],
+                                                                   writer.index["feature_layers"])):
                 ids, reply = items[i]
-                sequences[i] = FeatureSequence(torch.tensor(ids), features, torch.tensor(reply))
+                sequences[i] = FeatureSequence(torch.tensor(ids), features, final, torch.tensor(reply), len(ids))
         before = writer.num_tokens
-        writer.append(sequences, consumed)
+        writer.append(sequences, [i for i, _ in chunk])
         bar.update(min(writer.num_tokens, max_tokens) - min(before, max_tokens))
     bar.close()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from specsample.datasets import Prompt, sharegpt_prompts, spec_bench_prompts, text_file_prompts
+from specsample.distill.card import portable_command, portable_spec
 from specsample.distill.collect import CollectConfig, collect_on_policy, collect_teacher_forced
 from specsample.distill.data import DataReader, DataWriter
 from specsample.distill.evaluate import evaluate
@@ -211,12 +212,14 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
 
 def write_model_card(plan: DistillPlan, stores: list[DataReader], record: dict[str, Any], report: dict[str, Any],
                      command: str | None = None) -> None:
-    """README.md beside the weights: data, command, curve and evaluation, all from this run's files."""
-    lines = [f"# Draft for {plan.target}", "",
-             f"A {plan.shape.layers}-layer, {plan.shape.width}-wide Llama draft distilled from `{plan.target}` with "
+    """README.md beside the weights: data, command, curve and evaluation, all from this run's files (paths of this
+    machine shown by their names)."""
+    target = portable_spec(plan.target)
+    lines = [f"# Draft for {target}", "",
+             f"A {plan.shape.layers}-layer, {plan.shape.width}-wide Llama draft distilled from `{target}` with "
              "`specsample distill` (DistillSpec-style: forward KL to the target's top-k distributions).", ""]
     if command:
-        lines += ["## Command", "", "```bash", command, "```", ""]
+        lines += ["## Command", "", "```bash", portable_command(command), "```", ""]
     lines += ["## Data", ""]
     for store in stores:
         lines.append(f"- {store.index['kind']}: {len(store)} sequences, {store.num_tokens} tokens, top-{store.k}")

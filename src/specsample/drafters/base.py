@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
+from specsample.coupling import DraftNoise, gumbel_argmax
+from specsample.planner.base import Extension
 from specsample.processors import Shaper
+from specsample.sampling import sample, warp_rows
 
-if TYPE_CHECKING:
-    from specsample.coupling import DraftNoise
+log = logging.getLogger("specsample.engine")
 
 
 @dataclass(frozen=True)
@@ -30,90 +34,159 @@ class Proposal:
 
 
 @dataclass(frozen=True)
-class Extension:
-    """Drafting past a row's plan on confident drafts (gamma auto): once a row has drawn its planned drafts, it
-    draws one more after its j-th while its drafts so far were all accepted with probability at least
-    `bars[j - 1]`, that probability read as the product of their confidence bins' past acceptance. The rule reads
-    only the draft's own probabilities of tokens it already drew, so sampling stays exact."""
+class DraftRow:
+    """One row's part of a round's draft request."""
 
-    bin_acceptance: tuple[float, ...]  # past acceptance of drafts per confidence bin, len(...) equal bins of [0, 1]
-    bars: tuple[float, ...]  # per draft position j (index j - 1): the least chance all j were accepted to draw j + 1
+    slot: int  # the row's slot in the drafter's state
+    drafts: int  # drafts planned (the gate may stop the row sooner); with the request's tree: its depth at most
+    reach: int  # most drafts (> drafts only as the request's extension allows); with a tree: its nodes
+    params: SamplingParams
+    generator: torch.Generator
+    source: bool | None = None  # True: the row's prompt lookup; False: its model; None: the drafter's own rule
+    noise: DraftNoise | None = None  # coupled sampling: the noise its draws use (None there: a greedy row)
 
     def __post_init__(self) -> None:
-        if not self.bin_acceptance or any(not 0.0 <= a <= 1.0 for a in self.bin_acceptance):
-            raise ValueError(f"bin_acceptance needs one probability per bin, got {self.bin_acceptance}")
-
-    def draws_on(self, planned: int, confidences: Sequence[float]) -> bool:
-        """Whether a row planned for `planned` drafts, having drawn tokens with these confidences (at least its
-        plan), draws one more."""
-        drawn = len(confidences)
-        if drawn < max(planned, 1) or drawn > len(self.bars):
-            return False
-        bins = len(self.bin_acceptance)
-        chance = 1.0
-        for q in confidences:
-            if not q == q:  # NaN: a draft without a confidence (deterministic) says nothing
-                return False
-            chance *= self.bin_acceptance[min(int(q * bins), bins - 1)]
-        return chance >= self.bars[drawn - 1]
+        if not 0 <= self.drafts <= self.reach:
+            raise ValueError(f"need 0 <= drafts <= reach, got {self.drafts} and {self.reach}")
 
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """What a round asks of a drafter, per row of the batch (index i) and for the round."""
+    """What a round asks of a drafter: one record per row, and what holds for the whole round."""
 
-    slots: tuple[int, ...]  # the rows' slots in the drafter's state
-    drafts: tuple[int, ...]  # drafts planned per row (the gate may stop a row sooner); with `tree`: its depth at most
-    reach: tuple[int, ...]  # most drafts per row (> drafts only as `extension` allows); with `tree`: its nodes
-    params: tuple[SamplingParams, ...]
-    generators: tuple[torch.Generator, ...]
-    source: tuple[bool | None, ...] = ()  # True: the row's prompt lookup; False: its model; None (or empty): the
-    # drafter's own rule
+    rows: tuple[DraftRow, ...]
     stop_thresholds: tuple[float, ...] = ()  # per draft position j (index j - 1): stop after a less confident draft
     extension: Extension | None = None
-    width: int = -1  # the round's widest reach: proposals are this wide (-1: max(reach))
-    tree: TreeShape | None = None  # grow a token tree per row where the drafter can (see `drafts`, `reach`), else a chain
+    width: int = -1  # the round's widest reach: proposals are this wide (-1: the rows' widest)
+    tree: TreeShape | None = None  # grow a token tree per row where the drafter can (see `DraftRow`), else a chain
     # the rows' processors (penalties, logit bias, grammar): a drafter that draws from a distribution processes its
     # logits at each step with the tokens it drew before it in the round (`Shaper.next_logits`); None: none
     shaper: Shaper | None = None
-    # coupled sampling (specsample.coupling): per row the noise its draws use in place of its generator (None: a greedy
-    # row); empty: draw from the generators
-    noise: tuple[DraftNoise | None, ...] = ()
-    # rows sent to their lookup (source True) may propose a token tree of up to `reach[i]` nodes where their
+    coupled: bool = False  # draws are Gumbel-max with each row's noise (specsample.coupling), not from generators
+    # rows sent to their lookup (source True) may propose a token tree of up to their reach in nodes where their
     # continuations branch (the target scores trees); False: chains, unless `tree`
     lookup_trees: bool = False
 
     def __post_init__(self) -> None:
-        rows = len(self.slots)
-        if any(len(part) != rows for part in (self.drafts, self.reach, self.params, self.generators)):
-            raise ValueError("a draft request needs one plan, reach, params and generator per slot")
-        if self.source and len(self.source) != rows:
-            raise ValueError(f"a draft request of {rows} rows got {len(self.source)} sources")
-        if self.noise and len(self.noise) != rows:
-            raise ValueError(f"a draft request of {rows} rows got {len(self.noise)} noise streams")
-        if any(r < d or d < 0 for d, r in zip(self.drafts, self.reach)):
-            raise ValueError(f"need 0 <= drafts <= reach per row, got {self.drafts} and {self.reach}")
         if self.width < 0:
-            object.__setattr__(self, "width", max(self.reach, default=0))
+            object.__setattr__(self, "width", max((r.reach for r in self.rows), default=0))
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return tuple(r.slot for r in self.rows)
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return tuple(r.drafts for r in self.rows)
+
+    @property
+    def reach(self) -> tuple[int, ...]:
+        return tuple(r.reach for r in self.rows)
+
+    @property
+    def params(self) -> tuple[SamplingParams, ...]:
+        return tuple(r.params for r in self.rows)
+
+    @property
+    def generators(self) -> tuple[torch.Generator, ...]:
+        return tuple(r.generator for r in self.rows)
 
     def source_of(self, row: int) -> bool | None:
-        return self.source[row] if self.source else None
+        return self.rows[row].source
 
     def select(self, rows: Sequence[int]) -> DraftRequest:
         """The same request for some of its rows (a drafter handing them to another), as wide as the round."""
-        return DraftRequest(tuple(self.slots[i] for i in rows), tuple(self.drafts[i] for i in rows),
-                            tuple(self.reach[i] for i in rows), tuple(self.params[i] for i in rows),
-                            tuple(self.generators[i] for i in rows),
-                            tuple(self.source[i] for i in rows) if self.source else (),
-                            self.stop_thresholds, self.extension, self.width, self.tree, self.shaper,
-                            tuple(self.noise[i] for i in rows) if self.noise else (), self.lookup_trees)
+        return dataclasses.replace(self, rows=tuple(self.rows[i] for i in rows))
 
     def refuse_extension(self, rows: Sequence[int], why: str) -> None:
         """Raise where one of `rows` may draft past its plan, which the caller cannot honour (`why`); a tree's reach is
         its nodes, not an extension."""
-        past = [i for i in rows if self.reach[i] > self.drafts[i]] if self.tree is None else []
+        past = [i for i in rows if self.rows[i].reach > self.rows[i].drafts] if self.tree is None else []
         if past:
             raise ValueError(f"rows {past} may draft past their plan, but {why}")
+
+
+def draw_drafts(probs: Tensor, request: DraftRequest, step: int, active: Sequence[bool],
+                subset: Tensor | None = None) -> Tensor:
+    """The tokens `[rows]` a drafter draws at draft `step` from its warped `probs [rows, K]` (K: the vocabulary, or
+    the columns of an output `subset` of token ids): from each row's generator, or, under coupled sampling, as the
+    Gumbel-max of its probabilities with the row's noise at that position (a row without noise, greedy, takes its
+    argmax). Inactive rows draw nothing (token 0)."""
+    if not request.coupled:
+        return sample(probs, request.generators, active)
+    rows, width = probs.shape
+    gumbels = torch.zeros(rows, width, dtype=torch.float64)
+    for index, row in enumerate(request.rows):
+        if active[index] and row.noise is not None:
+            g = row.noise.gumbel(step)
+            gumbels[index] = g if subset is None else g[subset.cpu()]
+    tokens = gumbel_argmax(probs, gumbels)
+    return torch.where(torch.tensor(list(active), device=tokens.device), tokens, torch.zeros_like(tokens))
+
+
+def draw_chain(request: DraftRequest, logits: Tensor, advance: Callable[[Tensor], Tensor], vocab_size: int,
+               subset: Tensor | None = None, reach: Sequence[int] | None = None) -> Proposal:
+    """The draw loop every drafter that samples from its own distributions runs: up to `reach[i]` (default the
+    request's) tokens per row, `logits [b, K]` scoring the first draft (over `subset`'s token ids, else the
+    vocabulary) and `advance(tokens [b])` feeding the tokens just drawn and returning the next logits.
+
+    The confidence gate stops a row after its j-th token if its temperature-1 probability was below
+    `stop_thresholds[j - 1]` (the token itself is kept, so the rule reads past draws only); past its plan a row draws
+    on only as `request.extension` allows. Each step's logits are processed with the tokens the row drew before them
+    in the round (`request.shaper`). The proposal's probabilities are over the vocabulary (a subset's columns put
+    back at their ids)."""
+    width, params = request.width, request.params
+    batch = len(request.rows)
+    limits = [min(width, m) for m in (request.reach if reach is None else reach)]
+    extension = request.extension
+    planned = list(limits) if extension is None else [min(p, m) for p, m in zip(request.drafts, limits)]
+    drafted = [0] * batch
+    tokens, probs, confidence = [], [], []
+    drawn: list[list[float]] = [[] for _ in range(batch)]  # per row, its confidence in each token it drew
+    paths: list[list[int]] = [[] for _ in range(batch)]  # per row, the tokens it drew this round
+    for step in range(width):
+        active = [drafted[r] == step and step < limits[r] for r in range(batch)]
+        if not any(active):
+            break
+        if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
+            logits = request.shaper.next_logits(logits, request.slots, paths, subset)
+        step_probs = warp_rows(logits, params)  # [b, K]; tokens outside the subset have probability 0
+        index = draw_drafts(step_probs, request, step, active, subset)  # [b]; inactive rows draw nothing
+        own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [b]
+        token = index if subset is None else subset[index]  # [b] vocabulary ids
+        tokens.append(token)
+        probs.append(step_probs)
+        confidence.append(own)
+        own_list = own.tolist()  # one copy, not one per row
+        token_list = token.tolist() if request.shaper is not None else None
+        for r in range(batch):
+            if active[r]:
+                if token_list is not None:
+                    paths[r].append(token_list[r])
+                drafted[r] = step + 1
+                drawn[r].append(own_list[r])
+                if step + 1 < planned[r]:
+                    if step < len(request.stop_thresholds) and own_list[r] < request.stop_thresholds[step]:
+                        limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
+                elif extension is None or not extension.draws_on(request.drafts[r], drawn[r]):
+                    limits[r] = step + 1  # the plan is drawn and the drafts are not sure enough to go on
+        if not any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
+            break
+        logits = advance(token)
+    steps = len(tokens)
+    draft_tokens = torch.zeros(batch, width, dtype=torch.long)
+    draft_probs = torch.zeros(batch, width, vocab_size, dtype=probs[0].dtype if probs else torch.float32)
+    draft_conf = torch.zeros(batch, width)
+    if steps:
+        draft_tokens[:, :steps] = torch.stack(tokens, dim=1).cpu()
+        stacked = torch.stack(probs, dim=1).cpu()  # [b, steps, K]
+        if subset is None:
+            draft_probs[:, :steps] = stacked
+        else:  # back to vocabulary ids for the verifier
+            draft_probs[:, :steps].index_copy_(-1, subset.cpu(), stacked)
+        draft_conf[:, :steps] = torch.stack(confidence, dim=1).cpu()
+    return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
+                    confidence=draft_conf)
 
 
 @runtime_checkable
@@ -290,3 +363,50 @@ def best_tree(tokens: list[list[int]], parents: list[list[int]], scores: list[li
         counts.append(len(order))
     return Proposal(tokens=out_tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long),
                     confidence=confidence, parents=out_parents)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def allocated(drafter: Drafter, slots: int, max_len: int) -> Drafter:
+    """`drafter` with its state allocated for `slots` rows of `max_len` tokens; where that fails (out of memory, CPU
+    or GPU), a drafter that proposes nothing, loudly: requests never fail for it."""
+    try:
+        drafter.allocate(slots, max_len)
+    except (RuntimeError, MemoryError) as exc:
+        log.warning("draft cache could not be allocated (%s): decoding WITHOUT speculation", exc)
+        return NoDrafter()
+    return drafter
+
+
+class NoDrafter:
+    """The drafter of plain decoding: it proposes nothing and keeps nothing, so an engine without a draft runs the same
+    round as one with."""
+
+    vocab_size = None
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        return None
+
+    def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        return None
+
+    def release_rows(self, slots: Sequence[int]) -> None:
+        return None
+
+    def park_rows(self, slots: Sequence[int]) -> None:
+        return None
+
+    def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
+        return None
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        batch = len(request.rows)
+        return Proposal(torch.zeros(batch, 0, dtype=torch.long), None, torch.zeros(batch, dtype=torch.long))

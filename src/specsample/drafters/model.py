@@ -11,8 +11,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.coupling import draw_drafts
-from specsample.drafters.base import DraftRequest, Proposal, best_tree
+from specsample.drafters.base import DraftRequest, Proposal, best_tree, draw_chain
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import warp_rows
 
@@ -159,72 +158,26 @@ class ModelDrafter:
         return int(self.cache.lengths[slot]) + self._skipped[slot]
 
     def propose(self, request: DraftRequest) -> Proposal:
-        """Draw up to `request.reach[i]` tokens per row; a row stops after its j-th token if it gave it less than
-        `stop_thresholds[j - 1]` probability (at temperature 1): a stopping rule on past draws only. Past its plan
-        (`request.drafts[i]`) a row draws on only as `request.extension` allows."""
+        """Draw up to `request.reach[i]` tokens per row through the shared draw loop (`draw_chain`: the confidence
+        gate and the extension); with `request.tree`, a tree along the draft's greedy chain (`_propose_tree`)."""
         if request.tree is not None:
             return self._propose_tree(request)
-        slots, gamma, params = request.slots, request.width, request.params
-        stop_thresholds, extension = request.stop_thresholds, request.extension
-        batch = len(slots)
+        slots = request.slots
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
-        self._catch_up(slots, gamma)
+        self._catch_up(slots, request.width)
         pending = [self.history[s][self._fed(s):] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
         inputs, last = pad_right(pending, self.model.device)
         logits, subset = self._logits(inputs, slot_tensor, last)  # [b, K]: K the draft's output tokens
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
-        limits = [min(gamma, m) for m in request.reach]
-        planned = list(limits) if extension is None else [min(p, m) for p, m in zip(request.drafts, limits)]
-        drafted = [0] * batch
-        tokens, probs, confidence = [], [], []
-        drawn: list[list[float]] = [[] for _ in range(batch)]  # per row, its confidence in each token it drew
-        paths: list[list[int]] = [[] for _ in range(batch)]  # per row, the tokens it drew this round
-        for step in range(gamma):
-            active = [drafted[r] == step and step < limits[r] for r in range(batch)]
-            if not any(active):
-                break
-            if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
-                logits = request.shaper.next_logits(logits, slots, paths, subset)
-            step_probs = warp_rows(logits, params)  # [b, K]; tokens outside the subset have probability 0
-            index = draw_drafts(step_probs, request, step, active, subset)  # [b]; inactive rows draw nothing
-            own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [b]
-            token = index if subset is None else subset[index]  # [b] vocabulary ids
-            tokens.append(token)
-            probs.append(step_probs)
-            confidence.append(own)
-            own_list = own.tolist()  # one copy, not one per row
-            token_list = token.tolist() if request.shaper is not None else None
-            for r in range(batch):
-                if active[r]:
-                    if token_list is not None:
-                        paths[r].append(token_list[r])
-                    drafted[r] = step + 1
-                    drawn[r].append(own_list[r])
-                    if step + 1 < planned[r]:
-                        if step < len(stop_thresholds) and own_list[r] < stop_thresholds[step]:
-                            limits[r] = step + 1  # confidence gate: this token is kept, the round ends here
-                    elif extension is None or not extension.draws_on(request.drafts[r], drawn[r]):
-                        limits[r] = step + 1  # the plan is drawn and the drafts are not sure enough to go on
-            if step + 1 < gamma and any(drafted[r] == step + 1 and step + 1 < limits[r] for r in range(batch)):
-                logits, _ = self._logits(token.unsqueeze(1), slot_tensor, torch.zeros_like(token))
-            else:
-                break
-        steps = len(tokens)
-        draft_tokens = torch.zeros(batch, gamma, dtype=torch.long)
-        draft_probs = torch.zeros(batch, gamma, self.vocab_size, dtype=probs[0].dtype if probs else torch.float32)
-        draft_conf = torch.zeros(batch, gamma)
-        if steps:
-            draft_tokens[:, :steps] = torch.stack(tokens, dim=1).cpu()
-            drawn = torch.stack(probs, dim=1).cpu()  # [b, steps, K]
-            if subset is None:
-                draft_probs[:, :steps] = drawn
-            else:  # back to vocabulary ids for the verifier
-                draft_probs[:, :steps].index_copy_(-1, subset.cpu(), drawn)
-            draft_conf[:, :steps] = torch.stack(confidence, dim=1).cpu()
+
+        def advance(token: Tensor) -> Tensor:
+            return self._logits(token.unsqueeze(1), slot_tensor, torch.zeros_like(token))[0]
+
+        proposal = draw_chain(request, logits, advance, self.vocab_size, subset)
+        steps = int(proposal.num_drafted.max()) if len(slots) else 0
         for row, slot in enumerate(slots):
-            self._drafted[slot] = draft_tokens[row, :steps].tolist()  # drawn; all but the last were fed
-        return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
-                        confidence=draft_conf)
+            self._drafted[slot] = proposal.tokens[row, :steps].tolist()  # drawn; all but the last were fed
+        return proposal
 
     def _propose_tree(self, request: DraftRequest) -> Proposal:
         """A tree per row along the draft's greedy chain (its spine, down to `tree.depth`): at each depth the draft's

@@ -64,17 +64,18 @@ class LastPositionLM(Protocol):
 
 @runtime_checkable
 class FeatureLM(Protocol):
-    """A model that also returns, from the same forward, its final hidden state at each new position (the vector its
-    output layer reads): a feature draft (EAGLE) drafts from them at no extra cost to the target."""
+    """A model that also returns, from the same forward, its features at each new position: its final hidden state
+    (the vector its output layer reads), or hidden states of chosen layers concatenated (EAGLE-3): a feature draft
+    drafts from them at no extra cost to the target."""
 
-    hidden_size: int
+    feature_size: int  # the width of a position's features
 
     def forward_cached_features(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """`forward_cached`, and the final hidden states `[b, n, hidden]` of the same positions."""
+        """`forward_cached`, and the features `[b, n, feature_size]` of the same positions."""
         ...
 
     def prefill_features(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> Tensor:
-        """`prefill`, returning the final hidden states `[b, n, hidden]` (no logits are computed)."""
+        """`prefill`, returning the features `[b, n, feature_size]` (no logits are computed)."""
         ...
 
 
@@ -105,7 +106,7 @@ def prefill_ragged(model: CausalLM, cache: ModelCache, slots: Tensor, sequences:
     """Prefill rows with sequences of different lengths (right-padded, then rolled back). With `features` (a
     `FeatureLM`), return each row's final hidden states `[len, hidden]` (empty for an empty sequence)."""
     if not any(sequences):
-        return [torch.zeros(0, model.hidden_size, device=model.device) for _ in sequences] if features else None
+        return [torch.zeros(0, model.feature_size, device=model.device) for _ in sequences] if features else None
     has_tokens = [i for i, s in enumerate(sequences) if s]
     rows = slots[torch.tensor(has_tokens)]
     inputs, last = pad_right([sequences[i] for i in has_tokens], model.device)
@@ -114,7 +115,7 @@ def prefill_ragged(model: CausalLM, cache: ModelCache, slots: Tensor, sequences:
     cache.truncate(rows, start + last.cpu() + 1)
     if not features:
         return None
-    out = [torch.zeros(0, model.hidden_size, dtype=hidden.dtype, device=hidden.device) for _ in sequences]
+    out = [torch.zeros(0, model.feature_size, dtype=hidden.dtype, device=hidden.device) for _ in sequences]
     for j, i in enumerate(has_tokens):
         out[i] = hidden[j, : len(sequences[i])]
     return out

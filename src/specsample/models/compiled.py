@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models.layers import apply_rope, weight_version
+from specsample.models.rope import rope_tables
 from specsample.models.quant import QuantLinear, SplitLinear
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,15 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 
 class DecodeStep(nn.Module):
     """Hidden states `[b, n, hidden]` after appending n tokens (a causal block) to each of the cache's rows
-    `slots [b]`."""
+    `slots [b]`, and the model's feature layers' residual streams concatenated (`LlamaModel.set_feature_layers`;
+    None where it has none)."""
 
     def __init__(self, model: nn.Module) -> None:  # a LlamaModel
         super().__init__()
         self.model = model
 
     def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor, keys: Tensor,
-                values: Tensor) -> Tensor:
+                values: Tensor) -> tuple[Tensor, Tensor | None]:
         """`keys`/`values` are a `KVCache`'s stores as allocated, `[layers * rows, KVH, max_len, hd]` (one size for
         any number of rows, 1 included), written in place from `positions [b]` on; attention reads their first
         `len(key_positions)` entries (`key_positions`: 0, 1, ..)."""
@@ -73,7 +75,10 @@ class DecodeStep(nn.Module):
         causal = key_pos <= query_pos  # [b, 1, G * n, length]; stale entries past a row's length are masked
         windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
         rows_per_layer = keys.shape[0] // len(m.layers)
+        wanted, taken = m.feature_layers or (), []
         for i, layer in enumerate(m.layers):
+            if i in wanted:
+                taken.append(x)
             qkv = project(layer.qkv, layer.input_norm(x))
             qkv = qkv.view(batch, n, heads + 2 * kv_heads, head_dim)
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
@@ -90,7 +95,9 @@ class DecodeStep(nn.Module):
             x = x + project(layer.o_proj, out.reshape(batch, n, heads * head_dim))
             gate, up = project(layer.gate_up, layer.post_norm(x)).chunk(2, dim=-1)
             x = x + project(layer.down, F.silu(gate) * up)
-        return m.norm(x)
+        if len(m.layers) in wanted:
+            taken.append(x)
+        return m.norm(x), (torch.cat(taken, dim=-1) if taken else None)
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
@@ -141,6 +148,20 @@ def _private_forward(module: nn.Module) -> nn.Module:
     return module
 
 
+def _dynamic_reads(cache: KVCache, length: int, device: torch.device) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """The key positions `[length]` a compiled step's attention reads (at least 2: dynamo specialises a size of 1;
+    at most the allocation) and the cache's stores, their sizes marked dynamic: neither a longer context nor a cache
+    with more rows recompiles the step."""
+    key_positions = torch.arange(min(max(length, 2), cache.key_store.shape[3]), device=device)
+    torch._dynamo.mark_dynamic(key_positions, 0)
+    stores = (cache.flat_keys, cache.flat_values)
+    for tensor in stores:
+        for dim in (0, 2):
+            if tensor.shape[dim] > 1:  # dynamo always specialises size 1
+                torch._dynamo.mark_dynamic(tensor, dim)
+    return key_positions, stores
+
+
 def _total_version(tensors: list[Tensor]) -> int:
     """Sum of version counters: they only grow, so the sum changes exactly when some tensor was written."""
     return sum(map(weight_version, tensors))
@@ -169,7 +190,7 @@ class CompiledDecode:
                 if (True, n == 1) in self.compiled_shapes:  # compiled already
                     continue
                 tokens = torch.zeros(1, n, dtype=torch.long, device=self.model.device)
-                self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)))
+                self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long))[0])
 
     def stale(self) -> bool:
         """True once any weight changed in place: the frozen constants no longer match the model."""
@@ -180,21 +201,15 @@ class CompiledDecode:
         """Up to MAX_BLOCK tokens per row, for distinct rows of the cache (the compiled step's contract)."""
         return tokens.shape[1] <= MAX_BLOCK and len(torch.unique(slots)) == len(slots)
 
-    def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor) -> Tensor:
-        """Hidden states `[b, n, hidden]` for rows `slots [b]` appending `tokens [b, n]`; writes their new keys and
-        values from `positions [b]` on."""
+    def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor,
+                 positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Hidden states `[b, n, hidden]` for rows `slots [b]` appending `tokens [b, n]`, and their features where the
+        model has feature layers (`DecodeStep`); writes their new keys and values from `positions [b]` on."""
         # attention reads the rows' entries up to the furthest new position, not the whole allocation: the step's
         # cost follows the context. The stores' row count and length and the read length are dynamic dimensions,
         # so neither a new request nor a longer context recompiles (the read length at least 2, the masked entry
         # past position 0 included: dynamo specialises a size of 1)
-        length = min(max(int(positions.max()) + tokens.shape[1], 2), cache.key_store.shape[3])
-        key_positions = torch.arange(length, device=tokens.device)
-        torch._dynamo.mark_dynamic(key_positions, 0)
-        stores = (cache.flat_keys, cache.flat_values)
-        for tensor in stores:
-            for dim in (0, 2):
-                if tensor.shape[dim] > 1:  # dynamo always specialises size 1
-                    torch._dynamo.mark_dynamic(tensor, dim)
+        key_positions, stores = _dynamic_reads(cache, int(positions.max()) + tokens.shape[1], tokens.device)
         shape = (tokens.shape[0] == 1, tokens.shape[1] == 1)
         if shape not in self.compiled_shapes:
             log.info("compiling the decode step for batch %s, %s (20-80 s on a small CPU, once per process)",
@@ -223,3 +238,67 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(hidden, 1)
         with torch._inductor.config.patch(self.inductor_config):
             return self.head[1](hidden)
+
+
+class HeadStep(nn.Module):
+    """One drafting step of an EAGLE-3 head (`models/eagle_head.py`) on each of the cache's rows `slots [b]`: the
+    entry of a drawn token read with the head's output before it, appended at `positions [b]`; its output `[b, 1, H]`
+    and logits over the draft vocabulary `[b, K]`."""
+
+    def __init__(self, head: nn.Module) -> None:  # an EagleHead
+        super().__init__()
+        self.head = head
+
+    def forward(self, embeddings: Tensor, hidden: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor,
+                keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        h, c = self.head, self.head.layer_config
+        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        groups = heads // kv_heads
+        batch, length = embeddings.shape[0], key_positions.shape[0]
+        normed = h.hidden_norm(hidden)
+        residual = normed if h.config.norm_before_residual else hidden
+        qkv = project(h.qkv, torch.cat([h.input_norm(embeddings), normed], dim=-1)).view(batch, 1, heads + 2 * kv_heads,
+                                                                                          head_dim)
+        cos, sin = rope_tables(h._inv_freq, h.rope_scale, positions.view(batch, 1), qkv.dtype)
+        qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
+        keys[slots.view(batch, 1), :, positions.view(batch, 1)] = qk[:, :, heads:]  # [b, 1, KVH, hd]
+        values[slots.view(batch, 1), :, positions.view(batch, 1)] = qkv[:, :, heads + kv_heads:]
+        mask = key_positions.view(1, 1, 1, length) <= positions.view(batch, 1, 1, 1)  # [b, 1, 1, length]
+        q = qk[:, :, :heads].reshape(batch, kv_heads, groups, head_dim)
+        out = F.scaled_dot_product_attention(q, keys[:, :, :length].index_select(0, slots),
+                                             values[:, :, :length].index_select(0, slots), attn_mask=mask)
+        x = residual.to(out.dtype) + project(h.o_proj, out.reshape(batch, 1, heads * head_dim))
+        gate, up = project(h.gate_up, h.post_norm(x)).chunk(2, dim=-1)
+        x = x + project(h.down, F.silu(gate) * up)
+        return x, project(h.lm_head, h.norm(x[:, 0]))
+
+
+class CompiledHeadStep:
+    """A compiled `HeadStep` for one head: what a drafting step runs where the target runs compiled."""
+
+    def __init__(self, head: nn.Module) -> None:  # an EagleHead
+        self.head = head
+        self.step = torch.compile(_private_forward(HeadStep(head).eval()), fullgraph=True)
+        self.inductor_config = CPU_INDUCTOR_CONFIG if head.device.type == "cpu" else {}
+        self.compiled = False
+
+    def warm_up(self, embed) -> None:
+        """Compile the step now for batch 1 on a throwaway cache (`embed`: the token embedding the drafter uses)."""
+        cache = self.head.new_cache(1, 8)
+        with torch.inference_mode():
+            hidden = torch.zeros(1, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=self.head.device)
+            self(embed(torch.zeros(1, 1, dtype=torch.long)), hidden, cache, torch.zeros(1, dtype=torch.long))
+
+    def __call__(self, embeddings: Tensor, hidden: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The head's output `[b, 1, H]` and logits `[b, K]` for one entry per row `slots [b]`, appended after each
+        row's length in `cache` (which grows by one)."""
+        starts = cache.reserve(slots, 1)
+        key_positions, stores = _dynamic_reads(cache, int(starts.max()) + 1, hidden.device)
+        if not self.compiled:
+            log.info("compiling the feature draft's step (10-30 s on a small CPU, once per process)")
+        with torch._inductor.config.patch(self.inductor_config):
+            out = self.step(embeddings.contiguous(), hidden.contiguous(), slots.to(hidden.device).clone(),
+                            starts.to(hidden.device), key_positions, *stores)
+        self.compiled = True
+        cache.lengths[slots.cpu()] = starts + 1
+        return out

@@ -68,7 +68,8 @@ class HFCausalLM:
         return HFCache(num_slots, max_len)
 
     @property
-    def hidden_size(self) -> int:
+    def feature_size(self) -> int:
+        """The width of its features: the final hidden state."""
         return int(self.model.get_output_embeddings().weight.shape[1])
 
     @torch.inference_mode()

@@ -107,6 +107,11 @@ def cache_dir() -> Path:
     return base / "specsample"
 
 
+def alias_cached(name: str) -> bool:
+    """Whether alias `name` is in the cache already (loading it fetches nothing)."""
+    return name in ALIASES and (cache_dir() / "models" / name / _DONE_MARKER).exists()
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()

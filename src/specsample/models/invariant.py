@@ -30,20 +30,6 @@ from torch import Tensor
 FIXED_ROWS = 8  # rows per matrix product in deterministic mode: a block of up to 7 drafts and the pending token
 
 
-def fixed_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None,
-                      rows: int = FIXED_ROWS) -> Tensor:
-    """`linear(x, weight, bias)` for `x [..., in]` as products of exactly `rows` rows each: the same result for a row
-    wherever it sits and whatever the other rows are."""
-    from specsample.models.layers import linear
-
-    flat = x.reshape(-1, x.shape[-1])  # [m, in]
-    m = flat.shape[0]
-    if m % rows:
-        flat = torch.cat([flat, flat.new_zeros(rows - m % rows, flat.shape[1])])
-    out = torch.cat([linear(block, weight, bias, packed) for block in flat.split(rows)])  # [m + pad, out]
-    return out[:m].reshape(*x.shape[:-1], out.shape[-1])
-
-
 @dataclass(frozen=True)
 class QueryGroups:
     """Which queries of a forward attend together (`exact_attention`): per key count, the (row, position) pairs whose

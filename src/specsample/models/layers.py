@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specsample.models.invariant import fixed_rows_linear
+from specsample.models.invariant import FIXED_ROWS
 
 
 # float32 weights smaller than this stay unpacked: a packed oneDNN call costs 13-17 us however small the
@@ -46,6 +46,18 @@ def weight_version(weight: Tensor) -> int:
     """The tensor's in-place version counter; -2 for a tensor made under `torch.inference_mode` (a model loaded
     there), which keeps none: its copies (packed, gathered, compiled) are then never refreshed."""
     return -2 if weight.is_inference() else weight._version
+
+
+def fixed_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None,
+                      rows: int = FIXED_ROWS) -> Tensor:
+    """`linear(x, weight, bias)` for `x [..., in]` as products of exactly `rows` rows each: the same result for a row
+    wherever it sits and whatever the other rows are."""
+    flat = x.reshape(-1, x.shape[-1])  # [m, in]
+    m = flat.shape[0]
+    if m % rows:
+        flat = torch.cat([flat, flat.new_zeros(rows - m % rows, flat.shape[1])])
+    out = torch.cat([linear(block, weight, bias, packed) for block in flat.split(rows)])  # [m + pad, out]
+    return out[:m].reshape(*x.shape[:-1], out.shape[-1])
 
 
 class Linear(nn.Linear):

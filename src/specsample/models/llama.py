@@ -317,6 +317,9 @@ class LlamaModel(nn.Module):
         # let torch pick cuDNN's attention in eager cached forwards: it builds a graph per context length
         self.cudnn_attention = False  # (models/sdpa.py); the compiled decode step's shapes never change
         self.deterministic = False  # see set_deterministic()
+        # what `*_features` return (see set_feature_layers): None, the final normed hidden states; else the residual
+        # stream entering each of these layers, concatenated (EAGLE-3's fused features)
+        self.feature_layers: tuple[int, ...] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -345,6 +348,26 @@ class LlamaModel(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
+
+    @property
+    def feature_size(self) -> int:
+        """The width of what `*_features` return: the hidden size, times the feature layers where they are set."""
+        return self.config.hidden_size * (1 if self.feature_layers is None else len(self.feature_layers))
+
+    def set_feature_layers(self, layers: tuple[int, ...] | None) -> None:
+        """Make `forward_cached_features`, `prefill_features` and `forward_cached_tree` return, per position, the
+        residual stream entering each of `layers` (0-based, ascending; `num_layers` means the output of the last
+        layer before the final norm), concatenated `[..., len(layers) * hidden]`: what an EAGLE-3 head reads (vLLM's
+        auxiliary hidden states). None: the final normed hidden states (an EAGLE head's features)."""
+        if layers is not None:
+            layers = tuple(int(i) for i in layers)
+            if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] <= len(self.layers):
+                raise ValueError(f"feature layers must be distinct ascending layer indices in 0..{len(self.layers)}, "
+                                 f"got {layers}")
+        if layers != self.feature_layers:
+            self.feature_layers = layers
+            if self.compiled is not None:  # its graphs return the old features: compile again on first use
+                self.compile_decode()
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """Preallocate a KV cache for `num_slots` rows of `max_len` tokens in the model's dtype."""
@@ -391,13 +414,20 @@ class LlamaModel(nn.Module):
             self._inv_freq = self._inv_freq.to(positions.device)
         return rope_tables(self._inv_freq, self.rope_scale, positions, self.dtype)
 
-    def hidden_states(self, tokens: Tensor, attend: Attention) -> Tensor:
-        """Final normed hidden states `[b, n, hidden]` for `tokens [b, n]`."""
+    def hidden_states(self, tokens: Tensor, attend: Attention) -> tuple[Tensor, Tensor | None]:
+        """Final normed hidden states `[b, n, hidden]` for `tokens [b, n]`, and the feature layers' residual streams
+        concatenated `[b, n, len(feature_layers) * hidden]` (None where no feature layers are set)."""
         x = self.embed(tokens)
         rope = self.rope_tables(attend.rope_positions)
-        for layer in self.layers:
+        taken = []
+        wanted = self.feature_layers or ()
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                taken.append(x)
             x = layer(x, rope, attend)
-        return self.norm(x)
+        if len(self.layers) in wanted:
+            taken.append(x)
+        return self.norm(x), (torch.cat(taken, dim=-1) if taken else None)
 
     def set_output_subset(self, token_ids: Tensor | None) -> None:
         """Restrict the output layer to `token_ids` (FR-Spec): other tokens get probability 0.
@@ -453,7 +483,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward_cached(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
         """Append `tokens [b, n]` to rows `slots` of `cache` and return logits `[b, n, vocab]`."""
-        hidden, compiled = self._append(tokens, cache, slots)
+        hidden, _, compiled = self._append(tokens, cache, slots)
         # the compiled output layer only where the compiled step ran: other shapes would compile it again
         return self.compiled.logits(hidden) if compiled else self.logits(hidden)
 
@@ -462,7 +492,7 @@ class LlamaModel(nn.Module):
         """Append `tokens [b, n]` like `forward_cached`, but return logits `[b, K]` at position `last[i]` of
         row i only, over the output subset where there is one (K its size, in its order), else the whole
         vocabulary: what a drafter samples from, without computing or copying the rest."""
-        hidden, compiled = self._append(tokens, cache, slots)
+        hidden, _, compiled = self._append(tokens, cache, slots)
         hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]  # [b, hidden]
         if compiled:  # the compiled output layer, as forward_cached: the same numbers either way
             logits = self.compiled.logits(hidden.unsqueeze(1))[:, 0]  # [b, vocab]
@@ -471,9 +501,10 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_cached_features(self, tokens: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """`forward_cached`, and the final hidden states `[b, n, hidden]` it computed the logits from."""
-        hidden, compiled = self._append(tokens, cache, slots)
-        return (self.compiled.logits(hidden) if compiled else self.logits(hidden)), hidden
+        """`forward_cached`, and the features `[b, n, hidden_size]` of the same positions (the final hidden states
+        the logits come from, or the feature layers': `set_feature_layers`)."""
+        hidden, features, compiled = self._append(tokens, cache, slots)
+        return (self.compiled.logits(hidden) if compiled else self.logits(hidden)), features
 
     @torch.inference_mode()
     def forward_cached_tree(self, tokens: Tensor, cache: KVCache, slots: Tensor,
@@ -481,9 +512,9 @@ class LlamaModel(nn.Module):
         """Append a token tree per row (`parents [b, n]`: each token's parent among them, -1 for the first) and
         return logits `[b, n, vocab]` and final hidden states `[b, n, hidden]`: each token sees the context and its
         ancestors, at the position of its depth. Its cache entries sit in block order: keep a path with
-        `KVCache.keep_path`."""
-        hidden, _ = self._append(tokens, cache, slots, parents)
-        return self.logits(hidden), hidden
+        `KVCache.keep_path`. The hidden states are the features (`forward_cached_features`)."""
+        hidden, features, _ = self._append(tokens, cache, slots, parents)
+        return self.logits(hidden), features
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
@@ -493,14 +524,15 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def prefill_features(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> Tensor:
-        """`prefill`, returning the final hidden states `[b, n, hidden]`."""
-        return torch.cat([self._append(tokens[:, begin:begin + chunk], cache, slots, compiled_ok=False)[0]
+        """`prefill`, returning the features `[b, n, hidden_size]` (`forward_cached_features`)."""
+        return torch.cat([self._append(tokens[:, begin:begin + chunk], cache, slots, compiled_ok=False)[1]
                           for begin in range(0, tokens.shape[1], chunk)], dim=1)
 
     def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor, parents: Tensor | None = None,
-                compiled_ok: bool = True) -> tuple[Tensor, bool]:
+                compiled_ok: bool = True) -> tuple[Tensor, Tensor, bool]:
         """Final hidden states `[b, n, hidden]` after appending `tokens` (a causal block, or a tree per row: see
-        `Attention`), and whether the compiled step ran (where there is one and `compiled_ok`: not for prefill)."""
+        `Attention`), the features of the same positions (`forward_cached_features`), and whether the compiled step
+        ran (where there is one and `compiled_ok`: not for prefill)."""
         n = tokens.shape[1]
         starts = cache.reserve(slots, n)
         compiled = (compiled_ok and parents is None and self.compiled is not None
@@ -508,20 +540,20 @@ class LlamaModel(nn.Module):
         if compiled:
             if self.compiled.stale():
                 self.compile_decode()
-            hidden = self.compiled(tokens.to(self.device), cache, slots, starts)
+            hidden, features = self.compiled(tokens.to(self.device), cache, slots, starts)
         else:
             attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device, parents,
                                exact=self.deterministic)
             with without_cudnn_attention(self.cudnn_attention):
-                hidden = self.hidden_states(tokens.to(self.device), attend)
+                hidden, features = self.hidden_states(tokens.to(self.device), attend)
         cache.lengths[slots.cpu()] = starts + n
-        return hidden, compiled
+        return hidden, (hidden if features is None else features), compiled
 
     def uncached_hidden(self, tokens: Tensor) -> Tensor:
         """Final hidden states `[b, n, hidden]` of a causal forward without a cache (training, scoring)."""
         batch, n = tokens.shape
         attend = Attention(None, None, torch.zeros(batch, dtype=torch.long), n, self.config, self.groups, self.device)
-        return self.hidden_states(tokens.to(self.device), attend)
+        return self.hidden_states(tokens.to(self.device), attend)[0]
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Uncached causal forward over `tokens [b, n]` (training, parity checks): logits `[b, n, vocab]`."""

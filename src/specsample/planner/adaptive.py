@@ -15,9 +15,8 @@ import logging
 
 import specsample.planner.fallback as fallback
 from specsample.planner.acceptance import BINS, Acceptance
-from specsample.drafters.base import Extension
-from specsample.planner.base import (BatchState, RoundOutcome, RoundPlan, RowPlan, RowState,
-                                     fixed_drafts, tree_row)
+from specsample.planner.base import (BatchState, Extension, RoundOutcome, RoundPlan, RowOutcome, RowPlan,
+                                     RowState, fixed_drafts, most_drafts, tree_row)
 from specsample.config import TreeShape
 from specsample.planner.costs import CostModel, RoundKind
 from specsample.planner.fallback import RequestChoice
@@ -32,16 +31,18 @@ TREE_WARMUP = 4  # tries of each tree budget (and of chains) before trees are ex
 TREE_WARMUP_EVERY = 4  # ...rounds, rather than every this many
 
 
+BACKLOG_KEPT = 64  # most plain-round tokens kept per request for its draft to score (acceptance remembers ~25 trials)
+
+
 class GammaController:
     """Plans each row's drafts under gamma auto and learns from every round (see the module docstring)."""
 
-    adaptive = True
-
     def __init__(self, max_gamma: int = 8, tree: TreeShape | None = None) -> None:
         """`tree`: the largest token tree a round may draft (`trees.budgets`); None: chains only."""
-        if not isinstance(max_gamma, int) or max_gamma < 1:
+        if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
             raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         self.max_gamma = max_gamma
+        self.tree = tree
         self.trees = budgets(tree) if tree is not None else ()
         self.tree_yields = TreeYields()
         self.tree_tried: dict[int, int] = {}  # node budget (0: a chain) -> round last drafted with it
@@ -54,6 +55,13 @@ class GammaController:
         self.switches: list[tuple[str, str]] = []  # (request id, "off" | "on"): fallback switches, for stats
         self.scored = 0  # backlog scorings learnt from
         self.lookup_rounds = 0  # row-rounds sent to a prompt lookup
+        # per request, the target's probability of each token plain rounds committed since it last drafted (newest
+        # last, at most BACKLOG_KEPT): with its draft's, what a draft there would have been accepted with
+        self.plain_probs: dict[str, list[float]] = {}
+
+    @property
+    def most_drafts(self) -> int:
+        return most_drafts(self.max_gamma, self.tree)
 
     # ----- prices ---------------------------------------------------------------------------
 
@@ -178,7 +186,7 @@ class GammaController:
         for row in rows:
             drafts, probe_scores = self._decide(row, batch.can_score, size, exploring)
             if probe_scores:
-                scores[row.request_id] = row.backlog
+                scores[row.request_id] = self._backlog(row)
             explored |= exploring and not self._choice(row.request_id).fallback
             out.append(drafts)
         lookups: dict[str, int] = {}
@@ -229,7 +237,7 @@ class GammaController:
                     and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1]
                     > fallback.RESUME_ABOVE):
                 interval = first
-            if row.backlog < fallback.SCORE_MIN_TOKENS:
+            if self._backlog(row) < fallback.SCORE_MIN_TOKENS:
                 interval = max(interval, choice.rounds_since_probe + 1)  # not yet: wait for a backlog
         else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
             interval = fallback.probe_interval(self.acceptance.alpha_upper(rid, fallback.MARGIN), choice.gamma,
@@ -262,6 +270,11 @@ class GammaController:
             plans.append(RowPlan(drafts=drafts, reach=drafts, source=lookup if offers_lookups else None,
                                  score_backlog=scores.get(row.request_id, 0), fallback=n == 0))
         return plans, {"exploring": exploring, "catching_up": catching_up, "model_drafting": model_drafting}
+
+    def _backlog(self, row: RowState) -> int:
+        """Tokens plain rounds committed for the row that its draft could score: as a simulation gives them, else
+        as many as this planner kept the target's probabilities of."""
+        return row.backlog or len(self.plain_probs.get(row.request_id, ()))
 
     def _neighbour(self, gamma: int, size: int) -> int:
         """The gamma next to `gamma` timed least recently (one more on ties): an exploring round measures it, so a
@@ -307,11 +320,12 @@ class GammaController:
 
     def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
         """Backlog scores, each drafting row's trials, the round's timing; then forget the finished requests."""
-        for row in outcome.rows:
+        rows = self.read_outcome(plan, outcome)
+        for row in rows:
             if row.backlog_scores is not None:
                 self.acceptance.observe_scores(row.request_id, row.backlog_scores)
                 self.scored += 1
-        for row, row_plan in zip(outcome.rows, plan.rows):
+        for row, row_plan in zip(rows, plan.rows):
             if row.num_drafted > 0 and plan.tree is not None:  # a tree's yield, not a chain's acceptance
                 if row_plan.source is not True:
                     self.tree_yields.observe(row.request_id, plan.tree.nodes, row.num_accepted + 1)
@@ -326,9 +340,55 @@ class GammaController:
         for request_id in outcome.finished:
             self.forget(request_id)
 
+    def read_outcome(self, plan: RoundPlan, outcome: RoundOutcome) -> list[RowOutcome]:
+        """The rows' outcomes with what the round's evidence says (where a simulation did not give it): each drafting
+        row's acceptance probability at the positions it reached (sum of min(target, draft); not under coupled
+        sampling, which learns from its accepted counts, nor for a greedy row), and each scored backlog's min(1, q/p)
+        from the draft's probabilities and the target's this planner kept from the row's plain rounds; and keeps the
+        target's probability of each token a plain round committed for a row it chose."""
+        evidence = outcome.evidence
+        rows = list(outcome.rows)
+        chosen = set(plan.chosen_ids)
+        plain = [i for i, r in enumerate(rows) if r.num_drafted == 0 and not r.failed and r.request_id in chosen]
+        kept = {}
+        if evidence is not None and plain:
+            if evidence.target_probs is None:  # every row greedy: the target's token had probability 1
+                kept = {i: 1.0 for i in plain}
+            else:  # every row's in one gather and one copy
+                every = evidence.target_probs[:, 0].gather(-1, evidence.next_tokens.unsqueeze(-1)).squeeze(-1)
+                values = every.tolist()
+                kept = {i: values[i] for i in plain}
+        acceptance = None
+        if (evidence is not None and evidence.target_probs is not None and not evidence.coupled and not evidence.tree
+                and evidence.draft_tokens.shape[1] > 0):
+            from specsample.verify import acceptance_probabilities
+
+            acceptance = acceptance_probabilities(evidence.draft_tokens, evidence.draft_probs,
+                                                  evidence.target_probs).cpu().tolist()  # [b, gamma]
+        out = []
+        for i, row in enumerate(rows):
+            history = self.plain_probs.setdefault(row.request_id, [])
+            scores = row.backlog_scores
+            if scores is None and row.backlog_draft_probs is not None:
+                targets = history[len(history) - len(row.backlog_draft_probs):]
+                scores = tuple(min(1.0, q / p) if p > 0 else 0.0 for q, p in zip(row.backlog_draft_probs, targets))
+                history.clear()
+            if row.num_drafted > 0:
+                history.clear()
+            elif i in kept:
+                history.append(kept[i])
+                del history[:-BACKLOG_KEPT]
+            reached = min(row.num_accepted + 1, row.num_drafted)  # the accepted drafts and the first rejected one
+            probs = row.acceptance
+            if probs is None and acceptance is not None and row.num_drafted and not row.failed and not row.greedy:
+                probs = tuple(acceptance[i][:reached])
+            out.append(dataclasses.replace(row, acceptance=probs, backlog_scores=scores))
+        return out
+
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state."""
         self.choices.pop(request_id, None)
+        self.plain_probs.pop(request_id, None)
         self.acceptance.forget(request_id)
         self.tree_yields.forget(request_id)
 

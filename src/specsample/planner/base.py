@@ -4,16 +4,48 @@
     ...                               # propose, score, verify, commit
     planner.learn(plan, outcome)      # the plan comes back with what happened (RoundOutcome)
 
-Fixed gamma and gamma auto are both planners, so the engine's round has one path.
+Fixed gamma and gamma auto are both planners, so the engine's round has one path. What a planner learns from is in
+the outcome (`RoundOutcome.evidence`): the engine computes nothing for a particular planner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from torch import Tensor
+
 from specsample.config import TreeShape
-from specsample.drafters.base import Extension
+
+
+@dataclass(frozen=True)
+class Extension:
+    """Drafting past a row's plan on confident drafts (gamma auto): once a row has drawn its planned drafts, it
+    draws one more after its j-th while its drafts so far were all accepted with probability at least
+    `bars[j - 1]`, that probability read as the product of their confidence bins' past acceptance. The rule reads
+    only the draft's own probabilities of tokens it already drew, so sampling stays exact."""
+
+    bin_acceptance: tuple[float, ...]  # past acceptance of drafts per confidence bin, len(...) equal bins of [0, 1]
+    bars: tuple[float, ...]  # per draft position j (index j - 1): the least chance all j were accepted to draw j + 1
+
+    def __post_init__(self) -> None:
+        if not self.bin_acceptance or any(not 0.0 <= a <= 1.0 for a in self.bin_acceptance):
+            raise ValueError(f"bin_acceptance needs one probability per bin, got {self.bin_acceptance}")
+
+    def draws_on(self, planned: int, confidences: Sequence[float]) -> bool:
+        """Whether a row planned for `planned` drafts, having drawn tokens with these confidences (at least its
+        plan), draws one more."""
+        drawn = len(confidences)
+        if drawn < max(planned, 1) or drawn > len(self.bars):
+            return False
+        bins = len(self.bin_acceptance)
+        chance = 1.0
+        for q in confidences:
+            if not q == q:  # NaN: a draft without a confidence (deterministic) says nothing
+                return False
+            chance *= self.bin_acceptance[min(int(q * bins), bins - 1)]
+        return chance >= self.bars[drawn - 1]
 
 
 @dataclass(frozen=True)
@@ -24,7 +56,9 @@ class RowState:
     remaining: int  # tokens left in its budget
     gamma: int | None = None  # a fixed gamma the request asked for; None: the planner's choice
     speculative: bool = True  # False: the request decodes without drafting
-    backlog: int = 0  # tokens plain rounds committed that its draft could score teacher-forced
+    # tokens plain rounds committed since it last drafted, which its draft could score (a simulation's count; an
+    # engine leaves it 0 and the planner counts what it kept from the round's evidence)
+    backlog: int = 0
     lookup: int = 0  # prompt-lookup tokens its drafter offers now (0: none)
     drafts_otherwise: bool = True  # whether it could draft with a model instead of its lookup
 
@@ -100,9 +134,29 @@ class RowOutcome:
     num_accepted: int
     confidence: tuple[float, ...] | None = None  # the draft's temperature-1 probability of each token it drew
     # per position reached (the accepted drafts and the first rejected one), the probability a draft there is
-    # accepted (sum of min(target, draft)); None where the coins themselves are exact (greedy, or no estimate)
+    # accepted (sum of min(target, draft)); None where the coins themselves are exact (greedy, or no estimate).
+    # An engine leaves it to the planner to read off `RoundOutcome.evidence`; a simulation may give it
     acceptance: tuple[float, ...] | None = None
-    backlog_scores: tuple[float, ...] | None = None  # per backlog token scored, min(1, q / p); None: none scored
+    # per backlog token scored, min(1, q / p); None: none scored. An engine gives the draft's probabilities q
+    # (`backlog_draft_probs`) and the planner pairs them with the target's it kept; a simulation may give the ratios
+    backlog_scores: tuple[float, ...] | None = None
+    backlog_draft_probs: tuple[float, ...] | None = None
+    failed: bool = False  # its distributions were unusable: the round teaches nothing about it
+    greedy: bool = False  # it decodes greedily: its accept-or-not coins are exact, no acceptance probability needed
+
+
+@dataclass(frozen=True)
+class RoundEvidence:
+    """The round's tensors, for a planner that learns from them (the engine computes nothing for it): the drafts,
+    the distributions they were drawn from, the target's warped distributions at the scored positions (None: every
+    row greedy) and the token each row committed after its accepted drafts; whether sampling was coupled."""
+
+    draft_tokens: Tensor  # [b, gamma]
+    draft_probs: Tensor | None  # [b, gamma, vocab]; None: deterministic drafts
+    target_probs: Tensor | None  # [b, gamma + 1, vocab]
+    next_tokens: Tensor  # [b]
+    coupled: bool = False
+    tree: bool = False  # the drafts were token trees (their acceptance is a yield, not a chain's)
 
 
 @dataclass(frozen=True)
@@ -115,19 +169,33 @@ class RoundOutcome:
     target_seconds: float
     verify_seconds: float
     finished: tuple[str, ...] = field(default=())  # requests that ended this round: forgotten after learning
+    evidence: RoundEvidence | None = None
 
 
 class Planner(Protocol):
     """Plans each round's drafts and learns from how the round went."""
 
-    max_gamma: int  # the most drafts it plans for a row (the engine's caches hold that many)
-    adaptive: bool  # whether it reads lookup offers and backlogs (the engine computes them only then)
+    max_gamma: int  # the most drafts it plans for a row's chain (and the most a request may ask for)
+    tree: TreeShape | None  # the largest token tree it may plan (None: chains only)
+
+    @property
+    def most_drafts(self) -> int:
+        """The most drafts a round may hold per row: what the engine's caches keep room for past a row's length."""
+        ...
 
     def plan(self, batch: BatchState) -> RoundPlan: ...
 
     def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
+
+
+def most_drafts(max_gamma: int, tree: TreeShape | None) -> int:
+    """The most drafts a round of a planner with this chain bound and tree may hold per row (a tree's nodes, or its
+    expanded nodes' children while it grows, whichever is more)."""
+    if tree is None:
+        return max_gamma
+    return max(max_gamma, tree.nodes, tree.branch * tree.depth)
 
 
 def fixed_drafts(row: RowState, gamma: int) -> int:
@@ -152,13 +220,18 @@ class FixedGamma:
     """The same gamma every round for every row (a request may ask for its own, up to `max_gamma`); with `tree`, that
     tree every round where the target can score one (a request's own gamma then bounds its tree's nodes)."""
 
-    max_gamma: int
+    max_gamma: int = 5
     tree: TreeShape | None = None
-    adaptive: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_gamma, int) or self.max_gamma < 1:
+        if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int) or self.max_gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {self.max_gamma!r}")
+        if self.tree is not None and not isinstance(self.tree, TreeShape):
+            raise ValueError(f"tree must be a TreeShape or None, got {self.tree!r}")
+
+    @property
+    def most_drafts(self) -> int:
+        return most_drafts(self.max_gamma, self.tree)
 
     def plan(self, batch: BatchState) -> RoundPlan:
         if self.tree is not None and batch.can_tree:

@@ -2,15 +2,19 @@
 /metrics and /admin/draft. One implementation of the routes, served by `specsample serve` and by
 each Ray Serve replica alike; routes reach the engine through `request.app.state.server`.
 
-Every request passes `Gate` first (keys, body size). A request is parsed, validated and tokenized off
-the event loop; one that validates can be sampled, and one that still fails inside the engine ends
-alone with finish_reason "error" while the others go on.
+Every request passes `Gate` first (keys, body size, shutdown). A request is parsed, validated and tokenized off
+the event loop, its grammar compiled in a worker process (server/grammar_pool.py); one that validates can be
+sampled, and one that still fails inside the engine ends alone with finish_reason "error" while the others go on.
+A request reuses the cache of an earlier one sharing its prefix only when both presented the same bearer token and
+the same `cache_salt` (`_cache_scope`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import secrets
@@ -28,12 +32,13 @@ from specsample.config import SettingError
 from specsample.drafters.routed import RoutedDrafter
 from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats
 from specsample.engine import RowUpdate
-from specsample.models.hub import ALIASES, DRAFTS_DIR, builtin_draft
+from specsample.models.hub import ALIASES, DRAFTS_DIR, alias_cached, builtin_draft
 from specsample.pair import is_hybrid
 from specsample.server.metrics import ServerMetrics
+from specsample.server.grammar_pool import CompileFailed, CompileTimeout, GrammarPool
 from specsample.server.options import ServerOptions
-from specsample.server.protocol import (PARAM_NAMES, ChatRequest, CompletionRequest, ProtocolError, TextAssembler,
-                                        validate_request)
+from specsample.server.protocol import (MAX_JSON_DEPTH, PARAM_NAMES, ChatRequest, CompletionRequest, ProtocolError,
+                                        TextAssembler, validate_request)
 from specsample.server.runner import EngineRunner, RequestHandle
 from specsample.speculator import Speculator
 
@@ -56,8 +61,14 @@ class SpecServer:
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
         self.runner = EngineRunner(self.engine, self._observe)
+        grammars = self.engine.grammars
+        self.grammar_pool = (GrammarPool(grammars, options.grammar_workers, options.grammar_compile_timeout)
+                             if grammars is not None else None)
         self.created = int(time.time())
         self.metrics_text = self.metrics.render  # replaced by the aggregate of all replicas under Ray Serve
+        self.active = 0  # requests being answered (all routes but /health and /metrics)
+        self.draining = False  # shutting down: new requests get 503 (server/serve.py)
+        self.ended = False  # the shutdown limit passed: requests still running were ended
 
     def _suffix_cache(self) -> SuffixCacheStats | None:
         """What the engine's drafters' shared suffix caches hold (None without one)."""
@@ -72,6 +83,16 @@ class SpecServer:
 
     def stop(self) -> None:
         self.runner.stop()
+        if self.grammar_pool is not None:
+            self.grammar_pool.close()
+
+    def end_all(self) -> None:
+        """End every request still running (the shutdown limit passed): streams end with an error event and
+        [DONE], other responses with 503."""
+        self.ended = True
+        self.runner.end_all("shutdown")
+        if self.grammar_pool is not None:
+            self.grammar_pool.close()
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -81,7 +102,7 @@ def error_response(status: int, message: str, param: str | None = None,
                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-OPEN_PATHS = ("/health", "/metrics")  # answered without a key
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (/metrics has keys of its own)
 
 
 class _BodyTooLarge(Exception):
@@ -120,10 +141,21 @@ class Gate:
             await send(message)
 
         refusal = _refusal(options, scope)
+        if refusal is None and srv.draining and scope["path"] != "/metrics":
+            refusal = error_response(503, "the server is shutting down", kind="server_error", code="shutting_down")
         if refusal is not None:
             await refusal(scope, receive, tagged_send)
             return
-        limit, received = options.max_body_bytes, 0
+        counted = scope["path"] not in OPEN_PATHS
+        srv.active += counted
+        try:
+            await self._limited(scope, receive, tagged_send, options.max_body_bytes, lambda: started)
+        finally:
+            srv.active -= counted
+
+    async def _limited(self, scope, receive, send, limit: int, started) -> None:
+        """The app, with the request body cut off past `limit` bytes (413 if no response started)."""
+        received = 0
 
         async def limited_receive():
             nonlocal received
@@ -135,10 +167,10 @@ class Gate:
             return message
 
         try:
-            await self.app(scope, limited_receive, tagged_send)
+            await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
-            if not started:
-                await _too_large(limit)(scope, receive, tagged_send)
+            if not started():
+                await _too_large(limit)(scope, receive, send)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             pass
 
@@ -152,6 +184,13 @@ def _refusal(options: ServerOptions, scope) -> Response | None:
         if not _bearer_matches(scope, options.admin_key):
             return error_response(403, "admin endpoints need the admin key: Authorization: Bearer ADMIN_KEY",
                                   kind="permission_error", code="forbidden")
+    elif path == "/metrics":
+        keys = [k for k in (options.metrics_key, options.admin_key) if k]
+        if (options.api_key or options.metrics_key) and not any(_bearer_matches(scope, k) for k in keys):
+            return error_response(401, "/metrics needs the metrics key (--metrics-key) or the admin key: "
+                                       "Authorization: Bearer KEY" if keys else
+                                  "/metrics of a server with --api-key needs a key of its own: start the server "
+                                  "with --metrics-key", code="invalid_api_key")
     elif options.api_key and path not in OPEN_PATHS and not _bearer_matches(scope, options.api_key):
         return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
     declared = _header(scope, b"content-length")
@@ -232,7 +271,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
         srv: SpecServer = request.app.state.server
         try:
             body = _json(await request.body())
-            spec = body.get("draft") if isinstance(body, dict) else None
+            spec = body.get("draft") if isinstance(body, dict) and len(body) == 1 else None
             if not isinstance(spec, str) or not spec:
                 raise ProtocolError("give the new draft as {\"draft\": \"SPEC\"}", "draft")
             drafter = await asyncio.to_thread(_load_allowed_draft, srv, spec)
@@ -294,6 +333,8 @@ def _allowed_draft(spec: str, models_dir: str | None) -> str | None:
 def _allowed_model(name: str, models_dir: str | None) -> str | None:
     """A built-in alias or draft by name, or a folder or .gguf file inside `models_dir` by its relative path (which
     may not leave the folder, through '..' or a link)."""
+    if name in ALIASES:  # loading an alias that is not cached would download it
+        return name if alias_cached(name) else None
     if name in _builtin_names():
         return name
     if not models_dir or not name or Path(name).is_absolute() or "\\" in name or "\0" in name:
@@ -315,6 +356,8 @@ def _json(body: bytes) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"the request body nests too deeply; the limit is {MAX_JSON_DEPTH} levels") from None
 
 
 async def _serve(request: Request, schema: type, chat: bool):
@@ -323,7 +366,13 @@ async def _serve(request: Request, schema: type, chat: bool):
         body = await request.body()
         # parsing, validating and tokenizing take time in proportion to the body: never on the event loop
         req, prompt_ids, max_tokens = await asyncio.to_thread(_prepare, srv, body, schema, chat)
-        handles = _submit(srv, req, prompt_ids, max_tokens)
+        grammar = req.response_format.grammar() if req.response_format is not None else None
+        if grammar is not None and srv.grammar_pool is not None:
+            if not await _compile(srv, request, grammar):
+                return Response(status_code=499)  # the client left while its grammar compiled
+        if srv.ended:
+            return _shutting_down()
+        handles = _submit(srv, req, prompt_ids, max_tokens, _cache_scope(request, req))
     except ProtocolError as exc:
         return error_response(exc.status, str(exc), exc.param, exc.kind)
     request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
@@ -345,11 +394,67 @@ def _prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[An
         raise ProtocolError(f"The model `{req.model}` does not exist (this server serves "
                             f"`{srv.options.model_name}`)", "model", 404)
     prompt_ids, max_tokens = _prompt(srv, req, chat)
-    try:  # a grammar compiles here, off the event loop (the engine keeps it for the request's admission)
-        srv.engine.check_request(prompt_ids, req.sampling_params(max_tokens))
+    try:  # all but the grammar, which compiles in the grammar pool (_compile)
+        grammar = None if srv.grammar_pool is not None else req.sampling_params(max_tokens).grammar
+        srv.engine.check_request(prompt_ids, dataclasses.replace(req.sampling_params(max_tokens), grammar=grammar))
     except ValueError as exc:
         raise _protocol_error(exc) from None
     return req, prompt_ids, max_tokens
+
+
+async def _compile(srv: SpecServer, request: Request, grammar) -> bool:
+    """Compile `grammar` in the server's grammar pool unless the client leaves first (False: it left, and the compile
+    was stopped). Raises `ProtocolError` for a grammar refused or not compiled in time."""
+    compiling = asyncio.ensure_future(srv.grammar_pool.compile(grammar))
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({compiling, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not compiling.done():
+            compiling.cancel()  # kills its worker process
+            compiling.add_done_callback(_retrieve)
+    if not compiling.done() or compiling.cancelled():
+        return False
+    try:
+        compiling.result()
+    except SettingError as exc:
+        raise _protocol_error(exc) from None
+    except CompileTimeout:
+        raise ProtocolError(f"response_format: the grammar did not compile within "
+                            f"{srv.options.grammar_compile_timeout:g} s (the server's --grammar-compile-timeout); "
+                            "a simpler schema compiles faster", "response_format") from None
+    except CompileFailed as exc:
+        if srv.draining:
+            raise ProtocolError("the server is shutting down", None, 503, "server_error") from None
+        log.error("grammar compile failed: %s", exc)
+        raise ProtocolError("response_format: the grammar compiler failed on this grammar", "response_format") \
+            from None
+    return True
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Collect a cancelled or abandoned future's outcome, so asyncio logs no 'exception was never retrieved'."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+def _cache_scope(request: Request, req) -> str:
+    """Whose kept caches a request may reuse: those of requests that presented the same bearer token (API key) and
+    the same `cache_salt`."""
+    token = request.headers.get("authorization", "").encode("latin-1")
+    salt = (req.cache_salt or "").encode("utf-8")
+    return hashlib.sha256(len(token).to_bytes(4, "big") + token + salt).hexdigest()
+
+
+def _shutting_down() -> JSONResponse:
+    return error_response(503, "the server is shutting down: the request was ended before it finished",
+                          kind="server_error", code="shutting_down")
 
 
 async def _cancel_on_disconnect(srv: SpecServer, request: Request, choices: list[_Choice]) -> None:
@@ -382,15 +487,17 @@ def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
     return ids, max_tokens
 
 
-def _submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int) -> list[RequestHandle]:
+def _submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int, cache_scope: str) -> list[RequestHandle]:
     handles = []
     gamma = req.num_speculative_tokens
-    if gamma is not None and gamma > srv.engine.config.gamma:
-        raise ProtocolError(f"num_speculative_tokens must be <= {srv.engine.config.gamma}", "num_speculative_tokens")
+    if gamma is not None and gamma > srv.engine.planner.max_gamma:
+        raise ProtocolError(f"num_speculative_tokens must be <= {srv.engine.planner.max_gamma}",
+                            "num_speculative_tokens")
     try:
         for i in range(req.n):
             params = req.sampling_params(max_tokens, seed=None if req.seed is None else req.seed + i)
-            handles.append(srv.runner.submit(prompt_ids, params, speculative=req.speculative, gamma=gamma))
+            handles.append(srv.runner.submit(prompt_ids, params, speculative=req.speculative, gamma=gamma,
+                                             cache_scope=cache_scope))
     except ValueError as exc:
         for handle in handles:
             srv.runner.cancel(handle.request_id)
@@ -453,9 +560,9 @@ class _Choice:
         ends with finish_reason "error" and nothing more."""
         update = await self.handle.queue.get()
         assert isinstance(update, RowUpdate)
-        if update.finish_reason == "error":
-            self.finish_reason = "error"
-            return [("", "error")]
+        if update.finish_reason in ("error", "shutdown"):
+            self.finish_reason = update.finish_reason
+            return [("", update.finish_reason)]
         pieces = []
         for i, token in enumerate(update.new_tokens):  # one at a time: usage counts tokens up to the one completing
             pieces.append(self.text.push((token,)))  # a stop string
@@ -489,7 +596,8 @@ def _finish(srv: SpecServer, request_id: str, choices: list[_Choice], prompt_tok
         end = time.perf_counter()
         ttft = None if h.first_token is None else h.first_token - h.submitted
         tpot = (end - h.first_token) / (choice.tokens - 1) if h.first_token is not None and choice.tokens > 1 else None
-        status = "error" if choice.finish_reason == "error" else "finished" if choice.done else "cancelled"
+        status = ("error" if choice.finish_reason == "error" else
+                  "finished" if choice.done and choice.finish_reason != "shutdown" else "cancelled")
         srv.metrics.observe_request(status, prompt_tokens, ttft, tpot, end - h.submitted)
         log.info(json.dumps({
             "event": "request", "id": request_id, "choice": choice.index, "prompt_tokens": prompt_tokens,
@@ -527,6 +635,11 @@ async def _stream(srv: SpecServer, request_id: str, chat: bool, choices: list[_C
             for task in done:
                 choice = pending.pop(task)
                 for text, finish in task.result():
+                    if finish == "shutdown":  # the shutdown limit passed: an error event, then the stream's end
+                        yield _sse({"error": {"message": "the server is shutting down: the response was cut short",
+                                              "type": "server_error", "param": None, "code": "shutting_down"}})
+                        yield "data: [DONE]\n\n"
+                        return
                     new = choice.logprobs[choice.sent_logprobs:] if logprobs is not None else []
                     if text or finish or new:  # each chunk carries the logprobs of the tokens it adds
                         rendered = logprobs.render(new, offset=choice.text_offset) if logprobs is not None else None
@@ -563,23 +676,20 @@ async def _complete(srv: SpecServer, request: Request, request_id: str, chat: bo
             for text, _ in await choice.next():
                 texts[choice.index] += text
 
-    async def watch_disconnect() -> None:
-        while True:
-            if await request.is_disconnected():
-                return
-            await asyncio.sleep(0.25)
-
     work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
-    watcher = asyncio.ensure_future(watch_disconnect())
+    watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client hung up: _finish cancels its choices
             work.cancel()
+            work.add_done_callback(_retrieve)
             return Response(status_code=499)
         work.result()
     finally:
         watcher.cancel()
         _finish(srv, request_id, choices, prompt_tokens)
+    if any(c.finish_reason == "shutdown" for c in choices):
+        return _shutting_down()
     if any(c.finish_reason == "error" for c in choices):
         return error_response(500, "generation failed inside the engine", kind="server_error")
     completion = sum(c.tokens for c in choices)

@@ -6,27 +6,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specsample.config import SettingError
+from specsample.options_cli import setting
+from specsample.speculator import EngineOptions
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full context of text is a few tens of KiB
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample.json_schema's limits take < 1 s
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after SIGTERM or Ctrl-C
+
+
+# The engine options `specsample serve` and Ray replicas start from: EngineOptions' defaults but where serving
+# differs (a server decodes long enough for pad_rows auto's start-up measurement to pay)
+SERVE_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto", compile=False)
 
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """The server's settings (vLLM's flag names in the CLI)."""
+    """The server's settings (vLLM's flag names in the CLI; each help is its flag's, see `options_cli`)."""
 
-    model_name: str  # the model id in the API
-    api_key: str | None = None  # require 'Authorization: Bearer KEY' on the inference routes
-    min_acceptance: float | None = None  # warn when the recent acceptance rate stays below this
-    max_batch_size: int = 8  # requests decoded together; more wait in line
-    max_model_len: int = 2048  # context length per request (prompt + output)
+    model_name: str = setting(help="model id in the API (default: the --model spec)", flag="--served-model-name")
+    api_key: str | None = setting(None, help="require 'Authorization: Bearer KEY' on the inference routes")
+    min_acceptance: float | None = setting(None, help="warn when the recent acceptance rate stays below this (0.7 "
+                                                      "suits a well-matched pair)")
+    max_batch_size: int = setting(8, help="requests decoded together; more wait in line")
+    max_model_len: int = setting(2048, help="context length per request (prompt + output)")
     replica_id: str | None = None  # set under Ray Serve: labels metrics, tagged on responses
     extra_labels: dict[str, str] = field(default_factory=dict)
-    admin_key: str | None = None  # /admin/* exists only with it, and needs 'Authorization: Bearer ADMIN_KEY'
-    models_dir: str | None = None  # /admin/draft may load the drafts in this folder (besides the built-in ones)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are refused with 413 before being read
-    # finished requests' cache rows kept for requests sharing their prefix (the next turn of a chat): each costs what
-    # a running row's caches cost
-    prefix_cache_rows: int = 4
+    admin_key: str | None = setting(None, help="enable /admin/* (live draft replacement), which then needs "
+                                               "'Authorization: Bearer ADMIN_KEY'; without it /admin/* answers 404")
+    models_dir: str | None = setting(None, help="folder of drafts /admin/draft may load, named by their path inside "
+                                                "it (besides ngram, suffix, hybrid and the built-in drafts)")
+    max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, help="refuse request bodies larger than this with 413")
+    prefix_cache_rows: int = setting(4, help="finished requests' cache rows kept for requests sharing their prefix, "
+                                             "such as the next turn of a chat, which then prefills only what is new; "
+                                             "each costs what a running row's caches cost (0: none)")
+    metrics_key: str | None = setting(None, help="/metrics then needs 'Authorization: Bearer METRICS_KEY' (the admin "
+                                                 "key also works); with --api-key, /metrics answers only to these keys")
+    grammar_compile_timeout: float = setting(DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+                                             help="seconds a request's response_format grammar may take to compile, "
+                                                  "waiting for a free compiler included; past it: 400")
+    grammar_workers: int = setting(2, help="processes compiling grammars apart from the decoding loop")
+    shutdown_timeout: float = setting(DEFAULT_SHUTDOWN_TIMEOUT,
+                                      help="seconds requests in flight may finish in after SIGTERM or Ctrl-C; then "
+                                           "they are ended (503 / error); a second signal ends them at once")
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -41,9 +62,19 @@ class ServerOptions:
                                f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise SettingError("min_acceptance", f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
-        for name in ("api_key", "admin_key"):
+        for name in ("api_key", "admin_key", "metrics_key"):
             if getattr(self, name) == "":
                 raise SettingError(name, f"{name} must not be empty")
+        if self.metrics_key is not None and self.metrics_key == self.api_key:
+            raise SettingError("metrics_key", "metrics_key must differ from api_key")
+        for name in ("grammar_compile_timeout", "shutdown_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise SettingError(name, f"{name} must be a number of seconds > 0, got {value!r}")
+        if isinstance(self.grammar_workers, bool) or not isinstance(self.grammar_workers, int) \
+                or self.grammar_workers < 1:
+            raise SettingError("grammar_workers", f"grammar_workers must be an integer >= 1, got "
+                                                  f"{self.grammar_workers!r}")
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise SettingError("admin_key", "admin_key must differ from api_key")
         if self.models_dir is not None and not Path(self.models_dir).is_dir():

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from specsample.config import MAX_TOP_LOGPROBS, Grammar, SamplingParams, SettingError
+from specsample.json_schema import SchemaError, json_depth, served_schema
 from specsample.tokenizer import StreamDecoder
+
+MAX_JSON_DEPTH = 100  # nesting of objects and arrays in a request body (a schema inside may nest 64 levels)
 
 
 class ProtocolError(ValueError):
@@ -45,6 +48,7 @@ class ResponseFormat(BaseModel):
     model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    _served: dict[str, Any] | bool | None = PrivateAttr(None)  # the schema as the grammar compiles it
 
     @model_validator(mode="after")
     def _schema_where_needed(self) -> ResponseFormat:
@@ -54,13 +58,21 @@ class ResponseFormat(BaseModel):
         if self.type != "json_schema" and self.json_schema is not None:
             raise ProtocolError(f"response_format of type {self.type} takes no json_schema",
                                 "response_format.json_schema")
+        if self.type == "json_schema":
+            try:  # a keyword the grammar cannot enforce, or a schema past the limits, is refused here
+                self._served = served_schema(self.json_schema.schema_)
+            except SchemaError as exc:
+                raise ProtocolError(f"response_format.json_schema.schema: {exc}",
+                                    "response_format.json_schema.schema") from None
         return self
 
     def grammar(self) -> Grammar | None:
+        """The grammar the output follows; a schema in its served form (specsample.json_schema), which is what the
+        compiled-grammar cache is keyed by."""
         if self.type == "json_object":
             return Grammar("json_object")
         if self.type == "json_schema":
-            return Grammar.json_schema(self.json_schema.schema_)
+            return Grammar.json_schema(self._served)
         return None
 
 
@@ -86,6 +98,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0  # extension (vLLM's)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None
+    # vLLM's: requests reuse each other's cached prefixes only when they carry the same salt (and API key)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("top_k")
     @classmethod
@@ -108,8 +122,8 @@ class _Sampling(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids written as strings, got {key!r}")
+            if not (key.isascii() and key.isdigit()):  # "²" and "١٢" are digits to str.isdigit, not token ids
+                raise ValueError(f"logit_bias keys are token ids written in ASCII digits, got {key!r}")
         return value
 
     @model_validator(mode="after")
@@ -211,6 +225,9 @@ def validate_request(schema: type[_Sampling], data: Any) -> _Sampling:
     """Validate a parsed JSON body against `schema`; raise `ProtocolError` naming the parameter at fault."""
     if not isinstance(data, dict):
         raise ProtocolError("request body must be a JSON object")
+    depth = json_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise ProtocolError(f"the request body nests {depth} levels deep; the limit is {MAX_JSON_DEPTH}")
     where = _lone_surrogate(data)
     if where is not None:
         param = ".".join(map(str, where)) or None

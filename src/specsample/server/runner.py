@@ -60,12 +60,14 @@ class EngineRunner:
         self._thread.join(timeout=10)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, speculative: bool = True,
-               gamma: int | None = None) -> RequestHandle:
-        """Queue a request (raises ValueError for one the engine cannot run)."""
+               gamma: int | None = None, cache_scope: str = "") -> RequestHandle:
+        """Queue a request (raises ValueError for one the engine cannot run); it reuses only caches of its
+        `cache_scope`."""
         loop = asyncio.get_running_loop()
         handle = RequestHandle("", len(prompt_ids), asyncio.Queue(), loop)
         with self._lock:  # register before the engine can emit for it
-            handle.request_id = self.engine.add_request(prompt_ids, params, speculative=speculative, gamma=gamma)
+            handle.request_id = self.engine.add_request(prompt_ids, params, speculative=speculative, gamma=gamma,
+                                                        cache_scope=cache_scope)
             self._handles[handle.request_id] = handle
         self._wake.set()
         return handle
@@ -124,14 +126,23 @@ class EngineRunner:
             handle.finished = result.finished_at
         handle.loop.call_soon_threadsafe(handle.queue.put_nowait, update)
 
+    def end_all(self, finish_reason: str) -> None:
+        """End every request, running or queued, with `finish_reason` (a shutdown); the engine frees their rows next
+        round."""
+        self._end(finish_reason, spare=set())
+
     def _fail_all(self) -> None:
         """End every request the failed round held (all but those still queued) with finish_reason "error"; the engine
         frees their rows next round."""
-        waiting = self.engine.waiting_ids()
+        self._end("error", spare=self.engine.waiting_ids())
+
+    def _end(self, finish_reason: str, spare: set[str]) -> None:
         with self._lock:
-            handles = [h for rid, h in self._handles.items() if rid not in waiting]
+            handles = [h for rid, h in self._handles.items() if rid not in spare]
             for handle in handles:
                 del self._handles[handle.request_id]
         for handle in handles:
             self.engine.cancel(handle.request_id)
-            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, RowUpdate(handle.request_id, (), 0, 0, "error"))
+            handle.loop.call_soon_threadsafe(handle.queue.put_nowait,
+                                             RowUpdate(handle.request_id, (), 0, 0, finish_reason))
+        self._wake.set()
