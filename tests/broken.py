@@ -132,3 +132,36 @@ class ProbsOneStepAhead(WrappedDrafter):
         shifted = proposal.probs.clone()
         shifted[:, :-1] = proposal.probs[:, 1:]
         return type(proposal)(proposal.tokens, shifted, proposal.num_drafted, proposal.confidence)
+
+
+class SuffixFrequenciesAsProbs(WrappedDrafter):
+    """A suffix drafter that reports each draft's estimated probability (its continuations' count ratio) as the
+    distribution the draft was drawn from, the rest spread evenly over the vocabulary: the drafts were chosen, not
+    drawn from it, so the verifier's acceptance min(1, p / q) and its residual are those of another draft. Wraps a
+    SuffixDrafter (or a HybridDrafter around one: its lookup's rows only)."""
+
+    def __init__(self, inner, vocab: int) -> None:
+        super().__init__(inner)
+        self.vocab_size = vocab
+
+    def lookup_lengths(self, slots, max_tokens):
+        return self.inner.lookup_lengths(slots, max_tokens)
+
+    def drafts_otherwise(self, slots):
+        return self.inner.drafts_otherwise(slots)
+
+    def park_rows(self, slots):
+        self.inner.park_rows(slots)
+
+    def propose(self, request):
+        from specsample.drafters.base import Proposal
+
+        proposal = self.inner.propose(request)
+        width = proposal.tokens.shape[1]
+        probs = torch.zeros(len(request.slots), width, self.vocab_size, dtype=torch.float64)
+        for row in range(len(request.slots)):
+            draft = self.inner.row_draft(request, row)
+            for j, (token, p) in enumerate(zip(draft.tokens, draft.probs)):
+                probs[row, j] = (1.0 - p) / (self.vocab_size - 1)
+                probs[row, j, token] = p
+        return Proposal(proposal.tokens, probs, proposal.num_drafted, None, proposal.parents)

@@ -148,7 +148,7 @@ def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True, type
 
 
 def draft_request(slots, drafts, reach, params, generators, source=(), stop_thresholds=(), extension=None, width=-1,
-                  tree=None, shaper=None, noise=()):
+                  tree=None, shaper=None, noise=(), lookup_trees=False):
     """A `DraftRequest` from per-row sequences (slots, planned drafts, reach, params, generators, and optionally
     sources and coupled noise), as the tests write them."""
     from specsample.drafters.base import DraftRequest, DraftRow
@@ -159,4 +159,5 @@ def draft_request(slots, drafts, reach, params, generators, source=(), stop_thre
     return DraftRequest(tuple(DraftRow(slots[i], drafts[i], reach[i], params[i], generators[i],
                                        source[i] if source else None, noise[i] if noise else None)
                               for i in range(rows)),
-                        tuple(stop_thresholds), extension, width, tree, shaper, coupled=bool(noise))
+                        tuple(stop_thresholds), extension, width, tree, shaper, coupled=bool(noise),
+                        lookup_trees=lookup_trees)

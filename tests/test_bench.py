@@ -267,6 +267,33 @@ def test_structured_and_prefix_suites(tiny_pair_files, tmp_path) -> None:
     assert "## Structured output" in report and "## Prefix reuse" in report and "Speedup with reuse" in report
 
 
+def test_repeat_suite_streams_through_one_engine_per_system(tiny_pair_files, tmp_path) -> None:
+    """One of each kind (a two-turn chat, an extraction, a question asked three ways) through every system; a second
+    turn's prompt holds its first turn and target-only's reply; the global suffix cache holds every request."""
+    from specsample.bench.config import BenchConfig
+    from specsample.bench.run import run
+    from specsample.speculator import EngineOptions
+
+    target, draft, questions = tiny_pair_files
+    config = BenchConfig(engine=EngineOptions(target=str(target), draft=str(draft), pad_rows="off"),
+                         dataset=str(questions), suites=("repeat",), num_prompts=1, max_new_tokens=2,
+                         temperatures=(0.7,), out=tmp_path / "out")
+    results = run(config, say=lambda m: None)
+    assert results["status"] == "complete", results["suites"]["repeat"].get("error")
+    repeat = results["suites"]["repeat"]
+    assert repeat["systems"] == ["target-only", "hybrid, n-gram lookup", "hybrid, suffix (request)",
+                                 "hybrid, suffix (global)"]
+    rows = repeat["runs"]["0.7"]
+    assert [r["category"] for r in rows] == ["first turn", "extraction", "question", "second turn",
+                                             "reworded question", "reworded question"]
+    assert rows[3]["prompt_tokens"] > rows[0]["prompt_tokens"] + 2  # the first turn and its reply, then the second
+    assert all(r["tokens"] > 0 for row in rows for r in row["systems"].values())
+    # one engine throughout: every request and the untimed warm-up
+    assert repeat["suffix_cache"]["0.7"]["hybrid, suffix (global)"]["sequences"] == len(rows) + 1
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert "## Repetitive traffic" in report and "| hybrid, suffix (global) / hybrid, n-gram lookup |" in report
+
+
 def test_zero_sized_sweeps_and_a_single_gamma_run_to_the_end(tiny_pair_files, tmp_path) -> None:
     """The flag combination that once ran for an hour and crashed in the gamma sweep: one gamma, two temperatures,
     one batch size, a peer, no sweep prompts and no lossless prompts."""
@@ -274,11 +301,14 @@ def test_zero_sized_sweeps_and_a_single_gamma_run_to_the_end(tiny_pair_files, tm
     out = tmp_path / "out"
     done = _bench(["--target", str(target), "--draft", str(draft), "--dataset", str(questions), "--num-prompts", "1",
                    "--max-new-tokens", "6", "--gamma", "auto", "--temperature", "0,0.7", "--batch-size", "1",
-                   "--compare", "hf-lookup", "--sweep-prompts", "0", "--lossless-prompts", "0", "--out", str(out)])
+                   "--compare", "hf-lookup,hybrid-ngram", "--sweep-prompts", "0", "--lossless-prompts", "0", "--out",
+                   str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "complete"
     assert set(results["suites"]["compare"]["runs"]) == {"0.0", "0.7"}
+    assert "hybrid, n-gram lookup gamma=auto" in results["suites"]["compare"]["systems"]  # the n-gram lookup beside
+    assert "| specsample gamma=auto / hybrid, n-gram lookup gamma=auto |" in (out / "results.md").read_text()
     for suite in ("gamma", "batch", "lossless"):
         assert "skipped" in results["suites"][suite]
     assert "Skipped (--sweep-prompts 0)" in (out / "results.md").read_text()

@@ -20,7 +20,7 @@ HISTORY = [(7 * t + 3) % 32 for t in range(60)]
 
 
 def _request(slots: tuple[int, ...], reach: tuple[int, ...], params: tuple[SamplingParams, ...],
-             seeds: tuple[int, ...]) -> DraftRequest:
+             seeds: tuple[int, ...]) :
     """Each row drafts up to `reach[i]`, its plan."""
     return draft_request(slots, reach, reach, params, tuple(torch.Generator().manual_seed(s) for s in seeds))
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import specsample.engine as engine_module
-from broken import BROKEN, ExtensionDropsToken, coupled_trusts_the_draft, GateDropsToken, ProbsOneStepAhead, SubsetProbsUnmapped
+import specsample.verifier as verifier_module
+from broken import (BROKEN, ExtensionDropsToken, coupled_trusts_the_draft, GateDropsToken, ProbsOneStepAhead,
+                    SubsetProbsUnmapped, SuffixFrequenciesAsProbs)
 from devices import DEVICE
 from planner_driver import AlternatingTrees
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
@@ -27,6 +28,7 @@ from specsample.planner.costs import CostModel
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
+from specsample.drafters.suffix import SuffixDrafter
 from specsample.sampling import warp_probs
 from stats_util import chi_square
 
@@ -86,7 +88,7 @@ def test_engine_matches_exact_distribution(pair, warp: str) -> None:
 @pytest.mark.parametrize("broken", list(BROKEN))
 def test_broken_verifier_fails(pair, monkeypatch, broken: str) -> None:
     target, draft = pair
-    monkeypatch.setattr(engine_module, "verify", BROKEN[broken])
+    monkeypatch.setattr(verifier_module, "verify", BROKEN[broken])
     params = WARPS["temperature_1"]
     statistic, threshold = chi_square(engine_counts(target, draft, params, gamma=2), exact_joint(target, params))
     assert statistic > threshold, f"{broken} was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
@@ -155,7 +157,7 @@ class ScoresThenDrafts(FixedGate):
     def plan(self, batch):
         self.round += 1
         drafts = [0 if self.round == 1 else max(0, min(2, r.remaining - 1)) for r in batch.rows]
-        rows = tuple(RowPlan(drafts=d, reach=d, score_backlog=r.backlog) for d, r in zip(drafts, batch.rows))
+        rows = tuple(RowPlan(drafts=d, reach=d, score_backlog=self._backlog(r)) for d, r in zip(drafts, batch.rows))
         return RoundPlan(rows, chosen_ids=tuple(r.request_id for r in batch.rows))
 
 
@@ -171,8 +173,7 @@ def subset_draft():
 
 def _adaptive_cases(draft):
     return {
-        "ngram": (NgramDrafter(min_n=1, max_n=2), False, None),
-        "hybrid": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), False, None),
+        "hybrid": (HybridDrafter(ModelDrafter(draft), SuffixDrafter(), min_match=2), False, None),  # the default's
         "auto_gamma_with_gate": (ModelDrafter(draft), True, FixedGate(3)),
         # lookups sized by the controller from their own acceptance, the model drafting (gated) where none matches
         "hybrid_auto": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), True,
@@ -188,7 +189,9 @@ def _adaptive_cases(draft):
     }
 
 
-@pytest.mark.parametrize("case", ["ngram", "hybrid", "auto_gamma_with_gate", "hybrid_auto", "draft_window",
+# deterministic drafts alone: the hybrid's lookups (suffix drafting at a fixed gamma, n-gram lookup under gamma auto)
+# and test_suffix_drafting_from_other_requests_is_exact
+@pytest.mark.parametrize("case", ["hybrid", "auto_gamma_with_gate", "hybrid_auto", "draft_window",
                                   "backlog_scoring", "extension", "output_subset"])
 def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
@@ -206,6 +209,60 @@ def test_adaptive_drafting_is_exact(pair, case: str) -> None:
         assert controller.lookup_rounds >= SAMPLES // 4  # lookups ran, beside the model's gated drafts above
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic < threshold, f"{case}: chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+# what earlier requests of PROMPT wrote, in the shared cache before the measured ones start: after [1, 2], 3 or 6
+# (2/5 each) or 5, so lookups branch
+WRITTEN = [(3, 4, 5), (6, 7, 0), (3, 4, 1), (6, 2, 2), (5, 5, 5)]
+
+
+class TakesLookups(FixedGate):
+    """FixedGate proposing every lookup token offered (up to its gamma): lookup rounds draft their widest trees."""
+
+    def lookup_length(self, request_id: str, available: int, batch_size: int) -> tuple[int, float]:
+        return min(available, self.max_gamma), 2.0
+
+
+def suffix_counts(target, drafter, suffix: SuffixDrafter) -> np.ndarray:
+    """Histogram of the first LENGTH tokens of SAMPLES rows decoded in one batch under gamma auto (rounds of lookups
+    alone may draft trees) by `drafter` (`suffix`, or wrapping it), after WRITTEN went into the shared cache
+    (through slots the engine does not use): PROMPT is too short to match itself, so every draft comes from what
+    other requests wrote, then from what the other rows commit."""
+    params = WARPS["temperature_1"]
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
+    engine = Engine(target, drafter, config, planner=TakesLookups(3))
+    for slot, written in enumerate(WRITTEN, start=SAMPLES):
+        suffix.add_rows([slot], [PROMPT])
+        suffix.commit([slot], [list(written)])
+        suffix.release_rows([slot])
+    ids = [engine.add_request(PROMPT, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    for result in engine.stream():
+        for update in result.rows:
+            out[update.request_id].extend(update.new_tokens)
+    index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids]
+    return np.bincount(index, minlength=VOCAB**LENGTH)
+
+
+def test_suffix_drafting_from_other_requests_is_exact(pair) -> None:
+    """Suffix drafts (chains and trees of frequent continuations) taken from a cache other requests wrote to: the
+    tokens follow the target's joint distribution. (The hybrid's suffix drafts beside its model: the hybrid case of
+    `test_adaptive_drafting_is_exact`.)"""
+    suffix = SuffixDrafter()
+    counts = suffix_counts(pair[0], suffix, suffix)
+    assert suffix.proposed["shared"] >= SAMPLES and suffix.proposed["own"] == 0  # every draft from others' text
+    assert suffix.proposed["trees"] >= SAMPLES  # ...every row's first a tree
+    statistic, threshold = chi_square(counts, exact_joint(pair[0], WARPS["temperature_1"]))
+    assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_suffix_frequencies_reported_as_draft_probabilities_fail(pair) -> None:
+    """Suffix drafts verified as if drawn from their estimated probabilities (they were chosen, not drawn) must
+    fail the same test."""
+    suffix = SuffixDrafter()
+    counts = suffix_counts(pair[0], SuffixFrequenciesAsProbs(suffix, VOCAB), suffix)
+    statistic, threshold = chi_square(counts, exact_joint(pair[0], WARPS["temperature_1"]))
+    assert statistic > threshold, f"the broken suffix draft was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 
 
 def test_gate_that_drops_the_token_fails(pair) -> None:
@@ -377,6 +434,6 @@ def test_coupled_noise_reused_at_every_position_fails(pair, monkeypatch) -> None
 def test_coupled_verifier_that_trusts_the_draft_fails(pair, monkeypatch) -> None:
     """A coupled verifier that accepts a draft because the draft's own Gumbel-max chose it (every draft), instead of
     checking it is the target's Gumbel-max token, must fail the same test."""
-    monkeypatch.setattr(engine_module, "verify_coupled", coupled_trusts_the_draft)
+    monkeypatch.setattr(verifier_module, "verify_coupled", coupled_trusts_the_draft)
     results = _coupled_chi_squares(pair, "model_chain")
     assert any(statistic > threshold for statistic, threshold in results), results

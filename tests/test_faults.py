@@ -464,7 +464,7 @@ def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folder
         assert _swap(live, "link").status_code == 400  # a link out of the folder
     finally:
         link.unlink()
-    for spec in ("ngram", "hybrid:draft", "draft"):
+    for spec in ("ngram", "suffix", "hybrid:draft", "draft"):
         response = _swap(live, spec)
         assert response.status_code == 200, response.text
     fetched = []  # an alias not in the cache is refused, never downloaded

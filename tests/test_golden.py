@@ -56,7 +56,7 @@ def _drafter(kind: str, draft, clock: VirtualClock, window):
     if kind == "ngram":
         return NgramDrafter()
     model = ModelDrafter(ClockedLM(draft, clock, *COSTS["draft"]), None, window)
-    return model if kind == "model" else HybridDrafter(model)
+    return model if kind == "model" else HybridDrafter(model, NgramDrafter())  # the hybrid as recorded: n-gram lookup
 
 
 def _run(case: dict, models) -> tuple[list[list[int]], list[str], list[list[int]]]:

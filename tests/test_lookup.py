@@ -151,8 +151,8 @@ def test_lookup_rounds_are_timed_apart_from_model_rounds(monkeypatch) -> None:
 
 def test_lookup_lengths_match_what_propose_takes() -> None:
     hybrid = HybridDrafter.__new__(HybridDrafter)  # no model needed to look up
-    hybrid.ngram, hybrid.min_match, hybrid.offer_match = NgramDrafter(min_n=2, max_n=3), 2, 2
-    hybrid.ngram.add_rows([0, 1, 2], [[1, 2, 3, 4, 1, 2], [5, 6, 7], [1, 2, 3, 1, 2]])
+    hybrid.lookup, hybrid.min_match, hybrid.offer_match = NgramDrafter(min_n=2, max_n=3), 2, 2
+    hybrid.lookup.add_rows([0, 1, 2], [[1, 2, 3, 4, 1, 2], [5, 6, 7], [1, 2, 3, 1, 2]])
     assert hybrid.lookup_lengths([0, 1, 2], [3, 3, 0]) == [3, 0, 0]
     ngram = NgramDrafter(min_n=2, max_n=3)
     ngram.add_rows([0, 1, 2], [[1, 2, 3, 4, 1, 2], [5, 6, 5, 6, 7, 5, 6], [5, 6, 5]])

@@ -276,7 +276,7 @@ def test_a_token_tree_scores_each_path_as_a_chain_and_keeps_one_path() -> None:
     from specsample.models.tiny import tiny_lm
 
     model = tiny_lm(40, 2, init_scale=0.2, dtype=torch.float64)
-    context, slot = torch.tensor([[1, 2, 3, 4]]), torch.tensor([0])
+    slot = torch.tensor([0])
     # the pending token 5 at block index 0; its children 6 and 7; 8 under 6; 9 under 8; 10 under 7
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
     parents = torch.tensor([[-1, 0, 0, 1, 3, 2]])

@@ -48,6 +48,7 @@ ENGINE_VALUES = {
     "draft_window": [("off", "off")],
     "sampling": [("coupled", "coupled")],
     "deterministic": [(True, "true")],
+    "suffix_cache_scope": [("request", "request")],
 }
 SERVER_VALUES = {
     "model_name": ("served-name", "served-name"),

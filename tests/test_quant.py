@@ -272,6 +272,8 @@ def test_llama_cpp_missing_is_a_message(monkeypatch, tmp_path) -> None:
     assert peer is None and "not installed" in reason and "specsample[llama]" in reason
     peer, reason = peer_or_reason(None, 64, frozenset())
     assert peer is None and "GGUF" in reason
+    peer, reason = peer_or_reason(tmp_path / "model.gguf", 64, frozenset(), lookup=True)
+    assert peer is None and reason.startswith("llama.cpp-lookup skipped") and "not installed" in reason
 
 
 @pytest.fixture(scope="module")

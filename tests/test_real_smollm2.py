@@ -48,12 +48,14 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
 
 
 def test_default_draft_is_hybrid_with_the_shipped_draft(smollm2) -> None:
-    """The alias drafts by prompt lookup and the shipped draft (gamma auto sizes each)."""
+    """The alias drafts by suffix drafting and the shipped draft (gamma auto sizes each)."""
     from specsample.drafters.hybrid import HybridDrafter
+    from specsample.drafters.suffix import SuffixDrafter
     from specsample.models.hub import SMOLLM2_DRAFT, builtin_draft
     from specsample.pair import load_drafter, resolve_draft_spec
 
     assert resolve_draft_spec(smollm2, None) == "hybrid"
     drafter = load_drafter("hybrid", smollm2, device=DEVICE)
     assert isinstance(drafter, HybridDrafter) and drafter.model.folder == builtin_draft(SMOLLM2_DRAFT)
+    assert isinstance(drafter.lookup, SuffixDrafter) and drafter.lookup.scope == "global"
     assert isinstance(drafter.model, ModelDrafter)

@@ -254,6 +254,26 @@ def test_metrics_count_what_the_controller_did() -> None:
         2, 4, 6, 8]
 
 
+@pytest.mark.parametrize("scope", ["global", "request"])
+def test_metrics_report_the_engines_shared_suffix_cache(folders, scope: str) -> None:
+    """The server's /metrics reads its engine's suffix cache: a finished request's output (and its prompt's last
+    tokens) stay there in global scope; in request scope there is none."""
+    from specsample import SamplingParams
+
+    speculator = load(EngineOptions(target=str(folders["target"]), draft="suffix", dtype="float32",
+                                    suffix_cache_scope=scope))
+    server = SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=1, max_model_len=64))
+    server.engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, seed=0))
+    output = [t for r in server.engine.stream() for u in r.rows for t in u.new_tokens]
+    values = {s.name: s.value for f in text_string_to_metric_families(server.metrics_text().decode())
+              for s in f.samples if s.name.startswith("specsample_suffix_cache")}
+    if scope == "global":
+        assert values["specsample_suffix_cache_tokens"] == 3 + len(output)
+        assert values["specsample_suffix_cache_sequences"] == 1 and values["specsample_suffix_cache_bytes"] > 0
+    else:
+        assert set(values.values()) == {0.0}
+
+
 def test_api_key_and_draft_swap(folders) -> None:
     server = _server(folders, api_key="secret", admin_key="admin", models_dir=str(folders["target"].parent))
     try:

@@ -17,6 +17,7 @@ from specsample.drafters.base import Drafter, DraftRequest, Proposal
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.drafters.suffix import SuffixDrafter
 from specsample.engine import Engine, RoundResult, RoundStats, RowUpdate
 from specsample.models.base import CausalLM
 from specsample.models.loader import load_model
@@ -30,7 +31,7 @@ __all__ = [
     "CausalLM", "Completion", "DraftRequest", "DraftWindow", "Drafter", "Engine", "EngineOptions", "FixedGamma",
     "GammaController", "GenerationResult", "HybridDrafter", "ModelDrafter", "NgramDrafter", "Pair", "Planner",
     "Proposal", "RoundPlan", "RoundResult", "RoundStats", "RowUpdate", "SamplingParams", "SpecConfig", "Speculator",
-    "Verdict", "generate", "generate_stream", "load", "load_model", "load_pair", "tiny_lm", "verify",
+    "SuffixDrafter", "Verdict", "generate", "generate_stream", "load", "load_model", "load_pair", "tiny_lm", "verify",
     "verify_greedy",
 ]
 

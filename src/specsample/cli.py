@@ -112,7 +112,7 @@ def _add_bench_parser(sub) -> None:
                        help=f"suites to run, comma-separated: {', '.join(SUITES)} (default {','.join(DEFAULT_SUITES)})")
     bench.add_argument("--dataset", default="spec-bench",
                        help="spec-bench (bundled), a file in its format, humaneval, sharegpt")
-    bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise")
+    bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise; the repeat suite: items per kind")
     bench.add_argument("--max-new-tokens", type=int, default=None)
     bench.add_argument("--gamma", type=_csv(int), default=None,
                        help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "

@@ -266,7 +266,8 @@ class Engine:
         proposal = self.drafter.propose(DraftRequest(
             tuple(DraftRow(r.slot, p.drafts, p.reach, r.params, r.generator, p.source, noise[i] if noise else None)
                   for i, (r, p) in enumerate(zip(rows, plan.rows))),
-            plan.stop_thresholds, plan.extension, tree=plan.tree, shaper=shaper, coupled=self.config.coupled))
+            plan.stop_thresholds, plan.extension, tree=plan.tree, shaper=shaper, coupled=self.config.coupled,
+            lookup_trees=plan.lookup_trees))
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor([p.reach for p in plan.rows]))
         used = int(num_drafted.max())  # the drafter may have stopped every row early
         return Proposal(proposal.tokens[:, :used].to(device),

@@ -14,6 +14,7 @@ from specsample.drafters.eagle import EagleDrafter, is_head_folder, load_head_dr
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import WINDOW_MODES, DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.drafters.suffix import SCOPES, SuffixDrafter
 from specsample.models.hub import ALIASES, FetchError, builtin_draft
 from specsample.models.llama import LlamaModel
 from specsample.models.loader import LoadedModel, load_model
@@ -22,6 +23,7 @@ from specsample.models.quant import DEFAULT_INT4_GROUP
 log = logging.getLogger("specsample")
 
 NO_DRAFT = ("none", "off")
+SUFFIX = "suffix"
 SELF_DRAFT, SELF_MODES = "self:", ("int4", "int8")  # --draft self:int4: the target's weights, quantized
 # a draft this narrow runs in float32 on a CPU when the dtype is "auto": per-op cost, not reading weights, sets
 # its step time there, and float32 ops on its small matrices run faster than bfloat16 ones (docs/drafts.md)
@@ -41,11 +43,13 @@ class Pair:
     draft_window: str | DraftWindow = "auto"
     draft_quantize: str = "auto"
     group_size: int = DEFAULT_INT4_GROUP
+    suffix_scope: str = "global"
 
     def load_draft(self, spec: str) -> Drafter | None:
-        """Another drafter for this target, loaded as this pair's was (dtype, device, window, quantization)."""
+        """Another drafter for this target, loaded as this pair's was (dtype, device, window, quantization, the
+        suffix cache's scope)."""
         return load_drafter(spec, self.target, self.dtype, self.device, window=self.draft_window,
-                            quantize=self.draft_quantize, group_size=self.group_size)
+                            quantize=self.draft_quantize, group_size=self.group_size, suffix_scope=self.suffix_scope)
 
 
 def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
@@ -58,13 +62,15 @@ def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
 def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", compile_decode: bool = False,
                  window: str | DraftWindow = "auto", quantize: str = "auto",
-                 group_size: int = DEFAULT_INT4_GROUP) -> Drafter | None:
-    """Build the drafter for `spec`: 'ngram', 'none', 'hybrid[:MODEL]' (n-gram where the context
-    repeats, the model elsewhere), 'self:int4' or 'self:int8' (the target's own weights, quantized: a draft
-    without training), or any model spec sharing the target's tokenizer. `compile_decode`
-    compiles a draft model's one-token steps (see `load_model`). `window`: what a draft model attends
-    to, 'auto' (the `DraftWindow` saved in its folder, else the whole context), 'off' (the whole
+                 group_size: int = DEFAULT_INT4_GROUP, suffix_scope: str = "global") -> Drafter | None:
+    """Build the drafter for `spec`: 'ngram' (prompt lookup), 'suffix' (suffix drafting), 'none',
+    'hybrid[:MODEL]' (suffix drafting where the text repeats, the model elsewhere), 'self:int4' or 'self:int8' (the
+    target's own weights, quantized: a draft without training), or any model spec sharing the target's tokenizer.
+    `compile_decode` compiles a draft model's one-token steps (see `load_model`). `window`: what a draft model
+    attends to, 'auto' (the `DraftWindow` saved in its folder, else the whole context), 'off' (the whole
     context) or a `DraftWindow`. `quantize`, `group_size`: how a draft model's weights are held (`load_model`).
+    `suffix_scope`: what suffix drafts come from, 'global' (the request and recent requests' outputs) or
+    'request' (the request alone).
 
     A draft that exists but cannot be loaded (out of memory, unreadable files) is not fatal: we
     decode without speculation and say so loudly. Under dtype 'auto' a narrow draft on a CPU (hidden size
@@ -72,19 +78,23 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
     """
     if isinstance(window, str) and window not in WINDOW_MODES:
         raise ValueError(f"draft window must be one of {', '.join(WINDOW_MODES)} or a DraftWindow, got {window!r}")
+    if suffix_scope not in SCOPES:
+        raise ValueError(f"suffix cache scope must be one of {', '.join(SCOPES)}, got {suffix_scope!r}")
     if spec in NO_DRAFT:
         return None
     if spec == "ngram":
         return NgramDrafter()
+    if spec == SUFFIX:
+        return SuffixDrafter(suffix_scope)
     if is_hybrid(spec):
         model_spec = hybrid_model_spec(spec, target)
         model = load_drafter(model_spec, target, dtype, device, compile_decode, window, quantize, group_size)
-        if model is None:  # the model failed to load (already logged): keep prompt lookup at least
-            log.warning("hybrid drafting continues with n-gram lookup only")
-            return NgramDrafter()
+        if model is None:  # the model failed to load (already logged): keep suffix drafting at least
+            log.warning("hybrid drafting continues with suffix drafting only")
+            return SuffixDrafter(suffix_scope)
         if not isinstance(model, (ModelDrafter, EagleDrafter)):
             raise ValueError(f"hybrid drafting needs a draft model or a feature draft, got {model_spec!r}")
-        return HybridDrafter(model)
+        return HybridDrafter(model, SuffixDrafter(suffix_scope))
     if spec.startswith(SELF_DRAFT):
         return _self_draft(spec, target, dtype, device, compile_decode, group_size)
     head = builtin_draft(spec) or (Path(spec) if Path(spec).is_dir() else None)
@@ -170,13 +180,14 @@ def _model_draft_default(target: LoadedModel) -> str:
 def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype = "auto",
               device: str | torch.device = "cpu", runtime: str = "auto", compile_decode: bool = False,
               draft_window: str | DraftWindow = "auto", quantize: str = "auto", group_size: int = DEFAULT_INT4_GROUP,
-              draft_quantize: str = "auto") -> Pair:
+              draft_quantize: str = "auto", suffix_scope: str = "global") -> Pair:
     """Load the target and its drafter from specs (`compile_decode`, `quantize`, `group_size`: see `load_model`;
-    `draft_window`: see `load_drafter`; `draft_quantize`: a draft model's `quantize`)."""
+    `draft_window`, `suffix_scope`: see `load_drafter`; `draft_quantize`: a draft model's `quantize`)."""
     target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime, compile_decode=compile_decode,
                         quantize=quantize, group_size=group_size)
     spec = resolve_draft_spec(target, draft_spec)
-    drafter = load_drafter(spec, target, dtype, device, compile_decode, draft_window, draft_quantize, group_size)
+    drafter = load_drafter(spec, target, dtype, device, compile_decode, draft_window, draft_quantize, group_size,
+                           suffix_scope)
     if drafter is not None:
         _warm_blocks(target.model)
-    return Pair(target, drafter, spec, dtype, device, draft_window, draft_quantize, group_size)
+    return Pair(target, drafter, spec, dtype, device, draft_window, draft_quantize, group_size, suffix_scope)

@@ -18,6 +18,7 @@ import torch
 from specsample.config import SAMPLING_MODES, SettingError, SpecConfig, TreeShape
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import WINDOW_MODES
+from specsample.drafters.suffix import SCOPES as SUFFIX_SCOPES
 from specsample.engine import Engine
 from specsample.grammar import GrammarCompiler
 from specsample.models.base import TreeLM
@@ -93,8 +94,9 @@ class EngineOptions:
     target: str = setting(DEFAULT_TARGET, help=f"target model: alias ({', '.join(ALIASES)}), Hugging Face folder, "
                                                ".gguf file or hub id")
     draft: str | None = setting(None, help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt "
-                                           "lookup), 'hybrid[:MODEL]' (n-gram where the context repeats, the model "
-                                           "elsewhere) or 'none'. Default: the target alias's (smollm2-135m-instruct: "
+                                           "lookup), 'suffix' (suffix drafting over the request and recent "
+                                           "requests' outputs), 'hybrid[:MODEL]' (suffix drafting where the text "
+                                           "repeats, the model elsewhere) or 'none'. Default: the target alias's (smollm2-135m-instruct: "
                                            "hybrid, with the distilled draft shipped in the package; gemma3-270m: "
                                            "ngram)")
     gamma: int | str = setting("auto", help="draft tokens per round, or 'auto': chosen per request online from "
@@ -143,6 +145,12 @@ class EngineOptions:
                                               "--compile): outputs are bitwise reproducible for a seed and "
                                               "speculative greedy equals plain greedy in every dtype; slower "
                                               "(docs/exactness.md)")
+    suffix_cache_scope: str = setting("global", choices=SUFFIX_SCOPES,
+                                      help="what suffix drafts (the hybrid's lookup, --draft suffix) come from: global "
+                                           "(the request and the outputs of the engine's recent requests, shared "
+                                           "across clients: a request decodes faster where another client wrote the "
+                                           "same text, a timing side channel) or request (the request alone); "
+                                           "docs/serving.md#the-suffix-cache")
 
     def __post_init__(self) -> None:
         """Every setting is checked here; whether this process can use the device, by `load` before it loads
@@ -178,6 +186,9 @@ class EngineOptions:
             raise ValueError("--compile needs our Llama-family runtime, not --runtime hf")
         if self.sampling is not None and self.sampling not in SAMPLING_MODES:
             raise SettingError("sampling", f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+        if self.suffix_cache_scope not in SUFFIX_SCOPES:
+            raise SettingError("suffix_cache_scope", f"suffix_cache_scope must be one of {', '.join(SUFFIX_SCOPES)}, "
+                                                     f"got {self.suffix_cache_scope!r}")
         if not isinstance(self.deterministic, bool):
             raise SettingError("deterministic", f"deterministic must be true or false, got {self.deterministic!r}")
         if self.deterministic:
@@ -276,7 +287,7 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
     pair = load_pair(options.target, options.draft if options.speculative else "none", options.dtype,
                      options.device, options.runtime, compile_decode=options.compile,
                      draft_window=options.draft_window, quantize=options.quantize, group_size=options.quant_group,
-                     draft_quantize=options.draft_quantize)
+                     draft_quantize=options.draft_quantize, suffix_scope=options.suffix_cache_scope)
     if options.deterministic:
         make_deterministic(pair.target.model, options.target)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):

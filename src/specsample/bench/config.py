@@ -12,8 +12,8 @@ from typing import Any
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
 from specsample.speculator import EngineOptions
 
-COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp")
-SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix")
+COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp", "llama.cpp-lookup", "hybrid-ngram")
+SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "repeat")
 DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
 BENCH_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto")  # ours score rounds at the target's fastest width
 
@@ -27,12 +27,12 @@ class BenchConfig:
     engine: EngineOptions = BENCH_ENGINE_DEFAULTS
     suites: tuple[str, ...] = DEFAULT_SUITES
     dataset: str = "spec-bench"  # spec-bench (bundled), a file in its format, humaneval, sharegpt
-    num_prompts: int | None = None  # per category for spec-bench, in total otherwise
+    num_prompts: int | None = None  # per category for spec-bench, in total otherwise; the repeat suite's per kind
     max_new_tokens: int = 128
     gammas: tuple[int | str, ...] = ("auto", 1, 2, 3, 4, 5, 6, 7, 8)  # the first: the compare suite's gamma
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup, llama.cpp
+    compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup, llama.cpp, llama.cpp-lookup, hybrid-ngram
     sweep_prompts: int = 24  # prompts of the gamma and batch sweeps (0: skip them)
     lossless_prompts: int = 3  # prompts of the losslessness test (0: skip it)
     lossless_samples: int = 2000

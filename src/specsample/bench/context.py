@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from specsample.bench.config import BenchConfig, load_prompts
+from specsample.bench.repeat_stream import context_needed, workload
 from specsample.bench.systems import HFGenerate, Ours, load_hf_peer
 from specsample.config import SamplingParams
 from specsample.drafters.base import Drafter
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
+from specsample.drafters.suffix import SuffixDrafter
 from specsample.planner import FixedGamma, GammaController, Planner
 from specsample.speculator import Speculator, load
 
@@ -87,6 +89,9 @@ class Bench:
         self.prompts = [p for p, _ in kept]
         self.prompt_ids = [ids for _, ids in kept]
         self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens
+        if "repeat" in config.suites:  # peers hold the repeat suite's longest request too
+            self.max_len = max(self.max_len, context_needed(tokenizer, config.max_new_tokens,
+                                                            workload(config.num_prompts)))
         if self.speculator.target_widths:
             self.notes.append(f"target rounds of 1..{len(self.speculator.target_widths)} tokens scored as "
                               f"{self.speculator.target_widths} (measured at start-up, --pad-rows auto)")
@@ -132,19 +137,36 @@ class Bench:
         return ModelDrafter(model.model, model.folder, model.window)
 
     def fresh(self, kind: str) -> Drafter | None:
-        """A new drafter of `kind` ('model', 'ngram', 'hybrid'), None where the pair has no draft model for it."""
-        if kind == "ngram":
-            return NgramDrafter()
+        """A new drafter of `kind`: 'model', 'ngram', 'suffix' (global scope), 'suffix-request', 'hybrid' (with suffix
+        drafting in global scope), 'hybrid-request' (...in request scope), 'hybrid-ngram' (with n-gram lookup); None
+        where the pair has no draft model for it."""
+        lookups = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "suffix-request": lambda: SuffixDrafter("request")}
+        if kind in lookups:
+            return lookups[kind]()
         model = self.draft_model()
         if model is None:
             return None
-        return model if kind == "model" else HybridDrafter(model)
+        hybrids = {"hybrid": SuffixDrafter, "hybrid-request": lambda: SuffixDrafter("request"),
+                   "hybrid-ngram": NgramDrafter}
+        if kind in hybrids:
+            return HybridDrafter(model, hybrids[kind]())
+        if kind != "model":
+            raise ValueError(f"unknown drafter kind {kind!r}")
+        return model
 
     def _load_peers(self) -> list:
         peers: list = []
-        if "llama.cpp" in self.config.compare:
-            peers += self._llama_cpp()
-        if not set(self.config.compare) - {"llama.cpp"}:
+        if "hybrid-ngram" in self.config.compare:  # the default's hybrid with prompt lookup in place of suffix drafting
+            drafter = self.fresh("hybrid-ngram")
+            if drafter is None:
+                self.notes.append("hybrid-ngram skipped: the pair has no draft model")
+            else:
+                peers.append(self.system("hybrid, n-gram lookup gamma=auto", drafter,
+                                         lambda: GammaController(self.config.max_gamma)))
+        for lookup in (False, True):
+            if ("llama.cpp-lookup" if lookup else "llama.cpp") in self.config.compare:
+                peers += self._llama_cpp(lookup)
+        if not set(self.config.compare) - {"llama.cpp", "llama.cpp-lookup", "hybrid-ngram"}:
             return peers
         folder = self.speculator.pair.target.folder
         if folder is None:
@@ -167,8 +189,9 @@ class Bench:
         return peers
 
 
-    def _llama_cpp(self) -> list:
-        """llama.cpp on the target's GGUF file (an alias's, fetched if its cache lacks it), or a note why not."""
+    def _llama_cpp(self, lookup: bool = False) -> list:
+        """llama.cpp on the target's GGUF file (an alias's, fetched if its cache lacks it), with its prompt-lookup
+        draft where `lookup`, or a note why not."""
         from specsample.bench.llama_cpp import peer_or_reason
         from specsample.models.hub import ALIASES, alias_gguf
 
@@ -176,12 +199,13 @@ class Bench:
         gguf = target.gguf
         if gguf is None and target.spec in ALIASES:
             gguf = alias_gguf(target.spec)
-        peer, reason = peer_or_reason(gguf, self.max_len, self.eos)
+        peer, reason = peer_or_reason(gguf, self.max_len, self.eos, lookup=lookup)
         if peer is None:
             self.notes.append(reason)
             self._say(reason)
             return []
-        self.notes.append(f"llama.cpp: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads")
+        self.notes.append(f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads"
+                          + (f", {peer.about}" if peer.about else ""))
         return [peer]
 
 

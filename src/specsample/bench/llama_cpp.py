@@ -1,4 +1,7 @@
-"""llama.cpp (through llama-cpp-python) as a benchmark peer on the target's own GGUF file.
+"""llama.cpp (through llama-cpp-python) as a benchmark peer on the target's own GGUF file: decoding plainly
+(`llama.cpp`), or with llama-cpp-python's prompt-lookup draft (`llama.cpp-lookup`: `LlamaPromptLookupDecoding`, the
+next LOOKUP_TOKENS tokens after the latest earlier match of the context's last 1 to LOOKUP_NGRAM tokens, checked
+by the target in one batch).
 
 It is an optional extra (`pip install 'specsample[llama]'`, which builds llama.cpp for the machine): where it is
 missing, `peer_or_reason` says so and the benchmark goes on without it. Prompts arrive as our token ids, so both
@@ -17,32 +20,42 @@ import torch
 from specsample.bench.systems import RunRecord
 from specsample.config import SamplingParams
 
+LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's max_ngram_size (its default)
+LOOKUP_TOKENS = 2  # ...and num_pred_tokens: 2, which its documentation recommends on a CPU (10 on a GPU)
 INSTALL_HINT = "pip install 'specsample[llama]' (builds llama.cpp; CMAKE_ARGS=\"-DGGML_NATIVE=ON\" for this CPU)"
 
 
-def peer_or_reason(gguf: Path | None, context: int, eos: frozenset[int],
-                   threads: int | None = None) -> tuple[LlamaCpp | None, str | None]:
-    """The llama.cpp peer for `gguf`, or None and why it cannot run (not installed, no GGUF file)."""
+def peer_or_reason(gguf: Path | None, context: int, eos: frozenset[int], threads: int | None = None,
+                   lookup: bool = False) -> tuple[LlamaCpp | None, str | None]:
+    """The llama.cpp peer for `gguf` (with its prompt-lookup draft where `lookup`), or None and why it cannot run
+    (not installed, no GGUF file)."""
+    name = "llama.cpp-lookup" if lookup else "llama.cpp"
     if gguf is None:
-        return None, "llama.cpp skipped: the target was not loaded from a GGUF file"
+        return None, f"{name} skipped: the target was not loaded from a GGUF file"
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return None, f"llama.cpp skipped: llama-cpp-python is not installed ({INSTALL_HINT})"
-    return LlamaCpp(gguf, context, eos, threads or torch.get_num_threads()), None
+        return None, f"{name} skipped: llama-cpp-python is not installed ({INSTALL_HINT})"
+    return LlamaCpp(gguf, context, eos, threads or torch.get_num_threads(), lookup), None
 
 
 class LlamaCpp:
-    """llama.cpp decoding one prompt at a time (batch 1), timed like our systems."""
+    """llama.cpp decoding one prompt at a time (batch 1), timed like our systems; with `lookup`, drafting by
+    llama-cpp-python's prompt lookup."""
 
-    name = "llama.cpp"
-
-    def __init__(self, gguf: Path, context: int, eos: frozenset[int], threads: int) -> None:
+    def __init__(self, gguf: Path, context: int, eos: frozenset[int], threads: int, lookup: bool = False) -> None:
         from llama_cpp import Llama
 
+        draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_NGRAM, num_pred_tokens=LOOKUP_TOKENS)
+        self.name = "llama.cpp-lookup" if lookup else "llama.cpp"
+        self.about = f"prompt lookup: max_ngram_size {LOOKUP_NGRAM}, num_pred_tokens {LOOKUP_TOKENS}" if lookup else ""
         self.gguf, self.eos, self.threads = gguf, eos, threads
         self.llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         n_batch=min(512, context), verbose=False)
+                         n_batch=min(512, context), draft_model=draft, verbose=False)
         self.version = _version()
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RunRecord]:

@@ -130,12 +130,31 @@ def compare_section(store: dict[str, Any]) -> list[str]:
                 lines += ["", f"Trees drafted by `{name}`, per category:", "", "| category | tree rounds |",
                           "|---|---|"]
                 lines += [f"| {c} | {use or 'none'} |" for c, use in by_category.items()]
+        lines += _ratio_lines(rows, [n for n in others if n.startswith("specsample ")],
+                              [n for n in COMPARE_REFERENCES if n in systems], cats)
         for name in others:
             per_pos = _pooled(rows, name).get("acceptance_per_position")
             if per_pos:
                 lines += ["", f"Acceptance by draft position ({name}): " + ", ".join(f"{a:.2f}" for a in per_pos)]
         lines.append("")
     return lines
+
+
+COMPARE_REFERENCES = ("hybrid, n-gram lookup gamma=auto", "llama.cpp", "llama.cpp-lookup")
+
+
+def _ratio_lines(rows: list[dict[str, Any]], ours: list[str], references: list[str], cats: list[str]) -> list[str]:
+    """A table of each of `ours` over each reference system, overall and per category (paired bootstrap)."""
+    if not ours or not references:
+        return []
+
+    def ratios(speeds: dict[str, float]) -> dict[str, float]:
+        return {f"{a} / {b}": speeds[a] / speeds[b] if speeds.get(b) else 0.0 for a in ours for b in references}
+
+    between = bootstrap(_prompt_rows(rows), ratios, LEVEL)
+    lines = ["", "Speed ratios:", "", "| ratio | overall | " + " | ".join(cats) + " |", "|---" * (len(cats) + 2) + "|"]
+    return lines + [f"| {key} | {_interval(cells['overall'])} | " + " | ".join(_interval(cells[c]) for c in cats)
+                    + " |" for key, cells in between.items()]
 
 
 def gamma_section(store: dict[str, Any]) -> list[str]:
@@ -271,9 +290,55 @@ def prefix_section(store: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+REPEAT_REFERENCES = ("hybrid, n-gram lookup", "n-gram lookup", "llama.cpp-lookup", "llama.cpp")
+
+
+def _draft_ms(rows: list[dict[str, Any]], name: str) -> float | None:
+    """A system's drafting time per round (looking up, proposing, the draft model's steps), in ms."""
+    stats = [row["systems"][name].get("stats", {}) for row in rows if name in row["systems"]]
+    rounds = sum(s.get("rounds", 0) for s in stats)
+    return 1000 * sum(s.get("draft_seconds", 0.0) for s in stats) / rounds if rounds else None
+
+
+def repeat_section(store: dict[str, Any]) -> list[str]:
+    systems = store.get("systems", [])
+    kinds = ", ".join(f"{n} {k}" for k, n in store.get("kinds", {}).items() if n)
+    lines = ["## Repetitive traffic", "",
+             f"A stream of {store.get('requests', 0)} requests ({kinds}), each system on one engine kept for the whole "
+             "stream at a temperature (repeat suite, docs/benchmarks.md). Speedups over target-only and ratios between "
+             "systems are paired bootstrap ratios over requests (90% intervals).", ""]
+    for temperature, rows in store.get("runs", {}).items():
+        if not rows:
+            continue
+        names = [n for n in systems if all(n in row["systems"] for row in rows)]
+        speed = _speedups(rows, names)
+        lines += [f"### Temperature {temperature} ({len(rows)} requests)", "",
+                  "| system | tokens/s | speedup (90% interval) | tokens/forward | acceptance | draft ms/round |",
+                  "|---|---|---|---|---|---|"]
+        for name in names:
+            pooled = _pooled(rows, name)
+            lines.append(f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
+                         f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                         f"{_fmt(_draft_ms(rows, name), 3)} |")
+        cats = sorted(c for c in speed[BASELINE] if c != "overall")
+        others = [n for n in names if n != BASELINE]
+        lines += ["", "Speedup over target-only by kind of request:", "",
+                  "| kind | " + " | ".join(others) + " |", "|---" * (len(others) + 1) + "|"]
+        lines += [f"| {c} | " + " | ".join(_interval(speed[n][c]) for n in others) + " |" for c in cats]
+        references = [r for r in REPEAT_REFERENCES if r in names]
+        lines += _ratio_lines(rows, [n for n in others if "suffix (global)" in n], references, cats)
+        cache = store.get("suffix_cache", {}).get(temperature, {})
+        for name, held in cache.items():
+            lines += ["", f"Shared suffix cache of `{name}` at the end: {held['tokens']} tokens of {held['sequences']} "
+                      f"requests, {held['bytes'] / 2**20:.1f} MiB (capacity {held['capacity']} tokens, "
+                      f"{held['evicted']} requests evicted)."]
+        lines.append("")
+    return lines
+
+
 SECTIONS = {"compare": compare_section, "gamma": gamma_section, "batch": batch_section,
             "lossless": lossless_section, "adaptive": adaptive_section, "structured": structured_section,
-            "prefix": prefix_section}
+            "prefix": prefix_section, "repeat": repeat_section}
 
 
 def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> None:

@@ -11,7 +11,9 @@
 - structured: ours and target-only on prompts asking for a JSON record, each under a JSON-schema grammar and free,
   interleaved: how much of the unconstrained speed a grammar keeps;
 - prefix: time to first token of a second chat turn after a first turn of --history-tokens, on an engine that
-  kept the first turn's cache rows (prefix reuse) and on one that did not.
+  kept the first turn's cache rows (prefix reuse) and on one that did not;
+- repeat: repetitive traffic (second turns, extraction, reworded questions) as a stream through one long-lived
+  engine per system, so a shared suffix cache warms (`repeat.py`).
 """
 
 from __future__ import annotations
@@ -25,30 +27,11 @@ from typing import Any
 from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.stats import two_sample_test
-from specsample.bench.systems import Ours, RunRecord, run_lockstep
+from specsample.bench.systems import Ours, record, run_lockstep, speed_line
 from specsample.config import Grammar, SamplingParams
 from specsample.datasets import spec_bench_prompts
-from specsample.metrics import percentile
 from specsample.planner import FixedGamma, GammaController
-
-STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
-              "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
-              "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings", "tree_row_rounds",
-              "tree_budgets")
-
-
-def record(run: RunRecord) -> dict[str, Any]:
-    """What the report reads of one generation."""
-    return {"tokens": len(run.tokens), "seconds": run.seconds, "ttft": run.ttft,
-            "tpot_p50": percentile(run.tpots, 50) if run.tpots else None,
-            "tpot_p99": percentile(run.tpots, 99) if run.tpots else None,
-            "stats": {k: run.stats[k] for k in STATS_KEPT if k in run.stats}}
-
-
-def _line(row: dict[str, Any]) -> str:
-    return f"{row['category']} {row['prompt']}: " + ", ".join(
-        f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0)
-
+from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 
 def _interleaved(bench: Bench, systems: list, indices: list[int], temperature: float, rows: list[dict[str, Any]],
                  recorder: Recorder, label: str) -> None:
@@ -63,7 +46,7 @@ def _interleaved(bench: Bench, systems: list, indices: list[int], temperature: f
         row["systems"] = {s.name: row["systems"][s.name] for s in systems}
         rows.append(row)
         recorder.save()
-        progress.step(_line(row))
+        progress.step(speed_line(row))
     progress.close()
 
 
@@ -179,7 +162,7 @@ def adaptive(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
                    "systems": {s.name: record(r[0]) for s, r in zip(systems, runs)}}
             rows.append(row)
             recorder.save()
-            progress.step(_line(row))
+            progress.step(speed_line(row))
         progress.close()
 
 
@@ -221,7 +204,7 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
             row["systems"] = {name: row["systems"][name] for name, _, _ in systems}
             rows.append(row)
             recorder.save()
-            progress.step(_line(row))
+            progress.step(speed_line(row))
         progress.close()
 
 

@@ -13,7 +13,7 @@ import torch
 from specsample.config import SamplingParams
 from specsample.drafters.base import Drafter
 from specsample.engine import Engine
-from specsample.metrics import StatsCollector
+from specsample.metrics import StatsCollector, percentile
 from specsample.planner import Planner
 
 
@@ -196,3 +196,23 @@ def load_hf_peer(folder, dtype: torch.dtype, device: str | torch.device = "cpu")
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+
+
+STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
+              "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
+              "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings", "tree_row_rounds",
+              "tree_budgets")
+
+
+def record(run: RunRecord) -> dict[str, Any]:
+    """What the report reads of one generation."""
+    return {"tokens": len(run.tokens), "seconds": run.seconds, "ttft": run.ttft,
+            "tpot_p50": percentile(run.tpots, 50) if run.tpots else None,
+            "tpot_p99": percentile(run.tpots, 99) if run.tpots else None,
+            "stats": {k: run.stats[k] for k in STATS_KEPT if k in run.stats}}
+
+
+def speed_line(row: dict[str, Any]) -> str:
+    """A progress line: each system's tokens per second on one prompt."""
+    return f"{row['category']} {row['prompt']}: " + ", ".join(
+        f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0)

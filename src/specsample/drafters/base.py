@@ -63,6 +63,9 @@ class DraftRequest:
     # logits at each step with the tokens it drew before it in the round (`Shaper.next_logits`); None: none
     shaper: Shaper | None = None
     coupled: bool = False  # draws are Gumbel-max with each row's noise (specsample.coupling), not from generators
+    # rows sent to their lookup (source True) may propose a token tree of up to their reach in nodes where their
+    # continuations branch (the target scores trees); False: chains, unless `tree`
+    lookup_trees: bool = False
 
     def __post_init__(self) -> None:
         if self.width < 0:

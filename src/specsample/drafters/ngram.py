@@ -128,6 +128,11 @@ class NgramDrafter:
         reads of the same tables)."""
         return self.rows[slot].find(max_tokens)
 
+    def offer(self, slot: int, max_tokens: int) -> tuple[int, int]:
+        """Tokens the row's lookup proposes, up to `max_tokens`, and its match length (0: none)."""
+        found, n = self.continuation(slot, max_tokens)
+        return len(found), n
+
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """No row can draft without its lookup: there is no model."""
         return [False] * len(slots)

@@ -15,6 +15,7 @@ from torch import Tensor
 from specsample.config import SamplingParams
 from specsample.drafters.base import (BacklogScorer, DraftRequest, Drafter, FeatureDrafter, PrefixKeeper, PromptLookup,
                                        Proposal, merge_proposals)
+from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats, combined
 
 
 class RoutedDrafter:
@@ -97,6 +98,12 @@ class RoutedDrafter:
         """Whether any drafter still serving rows (or the current one) drafts from the target's hidden states."""
         drafters = {id(d): d for d in self._owner.values()} | {id(self.current): self.current}
         return any(isinstance(d, FeatureDrafter) and d.wants_features for d in drafters.values())
+
+    def suffix_cache(self) -> SuffixCacheStats | None:
+        """What the shared suffix caches of the drafters still serving rows (and the current one) hold together (read
+        from another thread: a snapshot of the owners first)."""
+        drafters = {id(d): d for d in list(self._owner.values())} | {id(self.current): self.current}
+        return combined(d.suffix_cache() for d in drafters.values() if isinstance(d, SuffixCacheHolder))
 
     def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
         """Each row's features to its drafter, where that drafter reads them."""

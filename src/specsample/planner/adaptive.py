@@ -127,8 +127,13 @@ class GammaController:
                     for r, state in zip(rows, batch.rows)]
             if all(r.reach == r.drafts for r in rows):
                 extension = None
+        # lookups may branch only where every drafting row is a lookup's: one row's tree makes the round a tree round
+        # for every row, which the model's chains are not priced as
+        lookup_trees = (batch.can_tree and tree is None and any(r.source is True and r.drafts > 0 for r in rows)
+                        and all(r.source is True for r in rows if r.drafts > 0))
         return RoundPlan(rows=tuple(rows), stop_thresholds=tuple(thresholds), extension=extension,
-                         chosen_ids=tuple(batch.rows[i].request_id for i in chosen), tree=tree, **facts)
+                         chosen_ids=tuple(batch.rows[i].request_id for i in chosen), tree=tree,
+                         lookup_trees=lookup_trees, **facts)
 
     def _tree(self, batch: BatchState, rows: list[RowPlan], chosen: list[int], size: int) -> TreeShape | None:
         """The tree this round drafts (None: chains), see `trees`: the fastest predicted for the rows the model drafts

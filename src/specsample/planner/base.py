@@ -105,6 +105,9 @@ class RoundPlan:
     catching_up: bool = False  # some row drafts right after a plain round: its draft first feeds what it missed
     model_drafting: bool = False  # some planned row drafts with the draft model
     tree: TreeShape | None = None  # draft a token tree per row, each row's `reach` nodes at most; None: chains
+    # rows sent to their lookup may propose token trees of their `reach` nodes (every drafting row is a lookup's, and
+    # the target scores trees): `DraftRequest.lookup_trees`
+    lookup_trees: bool = False
 
     @property
     def width(self) -> int:

@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 
 from specsample.config import SettingError
 from specsample.drafters.routed import RoutedDrafter
+from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats
 from specsample.engine import RowUpdate
 from specsample.models.hub import ALIASES, DRAFTS_DIR, alias_cached, builtin_draft
 from specsample.pair import is_hybrid
@@ -58,6 +59,7 @@ class SpecServer:
         self.draft_spec = speculator.draft_spec
         labels = {"replica": options.replica_id} if options.replica_id else {}
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
+        self.metrics.watch_suffix_cache(self._suffix_cache)
         self.runner = EngineRunner(self.engine, self._observe)
         grammars = self.engine.grammars
         self.grammar_pool = (GrammarPool(grammars, options.grammar_workers, options.grammar_compile_timeout)
@@ -67,6 +69,11 @@ class SpecServer:
         self.active = 0  # requests being answered (all routes but /health and /metrics)
         self.draining = False  # shutting down: new requests get 503 (server/serve.py)
         self.ended = False  # the shutdown limit passed: requests still running were ended
+
+    def _suffix_cache(self) -> SuffixCacheStats | None:
+        """What the engine's drafters' shared suffix caches hold (None without one)."""
+        drafter = self.engine.drafter
+        return drafter.suffix_cache() if isinstance(drafter, SuffixCacheHolder) else None
 
     def _observe(self, result) -> None:
         self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)
@@ -280,15 +287,15 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     return app
 
 
-UNUSABLE_DRAFT = ("unknown or unusable draft: give ngram, hybrid, a built-in draft ({builtin}), hybrid:NAME, or the "
-                  "name of a draft in the server's models folder (--models-dir)")
+UNUSABLE_DRAFT = ("unknown or unusable draft: give ngram, suffix, hybrid, a built-in draft ({builtin}), hybrid:NAME, "
+                  "or the name of a draft in the server's models folder (--models-dir)")
 
 
 def _load_allowed_draft(srv: SpecServer, spec: str):
-    """The drafter for an allowed draft spec: 'ngram', 'hybrid', a built-in alias or draft, or a folder or .gguf file
-    inside `--models-dir` given by its name there, each also as 'hybrid:NAME'. Anything else, and anything that does
-    not load or does not fit the target, gets one message that says nothing about the filesystem (the reason is
-    logged)."""
+    """The drafter for an allowed draft spec: 'ngram', 'suffix', 'hybrid', a built-in alias or draft, or a folder or
+    .gguf file inside `--models-dir` given by its name there, each also as 'hybrid:NAME'. Anything else, and anything
+    that does not load or does not fit the target, gets one message that says nothing about the filesystem (the
+    reason is logged)."""
     refusal = ProtocolError(UNUSABLE_DRAFT.format(builtin=", ".join(sorted(_builtin_names()))), "draft")
     resolved = _allowed_draft(spec, srv.options.models_dir)
     if resolved is None:
@@ -315,7 +322,7 @@ def _builtin_names() -> set[str]:
 
 def _allowed_draft(spec: str, models_dir: str | None) -> str | None:
     """The spec to load for an allowed draft spec, else None."""
-    if spec in ("ngram", "hybrid"):
+    if spec in ("ngram", "suffix", "hybrid"):
         return spec
     if is_hybrid(spec):
         model = _allowed_model(spec.partition(":")[2], models_dir)

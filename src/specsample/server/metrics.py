@@ -6,6 +6,8 @@ Histograms: time to first token, time per output token, end-to-end latency.
 Gauges: running batch size, queue depth, recent acceptance rate and mean acceptance length
 (1 + accepted / drafts over the last rounds). Histogram of the batch size per round. Prefix reuse: requests
 admitted and those that reused a finished request's cached prefix, with their prompt tokens and the tokens reused.
+The shared suffix cache (suffix drafting with scope global): tokens, requests' outputs and bytes held, its capacity,
+outputs dropped for room (read at every scrape).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specsample.drafters.suffix import SuffixCacheStats
 from specsample.engine import RoundResult
 
 log = logging.getLogger("specsample.server")
+NO_SUFFIX_CACHE = SuffixCacheStats(0, 0, 0, 0, 0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -64,6 +69,12 @@ class ServerMetrics:
                                              "Prompt tokens of admitted requests the target's cache takes")
         self.prefix_reused_tokens = counter("prefix_cache_reused_tokens",
                                             "Prompt tokens taken from a cached prefix instead of prefilled")
+        self.suffix_tokens = gauge("suffix_cache_tokens", "Tokens the shared suffix cache holds (recent outputs)")
+        self.suffix_sequences = gauge("suffix_cache_sequences", "Requests' outputs the shared suffix cache holds")
+        self.suffix_bytes = gauge("suffix_cache_bytes", "Memory the shared suffix cache holds (estimated)")
+        self.suffix_capacity = gauge("suffix_cache_capacity_tokens", "Most tokens the shared suffix cache holds")
+        self.suffix_evicted = gauge("suffix_cache_evicted_sequences",
+                                    "Requests' outputs dropped from the shared suffix cache for room")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
@@ -81,6 +92,13 @@ class ServerMetrics:
         self._low_since: float | None = None
         self._last_warning = 0.0
         self._lock = threading.Lock()
+
+    def watch_suffix_cache(self, read: Callable[[], SuffixCacheStats | None]) -> None:
+        """Report, at every scrape, what `read()` says the shared suffix cache holds (zeros without one)."""
+        for gauge, name in ((self.suffix_tokens, "tokens"), (self.suffix_sequences, "sequences"),
+                            (self.suffix_bytes, "bytes"), (self.suffix_capacity, "capacity"),
+                            (self.suffix_evicted, "evicted")):
+            self._l(gauge).set_function(lambda name=name: getattr(read() or NO_SUFFIX_CACHE, name))
 
     def _l(self, metric, **extra):
         return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric

@@ -34,7 +34,7 @@ class ServerOptions:
     admin_key: str | None = setting(None, help="enable /admin/* (live draft replacement), which then needs "
                                                "'Authorization: Bearer ADMIN_KEY'; without it /admin/* answers 404")
     models_dir: str | None = setting(None, help="folder of drafts /admin/draft may load, named by their path inside "
-                                                "it (besides ngram, hybrid and the built-in drafts)")
+                                                "it (besides ngram, suffix, hybrid and the built-in drafts)")
     max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, help="refuse request bodies larger than this with 413")
     prefix_cache_rows: int = setting(4, help="finished requests' cache rows kept for requests sharing their prefix, "
                                              "such as the next turn of a chat, which then prefills only what is new; "
