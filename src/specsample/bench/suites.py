@@ -34,7 +34,7 @@ from specsample.planner import FixedGamma, GammaController
 STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
               "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
               "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings", "tree_row_rounds",
-              "tree_budgets")
+              "tree_budgets", "recompiles", "eager_fallbacks")
 
 
 def record(run: RunRecord) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def compare(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     if bench.speculator.options.tree_shape is not None:
         systems.append(bench.ours(bench.config.gammas[0], tree=True))
     systems += bench.peers
-    store.update(systems=[s.name for s in systems], runs={})
+    store.update(systems=[s.name for s in systems], runs={}, compiled=bench.speculator.options.compile)
     for temperature in bench.config.temperatures:
         rows = store["runs"].setdefault(str(temperature), [])
         _interleaved(bench, systems, list(range(len(bench.prompts))), temperature, rows, recorder,

@@ -6,6 +6,7 @@ Histograms: time to first token, time per output token, end-to-end latency.
 Gauges: running batch size, queue depth, recent acceptance rate and mean acceptance length
 (1 + accepted / drafts over the last rounds). Histogram of the batch size per round. Prefix reuse: requests
 admitted and those that reused a finished request's cached prefix, with their prompt tokens and the tokens reused.
+Compiled models: graphs compiled after start-up (recompiles) and cached forwards run eagerly instead (fallbacks).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class ServerMetrics:
                                              "Prompt tokens of admitted requests the target's cache takes")
         self.prefix_reused_tokens = counter("prefix_cache_reused_tokens",
                                             "Prompt tokens taken from a cached prefix instead of prefilled")
+        self.recompiles = counter("compile_recompiles", "Graphs compiled after start-up (shapes the warm-up did not "
+                                                        "cover), each costing seconds to minutes of a round")
+        self.eager_fallbacks = counter("compile_eager_fallbacks", "Cached forwards of a compiled model that ran eagerly "
+                                                                  "(token trees, blocks past 16 tokens per row)")
+        for metric in (self.recompiles, self.eager_fallbacks):  # shown at 0 from the start, labels included
+            self._l(metric)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
@@ -95,6 +102,10 @@ class ServerMetrics:
             self._l(self.prefix_hits).inc(s.prefix_hits)
             self._l(self.prefix_queried_tokens).inc(s.admitted_tokens)
             self._l(self.prefix_reused_tokens).inc(s.reused_tokens)
+        if s.recompiles:
+            self._l(self.recompiles).inc(s.recompiles)
+        if s.eager_fallbacks:
+            self._l(self.eager_fallbacks).inc(s.eager_fallbacks)
         if s.batch_size == 0:
             return
         self.max_batch_seen = max(self.max_batch_seen, s.batch_size)
