@@ -332,7 +332,7 @@ def test_tree_verifier_that_keeps_the_residual_fails(pair, monkeypatch) -> None:
     norm(max(0, p - q)) update) must fail the same test."""
     import specsample.verify_tree as tree_module
 
-    monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, token, q: residual)
+    monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
     results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE))
     assert any(statistic > threshold for statistic, threshold in results), results
 

@@ -73,8 +73,8 @@ def test_trees_are_target_distributed(stochastic: bool) -> None:
     assert statistic < threshold, f"chi2 {statistic:.1f} >= {threshold:.1f}"
 
 
-def _no_residual_update(residual, token, q):
-    return residual
+def _no_residual_update(residual, total, token, q):
+    return residual, total
 
 
 def _top_k_as_if_drawn(tokens, parents, sizes, draft_probs, target_probs, generators, q=None):
@@ -113,7 +113,11 @@ def test_greedy_follows_the_targets_argmax() -> None:
 
 
 def test_a_rejected_deterministic_child_leaves_the_target_without_it() -> None:
-    residual = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    assert torch.allclose(rejected_residual(residual, 0, None), torch.tensor([0.0, 0.6, 0.4], dtype=torch.float64))
-    q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    assert torch.equal(rejected_residual(residual, 1, q), residual)  # r == q: a rejection cannot happen
+    residual = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]], dtype=torch.float64)
+    total = residual.sum(-1)
+    updated, left = rejected_residual(residual, total, torch.tensor([0, 2]), None)
+    assert torch.allclose(updated / left.unsqueeze(-1),
+                          torch.tensor([[0.0, 0.6, 0.4], [0.625, 0.375, 0.0]], dtype=torch.float64))
+    q = residual.clone()
+    updated, left = rejected_residual(residual, total, torch.tensor([1, 1]), q)
+    assert torch.equal(updated, residual) and torch.equal(left, total)  # r == q: a rejection cannot happen

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specsample.verify import Verdict, _num_drafted_or_full, verdict_of_choices
+from specsample.verify import Verdict, verdict_of_choices
 from specsample.verify_tree import TreeVerdict, follow_choices
 
 TOKEN_NOISE = 0  # the purpose word of the counter: the noise that picks a position's token
@@ -110,8 +110,9 @@ def verify_coupled(
     if target_probs.shape[:2] != (batch, gamma + 1):
         raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [batch={batch}, "
                          f"gamma + 1={gamma + 1}, vocab]")
-    drafted = _num_drafted_or_full(num_drafted, draft_tokens)
-    choice, unusable = coupled_choices(target_probs, noise, [range(d + 1) for d in drafted.tolist()])
+    counts = num_drafted.cpu() if num_drafted is not None else torch.full((batch,), gamma)  # the proposal's: host
+    choice, unusable = coupled_choices(target_probs, noise, [range(d + 1) for d in counts.tolist()])
+    drafted = counts.to(draft_tokens.device)
     return verdict_of_choices(draft_tokens, choice.to(draft_tokens.device), unusable.to(draft_tokens.device), drafted)
 
 

@@ -301,21 +301,23 @@ class Engine:
         cache keeps the prompt, earlier output and the accepted drafts, the drafter follows (with the target's
         features of the committed positions, where it reads them). A failed row commits nothing and ends with
         "error"; its caches are reset when it is released. What the round decided crosses to the host once."""
-        failed = (torch.zeros_like(verdict.num_accepted, dtype=torch.bool) if verdict.failed is None
-                  else verdict.failed)
         device = verdict.next_token.device
+        failed = torch.zeros_like(verdict.next_token) if verdict.failed is None else verdict.failed
         decided = torch.stack([verdict.num_accepted.to(device, torch.long), verdict.next_token.long(),
-                               failed.to(device, torch.long)]).cpu().tolist()
+                               failed.to(device, torch.long)], dim=1)  # [b, 3]
+        if verdict.paths is not None:
+            decided = torch.cat([decided, verdict.paths.to(device)], dim=1)  # [b, 3 + depth]
+        decided = decided.cpu().tolist()  # the round's one read back to the host
         drafts = proposal.tokens.cpu().tolist()
-        updates, kept, committed, target_lengths = [], [], [], []
-        for i, (row, accepted, nxt, bad, drafted_row, n_drafted) in enumerate(zip(
-                rows, *decided, drafts, proposal.num_drafted.tolist())):
+        updates, kept, committed, target_lengths, paths = [], [], [], [], []
+        for i, (row, (accepted, nxt, bad, *tree_path), drafted_row, n_drafted) in enumerate(zip(
+                rows, decided, drafts, proposal.num_drafted.tolist())):
             if bad:
                 log.error("request %s: its distributions are not usable (NaN, infinite or no mass): it ends with "
                           "an error", row.request_id)
                 updates.append(RowUpdate(row.request_id, (), n_drafted, 0, "error"))
                 continue
-            path = range(accepted) if verdict.paths is None else verdict.paths[i]
+            path = [node for node in tree_path if node >= 0] if verdict.paths is not None else list(range(accepted))
             new = [drafted_row[node] for node in path] + [nxt]
             if verdict.paths is not None:  # the accepted nodes' cache entries follow the pending token's
                 start = len(row.prompt) + len(row.output) - 1
@@ -327,6 +329,7 @@ class Engine:
                 row.noise.forget_before(len(row.output))
             kept.append(i)
             committed.append(new)
+            paths.append(path)
             logprobs = None
             if row.params.logprobs is not None and target_logits is not None:  # the target's positions of the path
                 positions = [0] + [1 + node for node in path]
@@ -342,8 +345,8 @@ class Engine:
         self.cache.truncate(torch.tensor(slots, dtype=torch.long), torch.tensor(target_lengths, dtype=torch.long))
         self.drafter.commit(slots, committed)
         if features is not None:  # the pending token's position and each accepted draft's
-            self.drafter.add_features(slots, [_path_features(features, i, verdict)[: len(new)]
-                                              for i, new in zip(kept, committed)])
+            self.drafter.add_features(slots, [features[i, [0] + [1 + node for node in path]][: len(new)]
+                                              for i, path, new in zip(kept, paths, committed)])
         return updates
 
     # ----- rows -----------------------------------------------------------------------------
@@ -382,10 +385,3 @@ class Engine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)  # timings must include queued GPU work
         return self.clock()
-
-
-def _path_features(features: Tensor, row: int, verdict: Verdict) -> Tensor:
-    """The target's features of row `row`'s committed positions: the pending token's, then each accepted draft's."""
-    if verdict.paths is None:
-        return features[row]
-    return features[row, [0] + [1 + node for node in verdict.paths[row]]]

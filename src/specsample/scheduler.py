@@ -19,7 +19,7 @@ import torch
 
 from specsample.config import SamplingParams
 from specsample.coupling import NoiseStream
-from specsample.drafters.base import Drafter, PrefixKeeper
+from specsample.drafters.base import Drafter, PrefixKeeper, common_prefix
 from specsample.processors import RowProcessors
 
 MIN_REUSED = 16  # a kept row is taken over by a request sharing at least this many leading tokens with it
@@ -224,7 +224,7 @@ class Scheduler:
         for slot, (scope, tokens) in self._kept.items():
             if scope != request.cache_scope:
                 continue
-            n = _common_prefix(tokens, cacheable)
+            n = common_prefix(tokens, cacheable)
             if n > shared:
                 best, shared = slot, n
         if best is not None and shared >= MIN_REUSED:
@@ -243,13 +243,3 @@ class Scheduler:
         """Empty a row's caches (the target's and the drafter's)."""
         self.cache.reset(torch.tensor([slot], dtype=torch.long))
         self.drafter.release_rows([slot])
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -47,7 +47,7 @@ class Verifier:
         """The verdict, and the warped target probabilities it sampled from (None: every row greedy)."""
         if proposal.parents is not None:
             return self._tree(block, proposal, target_logits, params, generators, noise)
-        num_drafted = proposal.num_drafted.to(target_logits.device)
+        num_drafted = proposal.num_drafted  # on the host, as the proposal holds it
         if all(p.greedy for p in params):
             return verify_greedy(proposal.tokens, target_logits, num_drafted), None
         target_probs = warp_rows(target_logits, params)  # [b, gamma + 1, vocab]
@@ -69,11 +69,9 @@ class Verifier:
                      torch.cat([torch.zeros_like(proposal.probs[:, :1]), proposal.probs], dim=1))
             found = (verify_tree_coupled(block, parents, sizes, target_probs, noise) if self.coupled
                      else verify_tree(block, parents, sizes, draft, target_probs, list(generators)))
-        paths = tuple(tuple(i - 1 for i in path) for path in found.paths)  # block indices -> proposal indices
-        accepted = torch.zeros(proposal.tokens.shape, dtype=torch.bool)
-        for row, path in enumerate(paths):
-            accepted[row, list(path)] = True
+        paths = torch.where(found.path > 0, found.path - 1, -1)  # [b, depth] block indices -> proposal indices
+        accepted = torch.zeros(proposal.tokens.shape[0], proposal.tokens.shape[1] + 1, dtype=torch.bool,
+                               device=paths.device)
+        accepted.scatter_(1, torch.where(paths >= 0, paths, proposal.tokens.shape[1]), True)
         usable = usable_rows(target_logits.float().softmax(-1)) if target_probs is None else usable_rows(target_probs)
-        failed = ~usable[:, 0]
-        return Verdict(found.num_accepted, found.next_token, accepted,
-                       failed if bool(failed.any()) else None, paths), target_probs
+        return Verdict(found.num_accepted, found.next_token, accepted[:, :-1], ~usable[:, 0], paths), target_probs

@@ -26,9 +26,9 @@ class Verdict:
     # [batch] bool: rows whose target or draft distribution at a position they use is no distribution (NaN,
     # infinite, zero mass); such a row's tokens mean nothing and it must end. None: every row was usable
     failed: Tensor | None = None
-    # a tree round: per row the accepted path, as indices of the proposal's tokens (root to leaf); None: a chain,
-    # whose accepted tokens are its first num_accepted
-    paths: tuple[tuple[int, ...], ...] | None = None
+    # a tree round: per row the accepted path `[batch, depth]`, as indices of the proposal's tokens (root to leaf, -1
+    # past its end); None: a chain, whose accepted tokens are its first num_accepted
+    paths: Tensor | None = None
 
 
 def _num_drafted_or_full(num_drafted: Tensor | None, draft_tokens: Tensor) -> Tensor:
@@ -38,11 +38,10 @@ def _num_drafted_or_full(num_drafted: Tensor | None, draft_tokens: Tensor) -> Te
     return num_drafted.to(device=draft_tokens.device, dtype=torch.long)
 
 
-def _failed(bad_read: Tensor, in_range: Tensor, bad_next: Tensor) -> Tensor | None:
+def _failed(bad_read: Tensor, in_range: Tensor, bad_next: Tensor) -> Tensor:
     """Rows `[batch]` that read an unusable value: at an offered draft (`bad_read [batch, gamma]`, where `in_range`)
-    or in the distribution their next token comes from (`bad_next [batch]`). None when every row is usable."""
-    failed = (bad_read & in_range).any(dim=-1) | bad_next
-    return failed if bool(failed.any()) else None
+    or in the distribution their next token comes from (`bad_next [batch]`)."""
+    return (bad_read & in_range).any(dim=-1) | bad_next
 
 
 def _first_false(mask: Tensor) -> Tensor:
@@ -66,14 +65,17 @@ def verify(
     """
     batch, gamma = draft_tokens.shape
     _check_shapes(draft_tokens, draft_probs, target_probs)
-    drafted = _num_drafted_or_full(num_drafted, draft_tokens)
+    device = target_probs.device
+    counts = num_drafted.cpu() if num_drafted is not None else torch.full((batch,), gamma)  # the proposal's: host
+    drafted = counts.to(device)
     # float32 or wider whatever the model dtype; float64 if either side is (never round a float64 draft)
     wide = target_probs.dtype == torch.float64 or (draft_probs is not None and draft_probs.dtype == torch.float64)
     target = target_probs.to(torch.float64 if wide else torch.float32)
+    draft_tokens = draft_tokens.to(device)
     if draft_probs is not None:
-        draft_probs = draft_probs.to(device=target.device, dtype=target.dtype)  # drafters may return CPU tensors
+        draft_probs = draft_probs.to(device=device, dtype=target.dtype)  # drafters may return CPU tensors
     # per row: one uniform per offered draft, then one for the next token
-    uniforms = draw_uniforms(generators, batch, gamma + 1, target.device, (drafted + 1).tolist())
+    uniforms = draw_uniforms(generators, batch, gamma + 1, device, (counts + 1).tolist())
     next_uniform = uniforms.gather(1, drafted.unsqueeze(1)).squeeze(1)  # [batch]
 
     target_at_draft = target[:, :gamma].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
@@ -83,37 +85,35 @@ def verify(
         draft_at_draft = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     # accept iff u < target/draft, written without division so a draft probability of 0 is safe
     passes = uniforms[:, :gamma] * draft_at_draft.double() < target_at_draft.double()  # [batch, gamma]
-    in_range = torch.arange(gamma, device=target.device).unsqueeze(0) < drafted.unsqueeze(1)
+    in_range = torch.arange(gamma, device=device).unsqueeze(0) < drafted.unsqueeze(1)
     accepted_prefix = _first_false(passes & in_range)  # [batch]
 
-    rows = torch.arange(batch, device=target.device)
+    rows = torch.arange(batch, device=device)
     target_next = target[rows, accepted_prefix]  # [batch, vocab] target at the first unaccepted slot
     rejected = accepted_prefix < drafted
-    if bool(rejected.any()):
-        clamped = accepted_prefix.clamp(max=max(gamma - 1, 0))
-        if draft_probs is None:
-            draft_next = one_hot_like(draft_tokens[rows, clamped], target)
-        else:
-            draft_next = draft_probs[rows, clamped]
-        # sample from max(0, target - draft): this is what keeps the output exactly target-distributed
-        residual = (target_next - draft_next).clamp(min=0.0)
-        # a residual that sums to 0 means target == draft up to rounding: fall back to the target
-        empty = residual.sum(dim=-1, keepdim=True) <= 0
-        residual = torch.where(empty, target_next, residual)
-        next_dist = torch.where(rejected.unsqueeze(-1), residual, target_next)
+    clamped = accepted_prefix.clamp(max=max(gamma - 1, 0))
+    if gamma == 0:
+        draft_next = torch.zeros_like(target_next)
+    elif draft_probs is None:
+        draft_next = one_hot_like(draft_tokens[rows, clamped], target)
     else:
-        next_dist = target_next
+        draft_next = draft_probs[rows, clamped]
+    # sample from max(0, target - draft): this is what keeps the output exactly target-distributed
+    residual = (target_next - draft_next).clamp(min=0.0)
+    # a residual that sums to 0 means target == draft up to rounding: fall back to the target
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, target_next, residual)
+    next_dist = torch.where(rejected.unsqueeze(-1), residual, target_next)
     # what the verifier reads: each offered draft's two probabilities and the distribution the next token comes from
     # (NaN or an infinity in logits spreads over a whole warped row, so these show any row the model broke)
     bad_read = ~torch.isfinite(target_at_draft) | ~torch.isfinite(draft_at_draft)
-    failed = _failed(bad_read, in_range, ~usable_rows(next_dist))
-    if failed is None:
-        next_token = sample_from(next_dist, next_uniform)
-    else:
-        next_token = torch.zeros(batch, dtype=torch.long, device=target.device)
-        next_token[~failed] = sample_from(next_dist[~failed], next_uniform[~failed])
-        accepted_prefix = accepted_prefix.masked_fill(failed, 0)
-    accepted = torch.arange(gamma, device=target.device).unsqueeze(0) < accepted_prefix.unsqueeze(1)
+    usable = usable_rows(next_dist)
+    failed = _failed(bad_read, in_range, ~usable)
+    # a failed row draws from a stand-in (its token means nothing); the others exactly as without it
+    safe = torch.where(usable.unsqueeze(-1), next_dist, torch.ones_like(next_dist))
+    next_token = sample_from(safe, next_uniform).masked_fill(failed, 0)
+    accepted_prefix = accepted_prefix.masked_fill(failed, 0)
+    accepted = torch.arange(gamma, device=device).unsqueeze(0) < accepted_prefix.unsqueeze(1)
     return Verdict(num_accepted=accepted_prefix, next_token=next_token, accepted=accepted, failed=failed)
 
 
@@ -149,8 +149,7 @@ def verdict_of_choices(
     num_accepted = _first_false((draft_tokens == choice[:, :gamma]) & in_range)
     next_token = choice.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
     failed = _failed(unusable[:, :gamma], in_range, unusable.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
-    if failed is not None:
-        num_accepted = num_accepted.masked_fill(failed, 0)
+    num_accepted = num_accepted.masked_fill(failed, 0)
     accepted = torch.arange(gamma, device=draft_tokens.device).unsqueeze(0) < num_accepted.unsqueeze(1)
     return Verdict(num_accepted=num_accepted, next_token=next_token, accepted=accepted, failed=failed)
 

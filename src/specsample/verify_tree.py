@@ -12,6 +12,10 @@ Exact for children drawn i.i.d. from q (SpecInfer's multi-step speculative sampl
 (q one-hot at the child: accepted with probability r(x), and a rejection removes x from r), in any mix, as long as
 each child's q depends only on the past: every child test is one step of rejection sampling from r, and the
 residual update is the distribution r conditioned on the rejection. A chain is the tree with one child per node.
+
+Every row walks at once, as tensor operations over rows (a level of the tree and a child rank at a time), on the
+target's device: nothing is read back to the host until the caller reads the verdict. Each row draws its uniforms
+up front, one per node and one for its next token, from its own generator.
 """
 
 from __future__ import annotations
@@ -21,44 +25,68 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specsample.sampling import Generators, sample_from
+from specsample.sampling import Generators, draw_uniforms, sample_from
 
 
 @dataclass(frozen=True)
 class TreeVerdict:
     """Per row: the accepted path (block indices of the accepted nodes, root to leaf) and the token that follows."""
 
-    paths: tuple[tuple[int, ...], ...]
+    path: Tensor  # [batch, depth] block indices of the accepted nodes, -1 past each row's path
     next_token: Tensor  # [batch] long: recovered token, or bonus token after the last accepted node
 
     @property
     def num_accepted(self) -> Tensor:
-        return torch.tensor([len(p) for p in self.paths], dtype=torch.long)
+        return (self.path >= 0).sum(dim=1)
+
+    @property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """The accepted paths as tuples (read on the host)."""
+        return tuple(tuple(i for i in row if i >= 0) for row in self.path.tolist())
 
 
-def rejected_residual(residual: Tensor, token: int, q: Tensor | None) -> Tensor:
-    """The residual given a rejected child `token` drawn from `q` (None: one-hot at the token): norm(max(0, r - q)).
-    When that is empty (r == q up to rounding, so a rejection could not happen) r stays."""
+def children_table(parents: Tensor, sizes: Tensor) -> tuple[Tensor, int]:
+    """`[batch, n, k]` each block index's children (block indices, in block order; -1 past its last), and the trees'
+    greatest depth. Built on the host from `parents [batch, n]` and `sizes [batch]` (the proposal's, host tensors)."""
+    parents, sizes = parents.cpu(), sizes.cpu()
+    batch, n = parents.shape
+    real = torch.arange(n).unsqueeze(0) < sizes.unsqueeze(1)  # [b, n]
+    index = torch.arange(n).unsqueeze(0).expand(batch, n)
+    is_child = real & (index > 0)
+    rank = torch.zeros(batch, n, dtype=torch.long)  # each node's place among its parent's children
+    count = torch.zeros(batch, n + 1, dtype=torch.long)
+    depth = torch.zeros(batch, n, dtype=torch.long)
+    for i in range(1, n):  # parents come first: one pass in block order
+        parent = parents[:, i].clamp(min=0)
+        rank[:, i] = count.gather(1, parent.unsqueeze(1)).squeeze(1)
+        count.scatter_add_(1, parent.unsqueeze(1), is_child[:, i].long().unsqueeze(1))
+        depth[:, i] = depth.gather(1, parent.unsqueeze(1)).squeeze(1) + 1
+    width = max(int(count.max()), 1)
+    table = torch.full((batch, n, width), -1, dtype=torch.long)
+    rows, nodes = torch.nonzero(is_child, as_tuple=True)
+    table[rows, parents[rows, nodes], rank[rows, nodes]] = nodes
+    return table, int(torch.where(real, depth, 0).max()) if n else 0
+
+
+def rejected_residual(residual: Tensor, total: Tensor, token: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each row's residual `[b, V]` (unnormalised, of mass `total [b]`) given a rejected child `token [b]` drawn from
+    `q [b, V]` (None: one-hot at the token): max(0, r / total - q), and its mass. A row where that is empty (r == q up
+    to rounding, so a rejection could not happen) keeps r."""
     if q is None:
-        updated = residual.clone()
-        updated[token] = 0.0
+        taken = residual.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        updated = residual.scatter(-1, token.unsqueeze(-1), 0.0)
+        left = total - taken
     else:
-        updated = (residual - q).clamp(min=0.0)
-    total = float(updated.sum())
-    return updated / total if total > 0 else residual
-
-
-def _children(parents: list[int], size: int) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for i in range(1, size):
-        out.setdefault(parents[i], []).append(i)
-    return out
+        updated = (residual / total.unsqueeze(-1) - q).clamp(min=0.0)
+        left = updated.sum(dim=-1)
+    empty = left <= 0
+    return torch.where(empty.unsqueeze(-1), residual, updated), torch.where(empty, total, left)
 
 
 def verify_tree(
     tokens: Tensor,  # [batch, n] block tokens: the pending token, then the nodes
-    parents: Tensor,  # [batch, n] each block index's parent (-1 for the pending token)
-    sizes: Tensor,  # [batch] block indices in use per row (1 + nodes)
+    parents: Tensor,  # [batch, n] each block index's parent (-1 for the pending token), on the host
+    sizes: Tensor,  # [batch] block indices in use per row (1 + nodes), on the host
     draft_probs: Tensor | None,  # [batch, n, vocab] the distribution each node was drawn from; None: all one-hot
     target_probs: Tensor,  # [batch, n, vocab] the target's distribution after each block index
     generators: Generators,  # one per row
@@ -68,35 +96,45 @@ def verify_tree(
     if target_probs.shape[:2] != (batch, n) or parents.shape != (batch, n):
         raise ValueError(f"need tokens, parents [batch, n] and target_probs [batch, n, vocab]; got "
                          f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(target_probs.shape)}")
-    wide = torch.float64
-    paths, next_tokens = [], []
-    for row in range(batch):
-        size = int(sizes[row])
-        row_tokens = tokens[row].tolist()
-        children = _children(parents[row].tolist(), size)
-        generator = generators[row] if isinstance(generators, (list, tuple)) else generators
-        node, path = 0, []
-        residual = target_probs[row, 0].to(wide)
-        while True:
-            accepted = None
-            for child in children.get(node, []):
-                x = row_tokens[child]
-                q = None if draft_probs is None else draft_probs[row, child].to(device=residual.device, dtype=wide)
-                q_x = 1.0 if q is None else float(q[x])
-                u = float(torch.rand((), generator=generator, dtype=wide))
-                if u * q_x < float(residual[x]):  # accept with probability min(1, r(x) / q(x))
-                    accepted = child
-                    break
-                residual = rejected_residual(residual, x, q)
-            if accepted is None:
-                break
-            path.append(accepted)
-            node = accepted
-            residual = target_probs[row, node].to(wide)
-        u = torch.rand(1, generator=generator, dtype=wide)
-        next_tokens.append(sample_from(residual.unsqueeze(0), u)[0])
-        paths.append(tuple(path))
-    return TreeVerdict(tuple(paths), torch.stack(next_tokens).to(tokens.device))
+    device, wide = target_probs.device, torch.float64
+    table, depth = children_table(parents, sizes)
+    table, tokens = table.to(device), tokens.to(device)
+    uniforms = draw_uniforms(generators, batch, n + 1, device, (sizes.cpu() + 1).tolist())  # a node each, then one
+    rows = torch.arange(batch, device=device)
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    residual = target_probs[:, 0].to(wide)
+    total = residual.sum(dim=-1)
+    used = torch.zeros(batch, dtype=torch.long, device=device)  # uniforms each row has used
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=device)
+    for level in range(depth):
+        accepted = torch.full((batch,), -1, dtype=torch.long, device=device)
+        for rank in range(table.shape[2]):
+            child = table[rows, node, rank]  # [b]
+            tested = walking & (accepted < 0) & (child >= 0)
+            at = child.clamp(min=0)
+            token = tokens[rows, at]
+            q = None if draft_probs is None else draft_probs[rows, at].to(device=device, dtype=wide)
+            q_token = 1.0 if q is None else q.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+            r_token = residual.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+            u = uniforms.gather(1, used.unsqueeze(1)).squeeze(1)
+            # accept with probability min(1, r(x) / q(x)), r normalised
+            passed = tested & (u * q_token * total < r_token)
+            accepted = torch.where(passed, child, accepted)
+            updated, left = rejected_residual(residual, total, token, q)
+            rejected = tested & ~passed
+            residual = torch.where(rejected.unsqueeze(-1), updated, residual)
+            total = torch.where(rejected, left, total)
+            used = used + tested.long()
+        moved = accepted >= 0
+        path[:, level] = accepted
+        node = torch.where(moved, accepted, node)
+        after = target_probs[rows, node].to(wide)
+        residual = torch.where(moved.unsqueeze(-1), after, residual)
+        total = torch.where(moved, after.sum(dim=-1), total)
+        walking = walking & moved
+    next_token = sample_from(residual, uniforms.gather(1, used.unsqueeze(1)).squeeze(1))
+    return TreeVerdict(path, next_token)
 
 
 def verify_tree_greedy(tokens: Tensor, parents: Tensor, sizes: Tensor, target_logits: Tensor) -> TreeVerdict:
@@ -108,18 +146,21 @@ def follow_choices(tokens: Tensor, parents: Tensor, sizes: Tensor, choice: Tenso
     """Walk each row's tree from the pending token, following the child equal to the target's chosen token at the
     current node (`choice [batch, n]`: argmax, or a coupled Gumbel-max) while there is one; the next token is the
     choice where the walk stops."""
-    choice = choice.tolist()
-    paths, next_tokens = [], []
-    for row in range(tokens.shape[0]):
-        row_tokens = tokens[row].tolist()
-        children = _children(parents[row].tolist(), int(sizes[row]))
-        node, path = 0, []
-        while True:
-            match = [c for c in children.get(node, []) if row_tokens[c] == choice[row][node]]
-            if not match:
-                break
-            node = match[0]
-            path.append(node)
-        paths.append(tuple(path))
-        next_tokens.append(choice[row][node])
-    return TreeVerdict(tuple(paths), torch.tensor(next_tokens, dtype=torch.long, device=tokens.device))
+    batch = tokens.shape[0]
+    device = choice.device
+    table, depth = children_table(parents, sizes)
+    table, tokens = table.to(device), tokens.to(device)
+    rows = torch.arange(batch, device=device)
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=device)
+    for level in range(depth):
+        kids = table[rows, node]  # [b, k]
+        wanted = choice[rows, node]  # [b]
+        match = (kids >= 0) & (tokens.gather(1, kids.clamp(min=0)) == wanted.unsqueeze(1)) & walking.unsqueeze(1)
+        found = match.any(dim=1)
+        child = kids.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)  # the first match
+        path[:, level] = torch.where(found, child, -1)
+        node = torch.where(found, child, node)
+        walking = walking & found
+    return TreeVerdict(path, choice[rows, node])

@@ -49,6 +49,7 @@ from specsample.models.quant import QUANT_MODES
 from specsample.planner import FixedGamma
 
 DATA_SOURCES = ("regenerate", "teacher")
+METRICS_EVERY = 10  # training steps between measurements of the head's acceptance on its batch
 
 
 @dataclass(frozen=True)
@@ -240,83 +241,75 @@ class UnrolledAttention:
     Step 1 is teacher-forced: entry t sees entries 0..t, all read with the target's features. At step s > 1, entry t
     stands for the (s - 1)-th draft past a last true entry e = t - s + 1: it sees the true entries 0..e, the entry
     step j made at position e + j - 1 for each j in 2..s - 1, and itself, as the head's cache holds them while it
-    drafts. Call `__call__` once per step, in order."""
+    drafts. Call `__call__` once per step, in order: step s attends over the keys of every step so far at once
+    (fused attention with that mask; grouped-query heads read their shared keys without copies)."""
 
     def __init__(self, config, batch: int, n: int, device: torch.device) -> None:
-        self.groups = config.num_heads // config.num_kv_heads
-        self.scale = config.head_dim ** -0.5
         self.rope_positions = torch.arange(n, device=device).unsqueeze(0).expand(batch, n)
         self.positions = self.rope_positions
         self.keys: list[torch.Tensor] = []  # per step [b, KVH, n, hd]
         self.values: list[torch.Tensor] = []
         self.layer = 0
 
+    @staticmethod
+    def mask(n: int, step: int, device: torch.device) -> torch.Tensor:
+        """`[n, step * n]` which keys (the true entries', then each later step's) query t of drafting step `step`
+        sees."""
+        query = torch.arange(n, device=device).view(-1, 1)
+        key = torch.arange(n, device=device).view(1, -1)
+        parts = [key <= query - step + 1] + [key == query - (step - j) for j in range(2, step + 1)]
+        return torch.cat(parts, dim=1)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, n, heads, head_dim = q.shape
         q = q.transpose(1, 2)  # [b, H, n, hd]
-        k = k.transpose(1, 2).repeat_interleave(self.groups, dim=1)  # [b, H, n, hd]
-        v = v.transpose(1, 2).repeat_interleave(self.groups, dim=1)
-        step = len(self.keys) + 1
-        self.keys.append(k)
-        self.values.append(v)
+        self.keys.append(k.transpose(1, 2))  # [b, KVH, n, hd]
+        self.values.append(v.transpose(1, 2))
+        step = len(self.keys)
         if step == 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
-        true_keys, true_values = self.keys[0], self.values[0]
-        scores = (q @ true_keys.transpose(-1, -2)).float() * self.scale  # [b, H, n, n]
-        query, key = torch.arange(n, device=q.device).view(-1, 1), torch.arange(n, device=q.device).view(1, -1)
-        scores = scores.masked_fill(key > query - step + 1, float("-inf"))  # true entries 0..t - s + 1
-        diagonals = []  # the speculative entries of steps 2..s, each one per query
-        for j in range(2, step + 1):
-            shift = step - j  # entry t sees step j's entry at t - shift
-            keys_j = F.pad(self.keys[j - 1], (0, 0, shift, 0))[:, :, :n]
-            diagonals.append(((q * keys_j).sum(-1).float() * self.scale).masked_fill(query.view(-1) < shift,
-                                                                                      float("-inf")))
-        weights = torch.softmax(torch.cat([scores, torch.stack(diagonals, dim=-1)], dim=-1), dim=-1)
-        weights = torch.nan_to_num(weights).to(q.dtype)  # entries before step s exists see nothing
-        out = weights[..., :n] @ true_values
-        for i, j in enumerate(range(2, step + 1)):
-            shift = step - j
-            values_j = F.pad(self.values[j - 1], (0, 0, shift, 0))[:, :, :n]
-            out = out + weights[..., n + i].unsqueeze(-1) * values_j
+            out = F.scaled_dot_product_attention(q, self.keys[0], self.values[0], is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2),
+                                                 attn_mask=self.mask(n, step, q.device), enable_gqa=True)
         return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
 
 
-def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], unroll: int,
-              step_decay: float) -> tuple[torch.Tensor, dict[str, float]]:
+def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], unroll: int, step_decay: float,
+              metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE-3's loss over the masked entries: per drafting step s, the cross-entropy from the target's next-token
-    distribution (over the draft vocabulary, renormalised there) to the head's, weighted step_decay ** (s - 1); with,
-    per step, the KL divergence (the cross-entropy less the target's entropy), the head's acceptance sum(min(p, q))
-    at temperature 1 and its greedy agreement with the target."""
+    distribution (over the draft vocabulary, renormalised there) to the head's, weighted step_decay ** (s - 1); with
+    `metrics`, per step the KL divergence (the cross-entropy less the target's entropy), the head's acceptance
+    sum(min(p, q)) at temperature 1 and its greedy agreement with the target (else only the loss)."""
     tokens, mask = batch["tokens"], batch["mask"]
     embeddings = F.embedding(tokens[:, 1:], frozen.embed)  # [b, L - 1, H]: token t + 1 at entry t
-    hidden = head.fuse(batch["features"][:, :-1])  # [b, L - 1, H]
+    hidden = head.fc(batch["features"][:, :-1])  # [b, L - 1, H]: the fused features, projected
     with torch.no_grad():
-        p = torch.softmax((batch["final"][:, 1:][mask] @ frozen.out.T).float(), dim=-1)  # [M, K]
-        entropy = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)  # [M]: the cross-entropy's floor
+        log_p = torch.log_softmax((batch["final"][:, 1:][mask] @ frozen.out.T).float(), dim=-1)  # [M, K]
+        p = log_p.exp()
     attend = UnrolledAttention(head.layer_config, *embeddings.shape[:2], embeddings.device)
-    total, weights, metrics = 0.0, 0.0, {}
+    total, weights, out = 0.0, 0.0, {}
     for step in range(1, unroll + 1):
         valid = mask.clone()
         valid[:, : step - 1] = False  # no (step - 1)-th draft before position step - 1
         rows = valid[mask]  # the masked entries this step counts
         outputs = head(embeddings, hidden, attend)  # [b, L - 1, H]
-        log_q = torch.log_softmax(head.logits(outputs[valid]).float(), dim=-1)  # [M_s, K]
+        logits = head.logits(outputs[valid]).float()  # [M_s, K]
         target = p[rows]
-        cross = -(target * log_q).sum(-1).mean()
+        cross = F.cross_entropy(logits, target)  # soft targets: one fused pass over the logits
         weight = step_decay ** (step - 1)
         total, weights = total + weight * cross, weights + weight
-        with torch.no_grad():
-            alpha = torch.minimum(target, log_q.exp()).sum(-1).mean()
-            agree = (target.argmax(-1) == log_q.argmax(-1)).float().mean()
-            kl = cross - entropy[rows].mean()
-        suffix = "" if step == 1 else f"_{step}"
-        metrics.update({f"cross_entropy{suffix}": cross.item(), f"kl{suffix}": kl.item(), f"alpha{suffix}": alpha.item(),
-                        f"agree{suffix}": agree.item()})
+        if metrics:
+            with torch.no_grad():
+                log_q = torch.log_softmax(logits, dim=-1)
+                suffix = "" if step == 1 else f"_{step}"
+                out.update({f"cross_entropy{suffix}": cross.item(),
+                            f"kl{suffix}": (cross + (target * log_p[rows]).sum(-1).mean()).item(),
+                            f"alpha{suffix}": torch.minimum(target, log_q.exp()).sum(-1).mean().item(),
+                            f"agree{suffix}": (target.argmax(-1) == log_q.argmax(-1)).float().mean().item()})
         hidden = torch.cat([hidden[:, :1], outputs[:, :-1].to(hidden.dtype)], dim=1)  # entry t: output at t - 1
     loss = total / weights
-    metrics["loss"] = loss.item()
-    return loss, metrics
+    out["loss"] = loss.item()
+    return loss, out
 
 
 # ----- training ------------------------------------------------------------------------------
@@ -409,8 +402,8 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
         batch = make_batch(batches.next(), device)
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, record["steps"], plan)
-        with bf16_autocast(device):
-            loss, metrics = head_loss(head, frozen, batch, plan.unroll, plan.step_decay)
+        with bf16_autocast(device):  # the train metrics every METRICS_EVERY steps: they cost a pass over the logits
+            loss, metrics = head_loss(head, frozen, batch, plan.unroll, plan.step_decay, step % METRICS_EVERY == 0)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), plan.clip)
@@ -424,12 +417,13 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
         if record["step"] % plan.eval_every == 0 or record["step"] == record["steps"]:
             point = {"step": record["step"], "tokens_seen": record["tokens_seen"],
                      "token_steps": record["token_steps"],
-                     **{f"train_{k}": statistics.fmean(w[k] for w in window) for k in window[0]},
+                     **{f"train_{k}": statistics.fmean(w[k] for w in window if k in w)
+                        for k in sorted({k for w in window for k in w})},
                      **{f"heldout_{k}": v for k, v in heldout(head, frozen, batches, plan, device).items()}}
             record["curve"].append(point)
             window = []
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", alpha=f"{metrics['alpha']:.3f}")
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         out_of_time = (minutes is not None and time.monotonic() - started > 60 * minutes) or (
             stop_after is not None and record["step"] - first >= stop_after)
         if out_of_time or record["step"] == record["steps"] or time.monotonic() - last_save > 60 * plan.checkpoint_minutes:
@@ -615,7 +609,8 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
         if f"heldout_{key}" in curve[0]:
             right.plot(steps, [c[f"heldout_{key}"] for c in curve], label=f"held-out {label}")
     right.set_xlabel("token-steps (M)")
-    right.legend()
+    if right.lines:
+        right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -625,6 +620,7 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
                command: str | None) -> None:
     """README.md beside the head: data, compute, curve and evaluation, all from this run's files."""
     index = reader.index
+    target = portable_spec(plan.target)
     layers = ", ".join(map(str, index["feature_layers"]))
     regen = plan.regeneration
     data = (f"{index['sequences']} conversations the target wrote itself (`--data regenerate`): the user turns of "
@@ -635,7 +631,6 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
             if plan.data == "regenerate" else
             f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
             f"teacher-forced (weights `--quantize {plan.quantize}`)")
-    target = portable_spec(plan.target)
     lines = [f"# EAGLE-3 head for {target}", "",
              f"One decoder layer at the target's width ({index['hidden_size']}) that drafts from `{target}`'s "
              f"hidden states entering layers {layers} (fused), with its own output layer over a {plan.draft_vocab}-token "

@@ -236,6 +236,8 @@ def regenerate_store(folder: Path, target: str, quantize: str, device: str, prom
     at once, worker k filling `shard-k` with conversation i % workers == k, each resuming its shard and skipping what
     any shard handled. With one worker it runs here, on `loaded` (the target already loaded) where given."""
     folder = Path(folder)
+    if _stored_tokens(folder) >= max_tokens:
+        return  # the store already holds what was asked, whichever workers wrote it
     share = -(-max_tokens // plan.workers)
     if plan.workers == 1:
         _fill_shard(folder, 0, plan, target, quantize, device, prompts, feature_layers, max_len, share, loaded,

@@ -362,6 +362,16 @@ def best_tree(tokens: list[list[int]], parents: list[list[int]], scores: list[li
                     confidence=confidence, parents=out_parents)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def allocated(drafter: Drafter, slots: int, max_len: int) -> Drafter:
     """`drafter` with its state allocated for `slots` rows of `max_len` tokens; where that fails (out of memory, CPU
     or GPU), a drafter that proposes nothing, loudly: requests never fail for it."""

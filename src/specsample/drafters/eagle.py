@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import TreeShape
-from specsample.drafters.base import DraftRequest, Proposal, best_tree, draw_chain
+from specsample.drafters.base import DraftRequest, Proposal, best_tree, common_prefix, draw_chain
 from specsample.kv_cache import KVCache
 from specsample.models.eagle_head import EagleHead, is_head_folder, load_head
 from specsample.models.llama import LlamaModel
@@ -90,7 +90,7 @@ class EagleDrafter:
         fresh = []
         for slot, prompt in zip(slots, prompts):
             parked = self._parked.pop(slot, None)
-            shared = 0 if parked is None else _common_prefix(parked.history[: parked.known], prompt[:-1])
+            shared = 0 if parked is None else common_prefix(parked.history[: parked.known], prompt[:-1])
             if shared:
                 self.rows[slot] = _trimmed(parked, shared, list(prompt), self.cache, slot)
             else:
@@ -331,15 +331,6 @@ class EagleDrafter:
         """Each token's draft id (-1 outside the draft vocabulary)."""
         matches = self.output_subset.unsqueeze(0) == tokens.unsqueeze(1)  # [n, K]
         return torch.where(matches.any(-1), matches.float().argmax(-1), torch.full_like(tokens, -1))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _trimmed(row: _Row, keep: int, history: list[int], cache: KVCache, slot: int) -> _Row:
