@@ -7,6 +7,7 @@ import torch
 from devices import DEVICE
 
 from specsample import SamplingParams, SpecConfig, generate
+from specsample.models import compile_events
 from specsample.models.base import prefill_ragged
 import specsample.models.compiled as compiled_module
 from specsample.models.compiled import CompiledDecode
@@ -91,21 +92,46 @@ def test_sliding_window_matches_eager(monkeypatch) -> None:
 
 
 def test_any_rows_of_the_cache_run_compiled(pair, monkeypatch) -> None:
-    """One request alone in a bigger engine, rows with a gap between them (a batch after a row finished) and rows
-    out of slot order all run the compiled step, with the eager step's logits."""
+    """One request alone in a bigger engine, rows with a gap between them (a batch after a row finished), rows out of
+    slot order and rows in consecutive slots (read as views) all run the compiled step, with the eager step's
+    logits; once each kind ran, other slots, batch sizes and longer contexts compile nothing more."""
     eager, compiled = pair
     calls = count_compiled_calls(compiled, monkeypatch)
-    caches = [eager.new_cache(3, 20), compiled.new_cache(3, 20)]
+    caches = [eager.new_cache(4, 24), compiled.new_cache(4, 24)]
     for model, cache in zip((eager, compiled), caches):
-        prefill_ragged(model, cache, torch.arange(3), [[1, 2], [3, 4, 5], [6]])
+        prefill_ragged(model, cache, torch.arange(4), [[1, 2], [3, 4, 5], [6], [7, 8]])
     before = calls[0]
-    for step, rows in enumerate(([0, 2], [2, 1], [1], [0, 1, 2])):
+    kinds = ([0, 2], [2, 1], [1], [0, 1, 2])
+    again = ([1, 3], [3, 0, 2], [0], [2], [1, 2], [0, 1, 2, 3])  # other slots and sizes of the same kinds
+    for step, rows in enumerate(kinds + again):
+        if step == len(kinds):
+            graphs = compile_events.counts()[0]
         slots = torch.tensor(rows)
         tokens = torch.tensor([[7]] * len(rows))
         out = [m.forward_cached(tokens, c, slots) for m, c in zip((eager, compiled), caches)]
         assert calls[0] == before + step + 1, rows
         assert torch.allclose(out[0], out[1], atol=1e-5)
+    assert compile_events.counts()[0] == graphs  # no recompile
     assert torch.equal(caches[0].lengths, caches[1].lengths)
+
+
+def test_forwards_the_step_cannot_take_are_counted(pair) -> None:
+    """Token trees and blocks past MAX_BLOCK run eagerly on a compiled model, each counted as a fallback; prefill is
+    eager by design and not counted."""
+    eager, compiled = pair
+    caches = [eager.new_cache(1, 40), compiled.new_cache(1, 40)]
+    slots = torch.tensor([0])
+    fallbacks = compile_events.counts()[1]
+    for model, cache in zip((eager, compiled), caches):
+        model.prefill(torch.tensor([[1, 2, 3]]), cache, slots)
+    assert compile_events.counts()[1] == fallbacks
+    long_block = torch.arange(compiled_module.MAX_BLOCK + 1).view(1, -1) % VOCAB
+    out = [m.forward_cached(long_block, c, slots) for m, c in zip((eager, compiled), caches)]
+    assert torch.allclose(out[0], out[1], atol=1e-5)
+    tree = [m.forward_cached_tree(torch.tensor([[4, 5, 6]]), c, slots, torch.tensor([[-1, 0, 0]]))[0]
+            for m, c in zip((eager, compiled), caches)]
+    assert torch.allclose(tree[0], tree[1], atol=1e-5)
+    assert compile_events.counts()[1] == fallbacks + 2
 
 
 def test_in_place_weight_update_recompiles(pair) -> None:
@@ -185,12 +211,12 @@ def test_warm_up_covers_what_generation_calls(monkeypatch) -> None:
     """After the warm-up, generating compiles nothing more (a recompile costs ~70 s on SmolLM2),
     whether the token tensors come from the engine (inference mode) or from a caller outside it; with the shipped
     inductor configuration."""
-    from torch._dynamo.utils import counters
-
     monkeypatch.setattr(compiled_module, "CPU_INDUCTOR_CONFIG", SHIPPED)
     model = tiny_lm(VOCAB, 21, init_scale=0.2, device=DEVICE)
+    start = compile_events.counts()[0]
     model.compile_decode(warm_up=True, blocks=True)  # what a speculative setup warms
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = compile_events.counts()[0]
+    assert graphs - start == 4  # the step and the output layer, each for one token and for blocks
     generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4), config=SpecConfig(speculative=False))
     cache, slots = model.new_cache(1, 10), torch.tensor([0])
     model.forward_cached(torch.tensor([[1, 2]]), cache, slots)
@@ -200,7 +226,7 @@ def test_warm_up_covers_what_generation_calls(monkeypatch) -> None:
     with torch.inference_mode():
         model.forward_cached(torch.tensor([[1, 2]]), wide, torch.tensor([1]))
         model.forward_cached(torch.tensor([[3]]), wide, torch.tensor([1]))
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert compile_events.counts()[0] == graphs
 
 
 def test_the_step_reads_the_cache_only_up_to_the_context(pair, monkeypatch) -> None:

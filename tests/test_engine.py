@@ -123,6 +123,29 @@ def test_round_stats(tiny_target, tiny_draft) -> None:
     assert stats.draft_seconds > 0 and stats.target_seconds > 0
 
 
+def test_round_stats_count_what_compiled_models_did(tiny_target, monkeypatch) -> None:
+    """A round's recompiles and eager fallbacks are the compile events of its own forwards (models/compile_events.py):
+    here every target forward reports one of each; the prefill of admission, which is eager by design, none."""
+    from specsample.models import compile_events
+
+    scored = []
+    real = type(tiny_target).forward_cached
+
+    def forward_cached(self, tokens, cache, slots):
+        scored.append(len(slots))
+        compile_events.graph_compiled()
+        compile_events.fell_back()
+        return real(self, tokens, cache, slots)
+
+    monkeypatch.setattr(type(tiny_target), "forward_cached", forward_cached)
+    engine = Engine(tiny_target, None, SpecConfig(max_batch_size=2, speculative=False))
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=3))
+    stats = [engine.step().stats for _ in range(3)]
+    assert len(scored) == 3 and [(s.recompiles, s.eager_fallbacks) for s in stats] == [(1, 1)] * 3
+    compile_events.graph_compiled()  # outside a round: no round's
+    assert engine.step().stats.recompiles == 0  # the request finished: a round without rows
+
+
 def test_cancel_frees_the_slot(tiny_target, tiny_draft) -> None:
     engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=1), planner=FixedGamma(3))
     first = engine.add_request([1, 2], SamplingParams(max_new_tokens=50, seed=0))

@@ -238,7 +238,7 @@ def _serve_process(live_folder: Path, port: int, timeout: float) -> subprocess.P
     command = [sys.executable, "-m", "specsample.cli", "serve", "--model", str(live_folder / "target"),
                "--speculative-model", str(live_folder / "draft"), "--dtype", "float32", "--pad-rows", "off",
                "--max-model-len", "128", "--max-batch-size", "1", "--port", str(port),
-               "--shutdown-timeout", str(timeout)]
+               "--shutdown-timeout", str(timeout), "--enforce-eager"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -25,7 +25,7 @@ from specsample.cli import BENCH_SETS, build_parser, main
 from specsample.drafters.ngram import NgramDrafter
 from specsample.options_cli import settings
 from specsample.planner import FixedGamma
-from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions
+from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
 from specsample.speculator import EngineOptions
 
 # for each field, values other than a default, as (value, the text a Serve config YAML gives); an entry point takes
@@ -191,7 +191,10 @@ def test_every_engine_option_reaches_the_loaded_pair(entry, monkeypatch, tmp_pat
             continue  # the benchmark sets these per system: see test_the_benchmark_refuses_what_it_sets
         value, text = next((v, t) for v, t in values if v != getattr(entry.defaults, name))
         loaded, _ = entry.run(monkeypatch, tmp_path, {name: (value, text)})
-        assert loaded == replace(entry.defaults, **{name: value}), (entry.name, name)
+        # serving's default compile yields to what cannot compile (deterministic mode, the transformers runtime)
+        expected = (serve_engine_options({name: value}) if entry.defaults is SERVE_ENGINE_DEFAULTS
+                    else replace(entry.defaults, **{name: value}))
+        assert loaded == expected and getattr(loaded, name) == value, (entry.name, name)
 
 
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e.name != "generate" and e.name != "bench"],
@@ -216,12 +219,15 @@ def test_the_benchmark_refuses_what_it_sets() -> None:
 
 
 def test_serve_compile_has_vllm_negation() -> None:
-    """--enforce-eager (vLLM's name) turns compiling off, whatever serve's default; it cannot be given with
-    --compile."""
+    """Serving compiles by default; --enforce-eager (vLLM's name) turns compiling off and cannot be given with
+    --compile; the default yields to deterministic mode and the transformers runtime, which cannot compile."""
     serve = _subparser("serve")
     assert serve.parse_args(["--enforce-eager"]).compile is False
     assert serve.parse_args(["--compile"]).compile is True
-    assert serve.parse_args([]).compile is SERVE_ENGINE_DEFAULTS.compile
+    assert serve.parse_args([]).compile is None  # not named: serve's default
+    assert serve_engine_options({"compile": None}).compile is SERVE_ENGINE_DEFAULTS.compile is True
+    assert serve_engine_options({"compile": None, "deterministic": True}).compile is False
+    assert serve_engine_options({"runtime": "hf"}).compile is False
     assert _silent(["serve", "--compile", "--enforce-eager"]) == 2
 
 
@@ -265,7 +271,7 @@ def target(tmp_path_factory):
 def test_the_built_engine_follows_the_options(entry, target, monkeypatch, tmp_path) -> None:
     """Real loading of a tiny pair through each entry point: the engine it builds runs a compiled target (compiling
     itself is skipped: tests/test_compiled.py runs it), drafts with prompt lookup, and couples sampled tokens."""
-    monkeypatch.setattr(compiled_module.CompiledDecode, "warm_up", lambda self, blocks=False: None)
+    monkeypatch.setattr(compiled_module.CompiledDecode, "warm_up", lambda self, blocks=False, batches=False: None)
     given = {"draft": ("ngram", "ngram"), "dtype": ("float32", "float32"), "compile": (True, "true"),
              "sampling": ("coupled", "coupled"), "pad_rows": ("off", "off"), "target": (str(target), str(target))}
     command = entry if entry in ("generate", "bench") else "serve"
@@ -308,3 +314,22 @@ def test_the_built_engine_follows_the_options(entry, target, monkeypatch, tmp_pa
     assert engine.config.coupled
     if entry != "bench":  # the benchmark's planner is each system's
         assert isinstance(engine.planner, FixedGamma) and engine.planner.max_gamma == 3
+
+
+@pytest.mark.parametrize("flags, compiled", [([], True), (["--enforce-eager"], False), (["--deterministic"], False)],
+                         ids=["default", "enforce-eager", "deterministic"])
+def test_serve_compiles_by_default(flags, compiled, target, monkeypatch) -> None:
+    """`specsample serve` builds an engine whose target runs compiled, every graph serving runs compiled before it
+    serves (batch 1 at load, then blocks and batches of rows for the engine), unless --enforce-eager, or deterministic
+    mode, which cannot compile (the compile step itself is replaced: tests/test_compiled.py runs it)."""
+    warmed = []
+    monkeypatch.setattr(compiled_module.CompiledDecode, "warm_up",
+                        lambda self, blocks=False, batches=False: warmed.append((blocks, batches)))
+    servers = []
+    monkeypatch.setattr(serve_module, "serve_http", lambda server, host, port: servers.append(server))
+    assert _silent(["serve", "--model", str(target), "--speculative-model", "ngram", "--dtype", "float32",
+                    "--pad-rows", "off", *flags]) == 0
+    engine = servers[0].engine
+    assert (engine.target.compiled is not None) is compiled
+    assert engine.target.deterministic is ("--deterministic" in flags)
+    assert warmed == ([(False, False), (True, False), (True, True)] if compiled else [])

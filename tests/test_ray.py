@@ -49,7 +49,7 @@ def cluster(folders):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ReplicaSettings.from_args({"model": str(folders["target"]), "draft": str(folders["draft"]),
                                               "gamma": "4", "max_batch_size": "4", "max_model_len": "256",
-                                              "served_model_name": MODEL, "dtype": "float32"})
+                                              "served_model_name": MODEL, "dtype": "float32", "compile": "false"})
         options = deployment_options(replicas=2, num_cpus=0.5, max_batch_size=4)
         serve.run(SpecsampleReplica.options(**options).bind(settings.as_args()), name="specsample",
                   route_prefix="/")

@@ -237,14 +237,17 @@ def test_metrics_parse_and_move(live) -> None:
 
 
 def test_metrics_count_what_the_controller_did() -> None:
-    """The controller's row-rounds (fallback, lookup, past the plan, backlog scorings) reach Prometheus as counters,
-    each from its own field of the round's stats."""
+    """The controller's row-rounds (fallback, lookup, past the plan, backlog scorings) and what compiled models did
+    (recompiles, eager fallbacks) reach Prometheus as counters, each from its own field of the round's stats."""
     from specsample.engine import RoundResult, RoundStats
     from specsample.server.metrics import ServerMetrics
 
     metrics = ServerMetrics()
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert values["specsample_compile_recompiles_total"] == values["specsample_compile_eager_fallbacks_total"] == 0
     stats = RoundStats(4, 3, 6, 3, 7, (2, 2, 2), (2, 1, 0), 0.0, 0.0, 0.0, 0.0,
-                       fallback_rows=1, scored_rows=2, lookup_rows=3, extended_rows=4)
+                       fallback_rows=1, scored_rows=2, lookup_rows=3, extended_rows=4, recompiles=5,
+                       eager_fallbacks=6)
     metrics.observe_round(RoundResult((), stats, 0.0), running=4, waiting=0)
     metrics.observe_round(RoundResult((), stats, 0.0), running=4, waiting=0)
     values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode())
@@ -252,6 +255,7 @@ def test_metrics_count_what_the_controller_did() -> None:
     assert [values[f"specsample_controller_{name}_total"]
             for name in ("fallback_row_rounds", "backlog_scorings", "lookup_row_rounds", "extended_row_rounds")] == [
         2, 4, 6, 8]
+    assert [values[f"specsample_compile_{name}_total"] for name in ("recompiles", "eager_fallbacks")] == [10, 12]
 
 
 @pytest.mark.parametrize("scope", ["global", "request"])

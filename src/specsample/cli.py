@@ -16,7 +16,7 @@ from specsample.metrics import StatsCollector
 from specsample.models.hub import FetchError
 from specsample.models.quant import QUANT_MODES
 from specsample.options_cli import Flag, add_flags, flag_values
-from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions
+from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
 from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device
 
 # serve's engine flags named as vLLM names them (the others: as `generate` names them)
@@ -140,6 +140,7 @@ def _add_bench_parser(sub) -> None:
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding (vLLM's flag names)")
     add_flags(serve, EngineOptions, defaults=SERVE_ENGINE_DEFAULTS, title="engine", flags=SERVE_FLAGS)
+    serve.set_defaults(compile=None)  # neither --compile nor --enforce-eager: serve's default (serve_engine_options)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port_arg, default=8000)
     add_flags(serve, ServerOptions, title="server")
@@ -448,7 +449,7 @@ def eval_prompt_set(name: str, num: int | None) -> list:
 def cmd_serve(args: argparse.Namespace) -> None:
     """Load the pair, then serve the OpenAI API with uvicorn (or on Ray Serve) until interrupted."""
     # bad flags fail here, before any model is loaded
-    options = EngineOptions(**flag_values(EngineOptions, args))
+    options = serve_engine_options(flag_values(EngineOptions, args))
     server_flags = flag_values(ServerOptions, args)
     serving = ServerOptions(**server_flags | {"model_name": server_flags["model_name"] or options.target})
     if args.replicas is not None or args.autoscale is not None:

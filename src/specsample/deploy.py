@@ -22,7 +22,7 @@ from typing import Any
 from ray import serve
 
 from specsample.options_cli import parse_text, settings
-from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions
+from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
 from specsample.speculator import DEFAULT_TARGET, EngineOptions
 
 log = logging.getLogger("specsample.deploy")
@@ -61,7 +61,7 @@ class ReplicaSettings:
             if key in known:
                 record, name = known[key]
                 values[record][name] = parse_text(record, name, value)
-        engine = replace(SERVE_ENGINE_DEFAULTS, **values[EngineOptions])
+        engine = serve_engine_options(values[EngineOptions])
         server = values[ServerOptions]
         server["model_name"] = server.get("model_name") or engine.target
         return cls(engine, ServerOptions(**server))

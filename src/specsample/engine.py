@@ -23,6 +23,7 @@ from specsample.coupling import DraftNoise, NoiseStream
 from specsample.drafters.base import (BacklogScorer, Drafter, DraftRequest, DraftRow, FeatureDrafter, NoDrafter,
                                       PromptLookup, Proposal, allocated)
 from specsample.grammar import GrammarCompiler
+from specsample.models import compile_events
 from specsample.models.base import CausalLM, FeatureLM, TreeLM, prefill_ragged
 from specsample.models.row_padding import score_padded
 from specsample.planner import FixedGamma, Planner
@@ -163,6 +164,7 @@ class Engine:
     def step(self) -> RoundResult:
         """Run one round for every running request (admitting waiting ones first)."""
         cancelled = self._cancel()
+        compiled = compile_events.counts()  # what compiled models do this round
         start = self.clock()
         admission = self._admit()  # waiting requests get rows; their prompts are prefilled
         prefill_done = self._now()
@@ -195,7 +197,7 @@ class Engine:
                               keep={r.request_id for r, u in finished if u.finish_reason in ("stop", "length")})
         stats = round_stats(plan, proposal, verdict, updates, len(backlog),
                             (prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                             verify_done - target_done), admission.counters())
+                             verify_done - target_done), admission.counters(), compile_events.since(compiled))
         return RoundResult(tuple(cancelled + updates), stats, self.clock())
 
     # ----- the round's parts ----------------------------------------------------------------

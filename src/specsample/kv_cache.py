@@ -49,13 +49,15 @@ class KVCache(RowLengths):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        # one tensor per kind, allocated as [layers * slots, ...]: a compiled step reads that (it has no base, so
-        # its guards hold for any number of slots, 1 included); everything else reads the 5-d views
-        flat = (num_layers * num_slots, kv_heads, max_len, head_dim)
+        # one tensor per kind, allocated as [1 + layers * slots, ...]: a compiled step reads that (it has no base, so
+        # its guards hold for any number of slots, 1 included); everything else reads the 5-d views. Row 0 is
+        # spare, never written or read: the rows a compiled step reads as a view then never start the tensor (where
+        # they did, inductor's overlap analysis would take a graph of its own for that case)
+        flat = (1 + num_layers * num_slots, kv_heads, max_len, head_dim)
         self.flat_keys = torch.zeros(flat, dtype=dtype, device=device)
         self.flat_values = torch.zeros(flat, dtype=dtype, device=device)
         shape = (num_layers, num_slots, kv_heads, max_len, head_dim)
-        self.key_store, self.value_store = self.flat_keys.view(shape), self.flat_values.view(shape)
+        self.key_store, self.value_store = self.flat_keys[1:].view(shape), self.flat_values[1:].view(shape)
         self.keys = list(self.key_store.unbind(0))  # per-layer views
         self.values = list(self.value_store.unbind(0))
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # on CPU: bookkeeping, not math

@@ -56,6 +56,8 @@ class StatsCollector:
     extended_row_rounds: int = 0
     tree_row_rounds: int = 0
     tree_budgets: dict[int, int] = field(default_factory=dict)  # tree budget -> rounds that drafted it
+    recompiles: int = 0  # graphs compiled past the start-up warm-up (RoundStats.recompiles)
+    eager_fallbacks: int = 0  # cached forwards a compiled model ran eagerly (RoundStats.eager_fallbacks)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -72,6 +74,8 @@ class StatsCollector:
         if s.batch_size == 0:
             return
         self.rounds += 1
+        self.recompiles += s.recompiles
+        self.eager_fallbacks += s.eager_fallbacks
         self.row_rounds += s.batch_size
         self.drafted += s.drafted
         self.accepted += s.accepted
@@ -147,6 +151,8 @@ class StatsCollector:
             "extended_row_rounds": self.extended_row_rounds,
             "tree_row_rounds": self.tree_row_rounds,
             "tree_budgets": {str(nodes): rounds for nodes, rounds in sorted(self.tree_budgets.items())},
+            "recompiles": self.recompiles,
+            "eager_fallbacks": self.eager_fallbacks,
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

@@ -45,6 +45,19 @@ class Pair:
     group_size: int = DEFAULT_INT4_GROUP
     suffix_scope: str = "global"
 
+    def warm_up_batches(self) -> None:
+        """Compile now the graphs of compiled models (the target, a draft model, a feature draft's step) for batches
+        of 2+ rows, which an engine running several requests at once calls: not in its first batched round. Nothing
+        where nothing is compiled, or where it is compiled already."""
+        compiled = getattr(self.target.model, "compiled", None)
+        if compiled is not None:
+            compiled.warm_up(blocks=self.drafter is not None, batches=True)
+        drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
+        if isinstance(drafter, ModelDrafter) and getattr(drafter.model, "compiled", None) is not None:
+            drafter.model.compiled.warm_up(blocks=True, batches=True)
+        elif isinstance(drafter, EagleDrafter) and drafter.compiled is not None:
+            drafter.compiled.warm_up(drafter.embed, batches=True)
+
     def load_draft(self, spec: str) -> Drafter | None:
         """Another drafter for this target, loaded as this pair's was (dtype, device, window, quantization, the
         suffix cache's scope)."""

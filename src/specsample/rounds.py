@@ -62,6 +62,11 @@ class RoundStats:
     admitted_tokens: int = 0  # their prompt tokens the target's cache takes (all but the last of each)
     prefix_hits: int = 0  # admitted requests that reused a finished request's cached prefix
     reused_tokens: int = 0  # prompt tokens they took from cache instead of prefilling
+    # compiled models (models/compile_events.py): graphs compiled during the round, all past the start-up warm-up
+    # (a recompile: a shape or guard the warm-up did not cover), and cached forwards they ran eagerly (token trees,
+    # blocks past MAX_BLOCK tokens per row; prefill aside)
+    recompiles: int = 0
+    eager_fallbacks: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,11 @@ def _depths(proposal: Proposal) -> Tensor:
 
 
 def round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates: list[RowUpdate], scored_rows: int,
-                 seconds: tuple[float, float, float, float], admitted: dict[str, int]) -> RoundStats:
+                 seconds: tuple[float, float, float, float], admitted: dict[str, int],
+                 compiled: tuple[int, int] = (0, 0)) -> RoundStats:
     """Counters of the round; `seconds`: its prefill, draft, target and verify-and-commit time; `admitted`: the
-    admission's counters (RoundStats' admitted, admitted_tokens, prefix_hits and reused_tokens)."""
+    admission's counters (RoundStats' admitted, admitted_tokens, prefix_hits and reused_tokens); `compiled`: the
+    graphs compiled and eager fallbacks of compiled models during the round (`compile_events.since`)."""
     gamma = proposal.tokens.shape[1]
     num_drafted, num_accepted = proposal.num_drafted, verdict.num_accepted.cpu()
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]; in a tree round, depths 1..
@@ -107,6 +114,7 @@ def round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates: 
         extended_rows=int((num_drafted > planned).sum()) if gamma else 0,
         tree_rows=int((num_drafted > 0).sum()) if proposal.parents is not None else 0,
         tree_nodes=plan.tree.nodes if plan.tree is not None and proposal.parents is not None else 0,
+        recompiles=compiled[0], eager_fallbacks=compiled[1],
         **admitted,
     )
 

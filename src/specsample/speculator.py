@@ -272,6 +272,8 @@ class Speculator:
         if isinstance(drafter, str) and drafter != "loaded":
             raise ValueError(f"drafter must be a Drafter, None or 'loaded', got {drafter!r}")
         target = self.pair.target
+        if self.options.compile and max_batch_size > 1:  # batched rounds' graphs compiled before the first of them
+            self.pair.warm_up_batches()
         return Engine(target.model, self.pair.drafter if isinstance(drafter, str) else drafter,
                       self.spec_config(max_batch_size, max_seq_len, prefix_cache_rows),
                       target.tokenizer.eos_token_ids if target.tokenizer is not None else (),

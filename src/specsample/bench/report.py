@@ -103,6 +103,16 @@ def _cost_ratio(rows: list[dict[str, Any]], name: str) -> float | None:
     return max(0.0, (spec / plain - 1) / gamma) if plain and spec and rounds else None
 
 
+def _compile_events(rows: list[dict[str, Any]], systems: list[str]) -> list[str]:
+    """A line on what compiled models did past start-up, per system: graphs compiled (each stalls its round for
+    seconds to minutes) and forwards run eagerly."""
+    counted = {name: [row["systems"][name]["stats"] for row in rows if name in row["systems"]] for name in systems}
+    parts = [f"{name} {sum(s.get('recompiles', 0) for s in runs)} and {sum(s.get('eager_fallbacks', 0) for s in runs)}"
+             for name, runs in counted.items()]
+    return ["", "Graphs compiled after start-up and forwards run eagerly by compiled models: " + "; ".join(parts)
+            + "."]
+
+
 def compare_section(store: dict[str, Any]) -> list[str]:
     systems = store.get("systems", [])
     lines = ["## Speed and acceptance (baseline: target-only on our runtime)", ""]
@@ -119,6 +129,8 @@ def compare_section(store: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
                          f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
                          f"{_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | {_fmt(pooled['tpot_ms'], 1)} |")
+        if store.get("compiled"):
+            lines += _compile_events(rows, systems)
         cats = sorted(c for c in speed[BASELINE] if c != "overall")
         others = [n for n in systems if n != BASELINE]
         lines += ["", "Speedup by category:", "", "| category | " + " | ".join(others) + " |",

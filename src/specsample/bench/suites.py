@@ -56,7 +56,7 @@ def compare(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     if bench.speculator.options.tree_shape is not None:
         systems.append(bench.ours(bench.config.gammas[0], tree=True))
     systems += bench.peers
-    store.update(systems=[s.name for s in systems], runs={})
+    store.update(systems=[s.name for s in systems], runs={}, compiled=bench.speculator.options.compile)
     for temperature in bench.config.temperatures:
         rows = store["runs"].setdefault(str(temperature), [])
         _interleaved(bench, systems, list(range(len(bench.prompts))), temperature, rows, recorder,

@@ -201,7 +201,7 @@ def load_hf_peer(folder, dtype: torch.dtype, device: str | torch.device = "cpu")
 STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
               "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
               "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings", "tree_row_rounds",
-              "tree_budgets")
+              "tree_budgets", "recompiles", "eager_fallbacks")
 
 
 def record(run: RunRecord) -> dict[str, Any]:

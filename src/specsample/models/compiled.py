@@ -10,25 +10,34 @@ where the step is.
 
 The compiled step attends over its rows' cache entries up to the furthest row's new position (shorter
 rows masked by position), so its cost follows the context, not the allocation (a server allocates the
-whole context window); that length, the batch and the cache's size are dynamic dimensions, so neither a
-longer context nor a new request recompiles. It is used only where it is
+whole context window); that length, the batch (above 1) and the cache's size are dynamic dimensions, so neither a
+longer context nor a new request recompiles. Rows in consecutive slots (a request alone, a batch admitted together)
+are read as views of the cache, as the eager forward reads them; a copy of every layer's keys and values would
+grow with the context and, at 1,000 tokens, cost more than the fusion saves. Rows elsewhere are gathered (as the
+eager forward gathers them), in a graph of their own. It is used only where it is
 exact for the caller: up to MAX_BLOCK new tokens per row (the block length a dynamic dimension), for any
 rows of the cache (a request alone in an engine with room for more, a batch, a batch after some rows
-finished). Prefill, token trees and longer blocks run the eager path, which computes the same function.
+finished). Prefill, token trees and longer blocks run the eager path, which computes the same function; the
+graphs compiled and the calls that ran eagerly are counted (`compile_events`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.sym_node import DynamicInt
 
 from specsample.kv_cache import KVCache
+from specsample.models import compile_events
+from specsample.models.hub import cache_dir
 from specsample.models.layers import apply_rope, weight_version
 from specsample.models.rope import rope_tables
 from specsample.models.quant import QuantLinear, SplitLinear
@@ -58,10 +67,12 @@ class DecodeStep(nn.Module):
         self.model = model
 
     def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor, keys: Tensor,
-                values: Tensor) -> tuple[Tensor, Tensor | None]:
-        """`keys`/`values` are a `KVCache`'s stores as allocated, `[layers * rows, KVH, max_len, hd]` (one size for
-        any number of rows, 1 included), written in place from `positions [b]` on; attention reads their first
-        `len(key_positions)` entries (`key_positions`: 0, 1, ..)."""
+                values: Tensor, first: int | None) -> tuple[Tensor, Tensor | None]:
+        """`keys`/`values` are a `KVCache`'s stores as allocated, `[1 + layers * rows, KVH, max_len, hd]` (one size
+        for any number of rows, 1 included; row 0 spare), written in place from `positions [b]` on; attention reads
+        their first `len(key_positions)` entries (`key_positions`: 0, 1, ..). `first`: where the rows are consecutive
+        slots `first, first + 1, ..` (a `DynamicInt`), attention reads each layer's rows as a view of the stores, as
+        the eager forward does; None: it gathers them (a copy, as the eager forward's)."""
         m, c = self.model, self.model.config
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         groups = heads // kv_heads
@@ -74,7 +85,7 @@ class DecodeStep(nn.Module):
         query_pos = new_positions.view(batch, 1, 1, n).expand(batch, 1, groups, n).reshape(batch, 1, groups * n, 1)
         causal = key_pos <= query_pos  # [b, 1, G * n, length]; stale entries past a row's length are masked
         windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
-        rows_per_layer = keys.shape[0] // len(m.layers)
+        rows_per_layer = (keys.shape[0] - 1) // len(m.layers)
         wanted, taken = m.feature_layers or (), []
         for i, layer in enumerate(m.layers):
             if i in wanted:
@@ -82,13 +93,17 @@ class DecodeStep(nn.Module):
             qkv = project(layer.qkv, layer.input_norm(x))
             qkv = qkv.view(batch, n, heads + 2 * kv_heads, head_dim)
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
-            rows = slots + i * rows_per_layer  # layer i's entries of the rows
+            rows = slots + (1 + i * rows_per_layer)  # layer i's entries of the rows
             keys[rows.view(batch, 1), :, new_positions] = qk[:, :, heads:]  # [b, n, KVH, hd]
             values[rows.view(batch, 1), :, new_positions] = qkv[:, :, heads + kv_heads:]
             mask = windowed if m.uses_window(i) else causal
             q = qk[:, :, :heads].reshape(batch, n, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
-            row_keys = keys[:, :, :length].index_select(0, rows)  # [b, KVH, length, hd]
-            row_values = values[:, :, :length].index_select(0, rows)
+            if first is None:  # [b, KVH, length, hd]
+                row_keys = keys[:, :, :length].index_select(0, rows)
+                row_values = values[:, :, :length].index_select(0, rows)
+            else:
+                row_keys = keys.narrow(0, first + 1 + i * rows_per_layer, batch)[:, :, :length]
+                row_values = values.narrow(0, first + 1 + i * rows_per_layer, batch)[:, :, :length]
             out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, groups * n, head_dim), row_keys,
                                                  row_values, attn_mask=mask)  # [b, KVH, G * n, hd]
             out = out.reshape(batch, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4)
@@ -148,49 +163,102 @@ def _private_forward(module: nn.Module) -> nn.Module:
     return module
 
 
-def _dynamic_reads(cache: KVCache, length: int, device: torch.device) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-    """The key positions `[length]` a compiled step's attention reads (at least 2: dynamo specialises a size of 1;
-    at most the allocation) and the cache's stores, their sizes marked dynamic: neither a longer context nor a cache
-    with more rows recompiles the step."""
-    key_positions = torch.arange(min(max(length, 2), cache.key_store.shape[3]), device=device)
-    torch._dynamo.mark_dynamic(key_positions, 0)
-    stores = (cache.flat_keys, cache.flat_values)
-    for tensor in stores:
-        for dim in (0, 2):
-            if tensor.shape[dim] > 1:  # dynamo always specialises size 1
-                torch._dynamo.mark_dynamic(tensor, dim)
-    return key_positions, stores
-
-
 def _total_version(tensors: list[Tensor]) -> int:
     """Sum of version counters: they only grow, so the sum changes exactly when some tensor was written."""
     return sum(map(weight_version, tensors))
 
 
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def keep_artefacts_in_cache() -> Path:
+    """Where inductor keeps what it compiles (its FX graph cache of generated kernels and wrappers, autotuning
+    results, Triton kernels on a GPU): `TORCHINDUCTOR_CACHE_DIR` where set, else the specsample cache's `compiled`
+    folder (`models/hub.py`), set before inductor first reads it. A later process finds its graphs there and
+    skips code generation, C++ compilation and autotuning (docs/serving.md has start-up times)."""
+    if INDUCTOR_CACHE_ENV not in os.environ:
+        os.environ[INDUCTOR_CACHE_ENV] = str(cache_dir() / "compiled")
+    return Path(os.environ[INDUCTOR_CACHE_ENV])
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """Inductor (`compile_fx`, what `backend="inductor"` runs), counting each graph it compiles (`compile_events`)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compile_events.graph_compiled()
+    return compile_fx(gm, example_inputs)
+
+
+def mark_rows_dynamic(*tensors: Tensor) -> None:
+    """A batch of rows above 1 is a dynamic dimension (dim 0) of `tensors`: one graph for 2 rows and more; a batch
+    of 1 keeps a graph of its own (dynamo specialises size 1), the latency path."""
+    for tensor in tensors:
+        if tensor.shape[0] > 1:
+            torch._dynamo.mark_dynamic(tensor, 0)
+
+
+def mark_stores_dynamic(cache: KVCache) -> tuple[Tensor, Tensor]:
+    """A cache's stores as a compiled step takes them, their rows and length dynamic dimensions (no recompile for
+    another engine's cache, or a longer one)."""
+    stores = (cache.flat_keys, cache.flat_values)
+    for tensor in stores:
+        for dim in (0, 2):
+            if tensor.shape[dim] > 1:  # dynamo always specialises size 1
+                torch._dynamo.mark_dynamic(tensor, dim)
+    return stores
+
+
+def read_positions(furthest: int, cache: KVCache, device: torch.device) -> Tensor:
+    """0, 1, .. up to the furthest new position (at least 2: dynamo specialises a size of 1; the masked entry past
+    position 0 included), a dynamic dimension: what attention reads of the cache, so a step's cost follows the
+    context, not the allocation, and a longer context does not recompile."""
+    positions = torch.arange(min(max(furthest, 2), cache.key_store.shape[3]), device=device)
+    torch._dynamo.mark_dynamic(positions, 0)
+    return positions
+
+
+def consecutive_first(slots: Tensor) -> int | None:
+    """The first of `slots [b]` where they are consecutive and ascending (`first, first + 1, ..`), else None."""
+    first = int(slots[0])
+    return first if torch.equal(slots.cpu(), torch.arange(first, first + len(slots))) else None
+
+
 class CompiledDecode:
-    """A compiled `DecodeStep` for one model, plus the rule for when it may be used."""
+    """A compiled `DecodeStep` for one model, plus the rule for when it may be used.
+
+    Its graphs, each compiled once per process (and found in inductor's cache by later processes): batch 1 and
+    batch 2+, each for one token per row and for blocks; at batch 2+ rows in consecutive slots (read as views) and
+    rows elsewhere (gathered); and a float output layer for the same batch and block kinds. `warm_up` compiles what a
+    caller will run before it serves; `shapes` are the kinds compiled so far."""
 
     def __init__(self, model: nn.Module) -> None:  # a LlamaModel
+        keep_artefacts_in_cache()
         self.model = model
-        self.step = torch.compile(_private_forward(DecodeStep(model).eval()), fullgraph=True)
+        self.step = torch.compile(_private_forward(DecodeStep(model).eval()), fullgraph=True, backend=_inductor)
         self.head: tuple[Tensor | None, nn.Module] | None = None  # (output subset it was built for, compiled head)
         # set around each call, not as torch.compile options: freezing given as an option was not applied
         # (measured: 32 vs 19 ms per step on SmolLM2-135M bf16)
         self.inductor_config = CPU_INDUCTOR_CONFIG if model.device.type == "cpu" else {}
-        self.compiled_shapes: set[tuple[bool, bool]] = set()  # (batch 1, one token per row) compiled
+        self.shapes: set[tuple[bool, bool, bool]] = set()  # (batch 1, one token per row, rows as a view) compiled
         self.weights = list(model.parameters())
         self.weights_version = _total_version(self.weights)
 
-    def warm_up(self, blocks: bool = False) -> None:
-        """Compile the one-token step (and with `blocks`, the block of a verification) and the output layer now for
-        batch 1 on a throwaway cache, so the first real call is not the slow one."""
-        cache = self.model.new_cache(1, 8)
+    def warm_up(self, blocks: bool = False, batches: bool = False) -> None:
+        """Compile now, on a throwaway cache, what serving runs, so that no request waits for a compile: the one-token
+        step and the output layer for batch 1; with `blocks` the block of a verification too; with `batches`, both
+        for batches of 2+ rows too, in consecutive slots and not."""
+        cache = self.model.new_cache(3, 8)
+        calls = [([0], 1)] + ([([0], 2)] if blocks else [])
+        if batches:
+            calls += [(rows, n) for rows in ([0, 1], [0, 2]) for n in ((1, 2) if blocks else (1,))]
         with torch.inference_mode():
-            for n in (1, 2) if blocks else (1,):
-                if (True, n == 1) in self.compiled_shapes:  # compiled already
-                    continue
-                tokens = torch.zeros(1, n, dtype=torch.long, device=self.model.device)
-                self.logits(self(tokens, cache, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long))[0])
+            for rows, n in calls:
+                if (len(rows) == 1, n == 1, consecutive_first(torch.tensor(rows)) is not None) in self.shapes:
+                    continue  # compiled already
+                slots = torch.tensor(rows)
+                cache.lengths[slots] = 1
+                tokens = torch.zeros(len(rows), n, dtype=torch.long, device=self.model.device)
+                self.logits(self(tokens, cache, slots, cache.lengths[slots])[0])
 
     def stale(self) -> bool:
         """True once any weight changed in place: the frozen constants no longer match the model."""
@@ -205,37 +273,44 @@ class CompiledDecode:
                  positions: Tensor) -> tuple[Tensor, Tensor | None]:
         """Hidden states `[b, n, hidden]` for rows `slots [b]` appending `tokens [b, n]`, and their features where the
         model has feature layers (`DecodeStep`); writes their new keys and values from `positions [b]` on."""
-        # attention reads the rows' entries up to the furthest new position, not the whole allocation: the step's
-        # cost follows the context. The stores' row count and length and the read length are dynamic dimensions,
-        # so neither a new request nor a longer context recompiles (the read length at least 2, the masked entry
-        # past position 0 included: dynamo specialises a size of 1)
-        key_positions, stores = _dynamic_reads(cache, int(positions.max()) + tokens.shape[1], tokens.device)
-        shape = (tokens.shape[0] == 1, tokens.shape[1] == 1)
-        if shape not in self.compiled_shapes:
-            log.info("compiling the decode step for batch %s, %s (20-80 s on a small CPU, once per process)",
-                     "1" if shape[0] else "> 1", "one token per row" if shape[1] else "blocks of tokens")
+        batch, n = tokens.shape
+        reading = read_positions(int(positions.max()) + n, cache, tokens.device)
+        stores = mark_stores_dynamic(cache)
+        first = consecutive_first(slots) if batch > 1 else int(slots[0])
+        shape = (batch == 1, n == 1, first is not None)
+        if shape not in self.shapes:
+            log.info("compiling the decode step for batch %s, %s%s (20-80 s on a small CPU; found in inductor's "
+                     "cache by later processes)", "1" if shape[0] else "> 1",
+                     "one token per row" if shape[1] else "blocks of tokens",
+                     "" if shape[0] else ", rows in consecutive slots" if shape[2] else ", rows gathered")
         start = time.perf_counter()
-        # a fresh tensor: dynamo guards on dispatch keys and strides, and a caller's token tensor made outside
+        # fresh tensors: dynamo guards on dispatch keys and strides, and a caller's token tensor made outside
         # inference mode, or a slice of a longer one, would differ from the engine's and recompile the step (70 s)
         tokens = tokens.clone(memory_format=torch.contiguous_format)
-        if tokens.shape[1] > 1:  # one graph for every block length
+        slots, positions = slots.to(tokens.device).clone(), positions.to(tokens.device).clone()
+        if n > 1:  # one graph for every block length
             torch._dynamo.mark_dynamic(tokens, 1)
+        mark_rows_dynamic(tokens, slots, positions)
         with torch._inductor.config.patch(self.inductor_config):
-            hidden = self.step(tokens, slots.to(tokens.device).clone(), positions.to(tokens.device), key_positions,
-                               *stores)
-        if shape not in self.compiled_shapes:
-            self.compiled_shapes.add(shape)
+            hidden = self.step(tokens, slots, positions, reading, *stores, None if first is None else DynamicInt(first))
+        if shape not in self.shapes:
+            self.shapes.add(shape)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)
         return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """The model's logits `[b, n, vocab]` from hidden states `[b, n, hidden]`, through a compiled output layer."""
+        """The model's logits `[b, n, vocab]` from hidden states `[b, n, hidden]`, through a compiled output layer; a
+        quantized output layer is one kernel call either way, and runs as it is (no graph to compile)."""
+        if isinstance(self.model.lm_head, QuantLinear):
+            return self.model.logits(hidden)
         subset = self.model.output_subset
         if self.head is None or self.head[0] is not subset:  # built for another subset: build again
             log.info("compiling the output layer (a few seconds)")
-            self.head = subset, torch.compile(_private_forward(DecodeHead(self.model).eval()), fullgraph=True)
+            self.head = subset, torch.compile(_private_forward(DecodeHead(self.model).eval()), fullgraph=True,
+                                              backend=_inductor)
         if hidden.shape[1] > 1:  # one graph for every block length
             torch._dynamo.mark_dynamic(hidden, 1)
+        mark_rows_dynamic(hidden)
         with torch._inductor.config.patch(self.inductor_config):
             return self.head[1](hidden)
 
@@ -261,12 +336,13 @@ class HeadStep(nn.Module):
                                                                                           head_dim)
         cos, sin = rope_tables(h._inv_freq, h.rope_scale, positions.view(batch, 1), qkv.dtype)
         qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
-        keys[slots.view(batch, 1), :, positions.view(batch, 1)] = qk[:, :, heads:]  # [b, 1, KVH, hd]
-        values[slots.view(batch, 1), :, positions.view(batch, 1)] = qkv[:, :, heads + kv_heads:]
+        rows = slots + 1  # the stores' row 0 is spare (KVCache)
+        keys[rows.view(batch, 1), :, positions.view(batch, 1)] = qk[:, :, heads:]  # [b, 1, KVH, hd]
+        values[rows.view(batch, 1), :, positions.view(batch, 1)] = qkv[:, :, heads + kv_heads:]
         mask = key_positions.view(1, 1, 1, length) <= positions.view(batch, 1, 1, 1)  # [b, 1, 1, length]
         q = qk[:, :, :heads].reshape(batch, kv_heads, groups, head_dim)
-        out = F.scaled_dot_product_attention(q, keys[:, :, :length].index_select(0, slots),
-                                             values[:, :, :length].index_select(0, slots), attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, keys[:, :, :length].index_select(0, rows),
+                                             values[:, :, :length].index_select(0, rows), attn_mask=mask)
         x = residual.to(out.dtype) + project(h.o_proj, out.reshape(batch, 1, heads * head_dim))
         gate, up = project(h.gate_up, h.post_norm(x)).chunk(2, dim=-1)
         x = x + project(h.down, F.silu(gate) * up)
@@ -274,31 +350,45 @@ class HeadStep(nn.Module):
 
 
 class CompiledHeadStep:
-    """A compiled `HeadStep` for one head: what a drafting step runs where the target runs compiled."""
+    """A compiled `HeadStep` for one head: what a drafting step runs where the target runs compiled (a graph for batch
+    1 and one for batches of 2+ rows)."""
 
     def __init__(self, head: nn.Module) -> None:  # an EagleHead
+        keep_artefacts_in_cache()
         self.head = head
-        self.step = torch.compile(_private_forward(HeadStep(head).eval()), fullgraph=True)
+        self.step = torch.compile(_private_forward(HeadStep(head).eval()), fullgraph=True, backend=_inductor)
         self.inductor_config = CPU_INDUCTOR_CONFIG if head.device.type == "cpu" else {}
-        self.compiled = False
+        self.batches: set[bool] = set()  # (batch 1) compiled
 
-    def warm_up(self, embed) -> None:
-        """Compile the step now for batch 1 on a throwaway cache (`embed`: the token embedding the drafter uses)."""
-        cache = self.head.new_cache(1, 8)
+    def warm_up(self, embed, batches: bool = False) -> None:
+        """Compile the step now for batch 1 (and with `batches` for 2+ rows) on a throwaway cache (`embed`: the token
+        embedding the drafter uses)."""
+        cache = self.head.new_cache(2, 8)
         with torch.inference_mode():
-            hidden = torch.zeros(1, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=self.head.device)
-            self(embed(torch.zeros(1, 1, dtype=torch.long)), hidden, cache, torch.zeros(1, dtype=torch.long))
+            for rows in (1, 2) if batches else (1,):
+                if (rows == 1) in self.batches:
+                    continue
+                hidden = torch.zeros(rows, 1, self.head.config.hidden_size, dtype=self.head.dtype,
+                                     device=self.head.device)
+                slots = torch.arange(rows)
+                self(embed(torch.zeros(rows, 1, dtype=torch.long)), hidden, cache, slots)
+                cache.reset(slots)
 
     def __call__(self, embeddings: Tensor, hidden: Tensor, cache: KVCache, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The head's output `[b, 1, H]` and logits `[b, K]` for one entry per row `slots [b]`, appended after each
         row's length in `cache` (which grows by one)."""
         starts = cache.reserve(slots, 1)
-        key_positions, stores = _dynamic_reads(cache, int(starts.max()) + 1, hidden.device)
-        if not self.compiled:
-            log.info("compiling the feature draft's step (10-30 s on a small CPU, once per process)")
+        reading = read_positions(int(starts.max()) + 1, cache, hidden.device)
+        stores = mark_stores_dynamic(cache)
+        single = len(slots) == 1
+        if single not in self.batches:
+            log.info("compiling the feature draft's step for batch %s (10-30 s on a small CPU; found in inductor's "
+                     "cache by later processes)", "1" if single else "> 1")
+        inputs = (embeddings.contiguous(), hidden.contiguous(), slots.to(hidden.device).clone(),
+                  starts.to(hidden.device).clone())
+        mark_rows_dynamic(*inputs)
         with torch._inductor.config.patch(self.inductor_config):
-            out = self.step(embeddings.contiguous(), hidden.contiguous(), slots.to(hidden.device).clone(),
-                            starts.to(hidden.device), key_positions, *stores)
-        self.compiled = True
+            out = self.step(*inputs, reading, *stores)
+        self.batches.add(single)
         cache.lengths[slots.cpu()] = starts + 1
         return out

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
+from specsample.models import compile_events
 from specsample.models.invariant import FIXED_ROWS, QueryGroups, exact_attention
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
 from specsample.models.quant import QuantLinear
@@ -378,12 +379,13 @@ class LlamaModel(nn.Module):
         """Whether `layer` attends through the sliding window."""
         return layer in self.window_layers
 
-    def compile_decode(self, warm_up: bool = False, blocks: bool = False) -> None:
+    def compile_decode(self, warm_up: bool = False, blocks: bool = False, batches: bool = False) -> None:
         """Run one-token decode steps and blocks of up to 16 tokens per row (verification) through `torch.compile`
         from now on (inference only).
 
         Compiling takes 20-80 s per graph for a 30-layer model on a 2-core CPU, on first use or now with `warm_up`
-        (the one-token step, and with `blocks` the block too); later calls run faster than eager
+        (the one-token step, with `blocks` the block too, with `batches` both for batches of 2+ rows too); later
+        calls run faster than eager
         (docs/runtime.md). Weights are frozen into the compiled code: an in-place weight update makes the next call
         recompile.
         """
@@ -394,7 +396,7 @@ class LlamaModel(nn.Module):
                              "eager forward's)")
         self.compiled = CompiledDecode(self)
         if warm_up:
-            self.compiled.warm_up(blocks)
+            self.compiled.warm_up(blocks, batches)
 
     def set_deterministic(self, on: bool = True) -> None:
         """Compute every position exactly as a one-token forward of its row alone would, whatever the tokens scored
@@ -542,6 +544,8 @@ class LlamaModel(nn.Module):
                 self.compile_decode()
             hidden, features = self.compiled(tokens.to(self.device), cache, slots, starts)
         else:
+            if compiled_ok and self.compiled is not None:  # a compiled model's forward its step cannot take
+                compile_events.fell_back()
             attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device, parents,
                                exact=self.deterministic)
             with without_cudnn_attention(self.cudnn_attention):

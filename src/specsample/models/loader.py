@@ -84,7 +84,8 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | to
     loaded = _load(spec, dtype, device, runtime, progress, mode, group_size)
     if compile_decode:
         if not isinstance(loaded.model, LlamaModel):
-            raise ValueError(f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}")
+            raise ValueError(f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}: run "
+                             "it eagerly (without --compile; `specsample serve --enforce-eager`)")
         loaded.model.compile_decode(warm_up=True)
     return loaded
 

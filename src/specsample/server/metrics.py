@@ -8,6 +8,7 @@ Gauges: running batch size, queue depth, recent acceptance rate and mean accepta
 admitted and those that reused a finished request's cached prefix, with their prompt tokens and the tokens reused.
 The shared suffix cache (suffix drafting with scope global): tokens, requests' outputs and bytes held, its capacity,
 outputs dropped for room (read at every scrape).
+Compiled models: graphs compiled after start-up (recompiles) and cached forwards run eagerly instead (fallbacks).
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ class ServerMetrics:
         self.suffix_capacity = gauge("suffix_cache_capacity_tokens", "Most tokens the shared suffix cache holds")
         self.suffix_evicted = gauge("suffix_cache_evicted_sequences",
                                     "Requests' outputs dropped from the shared suffix cache for room")
+        self.recompiles = counter("compile_recompiles", "Graphs compiled after start-up (shapes the warm-up did not "
+                                                        "cover), each costing seconds to minutes of a round")
+        self.eager_fallbacks = counter("compile_eager_fallbacks", "Cached forwards of a compiled model that ran eagerly "
+                                                                  "(token trees, blocks past 16 tokens per row)")
+        for metric in (self.recompiles, self.eager_fallbacks):  # shown at 0 from the start, labels included
+            self._l(metric)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
@@ -113,6 +120,10 @@ class ServerMetrics:
             self._l(self.prefix_hits).inc(s.prefix_hits)
             self._l(self.prefix_queried_tokens).inc(s.admitted_tokens)
             self._l(self.prefix_reused_tokens).inc(s.reused_tokens)
+        if s.recompiles:
+            self._l(self.recompiles).inc(s.recompiles)
+        if s.eager_fallbacks:
+            self._l(self.eager_fallbacks).inc(s.eager_fallbacks)
         if s.batch_size == 0:
             return
         self.max_batch_seen = max(self.max_batch_seen, s.batch_size)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from specsample.config import SettingError
 from specsample.options_cli import setting
@@ -15,8 +16,22 @@ DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after
 
 
 # The engine options `specsample serve` and Ray replicas start from: EngineOptions' defaults but where serving
-# differs (a server decodes long enough for pad_rows auto's start-up measurement to pay)
-SERVE_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto", compile=False)
+# differs: a server decodes long enough for pad_rows auto's start-up measurement to pay, and compiles its decode
+# steps (as vLLM captures CUDA graphs) unless --enforce-eager (see serve_engine_options)
+SERVE_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto", compile=True)
+
+
+def serve_engine_options(given: dict[str, Any]) -> EngineOptions:
+    """The engine options a server runs with: `given` (the engine settings named on the command line or in
+    deployment arguments, `compile` None or absent where not named) over SERVE_ENGINE_DEFAULTS. Compiling is the
+    default where it can run: not in deterministic mode, whose kernels it would change, nor on the transformers
+    runtime (`compile` named true with either is refused, by `EngineOptions`)."""
+    values = {name: value for name, value in given.items() if not (name == "compile" and value is None)}
+    if "compile" not in values:
+        deterministic = values.get("deterministic", SERVE_ENGINE_DEFAULTS.deterministic)
+        runtime = values.get("runtime", SERVE_ENGINE_DEFAULTS.runtime)
+        values["compile"] = SERVE_ENGINE_DEFAULTS.compile and deterministic is not True and runtime != "hf"
+    return replace(SERVE_ENGINE_DEFAULTS, **values)
 
 
 @dataclass(frozen=True)
