@@ -294,3 +294,29 @@ def test_a_feature_drafts_compiled_step_computes_the_eager_one(pair) -> None:
     (a, la, lengths_a), (b, lb, lengths_b) = results
     assert torch.equal(lengths_a, lengths_b) and lengths_a.tolist() == [5, 0, 7]
     assert torch.allclose(a, b, atol=1e-4) and torch.allclose(la, lb, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_replay_the_eager_step() -> None:
+    """On CUDA the compiled step and output layer run as CUDA graphs (none skipped), with the eager forward's logits,
+    for one row and a batch, across the edge of a read bucket, the graphs' outputs copied out before the next
+    replay overwrites them."""
+    from torch._dynamo.utils import counters
+
+    bucket = compiled_module.READ_BUCKET
+    eager, compiled = (tiny_lm(VOCAB, 5, init_scale=0.2, device="cuda", max_seq_len=2 * bucket) for _ in range(2))
+    compiled.compile_decode()
+    caches = [m.new_cache(2, bucket + 8) for m in (eager, compiled)]
+    for model, cache in zip((eager, compiled), caches):
+        prefill_ragged(model, cache, torch.arange(2), [[1] * (bucket - 3), [2, 3]])
+    skips = counters["inductor"]["cudagraph_skips"]
+    kept = []
+    for step in range(6):  # the first row's context crosses the bucket's edge
+        for rows in ([0], [0, 1]):
+            slots = torch.tensor(rows)
+            tokens = torch.tensor([[step + 4]] * len(rows))
+            out = [m.forward_cached(tokens, c, slots) for m, c in zip((eager, compiled), caches)]
+            assert torch.allclose(out[0], out[1], atol=1e-4), (step, rows)
+            kept.append((out[0], out[1].clone(), out[1]))
+    assert all(torch.equal(copy, held) for _, copy, held in kept)  # no output overwritten by a later replay
+    assert counters["inductor"]["cudagraph_skips"] == skips

@@ -606,7 +606,7 @@ def test_generated_bad_bodies_get_no_5xx_and_leave_the_server_healthy(live) -> N
             health = await client.get("/health")
             assert health.status_code == 200 and health.json()["running"] == 0
             ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
-            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")  # EOS may come first
 
     async def serve() -> None:
         server.start()

@@ -52,6 +52,13 @@ MAX_BLOCK = 16  # the most tokens per row a compiled call appends (a round's dra
 CPU_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
                        "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
                        "max_autotune_report_choices_stats": False}
+# CUDA: CUDA graphs (inductor's cudagraph trees): each graph's kernels replay with one launch, where a small model's
+# step is otherwise bound by launching hundreds of kernels. A graph is recorded per concrete shape, so there a step
+# reads the cache up to a multiple of READ_BUCKET positions (entries past a row's length are masked, as always), rows
+# are gathered rather than read as views at a slot offset, and the cache's stores are static addresses written in
+# place (allocated once per engine)
+CUDA_INDUCTOR_CONFIG = {"triton.cudagraphs": True}
+READ_BUCKET = 256
 # inductor's autotuner calls a deprecated storage API (torch 2.13); the warning is not the user's to act on
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
                         module=r"torch\._inductor\.select_algorithm")
@@ -199,22 +206,41 @@ def mark_rows_dynamic(*tensors: Tensor) -> None:
 
 def mark_stores_dynamic(cache: KVCache) -> tuple[Tensor, Tensor]:
     """A cache's stores as a compiled step takes them, their rows and length dynamic dimensions (no recompile for
-    another engine's cache, or a longer one)."""
+    another engine's cache, or a longer one); on CUDA static addresses too (CUDA graphs write them in place)."""
     stores = (cache.flat_keys, cache.flat_values)
     for tensor in stores:
         for dim in (0, 2):
             if tensor.shape[dim] > 1:  # dynamo always specialises size 1
                 torch._dynamo.mark_dynamic(tensor, dim)
+        if tensor.device.type == "cuda":
+            torch._dynamo.mark_static_address(tensor)
     return stores
 
 
 def read_positions(furthest: int, cache: KVCache, device: torch.device) -> Tensor:
     """0, 1, .. up to the furthest new position (at least 2: dynamo specialises a size of 1; the masked entry past
-    position 0 included), a dynamic dimension: what attention reads of the cache, so a step's cost follows the
-    context, not the allocation, and a longer context does not recompile."""
-    positions = torch.arange(min(max(furthest, 2), cache.key_store.shape[3]), device=device)
+    position 0 included; on CUDA up to the next multiple of READ_BUCKET, one CUDA graph per bucket), a dynamic
+    dimension: what attention reads of the cache, so a step's cost follows the context, not the allocation, and a
+    longer context does not recompile."""
+    length = max(furthest, 2)
+    if device.type == "cuda":
+        length = -(-length // READ_BUCKET) * READ_BUCKET
+    positions = torch.arange(min(length, cache.key_store.shape[3]), device=device)
     torch._dynamo.mark_dynamic(positions, 0)
     return positions
+
+
+def inductor_config(device: torch.device) -> dict:
+    """What inductor is patched with around a compiled call on `device` (CPU_INDUCTOR_CONFIG, CUDA_INDUCTOR_CONFIG)."""
+    return {"cpu": CPU_INDUCTOR_CONFIG, "cuda": CUDA_INDUCTOR_CONFIG}.get(device.type, {})
+
+
+def replayed(outputs):
+    """`outputs` of a compiled call, copied out of the CUDA graph's buffers, which its next replay overwrites (on a
+    CPU as they are)."""
+    if isinstance(outputs, Tensor):
+        return outputs.clone() if outputs.is_cuda else outputs
+    return type(outputs)(replayed(o) if o is not None else None for o in outputs)
 
 
 def consecutive_first(slots: Tensor) -> int | None:
@@ -238,7 +264,7 @@ class CompiledDecode:
         self.head: tuple[Tensor | None, nn.Module] | None = None  # (output subset it was built for, compiled head)
         # set around each call, not as torch.compile options: freezing given as an option was not applied
         # (measured: 32 vs 19 ms per step on SmolLM2-135M bf16)
-        self.inductor_config = CPU_INDUCTOR_CONFIG if model.device.type == "cpu" else {}
+        self.inductor_config = inductor_config(model.device)
         self.shapes: set[tuple[bool, bool, bool]] = set()  # (batch 1, one token per row, rows as a view) compiled
         self.weights = list(model.parameters())
         self.weights_version = _total_version(self.weights)
@@ -276,7 +302,7 @@ class CompiledDecode:
         batch, n = tokens.shape
         reading = read_positions(int(positions.max()) + n, cache, tokens.device)
         stores = mark_stores_dynamic(cache)
-        first = consecutive_first(slots) if batch > 1 else int(slots[0])
+        first = None if tokens.is_cuda else consecutive_first(slots) if batch > 1 else int(slots[0])
         shape = (batch == 1, n == 1, first is not None)
         if shape not in self.shapes:
             log.info("compiling the decode step for batch %s, %s%s (20-80 s on a small CPU; found in inductor's "
@@ -291,8 +317,11 @@ class CompiledDecode:
         if n > 1:  # one graph for every block length
             torch._dynamo.mark_dynamic(tokens, 1)
         mark_rows_dynamic(tokens, slots, positions)
+        if tokens.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch._inductor.config.patch(self.inductor_config):
-            hidden = self.step(tokens, slots, positions, reading, *stores, None if first is None else DynamicInt(first))
+            hidden = replayed(self.step(tokens, slots, positions, reading, *stores,
+                                        None if first is None else DynamicInt(first)))
         if shape not in self.shapes:
             self.shapes.add(shape)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)
@@ -312,7 +341,9 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(hidden, 1)
         mark_rows_dynamic(hidden)
         with torch._inductor.config.patch(self.inductor_config):
-            return self.head[1](hidden)
+            if hidden.is_cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            return replayed(self.head[1](hidden))
 
 
 class HeadStep(nn.Module):
@@ -357,7 +388,7 @@ class CompiledHeadStep:
         keep_artefacts_in_cache()
         self.head = head
         self.step = torch.compile(_private_forward(HeadStep(head).eval()), fullgraph=True, backend=_inductor)
-        self.inductor_config = CPU_INDUCTOR_CONFIG if head.device.type == "cpu" else {}
+        self.inductor_config = inductor_config(head.device)
         self.batches: set[bool] = set()  # (batch 1) compiled
 
     def warm_up(self, embed, batches: bool = False) -> None:
@@ -388,7 +419,9 @@ class CompiledHeadStep:
                   starts.to(hidden.device).clone())
         mark_rows_dynamic(*inputs)
         with torch._inductor.config.patch(self.inductor_config):
-            out = self.step(*inputs, reading, *stores)
+            if hidden.is_cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = replayed(self.step(*inputs, reading, *stores))
         self.batches.add(single)
         cache.lengths[slots.cpu()] = starts + 1
         return out
