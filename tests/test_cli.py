@@ -79,15 +79,6 @@ def test_json_schema_flag(models, tmp_path) -> None:
     assert out["finish_reason"] == "stop" and json.loads(out["text"]) in ({"ok": True}, {"ok": False})
 
 
-def test_compile_flag(models) -> None:
-    """--compile runs the compiled decode step and changes nothing in float32 greedy output."""
-    args = ["generate", "hello world", "--target", str(models["target"]), "--no-speculation", "--temperature", "0",
-            "--max-new-tokens", "10", "--no-chat", "--json", "--dtype", "float32"]
-    compiled = run_cli(*args, "--compile")
-    assert compiled.returncode == 0, compiled.stderr
-    assert json.loads(compiled.stdout)["token_ids"] == json.loads(run_cli(*args).stdout)["token_ids"]
-
-
 def test_pad_rows_flag(models) -> None:
     """--pad-rows auto measures the target's widths first and changes no token of a greedy generation."""
     args = ["generate", "hello world", "--target", str(models["target"]), "--draft", str(models["draft"]),
