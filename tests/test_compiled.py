@@ -321,3 +321,17 @@ def test_cuda_graphs_replay_the_eager_step() -> None:
             kept.append((out[0], out[1].clone(), out[1]))
     assert all(torch.equal(copy, held) for _, copy, held in kept)  # no output overwritten by a later replay
     assert counters["inductor"]["cudagraph_skips"] == skips
+
+
+def test_compiled_artefacts_go_to_the_specsample_cache(monkeypatch, tmp_path) -> None:
+    """A compiled model keeps inductor's artefacts in the specsample cache, unless TORCHINDUCTOR_CACHE_DIR names
+    another folder."""
+    from specsample.models.hub import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(compiled_module.INDUCTOR_CACHE_ENV, "")  # so that the test's end restores the process's own
+    monkeypatch.delenv(compiled_module.INDUCTOR_CACHE_ENV)
+    CompiledDecode(tiny_lm(VOCAB, 3, device=DEVICE))  # nothing compiles before the first call
+    assert compiled_module.keep_artefacts_in_cache() == tmp_path / "cache" / "compiled"
+    monkeypatch.setenv(compiled_module.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    assert compiled_module.keep_artefacts_in_cache() == tmp_path / "mine"
