@@ -34,7 +34,7 @@ from stats_util import chi_square
 
 VOCAB = 8
 LENGTH = 3
-SAMPLES = 6_000
+SAMPLES = 4_000
 PROMPT = [1, 2]
 WARPS = {
     "temperature_1": SamplingParams(temperature=1.0, max_new_tokens=LENGTH),

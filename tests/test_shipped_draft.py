@@ -69,15 +69,21 @@ def test_model_card_command_names_no_folder_of_the_training_machine() -> None:
     assert command.startswith("specsample distill ") and portable_command(command) == command
 
 
+RERUN_CATEGORIES = ("coding", "extraction", "qa")  # the record's categories re-evaluated (each prompt on its own)
+
+
 def test_quick_evaluation_rerun_matches_the_record(quick_record: dict, smollm2, shipped_draft) -> None:
+    """The recorded quick evaluation reproduces, category by category (three of its 13, for time), and the card
+    shows its overall figures."""
     prompts = eval_prompt_set("spec-bench", 1)
-    report = evaluate(smollm2.model, shipped_draft.model, smollm2.tokenizer, prompts, quick_record["max_new_tokens"],
+    assert len(prompts) == quick_record["prompts"]
+    chosen = [p for p in prompts if p.category in RERUN_CATEGORIES]
+    report = evaluate(smollm2.model, shipped_draft.model, smollm2.tokenizer, chosen, quick_record["max_new_tokens"],
                       progress=False, measure_cost=False)
-    assert report["prompts"] == quick_record["prompts"]
-    recorded = quick_record["categories"]["overall"]
-    got = report["categories"]["overall"]
-    assert got["positions"] == recorded["positions"]
-    for key in ("agree", "alpha_0.7", "alpha_1.0"):
-        assert abs(got[key] - recorded[key]) <= TOLERANCE, (key, got[key], recorded[key])
+    for category in RERUN_CATEGORIES:
+        recorded, got = quick_record["categories"][category], report["categories"][category]
+        assert got["positions"] == recorded["positions"], category
+        for key in ("agree", "alpha_0.7", "alpha_1.0"):
+            assert abs(got[key] - recorded[key]) <= TOLERANCE, (category, key, got[key], recorded[key])
     card = (FOLDER / "README.md").read_text()
-    assert f"{recorded['agree']:.3f}" in card
+    assert f"{quick_record['categories']['overall']['agree']:.3f}" in card
