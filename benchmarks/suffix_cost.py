@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
+from specsample.bench.context import cpu_name
 from specsample.datasets import sharegpt_prompts
-from specsample.drafters.base import DraftRequest
+from specsample.drafters.base import DraftRequest, DraftRow
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SHARED_TOKENS, SuffixDrafter
 from specsample.config import SamplingParams
@@ -53,7 +54,7 @@ def decode(drafter, slot: int, prompt: list[int], reply: list[int]) -> tuple[lis
     drafter.add_rows([slot], [prompt])
     per_token.append((time.perf_counter() - started) / len(prompt))
     done = 0
-    params, generator = (SamplingParams(),), (torch.Generator(),)
+    params, generator = SamplingParams(), torch.Generator()
     while done < len(reply):
         budget = min(GAMMA, len(reply) - done - 1)
         started = time.perf_counter()
@@ -61,7 +62,7 @@ def decode(drafter, slot: int, prompt: list[int], reply: list[int]) -> tuple[lis
         seconds = time.perf_counter() - started
         drafted = []
         if offered:  # the drafter's part of the round: the lookup above and the proposal
-            request = DraftRequest((slot,), (offered,), (offered,), params, generator, source=(True,))
+            request = DraftRequest((DraftRow(slot, offered, offered, params, generator, source=True),))
             started = time.perf_counter()
             proposal = drafter.propose(request)
             seconds += time.perf_counter() - started
@@ -135,20 +136,10 @@ def main() -> None:
         print(json.dumps(row))
     report = {"command": "python benchmarks/suffix_cost.py " + " ".join(
                   f"--{k} {v}" for k, v in (("fills", args.fills), ("requests", args.requests), ("out", args.out))),
-              "machine": _cpu(), "python": platform.python_version(), "gamma": GAMMA, "rows": rows}
+              "machine": cpu_name(), "python": platform.python_version(), "gamma": GAMMA, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / "results.md").write_text(_markdown(report))
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _markdown(report: dict) -> str:

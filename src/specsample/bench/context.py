@@ -213,7 +213,7 @@ def environment(bench: Bench) -> dict[str, Any]:
     """What the numbers were measured on."""
     model = bench.speculator.pair.target.model
     device = model.device
-    about: dict[str, Any] = {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    about: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
                              "torch": torch.__version__, "python": platform.python_version(),
                              "machine": platform.platform(), "device": str(device),
                              "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
@@ -224,7 +224,8 @@ def environment(bench: Bench) -> dict[str, Any]:
     return about
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
