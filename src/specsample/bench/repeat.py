@@ -1,14 +1,6 @@
 """The repeat suite: repetitive traffic, as a stream of requests through one long-lived engine per system.
 
-The workload is built from the bundled Spec-Bench questions (evaluation only: never train on them), N items of each
-of three kinds (N = --num-prompts, default all), interleaved kind by kind:
-
-- two-turn chats: a multi-turn question's first turn, then its second turn after the first reply (the second turn
-  asks to rewrite, extend or correct that reply);
-- extraction: a math word problem given with a JSON schema to fill (people, quantities, question); the schema is in
-  the prompt and decoding is unconstrained, as a peer decodes it;
-- reworded questions: a QA question asked as written, then twice more in other words, each wording a full pass over
-  the N questions later.
+The workload, built from the bundled Spec-Bench questions, is `bench/repeat_stream.py`'s.
 
 Every system (target-only, the hybrid with n-gram lookup, the hybrid with suffix drafting in request and in global
 scope, and the peers) keeps one engine for the whole stream at a temperature, so a shared cache warms as it would in
