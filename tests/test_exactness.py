@@ -67,7 +67,12 @@ def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive:
     config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH, coupled=coupled)
     if planner is None:
         planner = GammaController(gamma) if adaptive else FixedGamma(gamma)
-    engine = Engine(target, as_drafter(drafter), config, planner=planner)
+    return histogram(Engine(target, as_drafter(drafter), config, planner=planner), prompt, params)
+
+
+def histogram(engine: Engine, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """The first LENGTH tokens of SAMPLES rows of `prompt` decoded by `engine` in one batch (row i seeded 1000 + i),
+    as counts over the VOCAB ** LENGTH sequences."""
     ids = [engine.add_request(prompt, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
     out: dict[str, list[int]] = {i: [] for i in ids}
     for result in engine.stream():
@@ -228,20 +233,13 @@ def suffix_counts(target, drafter, suffix: SuffixDrafter) -> np.ndarray:
     alone may draft trees) by `drafter` (`suffix`, or wrapping it), after WRITTEN went into the shared cache
     (through slots the engine does not use): PROMPT is too short to match itself, so every draft comes from what
     other requests wrote, then from what the other rows commit."""
-    params = WARPS["temperature_1"]
     config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
-    engine = Engine(target, drafter, config, planner=TakesLookups(3))
+    engine = Engine(target, drafter, config, planner=TakesLookups(3))  # a new engine resets its drafter: fill after
     for slot, written in enumerate(WRITTEN, start=SAMPLES):
         suffix.add_rows([slot], [PROMPT])
         suffix.commit([slot], [list(written)])
         suffix.release_rows([slot])
-    ids = [engine.add_request(PROMPT, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
-    out: dict[str, list[int]] = {i: [] for i in ids}
-    for result in engine.stream():
-        for update in result.rows:
-            out[update.request_id].extend(update.new_tokens)
-    index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids]
-    return np.bincount(index, minlength=VOCAB**LENGTH)
+    return histogram(engine, PROMPT, WARPS["temperature_1"])
 
 
 def test_suffix_drafting_from_other_requests_is_exact(pair) -> None:
