@@ -243,10 +243,13 @@ def replayed(outputs):
     return type(outputs)(replayed(o) if o is not None else None for o in outputs)
 
 
-def consecutive_first(slots: Tensor) -> int | None:
-    """The first of `slots [b]` where they are consecutive and ascending (`first, first + 1, ..`), else None."""
+def view_first(slots: Tensor, device: torch.device) -> int | None:
+    """Where a step reads rows `slots [b]` as a view of the cache: the first slot where they are consecutive and
+    ascending (`first, first + 1, ..`); None where they are gathered (elsewhere, and always under CUDA graphs)."""
+    if device.type == "cuda":
+        return None
     first = int(slots[0])
-    return first if torch.equal(slots.cpu(), torch.arange(first, first + len(slots))) else None
+    return first if len(slots) == 1 or torch.equal(slots.cpu(), torch.arange(first, first + len(slots))) else None
 
 
 class CompiledDecode:
@@ -279,7 +282,8 @@ class CompiledDecode:
             calls += [(rows, n) for rows in ([0, 1], [0, 2]) for n in ((1, 2) if blocks else (1,))]
         with torch.inference_mode():
             for rows, n in calls:
-                if (len(rows) == 1, n == 1, consecutive_first(torch.tensor(rows)) is not None) in self.shapes:
+                shape = (len(rows) == 1, n == 1, view_first(torch.tensor(rows), self.model.device) is not None)
+                if shape in self.shapes:
                     continue  # compiled already
                 slots = torch.tensor(rows)
                 cache.lengths[slots] = 1
@@ -302,7 +306,7 @@ class CompiledDecode:
         batch, n = tokens.shape
         reading = read_positions(int(positions.max()) + n, cache, tokens.device)
         stores = mark_stores_dynamic(cache)
-        first = None if tokens.is_cuda else consecutive_first(slots) if batch > 1 else int(slots[0])
+        first = view_first(slots, tokens.device)
         shape = (batch == 1, n == 1, first is not None)
         if shape not in self.shapes:
             log.info("compiling the decode step for batch %s, %s%s (20-80 s on a small CPU; found in inductor's "
