@@ -624,7 +624,7 @@ def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any]
     layers = ", ".join(map(str, index["feature_layers"]))
     regen = plan.regeneration
     data = (f"{index['sequences']} conversations the target wrote itself (`--data regenerate`): the user turns of "
-            f"ShareGPT conversations 0..14,999 (up to {regen.turns} per conversation, {reader.replies():,} "
+            f"ShareGPT conversations 0..14,999 (up to {regen.turns} per conversation, {report['data']['prompts']:,} "
             f"answered in all), each reply sampled by `{target}` (weights `--quantize {plan.quantize}`) through "
             f"our engine at temperature {' or '.join(map(str, regen.temperatures))} (alternating by conversation), "
             f"up to {regen.max_new_tokens} tokens, under its chat template; the features recorded as it wrote them"
