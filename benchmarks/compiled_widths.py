@@ -69,27 +69,30 @@ def measure(model, context: int, contexts: tuple[int, ...], repeats: int) -> dic
     small_context = 60
     with torch.inference_mode():
         model.prefill(ids[:, :context], server, slot)
-        widths = {n: medians_ms(model, compiled, ids[:, context:context + n], server, slot, repeats) for n in WIDTHS}
+        widths = {n: medians_ms(model, compiled, ids[:, context : context + n], server, slot, repeats) for n in WIDTHS}
         by_context = {}
         for length in contexts:
             server.lengths[slot] = 0
             model.prefill(ids[:, :length], server, slot)
-            by_context[length] = {n: medians_ms(model, compiled, ids[:, length:length + n], server, slot, repeats)
-                                  for n in (1, 5)}
+            by_context[length] = {
+                n: medians_ms(model, compiled, ids[:, length : length + n], server, slot, repeats) for n in (1, 5)
+            }
         steps = {}
         for (rows, size), cache in allocated.items():
             row = torch.tensor([rows // 4])
             model.prefill(ids[:, :small_context], cache, row)
-            steps[f"{rows}x{size}"] = medians_ms(model, compiled, ids[:, small_context:small_context + 1], cache, row,
-                                                 repeats)
+            steps[f"{rows}x{size}"] = medians_ms(
+                model, compiled, ids[:, small_context : small_context + 1], cache, row, repeats
+            )
         batches = {}
         for length in sorted({context, max(contexts)}):
             for name, slots in BATCH_SLOTS.items():
                 rows = torch.tensor(slots)
                 server.reset(torch.arange(12))
                 model.prefill(ids[:, :length].expand(len(slots), length), server, rows)
-                batches[f"c={length}, {name}"] = medians_ms(model, compiled, ids[:, length:length + 1].expand(
-                    len(slots), 1), server, rows, repeats)
+                batches[f"c={length}, {name}"] = medians_ms(
+                    model, compiled, ids[:, length : length + 1].expand(len(slots), 1), server, rows, repeats
+                )
     return {"widths": widths, "contexts": by_context, "allocations": steps, "batches": batches}
 
 
@@ -97,8 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--context", type=int, default=100)
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
-                        help="comma-separated context lengths of the contexts table")
+    parser.add_argument(
+        "--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated context lengths of the contexts table"
+    )
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (at most the machine's)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/compiled/widths.json"))
@@ -111,38 +115,66 @@ def main() -> None:
     compile_s, warm_graphs = time.perf_counter() - start, compile_events.counts()[0] - graphs
     results = measure(model, args.context, contexts, args.repeats)
     recompiles = compile_events.counts()[0] - graphs - warm_graphs
-    report = {"command": "python benchmarks/compiled_widths.py " + shlex.join(sys.argv[1:]),
-              "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                         f"torch {torch.__version__}",
-              "context": args.context, "repeats": args.repeats, "compile_s": compile_s,
-              "warm_up_graphs": warm_graphs, "recompiles": recompiles, "ms_eager_compiled": results}
+    report = {
+        "command": "python benchmarks/compiled_widths.py " + shlex.join(sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+        "context": args.context,
+        "repeats": args.repeats,
+        "compile_s": compile_s,
+        "warm_up_graphs": warm_graphs,
+        "recompiles": recompiles,
+        "ms_eager_compiled": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
 
     def row(name: str, pairs: list[tuple[float, float]]) -> list[str]:
-        return [f"| {name} | " + " | ".join(f"{e:.1f}" for e, _ in pairs) + " |",
-                "| compiled | " + " | ".join(f"{c:.1f}" for _, c in pairs) + " |",
-                "| eager / compiled | " + " | ".join(f"{e / c:.2f}x" for e, c in pairs) + " |"]
+        return [
+            f"| {name} | " + " | ".join(f"{e:.1f}" for e, _ in pairs) + " |",
+            "| compiled | " + " | ".join(f"{c:.1f}" for _, c in pairs) + " |",
+            "| eager / compiled | " + " | ".join(f"{e / c:.2f}x" for e, c in pairs) + " |",
+        ]
 
-    lines = [f"Command: `{report['command']}`", "",
-             f"Machine: {report['machine']}; warm-up compiled {warm_graphs} graphs in {compile_s:.0f} s; "
-             f"{recompiles} graphs compiled after it.", "",
-             f"One row, {args.context} tokens cached in a cache of 12 x 8,192 positions, ms (median of "
-             f"{args.repeats}, eager and compiled alternating):", "",
-             "| | " + " | ".join(f"n={n}" for n in WIDTHS) + " |", "|---|" + "---|" * len(WIDTHS)]
+    lines = [
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {report['machine']}; warm-up compiled {warm_graphs} graphs in {compile_s:.0f} s; "
+        f"{recompiles} graphs compiled after it.",
+        "",
+        f"One row, {args.context} tokens cached in a cache of 12 x 8,192 positions, ms (median of "
+        f"{args.repeats}, eager and compiled alternating):",
+        "",
+        "| | " + " | ".join(f"n={n}" for n in WIDTHS) + " |",
+        "|---|" + "---|" * len(WIDTHS),
+    ]
     lines += row("eager", [results["widths"][n] for n in WIDTHS])
-    lines += ["", "One row after c tokens of context (same cache), one-token step and 5-token block, ms:", "",
-              "| | " + " | ".join(f"c={c}, n={n}" for c in contexts for n in (1, 5)) + " |",
-              "|---|" + "---|" * (2 * len(contexts))]
+    lines += [
+        "",
+        "One row after c tokens of context (same cache), one-token step and 5-token block, ms:",
+        "",
+        "| | " + " | ".join(f"c={c}, n={n}" for c in contexts for n in (1, 5)) + " |",
+        "|---|" + "---|" * (2 * len(contexts)),
+    ]
     lines += row("eager", [results["contexts"][c][n] for c in contexts for n in (1, 5)])
     keys = list(results["allocations"])
-    lines += ["", "One-token step, 60 tokens of context, by cache allocation (rows x positions), ms:", "",
-              "| | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines += [
+        "",
+        "One-token step, 60 tokens of context, by cache allocation (rows x positions), ms:",
+        "",
+        "| | " + " | ".join(keys) + " |",
+        "|---|" + "---|" * len(keys),
+    ]
     lines += row("eager", [results["allocations"][k] for k in keys])
     names = list(results["batches"])
-    lines += ["", "One-token step of 2 rows with c tokens of context each, in consecutive slots (4, 5: read as views) "
-                  "and apart (4, 9: gathered), ms:", "",
-              "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [
+        "",
+        "One-token step of 2 rows with c tokens of context each, in consecutive slots (4, 5: read as views) "
+        "and apart (4, 9: gathered), ms:",
+        "",
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
     lines += row("eager", [results["batches"][k] for k in names])
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

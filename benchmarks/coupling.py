@@ -72,11 +72,16 @@ def main() -> None:
         for name, (params, coupled, deterministic, _) in systems.items():
             model.set_deterministic(deterministic)
             planner = planners[name]
-            config = replace(speculator.spec_config(1), coupled=coupled, speculative=planner is not None,
-                             adaptive=isinstance(planner, GammaController))
+            config = replace(
+                speculator.spec_config(1),
+                coupled=coupled,
+                speculative=planner is not None,
+                adaptive=isinstance(planner, GammaController),
+            )
             start = time.perf_counter()
-            result = generate(model, [prompt], replace(params, seed=1000 + index), draft=drafter, config=config,
-                              planner=planner)
+            result = generate(
+                model, [prompt], replace(params, seed=1000 + index), draft=drafter, config=config, planner=planner
+            )
             seconds = time.perf_counter() - start
             stats = result.stats
             total = totals[name]
@@ -89,9 +94,15 @@ def main() -> None:
         print(f"prompt {index + 1}/{len(prompts)} done", file=sys.stderr)
     model.set_deterministic(False)
 
-    report = {name: {**t, "tokens_per_second": t["new_tokens"] / t["seconds"],
-                     "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
-                     "tokens_per_round": t["new_tokens"] / t["rounds"]} for name, t in totals.items()}
+    report = {
+        name: {
+            **t,
+            "tokens_per_second": t["new_tokens"] / t["seconds"],
+            "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
+            "tokens_per_round": t["new_tokens"] / t["rounds"],
+        }
+        for name, t in totals.items()
+    }
 
     def differing(a: str, b: str) -> int:
         return sum(x != y for x, y in zip(outputs[a], outputs[b]))
@@ -99,9 +110,13 @@ def main() -> None:
     results = {
         "command": shlex.join(["python", *sys.argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads, load average before {load_before[0]:.1f}",
-        "target": speculator.options.target, "draft": speculator.draft_spec, "dtype": str(model.dtype),
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        f"{torch.get_num_threads()} threads, load average before {load_before[0]:.1f}",
+        "target": speculator.options.target,
+        "draft": speculator.draft_spec,
+        "dtype": str(model.dtype),
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
         "systems": report,
         "greedy_prompts_differing_from_plain": {
             "default": differing("greedy, gamma auto", "greedy plain"),

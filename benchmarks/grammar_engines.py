@@ -26,15 +26,23 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0},
         "email": {"type": "string"},
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+        },
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "email", "tags", "address", "active"],
 }
-DOCUMENT = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org",
-            "tags": ["mathematics", "analytical engine", "notes"],
-            "address": {"city": "London", "zip": "W1 1AA"}, "active": True}
+DOCUMENT = {
+    "name": "Ada Lovelace",
+    "age": 36,
+    "email": "ada@example.org",
+    "tags": ["mathematics", "analytical engine", "notes"],
+    "address": {"city": "London", "zip": "W1 1AA"},
+    "active": True,
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -87,8 +95,12 @@ def llguidance_engine(hf, schema: str | None):
     llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)  # llguidance compiles lazily: count the first mask
     matcher.reset()
     compile_s = time.perf_counter() - started
-    return (compile_s, lambda: llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0), matcher.consume_token,
-            matcher.reset)
+    return (
+        compile_s,
+        lambda: llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0),
+        matcher.consume_token,
+        matcher.reset,
+    )
 
 
 def outlines_engine(hf, schema: str | None):
@@ -143,7 +155,9 @@ def measure(hf, repeats: int) -> dict:
                 "mask_us_median": round(1e6 * statistics.median(ordered), 1),
                 "mask_us_p90": round(1e6 * ordered[int(0.9 * (len(ordered) - 1))], 1),
                 "accept_us_median": round(1e6 * statistics.median(accepts[name]), 1),
-                "tokens": len(document), "repeats": repeats}
+                "tokens": len(document),
+                "repeats": repeats,
+            }
     return results
 
 
@@ -165,8 +179,14 @@ def main() -> None:
         from importlib.metadata import version
 
         versions[module] = version(module.replace("_", "-"))
-    report = {"target": args.target, "vocab": len(hf), "machine": platform.processor() or platform.machine(),
-              "cpus": torch.get_num_threads(), "versions": versions, "results": results}
+    report = {
+        "target": args.target,
+        "vocab": len(hf),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": torch.get_num_threads(),
+        "versions": versions,
+        "results": results,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grammar_engines.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -36,11 +36,13 @@ class Timed:
     def __getattr__(self, name):
         attribute = getattr(self.model, name)
         if name.startswith(("forward_cached", "prefill")):
+
             def timed(*args, **kwargs):
                 start = time.perf_counter()
                 out = attribute(*args, **kwargs)
                 self.spent.append(time.perf_counter() - start)
                 return out
+
             return timed
         return attribute
 
@@ -50,11 +52,13 @@ def non_model_ms(batch: int, temperature: float, tree: TreeShape | None, rounds:
     spent: list[float] = []
     target = Timed(tiny_lm(VOCAB, seed=1, init_scale=0.1), spent)
     draft = ModelDrafter(Timed(tiny_lm(VOCAB, seed=2, init_scale=0.1, num_layers=1), spent))
-    engine = Engine(target, draft, SpecConfig(max_batch_size=batch, max_seq_len=rounds * 20 + 40),
-                    planner=FixedGamma(3, tree))
+    engine = Engine(
+        target, draft, SpecConfig(max_batch_size=batch, max_seq_len=rounds * 20 + 40), planner=FixedGamma(3, tree)
+    )
     for row in range(batch):
-        engine.add_request([1 + row, 2, 3, 4], SamplingParams(temperature=temperature, max_new_tokens=rounds * 17,
-                                                               seed=seed + row))
+        engine.add_request(
+            [1 + row, 2, 3, 4], SamplingParams(temperature=temperature, max_new_tokens=rounds * 17, seed=seed + row)
+        )
     engine.step()  # admission and the first round
     times = []
     for _ in range(rounds):
@@ -83,8 +87,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{key:40s} {value:7.3f} ms per round outside the models")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                                        "command": " ".join(["python", *sys.argv]), "non_model_ms": table}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "machine": platform.processor() or platform.machine(),
+                    "torch": torch.__version__,
+                    "command": " ".join(["python", *sys.argv]),
+                    "non_model_ms": table,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

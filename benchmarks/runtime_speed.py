@@ -139,8 +139,9 @@ def hf_ms_per_token(model, prompt_ids: list[int], new_tokens: int) -> float:
     return 1000 * elapsed / new_tokens
 
 
-def time_widths(models: dict[str, torch.nn.Module], repeats: int,
-                context: int = 128) -> dict[str, dict[str, dict[int, float]]]:
+def time_widths(
+    models: dict[str, torch.nn.Module], repeats: int, context: int = 128
+) -> dict[str, dict[str, dict[int, float]]]:
     """Milliseconds of one row's cached forward over n new tokens after `context` cached: model -> statistic
     ('median', and 'min': the least disturbed repeat, on a machine shared with other work) -> n."""
     tokens = torch.randint(0, 49152, (1, context + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
@@ -155,13 +156,18 @@ def time_widths(models: dict[str, torch.nn.Module], repeats: int,
             for name, model in models.items():
                 sync(model.device)
                 start = time.perf_counter()
-                model.forward_cached(tokens[:, context:context + n], caches[name], slot)
+                model.forward_cached(tokens[:, context : context + n], caches[name], slot)
                 sync(model.device)
                 if rep:
                     times[(name, n)].append(time.perf_counter() - start)
                 caches[name].truncate(slot, torch.tensor([context]))
-    return {name: {stat: {n: 1e3 * fn(times[(name, n)]) for n in WIDTHS}
-                   for stat, fn in (("median", statistics.median), ("min", min))} for name in models}
+    return {
+        name: {
+            stat: {n: 1e3 * fn(times[(name, n)]) for n in WIDTHS}
+            for stat, fn in (("median", statistics.median), ("min", min))
+        }
+        for name in models
+    }
 
 
 def bench_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -171,7 +177,7 @@ def bench_prompts(tokenizer, count: int) -> list[list[int]]:
         by_category.setdefault(prompt.category, []).append(prompt)
     chosen, rank = [], 0
     while len(chosen) < count:
-        chosen += [group[rank] for group in by_category.values() if rank < len(group)][:count - len(chosen)]
+        chosen += [group[rank] for group in by_category.values() if rank < len(group)][: count - len(chosen)]
         rank += 1
     return [tokenizer.encode(p.turns[0], chat=True) for p in chosen]
 
@@ -200,11 +206,17 @@ def accuracy(model, prompts: list[list[int]], new_tokens: int) -> dict:
             a, b = greedy_tokens(model, prompt, new_tokens), greedy_tokens(reference, prompt, new_tokens)
             diverged = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
             continuations.append(diverged)
-    return {"prompts": len(prompts), "positions": positions, "max_abs_logit_diff": worst, "max_abs_logit": scale,
-            "max_abs_logit_diff_bf16": worst_bf16,
-            "argmax_agreement": argmax_agree / positions, "new_tokens": new_tokens,
-            "identical_continuations": sum(d is None for d in continuations),
-            "first_divergence": continuations}
+    return {
+        "prompts": len(prompts),
+        "positions": positions,
+        "max_abs_logit_diff": worst,
+        "max_abs_logit": scale,
+        "max_abs_logit_diff_bf16": worst_bf16,
+        "argmax_agreement": argmax_agree / positions,
+        "new_tokens": new_tokens,
+        "identical_continuations": sum(d is None for d in continuations),
+        "first_divergence": continuations,
+    }
 
 
 def self_draft(spec: str, prompts: list[list[int]], new_tokens: int, gamma: int) -> dict:
@@ -213,8 +225,14 @@ def self_draft(spec: str, prompts: list[list[int]], new_tokens: int, gamma: int)
     drafter = load_drafter("self:int4", target, dtype=torch.bfloat16)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
     config = SpecConfig()
-    generate(target.model, [prompts[0]], SamplingParams(temperature=0, max_new_tokens=8), drafter, config,
-             planner=FixedGamma(gamma))  # warm-up
+    generate(
+        target.model,
+        [prompts[0]],
+        SamplingParams(temperature=0, max_new_tokens=8),
+        drafter,
+        config,
+        planner=FixedGamma(gamma),
+    )  # warm-up
     plain_s, spec_s, drafted, accepted, same = 0.0, 0.0, 0, 0, 0
     for prompt in prompts:
         start = time.perf_counter()
@@ -225,10 +243,16 @@ def self_draft(spec: str, prompts: list[list[int]], new_tokens: int, gamma: int)
         spec_s += time.perf_counter() - start
         drafted, accepted = drafted + spec.stats["drafted"], accepted + spec.stats["accepted"]
         same += int(plain.completions[0].token_ids == spec.completions[0].token_ids)
-    return {"gamma": gamma, "prompts": len(prompts), "new_tokens": new_tokens, "acceptance_rate": accepted / drafted,
-            "plain_ms_per_token": 1e3 * plain_s / (new_tokens * len(prompts)),
-            "speculative_ms_per_token": 1e3 * spec_s / (new_tokens * len(prompts)), "speedup": plain_s / spec_s,
-            "identical_outputs": same}
+    return {
+        "gamma": gamma,
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "acceptance_rate": accepted / drafted,
+        "plain_ms_per_token": 1e3 * plain_s / (new_tokens * len(prompts)),
+        "speculative_ms_per_token": 1e3 * spec_s / (new_tokens * len(prompts)),
+        "speedup": plain_s / spec_s,
+        "identical_outputs": same,
+    }
 
 
 def _rss_bytes() -> int:
@@ -260,8 +284,12 @@ def _resident(spec: str, quantize: str, dtype: str, prompt: list[int], new_token
     tensors = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     c = model.config
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * (len(prompt) + new_tokens) * model.dtype.itemsize
-    return {"after_load": loaded - base, "after_decode": decoded - base, "tensors": sum(tensors.values()),
-            "kv_cache": kv}
+    return {
+        "after_load": loaded - base,
+        "after_decode": decoded - base,
+        "tensors": sum(tensors.values()),
+        "kv_cache": kv,
+    }
 
 
 def resident_memory(spec: str, systems: dict[str, tuple[str, str]], prompt: list[int], new_tokens: int) -> dict:
@@ -278,39 +306,58 @@ def quantized_report(report: dict) -> list[str]:
     """Markdown for the quantized parts of `report`."""
     lines = []
     if "widths" in report:
-        lines += ["", "One row's cached forward over n new tokens (128 cached), ms (median, and the least disturbed "
-                      "repeat); in brackets over n = 1:", "",
-                  "| weights | statistic | " + " | ".join(f"n={n}" for n in WIDTHS) + " |",
-                  "|---|---|" + "---|" * len(WIDTHS)]
+        lines += [
+            "",
+            "One row's cached forward over n new tokens (128 cached), ms (median, and the least disturbed "
+            "repeat); in brackets over n = 1:",
+            "",
+            "| weights | statistic | " + " | ".join(f"n={n}" for n in WIDTHS) + " |",
+            "|---|---|" + "---|" * len(WIDTHS),
+        ]
         for name, by_stat in report["widths"].items():
             for stat, by_n in by_stat.items():
-                lines.append(f"| {name} | {stat} | " +
-                             " | ".join(f"{by_n[n]:.1f} ({by_n[n] / by_n[1]:.2f}x)" for n in WIDTHS) + " |")
+                lines.append(
+                    f"| {name} | {stat} | "
+                    + " | ".join(f"{by_n[n]:.1f} ({by_n[n] / by_n[1]:.2f}x)" for n in WIDTHS)
+                    + " |"
+                )
     for name, acc in report.get("accuracy", {}).items():
-        lines += ["", f"Accuracy of {name} against its dequantized float32 copy: {acc['prompts']} prompts, "
-                      f"{acc['positions']} positions; max |logit difference| {acc['max_abs_logit_diff']:.3f} "
-                      f"(largest |logit| {acc['max_abs_logit']:.1f}; against a dequantized bfloat16 copy "
-                      f"{acc['max_abs_logit_diff_bf16']:.3f}); argmax agrees at "
-                      f"{100 * acc['argmax_agreement']:.1f}% of positions; greedy {acc['new_tokens']} tokens: "
-                      f"{acc['identical_continuations']}/{acc['prompts']} identical, first divergences at "
-                      f"{[d for d in acc['first_divergence'] if d is not None]}."]
+        lines += [
+            "",
+            f"Accuracy of {name} against its dequantized float32 copy: {acc['prompts']} prompts, "
+            f"{acc['positions']} positions; max |logit difference| {acc['max_abs_logit_diff']:.3f} "
+            f"(largest |logit| {acc['max_abs_logit']:.1f}; against a dequantized bfloat16 copy "
+            f"{acc['max_abs_logit_diff_bf16']:.3f}); argmax agrees at "
+            f"{100 * acc['argmax_agreement']:.1f}% of positions; greedy {acc['new_tokens']} tokens: "
+            f"{acc['identical_continuations']}/{acc['prompts']} identical, first divergences at "
+            f"{[d for d in acc['first_divergence'] if d is not None]}.",
+        ]
     if "self_draft" in report:
         sd = report["self_draft"]
-        lines += ["", f"Self-draft (`--draft self:int4`) on the bfloat16 target, T 0, gamma {sd['gamma']}, "
-                      f"{sd['prompts']} prompts x {sd['new_tokens']} tokens: acceptance {sd['acceptance_rate']:.3f}, "
-                      f"{sd['speculative_ms_per_token']:.1f} vs plain {sd['plain_ms_per_token']:.1f} ms/token: "
-                      f"**{sd['speedup']:.2f}x**; outputs identical to plain decoding on {sd['identical_outputs']}/"
-                      f"{sd['prompts']}."]
+        lines += [
+            "",
+            f"Self-draft (`--draft self:int4`) on the bfloat16 target, T 0, gamma {sd['gamma']}, "
+            f"{sd['prompts']} prompts x {sd['new_tokens']} tokens: acceptance {sd['acceptance_rate']:.3f}, "
+            f"{sd['speculative_ms_per_token']:.1f} vs plain {sd['plain_ms_per_token']:.1f} ms/token: "
+            f"**{sd['speedup']:.2f}x**; outputs identical to plain decoding on {sd['identical_outputs']}/"
+            f"{sd['prompts']}.",
+        ]
     if "memory" in report:
         memory = report["memory"]
         gguf = memory["gguf_bytes"]
-        lines += ["", f"Resident memory a model adds to a fresh process, MB (GGUF file {gguf / 1e6:.0f} MB):", "",
-                  "| weights | tensors held | after load | after decoding | KV cache | after decoding / (GGUF + KV) |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Resident memory a model adds to a fresh process, MB (GGUF file {gguf / 1e6:.0f} MB):",
+            "",
+            "| weights | tensors held | after load | after decoding | KV cache | after decoding / (GGUF + KV) |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, m in memory.items():
             if name != "gguf_bytes":
-                lines.append(f"| {name} | {m['tensors'] / 1e6:.0f} | {m['after_load'] / 1e6:.0f} | {m['after_decode'] / 1e6:.0f} | "
-                             f"{m['kv_cache'] / 1e6:.1f} | {m['after_decode'] / (gguf + m['kv_cache']):.2f} |")
+                lines.append(
+                    f"| {name} | {m['tensors'] / 1e6:.0f} | {m['after_load'] / 1e6:.0f} | {m['after_decode'] / 1e6:.0f} | "
+                    f"{m['kv_cache'] / 1e6:.1f} | {m['after_decode'] / (gguf + m['kv_cache']):.2f} |"
+                )
     return lines
 
 
@@ -320,13 +367,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("docs/results/runtime_speed.json"))
-    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time our runtime with compile_decode (default on)")
+    parser.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time our runtime with compile_decode (default on)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
-    parser.add_argument("--weights", default=None,
-                        help="comma-separated quantized systems of ours (CPU only): int8, int4 (the GGUF's codes); "
-                             "default int8,int4 on a CPU, none elsewhere")
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="comma-separated quantized systems of ours (CPU only): int8, int4 (the GGUF's codes); "
+        "default int8,int4 on a CPU, none elsewhere",
+    )
     parser.add_argument("--parts", default="", help=f"comma-separated extra measurements: {', '.join(PARTS)}")
     parser.add_argument("--prompts", type=int, default=8, help="Spec-Bench prompts of accuracy and self-draft")
     parser.add_argument("--accuracy-tokens", type=int, default=32, help="greedy tokens compared per prompt")
@@ -362,8 +416,11 @@ def main() -> None:
             start = time.perf_counter()
             compiled = load_model(args.model, dtype=dtype, device=device, compile_decode=True)
             compile_s[f"ours compiled {name}"] = time.perf_counter() - start  # load + one-time compile
-            systems[f"ours compiled {name}"] = (ours_ms_per_token, compiled.model,
-                                                weight_bytes_per_token(compiled.model))
+            systems[f"ours compiled {name}"] = (
+                ours_ms_per_token,
+                compiled.model,
+                weight_bytes_per_token(compiled.model),
+            )
         systems[f"transformers {name}"] = (hf_ms_per_token, hf, weight_bytes_per_token(hf))
     quantized = {}
     for w in weights:
@@ -387,14 +444,27 @@ def main() -> None:
     for name, (_, _, nbytes) in systems.items():
         ms = statistics.median(times[name])
         floor_ms, read_floor_ms = 1000 * nbytes / bandwidth, 1000 * nbytes / read_bw
-        rows.append({"system": name, "ms_per_token": ms, "tokens_per_s": 1000 / ms, "weight_mb": nbytes / 1e6,
-                     "effective_gb_s": nbytes / ms / 1e6,
-                     "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "read_bandwidth_ms": read_floor_ms,
-                     "ratio_to_read_bandwidth": ms / read_floor_ms, "all_ms": times[name],
-                     "load_and_compile_s": compile_s.get(name)})
+        rows.append(
+            {
+                "system": name,
+                "ms_per_token": ms,
+                "tokens_per_s": 1000 / ms,
+                "weight_mb": nbytes / 1e6,
+                "effective_gb_s": nbytes / ms / 1e6,
+                "floor_ms": floor_ms,
+                "ratio_to_floor": ms / floor_ms,
+                "read_bandwidth_ms": read_floor_ms,
+                "ratio_to_read_bandwidth": ms / read_floor_ms,
+                "all_ms": times[name],
+                "load_and_compile_s": compile_s.get(name),
+            }
+        )
     extra: dict = {}
-    float_models = {name: model for name, (_, model, _) in systems.items()
-                    if name.startswith("ours ") and "compiled" not in name and name not in quantized}
+    float_models = {
+        name: model
+        for name, (_, model, _) in systems.items()
+        if name.startswith("ours ") and "compiled" not in name and name not in quantized
+    }
     if "widths" in parts:
         extra["widths"] = time_widths({**float_models, **quantized}, args.widths_repeats)
     prompts = bench_prompts(tokenizer, args.prompts) if set(parts) - {"widths"} else []
@@ -403,8 +473,12 @@ def main() -> None:
     if "self-draft" in parts:
         extra["self_draft"] = self_draft(args.model, prompts, args.new_tokens, args.gamma)
     if "memory" in parts:
-        extra["memory"] = resident_memory(args.model, {"int4 (GGUF)": ("auto", "auto"), "int8": ("int8", "auto"),
-                                                       "bfloat16": ("none", "bfloat16")}, prompts[0], args.new_tokens)
+        extra["memory"] = resident_memory(
+            args.model,
+            {"int4 (GGUF)": ("auto", "auto"), "int8": ("int8", "auto"), "bfloat16": ("none", "bfloat16")},
+            prompts[0],
+            args.new_tokens,
+        )
     ratios = {}
     for dtype in (str(d).removeprefix("torch.") for d in dtypes):
         theirs = statistics.median(times[f"transformers {dtype}"])
@@ -413,31 +487,45 @@ def main() -> None:
                 ratios[ours] = theirs / statistics.median(times[ours])
     report = {
         "command": shlex.join(["python", *sys.argv]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "copy_bandwidth_gb_s": bandwidth / 1e9,
-                    "read_bandwidth_gb_s": read_bw / 1e9, "load_average_before": load_before,
-                    "load_average_after": os.getloadavg()[0]},
-        "prompt_tokens": len(prompt_ids), "new_tokens": args.new_tokens, "rows": rows,
-        "speedup_vs_transformers": ratios, **extra,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "read_bandwidth_gb_s": read_bw / 1e9,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0],
+        },
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": args.new_tokens,
+        "rows": rows,
+        "speedup_vs_transformers": ratios,
+        **extra,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    lines = [f"Command: `{report['command']}`", "",
-             f"Machine: {report['machine']['device']} ({report['machine']['cpu']}, "
-             f"{report['machine']['threads']} threads), torch "
-             f"{report['machine']['torch']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth "
-             f"{read_bw / 1e9:.1f} GB/s (medians of {args.repeats}); load average {load_before:.1f} before, "
-             f"{report['machine']['load_average_after']:.1f} after; prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.", "",
-             "| system | ms/token (median) | tokens/s | weights read/token MB | effective GB/s | floor ms (copy) "
-             "| ratio to floor | at read bandwidth ms | ratio to that | load + compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {report['machine']['device']} ({report['machine']['cpu']}, "
+        f"{report['machine']['threads']} threads), torch "
+        f"{report['machine']['torch']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth "
+        f"{read_bw / 1e9:.1f} GB/s (medians of {args.repeats}); load average {load_before:.1f} before, "
+        f"{report['machine']['load_average_after']:.1f} after; prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.",
+        "",
+        "| system | ms/token (median) | tokens/s | weights read/token MB | effective GB/s | floor ms (copy) "
+        "| ratio to floor | at read bandwidth ms | ratio to that | load + compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['system']} | {r['ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {r['weight_mb']:.0f} | "
-                     f"{r['effective_gb_s']:.1f} | "
-                     f"{r['floor_ms']:.1f} | {r['ratio_to_floor']:.2f} | {r['read_bandwidth_ms']:.1f} | "
-                     f"{r['ratio_to_read_bandwidth']:.2f} | "
-                     f"{'' if r['load_and_compile_s'] is None else round(r['load_and_compile_s'])} |")
+        lines.append(
+            f"| {r['system']} | {r['ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {r['weight_mb']:.0f} | "
+            f"{r['effective_gb_s']:.1f} | "
+            f"{r['floor_ms']:.1f} | {r['ratio_to_floor']:.2f} | {r['read_bandwidth_ms']:.1f} | "
+            f"{r['ratio_to_read_bandwidth']:.2f} | "
+            f"{'' if r['load_and_compile_s'] is None else round(r['load_and_compile_s'])} |"
+        )
     lines.append("")
     for name, ratio in ratios.items():
         lines.append(f"{name}: **{ratio:.2f}x** transformers `generate()` on the same weights and dtype.  ")

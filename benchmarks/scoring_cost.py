@@ -23,12 +23,38 @@ import torch
 from specsample.models.llama import LlamaConfig, LlamaModel
 
 SHAPES = {
-    "llama-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                            num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rope_theta=500000.0),
-    "llama-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                            num_kv_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0),
-    "tiny": LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
-                        num_kv_heads=2, head_dim=64, max_position_embeddings=2048),
+    "llama-8b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "llama-1b": LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    ),
+    "tiny": LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+    ),
 }
 
 
@@ -81,11 +107,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-        args.out.write_text(json.dumps({"shape": args.shape, "device": device_name, "dtype": args.dtype,
-                                        "torch": torch.__version__, "context": args.context,
-                                        "command": " ".join(["python", *sys.argv]),
-                                        "ms": {str(n): v for n, v in ms.items()},
-                                        "over_one": {str(n): v / ms[counts[0]] for n, v in ms.items()}}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "shape": args.shape,
+                    "device": device_name,
+                    "dtype": args.dtype,
+                    "torch": torch.__version__,
+                    "context": args.context,
+                    "command": " ".join(["python", *sys.argv]),
+                    "ms": {str(n): v for n, v in ms.items()},
+                    "over_one": {str(n): v / ms[counts[0]] for n, v in ms.items()},
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

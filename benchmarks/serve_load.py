@@ -28,8 +28,20 @@ from specsample.metrics import percentile
 
 
 def start_server(model: str, draft: str | None, port: int, max_batch: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "specsample.cli", "serve", "--model", model, "--port", str(port),
-               "--max-batch-size", str(max_batch), "--max-model-len", "1024"]
+    command = [
+        sys.executable,
+        "-m",
+        "specsample.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(max_batch),
+        "--max-model-len",
+        "1024",
+    ]
     if draft:
         command += ["--speculative-model", draft]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -47,9 +59,14 @@ def start_server(model: str, draft: str | None, port: int, max_batch: int) -> su
 async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> dict:
     sent = time.perf_counter()
     stamps = []
-    stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                  max_tokens=max_tokens, temperature=0.7, stream=True,
-                                                  stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.7,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     tokens = 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -73,10 +90,17 @@ async def run_rate(port: int, model: str, prompts: list[str], rate: float, max_t
     wall = max(r["done"] for r in results) - started
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
-    return {"rate": rate, "requests": len(results), "tokens": sum(r["tokens"] for r in results), "wall_s": wall,
-            "throughput_tok_s": sum(r["tokens"] for r in results) / wall,
-            "ttft_p50_ms": 1000 * percentile(ttfts, 50), "ttft_p99_ms": 1000 * percentile(ttfts, 99),
-            "tpot_p50_ms": 1000 * percentile(tpots, 50), "tpot_p99_ms": 1000 * percentile(tpots, 99)}
+    return {
+        "rate": rate,
+        "requests": len(results),
+        "tokens": sum(r["tokens"] for r in results),
+        "wall_s": wall,
+        "throughput_tok_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+        "tpot_p50_ms": 1000 * percentile(tpots, 50),
+        "tpot_p99_ms": 1000 * percentile(tpots, 99),
+    }
 
 
 def main() -> None:
@@ -92,14 +116,18 @@ def main() -> None:
 
     prompts = [p.turns[0][:1500] for p in sharegpt_prompts(skip=16500, limit=args.requests)]
     rates = [float(r) for r in args.rates.split(",")]
-    servers = {"speculative": start_server(args.model, args.draft, 8101, args.max_batch_size),
-               "plain": start_server(args.model, "none", 8102, args.max_batch_size)}
+    servers = {
+        "speculative": start_server(args.model, args.draft, 8101, args.max_batch_size),
+        "plain": start_server(args.model, "none", 8102, args.max_batch_size),
+    }
     ports = {"speculative": 8101, "plain": 8102}
     rows = []
     try:
         for rate in rates:
             for mode in ("speculative", "plain"):
-                row = asyncio.run(run_rate(ports[mode], args.model, prompts, rate, args.max_tokens, seed=int(rate * 1000)))
+                row = asyncio.run(
+                    run_rate(ports[mode], args.model, prompts, rate, args.max_tokens, seed=int(rate * 1000))
+                )
                 row["mode"] = mode
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -107,22 +135,37 @@ def main() -> None:
         for process in servers.values():
             process.terminate()
             process.wait(timeout=30)
-    pays = [r for r in rates
-            if next(x for x in rows if x["rate"] == r and x["mode"] == "speculative")["tpot_p50_ms"]
-            < next(x for x in rows if x["rate"] == r and x["mode"] == "plain")["tpot_p50_ms"]]
+    pays = [
+        r
+        for r in rates
+        if next(x for x in rows if x["rate"] == r and x["mode"] == "speculative")["tpot_p50_ms"]
+        < next(x for x in rows if x["rate"] == r and x["mode"] == "plain")["tpot_p50_ms"]
+    ]
     stops_paying = next((r for r in rates if r not in pays), None)
-    report = {"command": shlex.join(["python", *sys.argv]),
-              "cpu_count": os.cpu_count(), "rows": rows, "speculation_stops_paying_at_rate": stops_paying}
+    report = {
+        "command": shlex.join(["python", *sys.argv]),
+        "cpu_count": os.cpu_count(),
+        "rows": rows,
+        "speculation_stops_paying_at_rate": stops_paying,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    lines = [f"Command: `{report['command']}`", "",
-             "| rate (req/s) | mode | throughput tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{report['command']}`",
+        "",
+        "| rate (req/s) | mode | throughput tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['rate']} | {r['mode']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
-                     f"{r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} |")
-    lines += ["", f"Speculation stops paying (TPOT p50 no better than plain) at: "
-              f"{stops_paying if stops_paying is not None else 'never, in the rates tried'} req/s"]
+        lines.append(
+            f"| {r['rate']} | {r['mode']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Speculation stops paying (TPOT p50 no better than plain) at: "
+        f"{stops_paying if stops_paying is not None else 'never, in the rates tried'} req/s",
+    ]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(rows, rates, args.out.with_suffix(".png"))
     print("\n".join(lines))

@@ -59,10 +59,14 @@ def start_up(serve_args: list[str], cache: Path, timeout: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--serve-args", default="", help="further `specsample serve` arguments (default: none, the "
-                                                         "default model, draft and batch size)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="compiled artefacts (default: a new temporary "
-                                                                     "folder)")
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="further `specsample serve` arguments (default: none, the default model, draft and batch size)",
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="compiled artefacts (default: a new temporary folder)"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=Path("docs/results/compiled/startup.json"))
     args = parser.parse_args()
@@ -74,10 +78,12 @@ def main() -> None:
         print(f"{name}: /health after {runs[name]['seconds']:.0f} s", flush=True)
     import torch
 
-    report = {"command": "python benchmarks/serve_startup.py " + shlex.join(sys.argv[1:]),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                         f"torch {torch.__version__}",
-              "serve_args": serve_args, "runs": runs}
+    report = {
+        "command": "python benchmarks/serve_startup.py " + shlex.join(sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "serve_args": serve_args,
+        "runs": runs,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
 

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from specsample.bench.context import cpu_name
+from specsample.config import SamplingParams
 from specsample.datasets import sharegpt_prompts
 from specsample.drafters.base import DraftRequest, DraftRow
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SHARED_TOKENS, SuffixDrafter
-from specsample.config import SamplingParams
 
 SKIP = 16000  # ShareGPT conversations skipped: the benchmark reads past the range distillation does (as bench does)
 GAMMA = 8  # the most a round drafts (gamma auto's default bound)
@@ -41,8 +41,9 @@ def conversations(tokenizer, count: int, skip: int) -> list[tuple[list[int], lis
     out = []
     for prompt in sharegpt_prompts(skip=skip, limit=count * 2):
         if prompt.replies and len(out) < count:
-            out.append((tokenizer.encode(prompt.turns[0], chat=True)[-1024:],
-                        tokenizer.encode(prompt.replies[0])[:512]))
+            out.append(
+                (tokenizer.encode(prompt.turns[0], chat=True)[-1024:], tokenizer.encode(prompt.replies[0])[:512])
+            )
     return out
 
 
@@ -71,7 +72,7 @@ def decode(drafter, slot: int, prompt: list[int], reply: list[int]) -> tuple[lis
         accepted = 0
         while accepted < len(drafted) and drafted[accepted] == reply[done + accepted]:
             accepted += 1
-        new = reply[done:done + accepted + 1]
+        new = reply[done : done + accepted + 1]
         started = time.perf_counter()
         drafter.commit([slot], [new])
         per_token.append((time.perf_counter() - started) / len(new))
@@ -109,7 +110,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_folder(alias_folder("smollm2-135m-instruct"))
     fills = [int(f) for f in args.fills.split(",")]
     texts = conversations(tokenizer, 400 + args.requests, SKIP)
-    measured, held = texts[:args.requests], texts[args.requests:]
+    measured, held = texts[: args.requests], texts[args.requests :]
     rows = []
     for size in fills:
         suffix = SuffixDrafter(capacity=max(size, SHARED_TOKENS))
@@ -127,36 +128,58 @@ def main() -> None:
                 rounds, per_token = decode(drafter, 1, prompt, reply)
                 timings[name][0].extend(rounds)
                 timings[name][1].extend(per_token)
-        row = {"fill_tokens": stats.tokens, "fill_requests": used, "bytes_estimated": stats.bytes,
-               "bytes_traced": traced, "drafts": dict(suffix.proposed)}
+        row = {
+            "fill_tokens": stats.tokens,
+            "fill_requests": used,
+            "bytes_estimated": stats.bytes,
+            "bytes_traced": traced,
+            "drafts": dict(suffix.proposed),
+        }
         for name, (rounds, per_token) in timings.items():
-            row[name] = {"round_us_p50": micros(rounds, 0.5), "round_us_p90": micros(rounds, 0.9),
-                         "index_us_per_token": 1e6 * statistics.mean(per_token), "rounds": len(rounds)}
+            row[name] = {
+                "round_us_p50": micros(rounds, 0.5),
+                "round_us_p90": micros(rounds, 0.9),
+                "index_us_per_token": 1e6 * statistics.mean(per_token),
+                "rounds": len(rounds),
+            }
         rows.append(row)
         print(json.dumps(row))
-    report = {"command": "python benchmarks/suffix_cost.py " + " ".join(
-                  f"--{k} {v}" for k, v in (("fills", args.fills), ("requests", args.requests), ("out", args.out))),
-              "machine": cpu_name(), "python": platform.python_version(), "gamma": GAMMA, "rows": rows}
+    report = {
+        "command": "python benchmarks/suffix_cost.py "
+        + " ".join(f"--{k} {v}" for k, v in (("fills", args.fills), ("requests", args.requests), ("out", args.out))),
+        "machine": cpu_name(),
+        "python": platform.python_version(),
+        "gamma": GAMMA,
+        "rows": rows,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     (args.out / "results.md").write_text(_markdown(report))
 
 
 def _markdown(report: dict) -> str:
-    lines = ["# Suffix drafting: cost per round and memory", "", f"`{report['command']}`", "",
-             f"Machine: {report['machine']}, Python {report['python']}. One row; a round asks what the lookup offers "
-             f"(up to {report['gamma']} tokens) and has it proposed; ShareGPT replies fill the shared cache and are "
-             "decoded.", "",
-             "| shared cache | suffix round µs p50 / p90 | n-gram round µs p50 / p90 | suffix indexing µs/token | "
-             "n-gram indexing µs/token | memory (estimate / traced) | drafts from the shared cache |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Suffix drafting: cost per round and memory",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"Machine: {report['machine']}, Python {report['python']}. One row; a round asks what the lookup offers "
+        f"(up to {report['gamma']} tokens) and has it proposed; ShareGPT replies fill the shared cache and are "
+        "decoded.",
+        "",
+        "| shared cache | suffix round µs p50 / p90 | n-gram round µs p50 / p90 | suffix indexing µs/token | "
+        "n-gram indexing µs/token | memory (estimate / traced) | drafts from the shared cache |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in report["rows"]:
         s, n = row["suffix"], row["ngram"]
         shared = row["drafts"]["shared"] / max(row["drafts"]["shared"] + row["drafts"]["own"], 1)
-        lines.append(f"| {row['fill_tokens']} tokens ({row['fill_requests']} requests) | {s['round_us_p50']:.0f} / "
-                     f"{s['round_us_p90']:.0f} | {n['round_us_p50']:.0f} / {n['round_us_p90']:.0f} | "
-                     f"{s['index_us_per_token']:.1f} | {n['index_us_per_token']:.1f} | "
-                     f"{row['bytes_estimated'] / 2**20:.1f} / {row['bytes_traced'] / 2**20:.1f} MiB | {shared:.0%} |")
+        lines.append(
+            f"| {row['fill_tokens']} tokens ({row['fill_requests']} requests) | {s['round_us_p50']:.0f} / "
+            f"{s['round_us_p90']:.0f} | {n['round_us_p50']:.0f} / {n['round_us_p90']:.0f} | "
+            f"{s['index_us_per_token']:.1f} | {n['index_us_per_token']:.1f} | "
+            f"{row['bytes_estimated'] / 2**20:.1f} / {row['bytes_traced'] / 2**20:.1f} MiB | {shared:.0%} |"
+        )
     return "\n".join(lines) + "\n"
 
 

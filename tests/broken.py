@@ -41,7 +41,9 @@ def coupled_trusts_the_draft(draft_tokens, target_probs, noise, num_drafted=None
     choice = coupled_choices(target_probs, noise, [range(d + 1) for d in drafted.tolist()])[0]
     next_token = choice.gather(-1, drafted.unsqueeze(-1).to(choice.device)).squeeze(-1)
     accepted = torch.arange(gamma).unsqueeze(0) < drafted.unsqueeze(1)
-    return Verdict(drafted.to(draft_tokens.device), next_token.to(draft_tokens.device), accepted.to(draft_tokens.device))
+    return Verdict(
+        drafted.to(draft_tokens.device), next_token.to(draft_tokens.device), accepted.to(draft_tokens.device)
+    )
 
 
 class WrappedDrafter:

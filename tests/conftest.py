@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from devices import DEVICE
+
 from specsample.models.tiny import tiny_lm
 
 

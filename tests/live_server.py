@@ -22,8 +22,9 @@ class LiveServer:
     def __init__(self, server: SpecServer) -> None:
         self.port = free_port()
         self.server = server
-        self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=self.port,
-                                                     log_level="warning"))
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(build_app(server), host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -38,5 +39,3 @@ class LiveServer:
     def close(self) -> None:
         self.uvicorn.should_exit = True
         self.thread.join(timeout=30)
-
-

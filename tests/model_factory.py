@@ -29,26 +29,50 @@ def make_tokenizer(vocab_size: int = 300):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def write_hf_model(folder: Path, model_type: str = "llama", vocab_size: int | None = None, seed: int = 0,
-                   max_position_embeddings: int = 256, tokenizer=None, **overrides) -> Path:
+def write_hf_model(
+    folder: Path,
+    model_type: str = "llama",
+    vocab_size: int | None = None,
+    seed: int = 0,
+    max_position_embeddings: int = 256,
+    tokenizer=None,
+    **overrides,
+) -> Path:
     """Random-init a small transformers model of `model_type`, save it (and a tokenizer) to `folder`."""
     import transformers
 
     tokenizer = tokenizer if tokenizer is not None else make_tokenizer()
     vocab = vocab_size or len(tokenizer)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     common.update(overrides)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -71,11 +95,16 @@ def write_hf_model(folder: Path, model_type: str = "llama", vocab_size: int | No
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's Q/K row permutation (the inverse of what our reader undoes)."""
-    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
-def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True, types: dict[str, str] | None = None) -> Path:
+def write_llama_gguf(
+    hf_folder: Path, out: Path, quantize_ffn: bool = True, types: dict[str, str] | None = None
+) -> Path:
     """Write the Llama model in `hf_folder` as a GGUF file laid out like llama.cpp's converter does. `types` maps
     GGUF tensor-name fragments to quantization types (e.g. {"attn_": "Q4_0", "ffn_": "Q4_1", "token_embd": "Q8_0"},
     the first match wins; matrices only); without it, `quantize_ffn` stores the MLP matrices as Q8_0."""
@@ -111,13 +140,22 @@ def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True, type
     writer.add_bos_token_id(tok.bos_token_id)
     writer.add_eos_token_id(tok.eos_token_id)
     writer.add_chat_template(CHAT_TEMPLATE)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     for name, value in tensors.items():
         array = value.float().numpy()
         if name in names:
@@ -147,8 +185,21 @@ def write_llama_gguf(hf_folder: Path, out: Path, quantize_ffn: bool = True, type
     return out
 
 
-def draft_request(slots, drafts, reach, params, generators, source=(), stop_thresholds=(), extension=None, width=-1,
-                  tree=None, shaper=None, noise=(), lookup_trees=False):
+def draft_request(
+    slots,
+    drafts,
+    reach,
+    params,
+    generators,
+    source=(),
+    stop_thresholds=(),
+    extension=None,
+    width=-1,
+    tree=None,
+    shaper=None,
+    noise=(),
+    lookup_trees=False,
+):
     """A `DraftRequest` from per-row sequences (slots, planned drafts, reach, params, generators, and optionally
     sources and coupled noise), as the tests write them."""
     from specsample.drafters.base import DraftRequest, DraftRow
@@ -156,8 +207,24 @@ def draft_request(slots, drafts, reach, params, generators, source=(), stop_thre
     rows = len(slots)
     if any(len(part) != rows for part in (drafts, reach, params, generators)) or (source and len(source) != rows):
         raise ValueError("a draft request needs one plan, reach, params, generator (and source) per slot")
-    return DraftRequest(tuple(DraftRow(slots[i], drafts[i], reach[i], params[i], generators[i],
-                                       source[i] if source else None, noise[i] if noise else None)
-                              for i in range(rows)),
-                        tuple(stop_thresholds), extension, width, tree, shaper, coupled=bool(noise),
-                        lookup_trees=lookup_trees)
+    return DraftRequest(
+        tuple(
+            DraftRow(
+                slots[i],
+                drafts[i],
+                reach[i],
+                params[i],
+                generators[i],
+                source[i] if source else None,
+                noise[i] if noise else None,
+            )
+            for i in range(rows)
+        ),
+        tuple(stop_thresholds),
+        extension,
+        width,
+        tree,
+        shaper,
+        coupled=bool(noise),
+        lookup_trees=lookup_trees,
+    )

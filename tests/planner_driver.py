@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+
 from specsample.config import TreeShape
 from specsample.planner import FixedGamma, GammaController
 from specsample.planner.base import BatchState, RoundOutcome, RoundPlan, RowOutcome, RowState
@@ -25,8 +26,9 @@ def untimed(max_gamma: int = 8) -> GammaController:
     return controller
 
 
-def batch(*rows: str | RowState, can_score: bool = False, offers_lookups: bool = False,
-          can_tree: bool = False) -> BatchState:
+def batch(
+    *rows: str | RowState, can_score: bool = False, offers_lookups: bool = False, can_tree: bool = False
+) -> BatchState:
     """A batch state; a bare request id is a row gamma auto chooses for, with an unlimited budget."""
     states = tuple(RowState(r, UNLIMITED) if isinstance(r, str) else r for r in rows)
     return BatchState(states, can_score=can_score, offers_lookups=offers_lookups, can_tree=can_tree)
@@ -54,9 +56,15 @@ def accepted(rng: random.Random, alpha: float, drafted: int) -> int:
     return count
 
 
-def learn(controller: GammaController, plan: RoundPlan, state: BatchState, *rows: RowOutcome,
-          seconds: tuple[float, float, float] = (0.0, 0.0, 0.0), width: int | None = None,
-          finished: tuple[str, ...] = ()) -> None:
+def learn(
+    controller: GammaController,
+    plan: RoundPlan,
+    state: BatchState,
+    *rows: RowOutcome,
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    width: int | None = None,
+    finished: tuple[str, ...] = (),
+) -> None:
     """Tell the controller how `plan`'s round of `state` went: `rows` for the rows that drafted or scored (every
     other row drafted nothing), the round's draft, target and verify seconds; `width` defaults to the most drafts
     of a row."""
@@ -67,8 +75,14 @@ def learn(controller: GammaController, plan: RoundPlan, state: BatchState, *rows
     controller.learn(plan, RoundOutcome(outcomes, width, *seconds, finished=finished))
 
 
-def simulate(controller: GammaController, alpha: float, rounds: int, rid: str = "r",
-             rng: random.Random | None = None, remaining: int = UNLIMITED) -> list[int]:
+def simulate(
+    controller: GammaController,
+    alpha: float,
+    rounds: int,
+    rid: str = "r",
+    rng: random.Random | None = None,
+    remaining: int = UNLIMITED,
+) -> list[int]:
     """Rounds of one request at batch 1 whose drafts are accepted i.i.d. with probability `alpha`, never timed
     (an `untimed` controller); the drafts planned each round."""
     assert isinstance(controller.costs, Untimed), "an untimed simulation needs an untimed controller"
@@ -83,9 +97,17 @@ def simulate(controller: GammaController, alpha: float, rounds: int, rid: str = 
     return chosen
 
 
-def timed(controller: GammaController, alpha: float, rounds: int, rng: random.Random, plain: float = 0.020,
-          overhead: float = 0.1, cost: float = 0.15, extra: dict[int, float] | None = None,
-          stalls: dict[int, float] | None = None) -> list[int]:
+def timed(
+    controller: GammaController,
+    alpha: float,
+    rounds: int,
+    rng: random.Random,
+    plain: float = 0.020,
+    overhead: float = 0.1,
+    cost: float = 0.15,
+    extra: dict[int, float] | None = None,
+    stalls: dict[int, float] | None = None,
+) -> list[int]:
     """Rounds of one request on a simulated engine; the drafts planned each round. A plain round takes `plain`
     seconds, a drafting one plain * (1 + overhead + gamma cost + extra[gamma]), plus one more draft step when it
     follows a plain round (the model draft catches up on the tokens it missed); acceptance i.i.d. Bernoulli(alpha).
@@ -103,8 +125,13 @@ def timed(controller: GammaController, alpha: float, rounds: int, rng: random.Ra
         else:
             steps = gamma + (previous == 0)
             target = (0.9 + overhead + (extra or {}).get(gamma, 0.0)) * plain
-            learn(controller, plan, state, RowOutcome("r", gamma, accepted(rng, alpha, gamma)),
-                  seconds=(steps * cost * plain * stall, target * stall, 0.1 * plain * stall))
+            learn(
+                controller,
+                plan,
+                state,
+                RowOutcome("r", gamma, accepted(rng, alpha, gamma)),
+                seconds=(steps * cost * plain * stall, target * stall, 0.1 * plain * stall),
+            )
         previous = gamma
     return chosen
 
@@ -119,8 +146,9 @@ def calibrate_confidence(controller: GammaController, rounds: int = 2000) -> Non
         controller.acceptance.observe("x", 2, int(first) + int(first and rng.random() < q), False, (q, q))
 
 
-def fall_back(controller: GammaController, rid: str = "r", can_score: bool = False, remaining: int = UNLIMITED,
-              limit: int = 1000) -> int:
+def fall_back(
+    controller: GammaController, rid: str = "r", can_score: bool = False, remaining: int = UNLIMITED, limit: int = 1000
+) -> int:
     """Plan rounds of `rid` whose every draft is rejected until it falls back; the rounds that took."""
     for rounds in range(1, limit + 1):
         state = batch(RowState(rid, remaining), can_score=can_score)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from planner_driver import accepted, batch, calibrate_confidence, learn, scorings, simulate, untimed
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
 from specsample.planner import GammaController
@@ -13,7 +14,6 @@ from specsample.planner import acceptance as acceptance_module
 from specsample.planner import costs as cost_model
 from specsample.planner.acceptance import Acceptance
 from specsample.planner.base import RoundOutcome, RowOutcome, RowState
-from planner_driver import accepted, batch, calibrate_confidence, learn, scorings, simulate, untimed
 
 
 def test_new_requests_start_from_the_pooled_acceptance() -> None:
@@ -76,8 +76,7 @@ def test_the_engine_tells_gamma_auto_each_positions_acceptance_probability(tiny_
             seen.extend(r for r in rows if r.num_drafted > 0)
             return rows
 
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=2),
-                    planner=Spy(4))
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=2), planner=Spy(4))
     engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=40, seed=1), request_id="sampled")
     engine.add_request([4, 5, 6], SamplingParams(temperature=0, max_new_tokens=40), request_id="greedy")
     for _ in engine.stream():

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
-
 from model_factory import make_tokenizer, write_hf_model
+
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
 from specsample.bench.report import _cost_ratio
 from specsample.bench.stats import acceptance_summary, bootstrap, percentile, predicted_speedup, two_sample_test
@@ -45,10 +45,24 @@ def test_two_sample_test_has_power_and_calibration() -> None:
 
 
 def test_acceptance_summary_and_prediction() -> None:
-    stats = [{"drafted": 10, "accepted": 6, "drafts": 3, "rejections": 2, "accepted_per_position_counts": [3, 2, 1],
-              "drafted_per_position_counts": [3, 3, 3]},
-             {"drafted": 4, "accepted": 4, "drafts": 1, "rejections": 0, "accepted_per_position_counts": [1, 1, 1, 1],
-              "drafted_per_position_counts": [1, 1, 1, 1]}]
+    stats = [
+        {
+            "drafted": 10,
+            "accepted": 6,
+            "drafts": 3,
+            "rejections": 2,
+            "accepted_per_position_counts": [3, 2, 1],
+            "drafted_per_position_counts": [3, 3, 3],
+        },
+        {
+            "drafted": 4,
+            "accepted": 4,
+            "drafts": 1,
+            "rejections": 0,
+            "accepted_per_position_counts": [1, 1, 1, 1],
+            "drafted_per_position_counts": [1, 1, 1, 1],
+        },
+    ]
     summary = acceptance_summary(stats)
     assert summary["acceptance_rate"] == pytest.approx(10 / 14)
     assert summary["alpha"] == pytest.approx(10 / 12)  # successes / (successes + rejections)
@@ -59,6 +73,7 @@ def test_acceptance_summary_and_prediction() -> None:
 
 def test_cost_ratio_comes_from_whole_rounds() -> None:
     """c is what a drafted position adds to a round over a target-only round, not a draft step over a forward."""
+
     def row(plain: dict, spec: dict) -> dict:
         return {"category": "qa", "prompt": "1", "systems": {"target-only": {"stats": plain}, "ours": {"stats": spec}}}
 
@@ -76,8 +91,12 @@ def test_paired_bootstrap_is_tight_where_systems_share_each_prompts_cost() -> No
     rows = []
     for i in range(40):
         seconds = rng.uniform(1.0, 10.0)
-        rows.append(("qa" if i % 2 else "math", {"base": (100, seconds),
-                                                 "fast": (100, seconds / 1.25 * rng.uniform(0.98, 1.02))}))
+        rows.append(
+            (
+                "qa" if i % 2 else "math",
+                {"base": (100, seconds), "fast": (100, seconds / 1.25 * rng.uniform(0.98, 1.02))},
+            )
+        )
     result = bootstrap(rows, lambda s: {"ratio": s["fast"] / s["base"]}, resamples=500)
     point, low, high = result["ratio"]["overall"]
     assert low <= 1.25 <= high and high - low < 0.03
@@ -103,8 +122,13 @@ def test_a_category_of_one_prompt_has_no_interval_and_the_overall_one_still_vari
 
 
 def test_sharegpt_parser_stops_at_a_truncated_tail(tmp_path) -> None:
-    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
-                                               {"from": "gpt", "value": f"answer {i}"}]} for i in range(5)]
+    convs = [
+        {
+            "id": f"c{i}",
+            "conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}],
+        }
+        for i in range(5)
+    ]
     text = json.dumps(convs, indent=2)
     cut = text[: text.index('"c4"') + 10]  # the file breaks inside the last conversation
     path = tmp_path / "sharegpt.json"
@@ -117,13 +141,18 @@ def test_sharegpt_parser_stops_at_a_truncated_tail(tmp_path) -> None:
 
 def test_prompt_file_loaders_and_the_bundled_spec_bench(tmp_path) -> None:
     bench = tmp_path / "questions.jsonl"
-    bench.write_text('{"question_id": 1, "category": "qa", "turns": ["what?"]}\n'
-                     '{"question_id": 3, "category": "math", "turns": ["1+1?", "and 2+2?"]}\n')
+    bench.write_text(
+        '{"question_id": 1, "category": "qa", "turns": ["what?"]}\n'
+        '{"question_id": 3, "category": "math", "turns": ["1+1?", "and 2+2?"]}\n'
+    )
     prompts = spec_bench_prompts(bench)
     assert [(p.id, p.category, p.turns[0]) for p in prompts] == [("1", "qa", "what?"), ("3", "math", "1+1?")]
     plain = tmp_path / "plain.txt"
-    plain.write_text("first prompt\n\n{\"prompt\": \"second\", \"category\": \"x\"}\n")
-    assert [(p.category, p.turns) for p in text_file_prompts(plain)] == [("file", ("first prompt",)), ("x", ("second",))]
+    plain.write_text('first prompt\n\n{"prompt": "second", "category": "x"}\n')
+    assert [(p.category, p.turns) for p in text_file_prompts(plain)] == [
+        ("file", ("first prompt",)),
+        ("x", ("second",)),
+    ]
     with pytest.raises(ValueError, match="not found"):
         spec_bench_prompts(tmp_path / "missing.jsonl")
     bundled = spec_bench_prompts()  # shipped inside the package: no ../shared needed
@@ -133,12 +162,14 @@ def test_prompt_file_loaders_and_the_bundled_spec_bench(tmp_path) -> None:
 def _make_engine(target, config: SpecConfig):
     def make(batch: int, drafter, planner):
         return Engine(target, drafter, dataclasses.replace(config, max_batch_size=batch), planner=planner)
+
     return make
 
 
 def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_target, tiny_draft) -> None:
     """Systems taking turns round by round produce the texts they produce alone, and each system's time is its own
     rounds': a system whose every draft sleeps 30 ms does not slow the others' clocks."""
+
     class SleepyDrafter(ModelDrafter):
         def propose(self, request):
             time.sleep(0.03)
@@ -148,13 +179,17 @@ def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_targe
     make = _make_engine(tiny_target, config)
 
     def systems(slow: bool = False) -> list[Ours]:
-        return [Ours("plain", make, None, lambda: FixedGamma(1)),
-                Ours("g3", make, (SleepyDrafter if slow else ModelDrafter)(tiny_draft), lambda: FixedGamma(3)),
-                Ours("auto", make, ModelDrafter(tiny_draft), lambda: GammaController(4), keep_planner=False)]
+        return [
+            Ours("plain", make, None, lambda: FixedGamma(1)),
+            Ours("g3", make, (SleepyDrafter if slow else ModelDrafter)(tiny_draft), lambda: FixedGamma(3)),
+            Ours("auto", make, ModelDrafter(tiny_draft), lambda: GammaController(4), keep_planner=False),
+        ]
 
     prompt = [1, 2, 3, 4, 5]
-    for params in (SamplingParams(temperature=0.0, max_new_tokens=24), SamplingParams(temperature=1.0, max_new_tokens=24,
-                                                                                        seed=3)):
+    for params in (
+        SamplingParams(temperature=0.0, max_new_tokens=24),
+        SamplingParams(temperature=1.0, max_new_tokens=24, seed=3),
+    ):
         alone = [s.run([prompt], [params])[0] for s in systems()]
         together = [r[0] for r in run_lockstep(systems(), [prompt], [params])]
         # gamma auto's choices follow its timings, which differ between any two runs: its sampled text may differ
@@ -188,8 +223,9 @@ def test_lockstep_runs_decode_as_alone_and_time_only_their_own_rounds(tiny_targe
     assert {steps[k - 1] for k in range(1, len(steps)) if steps[k] == "plain"} >= {"g3", "auto"}
     shared = ModelDrafter(tiny_draft)
     with pytest.raises(ValueError, match="a drafter each"):
-        run_lockstep([Ours(n, make, shared, lambda: FixedGamma(2)) for n in "ab"], [prompt],
-                     [SamplingParams(max_new_tokens=4)])
+        run_lockstep(
+            [Ours(n, make, shared, lambda: FixedGamma(2)) for n in "ab"], [prompt], [SamplingParams(max_new_tokens=4)]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -199,45 +235,93 @@ def tiny_pair_files(tmp_path_factory):
     target = write_hf_model(folder / "target", "llama", tokenizer=tokenizer, max_position_embeddings=512)
     draft = write_hf_model(folder / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
     questions = folder / "questions.jsonl"
-    questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"the quick fox {i}"]})
-                                   for i, c in enumerate(["qa", "qa", "math", "math"])))
+    questions.write_text(
+        "\n".join(
+            json.dumps({"question_id": i, "category": c, "turns": [f"the quick fox {i}"]})
+            for i, c in enumerate(["qa", "qa", "math", "math"])
+        )
+    )
     return target, draft, questions
 
 
 def _bench(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specsample.cli", "bench", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "specsample.cli", "bench", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_every_suite_runs_on_tiny_models_and_reports_as_it_goes(tiny_pair_files, tmp_path) -> None:
     target, draft, questions = tiny_pair_files
     out = tmp_path / "out"
-    done = _bench(["--quick", "--suite", "compare,gamma,batch,lossless,adaptive", "--target", str(target),
-                   "--draft", str(draft), "--dataset", str(questions), "--max-new-tokens", "8",
-                   "--compare", "hf,hf-assisted,hf-lookup", "--lossless-samples", "100", "--gamma", "auto,2,3",
-                   "--temperature", "0", "--out", str(out)])
+    done = _bench(
+        [
+            "--quick",
+            "--suite",
+            "compare,gamma,batch,lossless,adaptive",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dataset",
+            str(questions),
+            "--max-new-tokens",
+            "8",
+            "--compare",
+            "hf,hf-assisted,hf-lookup",
+            "--lossless-samples",
+            "100",
+            "--gamma",
+            "auto,2,3",
+            "--temperature",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     # stderr is not a terminal here: a line per prompt, not a bar
     assert "specsample bench: compare T=0.0 1/2: qa 0:" in done.stderr
     assert "specsample bench: adaptive T=0.0 2/2: math 2:" in done.stderr
-    for name in ("results.json", "results.md", "speedup_vs_gamma.png", "speedup_by_category.png",
-                 "speedup_vs_batch.png"):
+    for name in (
+        "results.json",
+        "results.md",
+        "speedup_vs_gamma.png",
+        "speedup_by_category.png",
+        "speedup_vs_batch.png",
+    ):
         assert (out / name).exists(), name
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "complete" and results["command"].startswith("specsample bench --quick")
     assert {"cpu", "cores", "threads", "torch", "dtype"} <= set(results["environment"])
     suites = results["suites"]
-    assert suites["compare"]["systems"] == ["target-only", "specsample gamma=auto", "transformers generate",
-                                            "transformers assisted", "transformers prompt lookup"]
+    assert suites["compare"]["systems"] == [
+        "target-only",
+        "specsample gamma=auto",
+        "transformers generate",
+        "transformers assisted",
+        "transformers prompt lookup",
+    ]
     assert [r["category"] for r in suites["compare"]["runs"]["0.0"]] == ["qa", "math"]
     assert suites["gamma"]["gammas"] == ["auto", 2, 3] and len(suites["gamma"]["rows"]) == 2
     assert [b["batch_size"] for b in suites["batch"]["rows"]] == [1, 4]
     assert all(0.0 <= t["p_value"] <= 1.0 for t in suites["lossless"]["tests"])
-    assert suites["adaptive"]["systems"] == ["target-only", "gamma=2", "gamma=3", "gamma=auto", "ngram auto",
-                                             "hybrid auto"]
+    assert suites["adaptive"]["systems"] == [
+        "target-only",
+        "gamma=2",
+        "gamma=3",
+        "gamma=auto",
+        "ngram auto",
+        "hybrid auto",
+    ]
     report = (out / "results.md").read_text()
-    for heading in ("## Speed and acceptance", "## Gamma sweep", "## Batch size", "## Losslessness",
-                    "## Adaptive gamma", "`hybrid auto`:"):
+    for heading in (
+        "## Speed and acceptance",
+        "## Gamma sweep",
+        "## Batch size",
+        "## Losslessness",
+        "## Adaptive gamma",
+        "`hybrid auto`:",
+    ):
         assert heading in report, heading
     assert "AMD" in report or "Intel" in report or "cores" in report  # the machine is named
 
@@ -247,15 +331,42 @@ def test_structured_and_prefix_suites(tiny_pair_files, tmp_path) -> None:
     the first turn's cache on the engine that keeps it, and only there."""
     target, draft, questions = tiny_pair_files
     out = tmp_path / "out"
-    done = _bench(["--suite", "structured,prefix", "--target", str(target), "--draft", str(draft), "--dataset",
-                   str(questions), "--max-new-tokens", "8", "--gamma", "3", "--temperature", "0.7",
-                   "--history-tokens", "150", "--prefix-reps", "2", "--pad-rows", "off", "--out", str(out)])
+    done = _bench(
+        [
+            "--suite",
+            "structured,prefix",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dataset",
+            str(questions),
+            "--max-new-tokens",
+            "8",
+            "--gamma",
+            "3",
+            "--temperature",
+            "0.7",
+            "--history-tokens",
+            "150",
+            "--prefix-reps",
+            "2",
+            "--pad-rows",
+            "off",
+            "--out",
+            str(out),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "complete", {k: v.get("error") for k, v in results["suites"].items()}
     structured, prefix = results["suites"]["structured"], results["suites"]["prefix"]
-    assert structured["systems"] == ["specsample gamma=3", "specsample gamma=3 json_schema", "target-only",
-                                     "target-only json_schema"]
+    assert structured["systems"] == [
+        "specsample gamma=3",
+        "specsample gamma=3 json_schema",
+        "target-only",
+        "target-only json_schema",
+    ]
     for rows in structured["runs"].values():
         assert len(rows) == len(JSON_PROMPTS)
         assert all(r["tokens"] > 0 for row in rows for r in row["systems"].values())
@@ -275,17 +386,33 @@ def test_repeat_suite_streams_through_one_engine_per_system(tiny_pair_files, tmp
     from specsample.speculator import EngineOptions
 
     target, draft, questions = tiny_pair_files
-    config = BenchConfig(engine=EngineOptions(target=str(target), draft=str(draft), pad_rows="off"),
-                         dataset=str(questions), suites=("repeat",), num_prompts=1, max_new_tokens=2,
-                         temperatures=(0.7,), out=tmp_path / "out")
+    config = BenchConfig(
+        engine=EngineOptions(target=str(target), draft=str(draft), pad_rows="off"),
+        dataset=str(questions),
+        suites=("repeat",),
+        num_prompts=1,
+        max_new_tokens=2,
+        temperatures=(0.7,),
+        out=tmp_path / "out",
+    )
     results = run(config, say=lambda m: None)
     assert results["status"] == "complete", results["suites"]["repeat"].get("error")
     repeat = results["suites"]["repeat"]
-    assert repeat["systems"] == ["target-only", "hybrid, n-gram lookup", "hybrid, suffix (request)",
-                                 "hybrid, suffix (global)"]
+    assert repeat["systems"] == [
+        "target-only",
+        "hybrid, n-gram lookup",
+        "hybrid, suffix (request)",
+        "hybrid, suffix (global)",
+    ]
     rows = repeat["runs"]["0.7"]
-    assert [r["category"] for r in rows] == ["first turn", "extraction", "question", "second turn",
-                                             "reworded question", "reworded question"]
+    assert [r["category"] for r in rows] == [
+        "first turn",
+        "extraction",
+        "question",
+        "second turn",
+        "reworded question",
+        "reworded question",
+    ]
     assert rows[3]["prompt_tokens"] > rows[0]["prompt_tokens"] + 2  # the first turn and its reply, then the second
     assert all(r["tokens"] > 0 for row in rows for r in row["systems"].values())
     # one engine throughout: every request and the untimed warm-up
@@ -299,10 +426,34 @@ def test_zero_sized_sweeps_and_a_single_gamma_run_to_the_end(tiny_pair_files, tm
     one batch size, a peer, no sweep prompts and no lossless prompts."""
     target, draft, questions = tiny_pair_files
     out = tmp_path / "out"
-    done = _bench(["--target", str(target), "--draft", str(draft), "--dataset", str(questions), "--num-prompts", "1",
-                   "--max-new-tokens", "6", "--gamma", "auto", "--temperature", "0,0.7", "--batch-size", "1",
-                   "--compare", "hf-lookup,hybrid-ngram", "--sweep-prompts", "0", "--lossless-prompts", "0", "--out",
-                   str(out)])
+    done = _bench(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dataset",
+            str(questions),
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--gamma",
+            "auto",
+            "--temperature",
+            "0,0.7",
+            "--batch-size",
+            "1",
+            "--compare",
+            "hf-lookup,hybrid-ngram",
+            "--sweep-prompts",
+            "0",
+            "--lossless-prompts",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "complete"
@@ -333,9 +484,16 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
         return real(run_record)
 
     monkeypatch.setattr(suites, "record", failing)
-    config = BenchConfig(engine=EngineOptions(target=str(target), draft=str(draft)), dataset=str(questions),
-                         suites=("compare", "gamma"), max_new_tokens=4, gammas=("auto", 2), temperatures=(0.0,),
-                         sweep_prompts=1, out=tmp_path / "out")
+    config = BenchConfig(
+        engine=EngineOptions(target=str(target), draft=str(draft)),
+        dataset=str(questions),
+        suites=("compare", "gamma"),
+        max_new_tokens=4,
+        gammas=("auto", 2),
+        temperatures=(0.0,),
+        sweep_prompts=1,
+        out=tmp_path / "out",
+    )
     results = run(config, say=lambda m: None)
     stored = json.loads((tmp_path / "out" / "results.json").read_text())
     assert stored["status"] == results["status"] == "complete, failed: compare"
@@ -353,13 +511,16 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
     assert json.loads((tmp_path / "cut" / "results.json").read_text())["status"] == "interrupted in compare"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--suite", "nope"], "unknown or no suite"),
-    (["--gamma", "0"], "--gamma values must be integers >= 1"),
-    (["--compare", "vllm"], "unknown --compare"),
-    (["--sweep-prompts", "-1"], "sweep-prompts must be >= 0"),
-    (["--temperature", "-1"], "--temperature values must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--suite", "nope"], "unknown or no suite"),
+        (["--gamma", "0"], "--gamma values must be integers >= 1"),
+        (["--compare", "vllm"], "unknown --compare"),
+        (["--sweep-prompts", "-1"], "sweep-prompts must be >= 0"),
+        (["--temperature", "-1"], "--temperature values must be >= 0"),
+    ],
+)
 def test_bad_bench_flags_fail_before_any_model_loads(flags, message, tmp_path, capsys) -> None:
     from specsample.cli import main
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from devices import DEVICE
 
+import specsample.models.compiled as compiled_module
 from specsample import SamplingParams, SpecConfig, generate
 from specsample.models import compile_events
 from specsample.models.base import prefill_ragged
-import specsample.models.compiled as compiled_module
 from specsample.models.compiled import CompiledDecode
 from specsample.models.llama import LlamaModel
 from specsample.models.tiny import tiny_lm
@@ -17,8 +17,12 @@ from specsample.planner import FixedGamma
 
 VOCAB = 64
 SHIPPED = dict(compiled_module.CPU_INDUCTOR_CONFIG)
-AUTOTUNING = ("max_autotune", "max_autotune_gemm_backends", "autotune_num_choices_displayed",
-              "max_autotune_report_choices_stats")
+AUTOTUNING = (
+    "max_autotune",
+    "max_autotune_gemm_backends",
+    "autotune_num_choices_displayed",
+    "max_autotune_report_choices_stats",
+)
 QUICK = {k: v for k, v in SHIPPED.items() if k not in AUTOTUNING} | {"cpp_wrapper": False}
 
 
@@ -33,8 +37,9 @@ def quick_compiles():
 
 def twin(seed: int = 1, sliding_window: int | None = None) -> tuple[LlamaModel, LlamaModel]:
     """Two copies of the same random model: one eager, one with compile_decode."""
-    eager, compiled = (tiny_lm(VOCAB, seed, init_scale=0.2, sliding_window=sliding_window, device=DEVICE)
-                       for _ in range(2))
+    eager, compiled = (
+        tiny_lm(VOCAB, seed, init_scale=0.2, sliding_window=sliding_window, device=DEVICE) for _ in range(2)
+    )
     compiled.compile_decode()
     return eager, compiled
 
@@ -56,8 +61,9 @@ def count_compiled_calls(model: LlamaModel, monkeypatch) -> list[int]:
     return calls
 
 
-def decode_both(eager: LlamaModel, compiled: LlamaModel, prompts: list[list[int]], steps: int,
-                max_len: int = 40) -> float:
+def decode_both(
+    eager: LlamaModel, compiled: LlamaModel, prompts: list[list[int]], steps: int, max_len: int = 40
+) -> float:
     """Greedy-decode ragged rows with both models; return the largest logit difference seen."""
     batch = len(prompts)
     caches = [eager.new_cache(batch, max_len), compiled.new_cache(batch, max_len)]
@@ -75,8 +81,9 @@ def decode_both(eager: LlamaModel, compiled: LlamaModel, prompts: list[list[int]
     return worst
 
 
-@pytest.mark.parametrize("prompts", [[[3, 4, 5]], [[3, 4, 5], [7, 8, 9, 10, 11, 12], [1]]],
-                         ids=["batch1", "ragged-batch3"])
+@pytest.mark.parametrize(
+    "prompts", [[[3, 4, 5]], [[3, 4, 5], [7, 8, 9, 10, 11, 12], [1]]], ids=["batch1", "ragged-batch3"]
+)
 def test_logits_match_eager(pair, prompts, monkeypatch) -> None:
     eager, compiled = pair
     calls = count_compiled_calls(compiled, monkeypatch)
@@ -129,8 +136,10 @@ def test_forwards_the_step_cannot_take_are_counted(pair) -> None:
     long_block = torch.arange(compiled_module.MAX_BLOCK + 1).view(1, -1) % VOCAB
     out = [m.forward_cached(long_block, c, slots) for m, c in zip((eager, compiled), caches)]
     assert torch.allclose(out[0], out[1], atol=1e-5)
-    tree = [m.forward_cached_tree(torch.tensor([[4, 5, 6]]), c, slots, torch.tensor([[-1, 0, 0]]))[0]
-            for m, c in zip((eager, compiled), caches)]
+    tree = [
+        m.forward_cached_tree(torch.tensor([[4, 5, 6]]), c, slots, torch.tensor([[-1, 0, 0]]))[0]
+        for m, c in zip((eager, compiled), caches)
+    ]
     assert torch.allclose(tree[0], tree[1], atol=1e-5)
     assert compile_events.counts()[1] == fallbacks + 2
 
@@ -203,7 +212,9 @@ def test_output_subset_goes_through_the_compiled_head() -> None:
             model.set_output_subset(torch.tensor([1, 4, 9, 60]))
             model.lm_head.weight.mul_(-1.5)
     caches = [eager.new_cache(1, 4), compiled.new_cache(1, 4)]
-    expected, got = (m.forward_cached(torch.tensor([[3]]), c, torch.arange(1)) for m, c in zip((eager, compiled), caches))
+    expected, got = (
+        m.forward_cached(torch.tensor([[3]]), c, torch.arange(1)) for m, c in zip((eager, compiled), caches)
+    )
     assert torch.equal(torch.isinf(expected), torch.isinf(got))
     assert float((expected[torch.isfinite(expected)] - got[torch.isfinite(got)]).abs().max()) < 1e-4
 

@@ -18,12 +18,22 @@ from specsample.planner import FixedGamma, GammaController
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 COMPANIONS = [[7, 7, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3], [30, 29]]
 PARAMS = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=24, seed=1234)
-COMPANION_PARAMS = [SamplingParams(temperature=1.0, max_new_tokens=25, seed=5), SamplingParams(temperature=0, max_new_tokens=24),
-                    SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=12, seed=99)]
+COMPANION_PARAMS = [
+    SamplingParams(temperature=1.0, max_new_tokens=25, seed=5),
+    SamplingParams(temperature=0, max_new_tokens=24),
+    SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=12, seed=99),
+]
 
 
-def _run(target, drafter, planner, companions: bool, coupled: bool = True, tree: TreeShape | None = None,
-         speculative: bool = True) -> list[int]:
+def _run(
+    target,
+    drafter,
+    planner,
+    companions: bool,
+    coupled: bool = True,
+    tree: TreeShape | None = None,
+    speculative: bool = True,
+) -> list[int]:
     """The seeded request's tokens, run alone or first in a batch with the companions."""
     prompts = [PROMPT] + (COMPANIONS if companions else [])
     params = [PARAMS] + (COMPANION_PARAMS if companions else [])
@@ -37,11 +47,17 @@ def test_a_seed_gives_the_same_tokens_under_any_plan_and_batch(tiny_target, tiny
         "gamma 1, alone": _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(1), companions=False),
         "gamma 4, in a batch": _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(4), companions=True),
         "gamma auto, in a batch": _run(tiny_target, ModelDrafter(tiny_draft), GammaController(4), companions=True),
-        "hybrid, gamma 3": _run(tiny_target, HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1)),
-                                FixedGamma(3), companions=True),
+        "hybrid, gamma 3": _run(
+            tiny_target, HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1)), FixedGamma(3), companions=True
+        ),
         "prompt lookup, gamma 4": _run(tiny_target, NgramDrafter(min_n=1), FixedGamma(4), companions=True),
-        "trees": _run(tiny_target, ModelDrafter(tiny_draft), FixedGamma(4, tree=TreeShape(6, 2, 3)), companions=True,
-                      tree=TreeShape(6, 2, 3)),
+        "trees": _run(
+            tiny_target,
+            ModelDrafter(tiny_draft),
+            FixedGamma(4, tree=TreeShape(6, 2, 3)),
+            companions=True,
+            tree=TreeShape(6, 2, 3),
+        ),
     }
     assert len(plain) == PARAMS.max_new_tokens
     for name, tokens in runs.items():
@@ -71,8 +87,14 @@ def test_noise_depends_on_seed_and_position_only() -> None:
 def test_greedy_rows_beside_coupled_rows_stay_greedy(tiny_target, tiny_draft, speculative: bool) -> None:
     greedy = SamplingParams(temperature=0, max_new_tokens=20)
     alone = generate(tiny_target, [PROMPT], greedy).completions[0].token_ids
-    mixed = generate(tiny_target, [PROMPT, PROMPT], [greedy, PARAMS], draft=ModelDrafter(tiny_draft),
-                     config=SpecConfig(max_batch_size=2, coupled=True, speculative=speculative), planner=FixedGamma(3))
+    mixed = generate(
+        tiny_target,
+        [PROMPT, PROMPT],
+        [greedy, PARAMS],
+        draft=ModelDrafter(tiny_draft),
+        config=SpecConfig(max_batch_size=2, coupled=True, speculative=speculative),
+        planner=FixedGamma(3),
+    )
     assert mixed.completions[0].token_ids == alone
 
 
@@ -80,6 +102,7 @@ def test_greedy_rows_beside_coupled_rows_stay_greedy(tiny_target, tiny_draft, sp
 def coupled_server(tmp_path_factory):
     from live_server import LiveServer
     from model_factory import make_tokenizer, write_hf_model
+
     from specsample.server.app import SpecServer
     from specsample.server.options import ServerOptions
     from specsample.speculator import EngineOptions, load
@@ -88,8 +111,17 @@ def coupled_server(tmp_path_factory):
     tokenizer = make_tokenizer()
     target = write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128)
     draft = write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
-    speculator = load(EngineOptions(target=str(target), draft=str(draft), gamma="auto", max_gamma=4,
-                                    dtype="bfloat16", sampling="coupled", deterministic=True))
+    speculator = load(
+        EngineOptions(
+            target=str(target),
+            draft=str(draft),
+            gamma="auto",
+            max_gamma=4,
+            dtype="bfloat16",
+            sampling="coupled",
+            deterministic=True,
+        )
+    )
     server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=8, max_model_len=128)))
     yield server
     server.close()
@@ -159,6 +191,9 @@ def test_real_float32_seed_gives_the_same_tokens_at_any_gamma() -> None:
         outputs = []
         for planner in (FixedGamma(4), GammaController(8), None):
             config = replace(speculator.spec_config(1), speculative=planner is not None)
-            outputs.append(generate(model, [prompt], params, draft=speculator.drafter, config=config,
-                                    planner=planner).completions[0].token_ids)
+            outputs.append(
+                generate(model, [prompt], params, draft=speculator.drafter, config=config, planner=planner)
+                .completions[0]
+                .token_ids
+            )
         assert outputs[0] == outputs[1] == outputs[2], text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_faults import run_cli
 
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.config import SettingError
@@ -13,7 +14,6 @@ from specsample.models.invariant import check_invariance
 from specsample.models.tiny import tiny_lm
 from specsample.planner import FixedGamma, GammaController
 from specsample.speculator import EngineOptions, make_deterministic
-from test_faults import run_cli
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [400, 401, 2], [7] * 12, [123, 45, 67, 89, 10, 111, 213, 314, 415]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
@@ -37,8 +37,9 @@ def _tokens(target, draft, params, planner, companions: bool, speculative: bool 
     """The first prompt's tokens, alone or in a batch with the others (each with `params`)."""
     prompts = PROMPTS if companions else PROMPTS[:1]
     config = SpecConfig(max_batch_size=len(prompts), coupled=True, speculative=speculative)
-    result = generate(target, prompts, params, draft=None if draft is None else ModelDrafter(draft), config=config,
-                      planner=planner)
+    result = generate(
+        target, prompts, params, draft=None if draft is None else ModelDrafter(draft), config=config, planner=planner
+    )
     return [c.token_ids for c in result.completions]
 
 
@@ -54,8 +55,11 @@ def test_forwards_are_invariant_only_in_deterministic_mode() -> None:
 def test_speculation_equals_plain_decoding_bitwise_in_bfloat16(bf16_pair, params) -> None:
     target, draft = bf16_pair
     plain = _tokens(target, None, params, FixedGamma(1), companions=False, speculative=False)[0]
-    for name, planner, companions in [("gamma 1", FixedGamma(1), False), ("gamma 4 in a batch", FixedGamma(4), True),
-                                      ("gamma auto in a batch", GammaController(4), True)]:
+    for name, planner, companions in [
+        ("gamma 1", FixedGamma(1), False),
+        ("gamma 4 in a batch", FixedGamma(4), True),
+        ("gamma auto in a batch", GammaController(4), True),
+    ]:
         assert _tokens(target, draft, params, planner, companions)[0] == plain, name
 
 
@@ -66,13 +70,16 @@ def test_every_row_of_a_batch_equals_the_row_alone(bf16_pair) -> None:
     assert batched == alone
 
 
-@pytest.mark.parametrize("options, name", [
-    (dict(deterministic=True, sampling="rejection"), "sampling"),
-    (dict(deterministic=True, compile=True), "deterministic"),
-    (dict(deterministic=True, runtime="hf"), "deterministic"),
-    (dict(deterministic="yes"), "deterministic"),
-    (dict(sampling="gumbel"), "sampling"),
-])
+@pytest.mark.parametrize(
+    "options, name",
+    [
+        (dict(deterministic=True, sampling="rejection"), "sampling"),
+        (dict(deterministic=True, compile=True), "deterministic"),
+        (dict(deterministic=True, runtime="hf"), "deterministic"),
+        (dict(deterministic="yes"), "deterministic"),
+        (dict(sampling="gumbel"), "sampling"),
+    ],
+)
 def test_settings_that_cannot_be_honoured_are_refused(options, name) -> None:
     with pytest.raises(SettingError) as caught:
         EngineOptions(**options)
@@ -105,8 +112,11 @@ def test_real_bfloat16_speculative_greedy_equals_plain_greedy() -> None:
 
     speculator = load(EngineOptions(dtype="bfloat16", deterministic=True))
     tokenizer = speculator.pair.target.tokenizer
-    prompts = ["Write a short poem about the sea.", "List three prime numbers and explain why they are prime.",
-               "What is the capital of France? Answer in one sentence."]
+    prompts = [
+        "Write a short poem about the sea.",
+        "List three prime numbers and explain why they are prime.",
+        "What is the capital of France? Answer in one sentence.",
+    ]
     ids = [tokenizer.encode(p, chat=True) for p in prompts]
     params = SamplingParams(temperature=0, max_new_tokens=48)
 
@@ -127,5 +137,10 @@ def decode_one(speculator, prompt: list[int], params: SamplingParams) -> list[in
     """Plain decoding of one prompt alone."""
     engine = speculator.engine(drafter=None)
     request_id = engine.add_request(prompt, params)
-    return [t for result in engine.stream() for update in result.rows if update.request_id == request_id
-            for t in update.new_tokens]
+    return [
+        t
+        for result in engine.stream()
+        for update in result.rows
+        if update.request_id == request_id
+        for t in update.new_tokens
+    ]

@@ -9,15 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from model_factory import make_tokenizer, write_hf_model
+
 from specsample.cli import build_parser
+from specsample.datasets import Prompt
 from specsample.distill.card import portable_command
 from specsample.distill.collect import CollectConfig, collect_on_policy, collect_teacher_forced
 from specsample.distill.data import DataReader, DataWriter, Sequence_
-from specsample.distill.train import (Batches, DraftShape, TrainConfig, choose_output_subset, heldout_metrics,
-                                      init_draft, train)
-from specsample.datasets import Prompt
+from specsample.distill.train import (
+    Batches,
+    DraftShape,
+    TrainConfig,
+    choose_output_subset,
+    heldout_metrics,
+    init_draft,
+    train,
+)
 from specsample.drafters.model import DraftWindow
 from specsample.models.loader import load_model
 
@@ -28,8 +35,13 @@ def _random_sequences(count: int, rng: np.random.Generator) -> list[Sequence_]:
     out = []
     for _ in range(count):
         n = int(rng.integers(2, 20))
-        out.append(Sequence_(rng.integers(0, 300, n).astype(np.int32), rng.integers(0, 300, (n, K)),
-                             rng.normal(size=(n, K)).astype(np.float16)))
+        out.append(
+            Sequence_(
+                rng.integers(0, 300, n).astype(np.int32),
+                rng.integers(0, 300, (n, K)),
+                rng.normal(size=(n, K)).astype(np.float16),
+            )
+        )
     return out
 
 
@@ -71,12 +83,15 @@ def test_truncated_or_corrupt_store_is_a_clear_error(tmp_path) -> None:
 def tiny_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
     tokenizer = make_tokenizer()
-    target = load_model(str(write_hf_model(root / "target", "llama", tokenizer=tokenizer, hidden_size=64,
-                                           num_hidden_layers=2)), dtype="float32")
+    target = load_model(
+        str(write_hf_model(root / "target", "llama", tokenizer=tokenizer, hidden_size=64, num_hidden_layers=2)),
+        dtype="float32",
+    )
     words = "the quick brown fox jumps over the lazy dog speculative sampling tokens".split()
     rng = np.random.default_rng(0)
-    prompts = [Prompt(str(i), "t", (" ".join(rng.choice(words, 12)),), (" ".join(rng.choice(words, 30)),))
-               for i in range(60)]
+    prompts = [
+        Prompt(str(i), "t", (" ".join(rng.choice(words, 12)),), (" ".join(rng.choice(words, 30)),)) for i in range(60)
+    ]
     config = CollectConfig(top_k=K, max_len=64, batch_tokens=512, onpolicy_batch=8, onpolicy_max_new=16)
     teacher = DataWriter(root / "teacher", K, target.model.vocab_size, "teacher")
     collect_teacher_forced(target.model, target.tokenizer, prompts[:50], teacher, config, progress=False)
@@ -133,14 +148,53 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"the quick brown fox number {i} jumps"}) for i in range(40)))
     out = tmp_path / "draft"
-    argv = ["distill", "--kind", "model", "--target", str(target), "--out", str(out), "--prompts", str(prompts),
-            "--num-prompts", "24", "--onpolicy-prompts", "8", "--steps", "20", "--max-len", "64", "--onpolicy-max-new",
-            "12", "--width", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--draft-vocab", "64",
-            "--batch-tokens", "512", "--eval-max-new-tokens", "8"]
+    argv = [
+        "distill",
+        "--kind",
+        "model",
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--prompts",
+        str(prompts),
+        "--num-prompts",
+        "24",
+        "--onpolicy-prompts",
+        "8",
+        "--steps",
+        "20",
+        "--max-len",
+        "64",
+        "--onpolicy-max-new",
+        "12",
+        "--width",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--draft-vocab",
+        "64",
+        "--batch-tokens",
+        "512",
+        "--eval-max-new-tokens",
+        "8",
+    ]
     done = subprocess.run([sys.executable, "-m", "specsample.cli", *argv], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "draft_vocab.json", "README.md", "eval.json",
-                 "training_curve.png", "draft_window.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "draft_vocab.json",
+        "README.md",
+        "eval.json",
+        "training_curve.png",
+        "draft_window.json",
+    ):
         assert (out / name).exists(), name
     assert DraftWindow.from_folder(out) == DraftWindow(sink=4, recent=32, limit=64)  # trained on --max-len 64
     ours = load_model(str(out), dtype="float32")
@@ -164,7 +218,11 @@ def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
 
 
 def test_a_card_shows_a_command_without_the_machines_folders() -> None:
-    assert portable_command("specsample distill --out /work/runs/draft --prompts=~/data/p.jsonl --target "
-                            "smollm2-135m-instruct --eval-prompts 'my prompts.jsonl' --x runs/rel") == \
-        "specsample distill --out draft --prompts=p.jsonl --target smollm2-135m-instruct --eval-prompts " \
+    assert (
+        portable_command(
+            "specsample distill --out /work/runs/draft --prompts=~/data/p.jsonl --target "
+            "smollm2-135m-instruct --eval-prompts 'my prompts.jsonl' --x runs/rel"
+        )
+        == "specsample distill --out draft --prompts=p.jsonl --target smollm2-135m-instruct --eval-prompts "
         "'my prompts.jsonl' --x runs/rel"
+    )

@@ -3,8 +3,8 @@ CPU, small float32 matrices left unpacked. Each must compute what the plain path
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import torch
+from model_factory import draft_request
 
 from specsample import ModelDrafter, SamplingParams, tiny_lm
 from specsample.models.convert import save_hf_folder
@@ -17,7 +17,7 @@ SUBSET = [0, 3, 4, 9, 10, 17, 21, 30]  # sorted: sampling over it draws what sam
 
 
 def test_small_float32_matrices_stay_unpacked() -> None:
-    side = int(PACK_MIN_FLOAT32_ELEMENTS ** 0.5)
+    side = int(PACK_MIN_FLOAT32_ELEMENTS**0.5)
     assert prepack(torch.randn(side // 2, side // 2)) is None  # F.linear is faster there
     large = prepack(torch.randn(side, side))
     small_bf16 = prepack(torch.randn(side // 2, side // 2, dtype=torch.bfloat16))
@@ -49,16 +49,21 @@ def test_subset_drafting_draws_what_full_vocabulary_drafting_draws() -> None:
     fast, plain = ModelDrafter(model), ModelDrafter(model)
     plain._last_only = False  # the path for models without last-position logits: full vocabulary, every position
     assert fast._last_only
-    settings = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=3),
-                SamplingParams(temperature=1.0, top_p=0.8)]
+    settings = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.9, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.8),
+    ]
     for params in settings:
         gens = {d: [torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)] for d in (fast, plain)}
         for drafter in (fast, plain):
             drafter.allocate(2, 64)
             drafter.add_rows([0, 1], [[1, 2, 3, 4], [5, 6]])
         for _ in range(4):
-            got = {d: d.propose(draft_request((0, 1), (3, 2), (3, 2), (params,) * 2, tuple(gens[d]), width=3))
-                   for d in (fast, plain)}
+            got = {
+                d: d.propose(draft_request((0, 1), (3, 2), (3, 2), (params,) * 2, tuple(gens[d]), width=3))
+                for d in (fast, plain)
+            }
             a, b = got[fast], got[plain]
             assert a.tokens.tolist() == b.tokens.tolist() and a.num_drafted.tolist() == b.num_drafted.tolist()
             assert torch.allclose(a.probs, b.probs, atol=1e-6) and torch.allclose(a.confidence, b.confidence, atol=1e-6)

@@ -3,14 +3,13 @@ context, and re-windows a row before its cache passes `limit` positions; the out
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import json
 
 import pytest
 import torch
+from model_factory import draft_request
 
 from specsample import Engine, SamplingParams, SpecConfig, generate
-
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
@@ -79,7 +78,7 @@ def test_windowed_drafts_are_a_fresh_drafts_on_the_view(tiny_draft, gamma: int) 
         rewindows += skipped_now != skipped
         skipped = skipped_now
         assert int(drafter.cache.lengths[0]) <= window.limit
-        seen = history[: window.sink] + history[window.sink + skipped:]
+        seen = history[: window.sink] + history[window.sink + skipped :]
         ref = _propose(_reference(tiny_draft, seen), [0], [gamma], params, [torch.Generator().manual_seed(round_)])
         assert proposal.tokens.tolist() == ref.tokens.tolist()
         assert torch.allclose(proposal.probs, ref.probs, atol=1e-10)
@@ -96,8 +95,13 @@ def test_plain_rounds_then_a_probe_past_the_limit(tiny_draft) -> None:
     drafter.allocate(2, 256)
     drafter.add_rows([0, 1], [[1, 2, 3], [4, 5, 6, 7]])
     drafter.commit([0], [[(3 * t) % 32 for t in range(30)]])  # 30 tokens of plain rounds
-    proposal = _propose(drafter, [0, 1], [2, 2], [SamplingParams(temperature=0)] * 2,
-                        [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)])
+    proposal = _propose(
+        drafter,
+        [0, 1],
+        [2, 2],
+        [SamplingParams(temperature=0)] * 2,
+        [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)],
+    )
     assert proposal.num_drafted.tolist() == [2, 2]
     assert drafter._skipped[0] > 0 and int(drafter.cache.lengths[0]) <= window.limit
 
@@ -146,6 +150,7 @@ def test_engine_runs_long_requests_with_a_small_window(tiny_target, tiny_draft) 
 
 def test_load_drafter_reads_the_window_beside_the_weights(tmp_path) -> None:
     from model_factory import make_tokenizer, write_hf_model
+
     from specsample.models.loader import load_model
     from specsample.pair import load_drafter
 
@@ -166,6 +171,7 @@ def test_load_drafter_reads_the_window_beside_the_weights(tmp_path) -> None:
 def test_a_swapped_draft_loads_like_the_first(tmp_path) -> None:
     """The server's /admin/draft loads the new draft with the pair's dtype, device and window mode."""
     from model_factory import make_tokenizer, write_hf_model
+
     from specsample.pair import load_pair
 
     tokenizer = make_tokenizer()

@@ -3,9 +3,9 @@ score through another, merged proposals, a drafter swapped mid-run, and drafts t
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import pytest
 import torch
+from model_factory import draft_request
 
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.drafters.base import BacklogScorer, NoDrafter, Proposal, merge_proposals
@@ -13,14 +13,15 @@ from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.routed import RoutedDrafter
-from specsample.sampling import warp_probs
 from specsample.planner import FixedGamma
+from specsample.sampling import warp_probs
 
 HISTORY = [(7 * t + 3) % 32 for t in range(60)]
 
 
-def _request(slots: tuple[int, ...], reach: tuple[int, ...], params: tuple[SamplingParams, ...],
-             seeds: tuple[int, ...]) :
+def _request(
+    slots: tuple[int, ...], reach: tuple[int, ...], params: tuple[SamplingParams, ...], seeds: tuple[int, ...]
+):
     """Each row drafts up to `reach[i]`, its plan."""
     return draft_request(slots, reach, reach, params, tuple(torch.Generator().manual_seed(s) for s in seeds))
 
@@ -91,7 +92,7 @@ def _expected(tiny_draft, context: list[int], scored: list[int], params: Samplin
     """The warped probability a whole-context draft on `context + scored[:-1]` gives each scored token."""
     with torch.no_grad():
         logits = tiny_draft(torch.tensor([context + scored[:-1]], device=tiny_draft.device))[0]
-    probs = warp_probs(logits[len(context) - 1:], params)  # predicts scored[0], scored[1], ...
+    probs = warp_probs(logits[len(context) - 1 :], params)  # predicts scored[0], scored[1], ...
     return probs.gather(-1, torch.tensor(scored, device=probs.device).unsqueeze(-1)).squeeze(-1).tolist()
 
 
@@ -167,8 +168,9 @@ def test_a_routed_drafter_scores_through_its_model_drafts(tiny_draft) -> None:
 
 
 def test_hybrid_scores_as_its_model(tiny_draft) -> None:
-    hybrid, model = _fed_alike(HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2),
-                               ModelDrafter(tiny_draft))
+    hybrid, model = _fed_alike(
+        HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2), ModelDrafter(tiny_draft)
+    )
     params = [SamplingParams(temperature=0.7)]
     assert hybrid.score_backlog([0], [6], params) == model.score_backlog([0], [6], params)
 
@@ -182,8 +184,11 @@ def test_merge_proposals_returns_a_whole_proposal_and_copies_parts() -> None:
     whole = Proposal(tokens, probs, torch.tensor([2, 1]), torch.rand(2, 2))
     assert merge_proposals([([0, 1], whole)], 2, 2) is whole  # every row, full width: nothing to copy
     # rows out of order, a narrower part, or a dtype the merge widens: copied into a fresh proposal
-    for rows, batch, gamma, part in (([1, 0], 2, 2, whole), ([0, 1], 2, 3, whole),
-                                     ([0, 1], 2, 2, Proposal(tokens, probs.bfloat16(), whole.num_drafted))):
+    for rows, batch, gamma, part in (
+        ([1, 0], 2, 2, whole),
+        ([0, 1], 2, 3, whole),
+        ([0, 1], 2, 2, Proposal(tokens, probs.bfloat16(), whole.num_drafted)),
+    ):
         merged = merge_proposals([(rows, part)], batch, gamma)
         assert merged is not part and merged.probs.dtype == torch.float32 and merged.tokens.shape == (batch, gamma)
         assert merged.tokens[rows[0], :2].tolist() == part.tokens[0].tolist()
@@ -200,8 +205,9 @@ def test_a_draft_request_for_some_rows_keeps_the_rounds_width_and_rule() -> None
     """A drafter handing rows to another passes them the same round: its width, gate and extension."""
     params = tuple(SamplingParams(seed=s) for s in range(3))
     generators = tuple(torch.Generator() for _ in range(3))
-    request = draft_request((4, 5, 6), (1, 0, 2), (3, 0, 2), params, generators, source=(False, None, True),
-                           stop_thresholds=(0.2,))
+    request = draft_request(
+        (4, 5, 6), (1, 0, 2), (3, 0, 2), params, generators, source=(False, None, True), stop_thresholds=(0.2,)
+    )
     part = request.select([2, 0])
     assert (part.slots, part.drafts, part.reach) == ((6, 4), (2, 1), (2, 3))
     assert [part.source_of(i) for i in range(2)] == [True, False]
@@ -246,6 +252,7 @@ def test_draft_cache_allocation_failure_decodes_without_drafting(tiny_target, ca
 
 def test_unloadable_draft_falls_back_loudly(tmp_path, caplog) -> None:
     from model_factory import write_hf_model
+
     from specsample.models.loader import load_model
     from specsample.pair import load_drafter
 

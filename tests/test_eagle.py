@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from model_factory import draft_request, make_tokenizer, write_hf_model
 from safetensors.torch import save_file
 
-from model_factory import make_tokenizer, write_hf_model, draft_request
 from specsample import Engine, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.drafters.eagle import EagleDrafter
 from specsample.drafters.hybrid import HybridDrafter
@@ -51,28 +51,54 @@ def _published(head: EagleHead, folder, extra_config: dict | None = None) -> Non
     """The head written by hand in the layout vLLM and SGLang read (split q/k/v and gate/up under `midlayer.`, d2t and
     t2d, a LlamaForCausalLMEagle3 config), not through our writer."""
     c = head.config
-    q, k, v = head.qkv.weight.detach().split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                              c.num_kv_heads * c.head_dim])
+    q, k, v = head.qkv.weight.detach().split(
+        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+    )
     gate, up = head.gate_up.weight.detach().chunk(2)
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[head.draft_ids] = True
-    tensors = {"fc.weight": head.fc.weight, "midlayer.input_layernorm.weight": head.input_norm.weight,
-               "midlayer.hidden_norm.weight": head.hidden_norm.weight, "midlayer.self_attn.q_proj.weight": q,
-               "midlayer.self_attn.k_proj.weight": k, "midlayer.self_attn.v_proj.weight": v,
-               "midlayer.self_attn.o_proj.weight": head.o_proj.weight,
-               "midlayer.post_attention_layernorm.weight": head.post_norm.weight,
-               "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up,
-               "midlayer.mlp.down_proj.weight": head.down.weight, "norm.weight": head.norm.weight,
-               "lm_head.weight": head.lm_head.weight, "d2t": head.d2t, "t2d": t2d}
+    tensors = {
+        "fc.weight": head.fc.weight,
+        "midlayer.input_layernorm.weight": head.input_norm.weight,
+        "midlayer.hidden_norm.weight": head.hidden_norm.weight,
+        "midlayer.self_attn.q_proj.weight": q,
+        "midlayer.self_attn.k_proj.weight": k,
+        "midlayer.self_attn.v_proj.weight": v,
+        "midlayer.self_attn.o_proj.weight": head.o_proj.weight,
+        "midlayer.post_attention_layernorm.weight": head.post_norm.weight,
+        "midlayer.mlp.gate_proj.weight": gate,
+        "midlayer.mlp.up_proj.weight": up,
+        "midlayer.mlp.down_proj.weight": head.down.weight,
+        "norm.weight": head.norm.weight,
+        "lm_head.weight": head.lm_head.weight,
+        "d2t": head.d2t,
+        "t2d": t2d,
+    }
     folder.mkdir(parents=True)
-    save_file({name: t.detach().contiguous() if name in ("d2t", "t2d") else t.detach().float().contiguous()
-               for name, t in tensors.items()}, str(folder / "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
-              "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
-              "num_key_value_heads": c.num_kv_heads, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
-              "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
-              "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size, "torch_dtype": "float32",
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)}, **(extra_config or {})}
+    save_file(
+        {
+            name: t.detach().contiguous() if name in ("d2t", "t2d") else t.detach().float().contiguous()
+            for name, t in tensors.items()
+        },
+        str(folder / "model.safetensors"),
+    )
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)},
+        **(extra_config or {}),
+    }
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -151,8 +177,10 @@ def test_after_rejections_the_head_drafts_as_a_fresh_head_on_the_committed_text(
     head = random_head(target)
     running = EagleDrafter(head, target)
     engine = Engine(target, running, SpecConfig(max_batch_size=3, max_seq_len=64), planner=FixedGamma(3))
-    ids = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i), gamma=1 + i)
-           for i, p in enumerate(PROMPTS[:3])]
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i), gamma=1 + i)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
     rejected = accepted_all = 0
     for _ in range(8):
         result = engine.step()
@@ -172,8 +200,9 @@ def test_a_kept_row_is_reused_with_its_head_entries(target) -> None:
     tokens), and the head then drafts as a head fed the whole text afresh."""
     head = random_head(target)
     running = EagleDrafter(head, target)
-    engine = Engine(target, running, SpecConfig(max_batch_size=1, max_seq_len=96, prefix_cache_rows=1),
-                    planner=FixedGamma(3))
+    engine = Engine(
+        target, running, SpecConfig(max_batch_size=1, max_seq_len=96, prefix_cache_rows=1), planner=FixedGamma(3)
+    )
     first = list(range(1, 21))
     engine.add_request(first, SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
     output = []
@@ -215,8 +244,7 @@ def test_fused_features_come_from_the_forward_that_scores(target) -> None:
     with torch.no_grad():
         from specsample.models.llama import Attention
 
-        attend = Attention(None, None, torch.zeros(2, dtype=torch.long), 5, target.config, target.groups,
-                           target.device)
+        attend = Attention(None, None, torch.zeros(2, dtype=torch.long), 5, target.config, target.groups, target.device)
         x = target.embed(full)
         rope = target.rope_tables(attend.rope_positions)
         streams = [x]
@@ -240,8 +268,9 @@ def test_backlog_scores_are_the_heads_probabilities_of_committed_tokens(target) 
     cache = target.new_cache(1, 64)
     scorer.add_features([0], prefill_ragged(target, cache, torch.tensor([0]), [history[:2]], features=True))
     scorer.commit([0], [history[3:]])
-    scorer.add_features([0], [target.forward_cached_features(torch.tensor([history[2:-1]]), cache,
-                                                             torch.tensor([0]))[1][0]])
+    scorer.add_features(
+        [0], [target.forward_cached_features(torch.tensor([history[2:-1]]), cache, torch.tensor([0]))[1][0]]
+    )
     sampled = SamplingParams(temperature=1.0)
     scores = scorer.score_backlog([0], [3], [sampled])[0]
     assert len(scores) == 3
@@ -284,13 +313,14 @@ def test_training_steps_draft_as_inference_does(target) -> None:
         for last in (2, 4, 6):  # the last true entry
             head_cache = head.new_cache(1, 16)
             slot = torch.tensor([0])
-            out = head.forward_cached(embeddings[:, : last + 1], head.fuse(features[: last + 1].unsqueeze(0)),
-                                      head_cache, slot)[:, -1:]
-            assert torch.allclose(out, steps[0][:, last:last + 1], atol=1e-10)
+            out = head.forward_cached(
+                embeddings[:, : last + 1], head.fuse(features[: last + 1].unsqueeze(0)), head_cache, slot
+            )[:, -1:]
+            assert torch.allclose(out, steps[0][:, last : last + 1], atol=1e-10)
             for step in (2, 3):
                 entry = last + step - 1
-                out = head.forward_cached(embeddings[:, entry:entry + 1], out, head_cache, slot)
-                assert torch.allclose(out, steps[step - 1][:, entry:entry + 1], atol=1e-10), (last, step)
+                out = head.forward_cached(embeddings[:, entry : entry + 1], out, head_cache, slot)
+                assert torch.allclose(out, steps[step - 1][:, entry : entry + 1], atol=1e-10), (last, step)
 
 
 def test_regenerated_data_holds_the_targets_own_text_and_features(tmp_path) -> None:
@@ -309,13 +339,25 @@ def test_regenerated_data_holds_the_targets_own_text_and_features(tmp_path) -> N
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("\n".join(json.dumps({"turns": list(p.turns)}) for p in prompts))
     plan = Regeneration(temperatures=(0.0, 1.0), turns=2, max_new_tokens=6, batch_size=3, chunk=2)
-    writer = FeatureWriter(tmp_path / "data" / "shard-0", str(folder), 64, (0, 1, 2), loaded.model.vocab_size, 256,
-                           "regenerated")
-    regenerate_features(loaded.model, loaded.tokenizer, prompts, writer, plan, 10**6, max_conversations=4,
-                        progress=False)
+    writer = FeatureWriter(
+        tmp_path / "data" / "shard-0", str(folder), 64, (0, 1, 2), loaded.model.vocab_size, 256, "regenerated"
+    )
+    regenerate_features(
+        loaded.model, loaded.tokenizer, prompts, writer, plan, 10**6, max_conversations=4, progress=False
+    )
     assert 4 <= writer.num_sequences < 9  # stopped: the rest are left for a resumed run
-    regenerate_store(tmp_path / "data", str(folder), "none", "cpu", str(prompt_file), replace(plan, workers=2),
-                     (0, 1, 2), 256, 10**6, progress=False)
+    regenerate_store(
+        tmp_path / "data",
+        str(folder),
+        "none",
+        "cpu",
+        str(prompt_file),
+        replace(plan, workers=2),
+        (0, 1, 2),
+        256,
+        10**6,
+        progress=False,
+    )
     reader = FeatureReader(tmp_path / "data")
     assert reader.index["sequences"] == 9 and sorted(reader.index["done"]) == list(range(9))
     assert (tmp_path / "data" / "shard-1" / "index.json").exists()
@@ -339,15 +381,26 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path) -> None:
     tokenizer = make_tokenizer()
     folder = write_hf_model(tmp_path / "target", tokenizer=tokenizer, max_position_embeddings=128)
     target = load_model(str(folder), dtype="float32")
-    prompts = [Prompt(str(i), "x", (f"the quick brown fox {i}",), (("jumps over the lazy dog " * (1 + i % 3)),))
-               for i in range(48)]
-    writer = FeatureWriter(tmp_path / "features", "tiny", 64, (0, 1, 2), target.model.vocab_size, 64,
-                           "teacher-forced")
+    prompts = [
+        Prompt(str(i), "x", (f"the quick brown fox {i}",), (("jumps over the lazy dog " * (1 + i % 3)),))
+        for i in range(48)
+    ]
+    writer = FeatureWriter(tmp_path / "features", "tiny", 64, (0, 1, 2), target.model.vocab_size, 64, "teacher-forced")
     collect_features(target.model, target.tokenizer, prompts, writer, 10**6, chunk_conversations=16, progress=False)
     reader = FeatureReader(tmp_path / "features")
     assert reader.num_chunks == 3 and reader.index["sequences"] == 48
-    plan = HeadTraining(target="tiny", out=tmp_path / "out", epochs=3, batch_tokens=512, max_len=64, lr=1e-2,
-                        warmup=2, eval_every=3, checkpoint_minutes=10**6, unroll=2)
+    plan = HeadTraining(
+        target="tiny",
+        out=tmp_path / "out",
+        epochs=3,
+        batch_tokens=512,
+        max_len=64,
+        lr=1e-2,
+        warmup=2,
+        eval_every=3,
+        checkpoint_minutes=10**6,
+        unroll=2,
+    )
     ids = choose_vocab(reader, target.model.vocab_size, 40)
     frozen = Frozen(target.model, ids, torch.device("cpu"))
     with pytest.raises(ValueError, match="quantize"):
@@ -382,10 +435,38 @@ def test_distill_writes_a_head_that_generate_drafts_with(tmp_path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"turns": [f"the quick brown fox {i}", "more"]}) for i in range(24)))
     out = tmp_path / "head"
-    assert main(["distill", "--target", str(folder), "--out", str(out), "--prompts", str(prompts), "--tokens",
-                 "100000", "--epochs", "2", "--max-len", "64", "--batch-tokens", "256", "--draft-vocab", "0",
-                 "--regen-max-new-tokens", "8", "--regen-batch-size", "8", "--eval-prompts", str(prompts),
-                 "--eval-max-new-tokens", "6"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--target",
+                str(folder),
+                "--out",
+                str(out),
+                "--prompts",
+                str(prompts),
+                "--tokens",
+                "100000",
+                "--epochs",
+                "2",
+                "--max-len",
+                "64",
+                "--batch-tokens",
+                "256",
+                "--draft-vocab",
+                "0",
+                "--regen-max-new-tokens",
+                "8",
+                "--regen-batch-size",
+                "8",
+                "--eval-prompts",
+                str(prompts),
+                "--eval-max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     for name in ("config.json", "model.safetensors", "README.md", "eval.json", "training_curve.json"):
         assert (out / name).exists(), name
     report = json.loads((out / "eval.json").read_text())
@@ -394,10 +475,30 @@ def test_distill_writes_a_head_that_generate_drafts_with(tmp_path) -> None:
     assert report["data"]["source"] == "regenerated"  # the default data: replies the target wrote itself
     assert f"{report['training']['token_steps']:,}" in card  # the card reports its run's record
     assert main(["distill", "--target", str(folder), "--out", str(out), "--width", "32"]) == 2  # a model-only flag
-    assert main(["distill", "--kind", "model", "--target", str(folder), "--out", str(tmp_path / "m"), "--unroll",
-                 "3"]) == 2  # an eagle-only flag
-    assert main(["generate", "the quick brown fox", "--target", str(folder), "--draft", str(out), "--temperature",
-                 "0", "--max-new-tokens", "6", "--dtype", "float32", "--json"]) == 0
+    assert (
+        main(["distill", "--kind", "model", "--target", str(folder), "--out", str(tmp_path / "m"), "--unroll", "3"])
+        == 2
+    )  # an eagle-only flag
+    assert (
+        main(
+            [
+                "generate",
+                "the quick brown fox",
+                "--target",
+                str(folder),
+                "--draft",
+                str(out),
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "--dtype",
+                "float32",
+                "--json",
+            ]
+        )
+        == 0
+    )
 
 
 def test_a_head_drafts_for_a_target_with_a_quantized_output_layer(tmp_path) -> None:
@@ -410,5 +511,7 @@ def test_a_head_drafts_for_a_target_with_a_quantized_output_layer(tmp_path) -> N
     ids = torch.arange(target.vocab_size)
     head_drafter = EagleDrafter(init_head(target, ids, (0, 1, 2), 0), target)
     params = SamplingParams(temperature=0, max_new_tokens=8)
-    result = generate(target, PROMPTS[:2], params, draft=head_drafter, config=SpecConfig(max_batch_size=2), planner=FixedGamma(3))
+    result = generate(
+        target, PROMPTS[:2], params, draft=head_drafter, config=SpecConfig(max_batch_size=2), planner=FixedGamma(3)
+    )
     assert result.stats["drafted"] > 0 and all(len(c.token_ids) == 8 for c in result.completions)

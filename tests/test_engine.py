@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import pytest
 import torch
+from model_factory import draft_request
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.models.base import prefill_ragged
@@ -25,17 +25,23 @@ def plain_greedy(tiny_target):
 
 @pytest.mark.parametrize("gamma", range(1, 9))
 def test_greedy_speculative_equals_target_only(tiny_target, tiny_draft, plain_greedy, gamma) -> None:
-    batched = _tokens(generate(tiny_target, PROMPTS, GREEDY, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(gamma)))
+    batched = _tokens(
+        generate(tiny_target, PROMPTS, GREEDY, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(gamma))
+    )
     assert batched == plain_greedy
-    alone = [_tokens(generate(tiny_target, [p], GREEDY, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(gamma)))[0]
-             for p in PROMPTS]
+    alone = [
+        _tokens(generate(tiny_target, [p], GREEDY, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(gamma)))[0]
+        for p in PROMPTS
+    ]
     assert alone == plain_greedy
 
 
 def test_ragged_rows_equal_rows_run_alone(tiny_target, tiny_draft) -> None:
     # different prompt lengths and budgets: rows finish at different rounds
     params = [SamplingParams(temperature=0, max_new_tokens=n) for n in (5, 17, 9, 30)]
-    batched = _tokens(generate(tiny_target, PROMPTS, params, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(4)))
+    batched = _tokens(
+        generate(tiny_target, PROMPTS, params, draft=tiny_draft, config=SpecConfig(), planner=FixedGamma(4))
+    )
     for prompt, p, out in zip(PROMPTS, params, batched):
         assert out == _tokens(generate(tiny_target, [prompt], p))[0]
         assert len(out) == p.max_new_tokens
@@ -53,12 +59,14 @@ def test_same_seed_same_output(tiny_target, tiny_draft) -> None:
     first = generate(tiny_target, PROMPTS, params, draft=tiny_draft)
     second = generate(tiny_target, PROMPTS, params, draft=tiny_draft)
     assert _tokens(first) == _tokens(second)
-    other = generate(tiny_target, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=30, seed=12),
-                     draft=tiny_draft)
+    other = generate(
+        tiny_target, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=30, seed=12), draft=tiny_draft
+    )
     assert _tokens(first) != _tokens(other)
     # a seeded request gives the same tokens whatever else shares its batch (row 1 got seed 12 + 1)
-    alone = generate(tiny_target, [PROMPTS[1]], [SamplingParams(temperature=1.0, max_new_tokens=30, seed=13)],
-                     draft=tiny_draft)
+    alone = generate(
+        tiny_target, [PROMPTS[1]], [SamplingParams(temperature=1.0, max_new_tokens=30, seed=13)], draft=tiny_draft
+    )
     assert _tokens(alone)[0] == _tokens(other)[1]
 
 
@@ -83,8 +91,9 @@ def _fresh_cache_matches(model, cache, slot: int, tokens: list[int]) -> None:
 def test_caches_equal_fresh_prefill_after_rejections(tiny_target, tiny_draft) -> None:
     drafter = ModelDrafter(tiny_draft)
     engine = Engine(tiny_target, drafter, SpecConfig(max_batch_size=4, max_seq_len=128), planner=FixedGamma(4))
-    ids = [engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=60, seed=i))
-           for i, p in enumerate(PROMPTS)]
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=60, seed=i)) for i, p in enumerate(PROMPTS)
+    ]
     outputs = {i: list(p) for i, p in zip(ids, PROMPTS)}
     rejections = 0
     for _ in range(6):
@@ -162,7 +171,10 @@ def test_cancel_frees_the_slot(tiny_target, tiny_draft) -> None:
     "make, message",
     [
         (lambda t, d: generate(t, [[]], SamplingParams()), "prompt is empty"),
-        (lambda t, d: generate(t, [[1]], SamplingParams(), draft=d, config=SpecConfig(), planner=FixedGamma(0)), "gamma"),
+        (
+            lambda t, d: generate(t, [[1]], SamplingParams(), draft=d, config=SpecConfig(), planner=FixedGamma(0)),
+            "gamma",
+        ),
         (lambda t, d: generate(t, [[1]], SamplingParams(temperature=-1)), "temperature"),
         (lambda t, d: generate(t, [[1]], SamplingParams(top_p=0)), "top_p"),
         (lambda t, d: generate(t, [[1]], SamplingParams(top_k=0)), "top_k"),

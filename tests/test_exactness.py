@@ -12,25 +12,32 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
-import specsample.verifier as verifier_module
-from broken import (BROKEN, ExtensionDropsToken, coupled_trusts_the_draft, GateDropsToken, ProbsOneStepAhead,
-                    SubsetProbsUnmapped, SuffixFrequenciesAsProbs)
+from broken import (
+    BROKEN,
+    ExtensionDropsToken,
+    GateDropsToken,
+    ProbsOneStepAhead,
+    SubsetProbsUnmapped,
+    SuffixFrequenciesAsProbs,
+    coupled_trusts_the_draft,
+)
 from devices import DEVICE
 from planner_driver import AlternatingTrees
+from stats_util import chi_square
+
+import specsample.verifier as verifier_module
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.config import TreeShape
 from specsample.drafters.base import Extension
-from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
-from specsample.planner.acceptance import Acceptance
-from specsample.planner.costs import CostModel
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SuffixDrafter
+from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
+from specsample.planner.acceptance import Acceptance
+from specsample.planner.costs import CostModel
 from specsample.sampling import warp_probs
-from stats_util import chi_square
 
 VOCAB = 8
 LENGTH = 3
@@ -56,13 +63,21 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))  # [V^3, 3]
     inputs = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
-        probs = warp_probs(target(inputs)[:, len(prompt) - 1:-1], params)  # [V^3, 3, V]
+        probs = warp_probs(target(inputs)[:, len(prompt) - 1 : -1], params)  # [V^3, 3, V]
     per_step = probs.cpu().gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
     return per_step.prod(dim=1).cpu().numpy()
 
 
-def engine_counts(target, drafter, params: SamplingParams, gamma: int, adaptive: bool = False,
-                  planner=None, prompt: list[int] = PROMPT, coupled: bool = False) -> np.ndarray:
+def engine_counts(
+    target,
+    drafter,
+    params: SamplingParams,
+    gamma: int,
+    adaptive: bool = False,
+    planner=None,
+    prompt: list[int] = PROMPT,
+    coupled: bool = False,
+) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES independent rows of one batch."""
     config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(prompt) + LENGTH, coupled=coupled)
     if planner is None:
@@ -181,12 +196,14 @@ def _adaptive_cases(draft):
         "hybrid": (HybridDrafter(ModelDrafter(draft), SuffixDrafter(), min_match=2), False, None),  # the default's
         "auto_gamma_with_gate": (ModelDrafter(draft), True, FixedGate(3)),
         # lookups sized by the controller from their own acceptance, the model drafting (gated) where none matches
-        "hybrid_auto": (HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2), True,
-                        FixedGate(3, per_draft=0.3)),  # lookups and model drafts each win some rounds
+        "hybrid_auto": (
+            HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2),
+            True,
+            FixedGate(3, per_draft=0.3),
+        ),  # lookups and model drafts each win some rounds
         # the draft sees 3 of the prompt's 7 fed tokens (a re-windowed row is a fresh draft on another
         # view: tests/test_draft_window.py; 3 new tokens are too few to reach a limit)
-        "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True,
-                         FixedGate(3)),
+        "draft_window": (ModelDrafter(draft, window=DraftWindow(sink=1, recent=2, limit=9)), True, FixedGate(3)),
         "backlog_scoring": (ModelDrafter(draft), True, ScoresThenDrafts(3)),
         # one draft planned, more while the drafts so far were likely accepted (no exploring: plans stay at one)
         "extension": (ModelDrafter(draft), True, Extends(3)),
@@ -196,8 +213,10 @@ def _adaptive_cases(draft):
 
 # deterministic drafts alone: the hybrid's lookups (suffix drafting at a fixed gamma, n-gram lookup under gamma auto)
 # and test_suffix_drafting_from_other_requests_is_exact
-@pytest.mark.parametrize("case", ["hybrid", "auto_gamma_with_gate", "hybrid_auto", "draft_window",
-                                  "backlog_scoring", "extension", "output_subset"])
+@pytest.mark.parametrize(
+    "case",
+    ["hybrid", "auto_gamma_with_gate", "hybrid_auto", "draft_window", "backlog_scoring", "extension", "output_subset"],
+)
 def test_adaptive_drafting_is_exact(pair, case: str) -> None:
     target, draft = pair
     drafter, adaptive, controller = _adaptive_cases(draft)[case]
@@ -266,8 +285,15 @@ def test_suffix_frequencies_reported_as_draft_probabilities_fail(pair) -> None:
 def test_gate_that_drops_the_token_fails(pair) -> None:
     target, draft = pair
     params = WARPS["temperature_1"]
-    counts = engine_counts(target, GateDropsToken(ModelDrafter(draft)), params, gamma=3, adaptive=True,
-                           planner=FixedGate(3), prompt=REPEATING)
+    counts = engine_counts(
+        target,
+        GateDropsToken(ModelDrafter(draft)),
+        params,
+        gamma=3,
+        adaptive=True,
+        planner=FixedGate(3),
+        prompt=REPEATING,
+    )
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic > threshold, f"the broken gate was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 
@@ -275,8 +301,15 @@ def test_gate_that_drops_the_token_fails(pair) -> None:
 def test_extension_that_drops_the_token_fails(pair) -> None:
     target, draft = pair
     params = WARPS["temperature_1"]
-    counts = engine_counts(target, ExtensionDropsToken(ModelDrafter(draft)), params, gamma=3, adaptive=True,
-                           planner=Extends(3), prompt=REPEATING)
+    counts = engine_counts(
+        target,
+        ExtensionDropsToken(ModelDrafter(draft)),
+        params,
+        gamma=3,
+        adaptive=True,
+        planner=Extends(3),
+        prompt=REPEATING,
+    )
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
     assert statistic > threshold, f"the broken extension was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 
@@ -286,7 +319,9 @@ def test_subset_draft_probabilities_at_the_wrong_ids_fail(pair) -> None:
     params = WARPS["temperature_1"]
     counts = engine_counts(target, SubsetProbsUnmapped(ModelDrafter(subset_draft())), params, gamma=3, prompt=REPEATING)
     statistic, threshold = chi_square(counts, exact_joint(target, params, REPEATING))
-    assert statistic > threshold, f"unmapped subset probabilities were not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+    assert statistic > threshold, (
+        f"unmapped subset probabilities were not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+    )
 
 
 FEATURE_PROMPTS = [REPEATING, [4, 1, 6], [2]]  # ragged: 7, 2 and 0 prompt tokens fed before the first round
@@ -311,28 +346,34 @@ def feature_draft(target, subset: list[int] | None = SUBSET):
     return EagleDrafter(head.to(DEVICE), target)
 
 
-def counts_by_prompt(target, drafter, params: SamplingParams, planner, prompts: list[list[int]],
-                     coupled: bool = False) -> list[np.ndarray]:
+def counts_by_prompt(
+    target, drafter, params: SamplingParams, planner, prompts: list[list[int]], coupled: bool = False
+) -> list[np.ndarray]:
     """Histograms of the first LENGTH tokens per prompt, the prompts' rows interleaved in one ragged batch."""
     config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=max(len(p) for p in prompts) + LENGTH, coupled=coupled)
     engine = Engine(target, drafter, config, planner=planner)
-    ids = [engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, seed=5000 + i))
-           for i in range(SAMPLES)]
+    ids = [
+        engine.add_request(prompts[i % len(prompts)], dataclasses.replace(params, seed=5000 + i))
+        for i in range(SAMPLES)
+    ]
     out: dict[str, list[int]] = {i: [] for i in ids}
     for result in engine.stream():
         for update in result.rows:
             out[update.request_id].extend(update.new_tokens)
     hists = []
     for p in range(len(prompts)):
-        index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids[p::len(prompts)]]
+        index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids[p :: len(prompts)]]
         hists.append(np.bincount(index, minlength=VOCAB**LENGTH))
     return hists
 
 
 def _feature_chi_squares(target, drafter, planner, coupled: bool = False) -> list[tuple[float, float]]:
-    return [chi_square(counts, exact_joint(target, FEATURE_WARP, prompt))
-            for counts, prompt in zip(counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS,
-                                                       coupled), FEATURE_PROMPTS)]
+    return [
+        chi_square(counts, exact_joint(target, FEATURE_WARP, prompt))
+        for counts, prompt in zip(
+            counts_by_prompt(target, drafter, FEATURE_WARP, planner, FEATURE_PROMPTS, coupled), FEATURE_PROMPTS
+        )
+    ]
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["feature_draft", "hybrid_with_feature_draft"])
@@ -407,8 +448,16 @@ def _coupled_chi_squares(pair, case: str) -> list[tuple[float, float]]:
     if case == "hybrid_gamma_auto":
         params = WARPS["temperature_1"]
         drafter = HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2)
-        counts = engine_counts(target, drafter, params, gamma=3, adaptive=True, planner=FixedGate(3, per_draft=0.3),
-                               prompt=REPEATING, coupled=True)
+        counts = engine_counts(
+            target,
+            drafter,
+            params,
+            gamma=3,
+            adaptive=True,
+            planner=FixedGate(3, per_draft=0.3),
+            prompt=REPEATING,
+            coupled=True,
+        )
         return [chi_square(counts, exact_joint(target, params, REPEATING))]
     return _feature_chi_squares(target, feature_draft(target), AlternatingTrees(TREE), coupled=True)
 

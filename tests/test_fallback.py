@@ -8,17 +8,16 @@ import random
 
 import pytest
 import torch
+from planner_driver import batch, fall_back, learn, scorings, simulate, timed, untimed
 
 from specsample import Engine, SamplingParams, SpecConfig, generate
 from specsample.drafters.model import ModelDrafter
-from specsample.planner import GammaController
+from specsample.planner import GammaController, fallback
 from specsample.planner import costs as cost_model
-from specsample.planner import fallback
 from specsample.planner.base import RoundOutcome, RoundPlan, RowOutcome, RowPlan, RowState
 from specsample.planner.costs import CostModel
 from specsample.sampling import warp_probs
 from specsample.theory import expected_speedup
-from planner_driver import batch, fall_back, learn, scorings, simulate, timed, untimed
 
 
 def test_gamma_auto_falls_back_and_recovers(monkeypatch) -> None:
@@ -189,20 +188,28 @@ def test_scorings_are_spaced_by_what_they_were_timed_to_cost(monkeypatch) -> Non
         plan = controller.plan(state)
         assert plan.rows[0].drafts == 0
         wanted = scorings(plan, state).get("r", 0)
-        learn(controller, plan, state,
-              RowOutcome("r", 0, 0, backlog_scores=(0.0,) * min(wanted, backlog) if wanted else None),
-              seconds=(0.0, 0.028 if wanted else 0.02, 0.0))
+        learn(
+            controller,
+            plan,
+            state,
+            RowOutcome("r", 0, 0, backlog_scores=(0.0,) * min(wanted, backlog) if wanted else None),
+            seconds=(0.0, 0.028 if wanted else 0.02, 0.0),
+        )
         if wanted:
             scored_at.append(i)
             backlog = 0
     assert controller.costs.scoring_cost(1) == pytest.approx(0.4, rel=0.01)
     assert {b - a for a, b in zip(scored_at[1:], scored_at[2:])} <= {40, 41}  # 0.4 / 1% + 1, as it rounds
     # a scoring planned in a round where another row drafted, at a batch size whose plain rounds were timed
-    controller.learn(RoundPlan(rows=(RowPlan(),) * 2),
-                     RoundOutcome((RowOutcome("x", 0, 0), RowOutcome("y", 0, 0)), 0, 0.0, 0.025, 0.0))
+    controller.learn(
+        RoundPlan(rows=(RowPlan(),) * 2),
+        RoundOutcome((RowOutcome("x", 0, 0), RowOutcome("y", 0, 0)), 0, 0.0, 0.025, 0.0),
+    )
     drafting = RoundPlan(rows=(RowPlan(score_backlog=4), RowPlan(1, 1)), chosen_ids=("r", "s"), model_drafting=True)
-    controller.learn(drafting, RoundOutcome((RowOutcome("r", 0, 0, backlog_scores=(0.0,) * 4),
-                                             RowOutcome("s", 1, 1)), 1, 0.005, 0.03, 0.0))
+    controller.learn(
+        drafting,
+        RoundOutcome((RowOutcome("r", 0, 0, backlog_scores=(0.0,) * 4), RowOutcome("s", 1, 1)), 1, 0.005, 0.03, 0.0),
+    )
     assert 2 not in controller.costs.scoring  # nor is it a drafting round's time
     assert 2 not in controller.costs.draft_step and controller.costs.drafting[2].count(1) == 0
 
@@ -345,8 +352,9 @@ class _Recording(ModelDrafter):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_request_in_fallback_learns_from_scores_not_probes(tiny_target, tiny_draft, monkeypatch,
-                                                              temperature: float) -> None:
+def test_a_request_in_fallback_learns_from_scores_not_probes(
+    tiny_target, tiny_draft, monkeypatch, temperature: float
+) -> None:
     """The acceptances gamma auto is told are, per token plain rounds committed, min(1, q / p) of the
     draft's and the target's probabilities of it (greedy: their agreement); no drafting probe runs; greedy,
     the reply is the target's."""
@@ -372,8 +380,9 @@ def test_a_request_in_fallback_learns_from_scores_not_probes(tiny_target, tiny_d
         inputs = torch.tensor([text], device=tiny_draft.device)
         draft_probs = warp_probs(tiny_draft(inputs)[0], params)  # [len, vocab]: row i predicts text[i + 1]
         target_probs = warp_probs(tiny_target(inputs)[0], params)
-    expected = [min(1.0, float(draft_probs[i - 1, text[i]]) / float(target_probs[i - 1, text[i]]))
-                for i in drafter.scored]
+    expected = [
+        min(1.0, float(draft_probs[i - 1, text[i]]) / float(target_probs[i - 1, text[i]])) for i in drafter.scored
+    ]
     assert controller.seen == pytest.approx(expected, abs=1e-6)
     if temperature == 0:
         assert set(controller.seen) == {0.0, 1.0}

@@ -18,20 +18,20 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-
-import specsample.engine as engine_module
 from live_server import LiveServer
 from model_factory import make_tokenizer, write_hf_model
+from prometheus_client.parser import text_string_to_metric_families
+from test_cli import run_cli
+
+import specsample.engine as engine_module
+import specsample.server.app as app_module
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.drafters.model import ModelDrafter
+from specsample.planner import FixedGamma
 from specsample.sampling import sample, warp_probs
-import specsample.server.app as app_module
 from specsample.server.app import SpecServer, build_app
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
 from specsample.speculator import EngineOptions, load
-from specsample.planner import FixedGamma
-from test_cli import run_cli
 
 MODEL = "tiny"
 KEY, ADMIN = "inference-key", "admin-key"
@@ -40,6 +40,7 @@ POISON = [7, 11, 13, 17, 19, 23]  # the prompt (token ids) of the request the te
 
 
 # ----- the engine: a row whose distributions are unusable ends alone ----------------------------------------------
+
 
 def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, tuple[list[int], str]]:
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
@@ -57,8 +58,10 @@ def test_rows_with_nan_logits_end_alone(tiny_target, tiny_draft, monkeypatch, te
     in a batch with sampled rows row 2's draft logits too: each ends with "error" and commits nothing more; the other
     rows give exactly the tokens they give without them."""
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
-    requests = [(p, SamplingParams(temperature=t, max_new_tokens=16, seed=10 + i))
-                for i, (p, t) in enumerate(zip(prompts, temperatures))]
+    requests = [
+        (p, SamplingParams(temperature=t, max_new_tokens=16, seed=10 + i))
+        for i, (p, t) in enumerate(zip(prompts, temperatures))
+    ]
 
     def engine() -> Engine:
         return Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=4), planner=FixedGamma(3))
@@ -69,7 +72,11 @@ def test_rows_with_nan_logits_end_alone(tiny_target, tiny_draft, monkeypatch, te
 
     def poison(logits: torch.Tensor, slots: list[int], row: int, where: str) -> torch.Tensor:
         calls[where] += 1
-        rows = [i for i, s in enumerate(slots) if s in poisoned.scheduler.by_slot() and poisoned.scheduler.by_slot()[s].prompt == prompts[row]]
+        rows = [
+            i
+            for i, s in enumerate(slots)
+            if s in poisoned.scheduler.by_slot() and poisoned.scheduler.by_slot()[s].prompt == prompts[row]
+        ]
         if rows and calls[where] > 2:
             logits = logits.clone()
             logits[rows] = float("nan")
@@ -119,8 +126,17 @@ def test_warping_keeps_the_most_likely_token() -> None:
 
 
 def test_sampling_settings_that_cannot_be_sampled_are_refused() -> None:
-    for kwargs in ({"temperature": 1e-40}, {"temperature": 5e-5}, {"temperature": math.inf}, {"top_p": 0.0},
-                   {"top_p": math.nan}, {"seed": -1}, {"seed": 2**64}, {"top_k": True}, {"max_new_tokens": True}):
+    for kwargs in (
+        {"temperature": 1e-40},
+        {"temperature": 5e-5},
+        {"temperature": math.inf},
+        {"top_p": 0.0},
+        {"top_p": math.nan},
+        {"seed": -1},
+        {"seed": 2**64},
+        {"top_k": True},
+        {"max_new_tokens": True},
+    ):
         with pytest.raises(ValueError) as caught:
             SamplingParams(**kwargs)
         assert caught.value.name == next(iter(kwargs))
@@ -129,24 +145,43 @@ def test_sampling_settings_that_cannot_be_sampled_are_refused() -> None:
 
 # ----- the server ------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("faults")
     models = root / "models"
     tokenizer = make_tokenizer()
-    return {"root": root, "models": models,
-            "target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128),
-            "draft": write_hf_model(models / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
-            "other_vocab": write_hf_model(models / "other", "llama", tokenizer=tokenizer, vocab_size=512,
-                                          num_hidden_layers=1, hidden_size=32, intermediate_size=64)}
+    return {
+        "root": root,
+        "models": models,
+        "target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128),
+        "draft": write_hf_model(models / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
+        "other_vocab": write_hf_model(
+            models / "other",
+            "llama",
+            tokenizer=tokenizer,
+            vocab_size=512,
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=64,
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
 def live(folders):
-    speculator = load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4,
-                                    dtype="float32"))
-    options = ServerOptions(model_name=MODEL, api_key=KEY, admin_key=ADMIN, models_dir=str(folders["models"]),
-                            max_batch_size=8, max_model_len=128, max_body_bytes=BODY_LIMIT)
+    speculator = load(
+        EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4, dtype="float32")
+    )
+    options = ServerOptions(
+        model_name=MODEL,
+        api_key=KEY,
+        admin_key=ADMIN,
+        models_dir=str(folders["models"]),
+        max_batch_size=8,
+        max_model_len=128,
+        max_body_bytes=BODY_LIMIT,
+    )
     server = LiveServer(SpecServer(speculator, options))
     yield server
     server.close()
@@ -157,8 +192,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 def _post(live, path: str, body, headers=None, **kwargs) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(live.url + path, content=content, timeout=60,
-                      headers={"content-type": "application/json", **AUTH, **(headers or {})}, **kwargs)
+    return httpx.post(
+        live.url + path,
+        content=content,
+        timeout=60,
+        headers={"content-type": "application/json", **AUTH, **(headers or {})},
+        **kwargs,
+    )
 
 
 def _metrics(live) -> dict[str, float]:
@@ -203,8 +243,10 @@ def _gather(live, bodies: list[dict]) -> list[tuple[int, str, str | None]]:
     return asyncio.run(run())
 
 
-HEALTHY = [{"prompt": p, "max_tokens": 40, "temperature": 0.8, "seed": 5 + i, "stream": i != 1}
-           for i, p in enumerate(["the quick brown fox", "hello world", "speculative sampling"])]
+HEALTHY = [
+    {"prompt": p, "max_tokens": 40, "temperature": 0.8, "seed": 5 + i, "stream": i != 1}
+    for i, p in enumerate(["the quick brown fox", "hello world", "speculative sampling"])
+]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -218,7 +260,11 @@ def test_a_poisoned_request_fails_alone(live, monkeypatch, stream) -> None:
 
     def score(model, tokens, cache, slots, width, features=False):
         logits, hidden = original(model, tokens, cache, slots, width, features)
-        rows = [i for i, s in enumerate(slots.tolist()) if s in engine.scheduler.by_slot() and engine.scheduler.by_slot()[s].prompt == POISON]
+        rows = [
+            i
+            for i, s in enumerate(slots.tolist())
+            if s in engine.scheduler.by_slot() and engine.scheduler.by_slot()[s].prompt == POISON
+        ]
         if rows and len(slots) > 1:
             logits = logits.clone()
             logits[rows] = float("nan")
@@ -274,8 +320,10 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     monkeypatch.setattr(engine, "step", slow_step)
     before = _metrics(live)
     body = json.dumps(request).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     sockets = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(4)]
     for sock in sockets:
         sock.sendall(request)
@@ -296,24 +344,27 @@ def test_non_streamed_requests_are_cancelled_when_their_clients_hang_up(live, mo
     assert generated < 4 * 100 * 0.75
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "\ud800 hi"}, "prompt"),
-    ({"prompt": "hi", "temperature": 1e-40}, "temperature"),
-    ({"prompt": "hi", "temperature": 5e-5}, "temperature"),
-    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
-    ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": "hi", "n": 2.0}, "n"),
-    ({"prompt": [1, True]}, "prompt.1"),
-    ({"prompt": [1, 99999]}, "prompt"),
-    ({"prompt": "hi", "presence_penalty": -2.5}, "presence_penalty"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "hi", "echo": True}, "echo"),
-    ({"prompt": "hi", "best_of": 3}, "best_of"),
-    ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),  # logits / 1e-300 overflow
-    ({"prompt": "hi", "repetition_penalty": 1e300}, "repetition_penalty"),
-    ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # "²" is a digit to str.isdigit
-    ({"prompt": "hi", "logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),  # "١٢" would read as token 12
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "\ud800 hi"}, "prompt"),
+        ({"prompt": "hi", "temperature": 1e-40}, "temperature"),
+        ({"prompt": "hi", "temperature": 5e-5}, "temperature"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "n": 2.0}, "n"),
+        ({"prompt": [1, True]}, "prompt.1"),
+        ({"prompt": [1, 99999]}, "prompt"),
+        ({"prompt": "hi", "presence_penalty": -2.5}, "presence_penalty"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "hi", "echo": True}, "echo"),
+        ({"prompt": "hi", "best_of": 3}, "best_of"),
+        ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),  # logits / 1e-300 overflow
+        ({"prompt": "hi", "repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # "²" is a digit to str.isdigit
+        ({"prompt": "hi", "logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),  # "١٢" would read as token 12
+    ],
+)
 def test_bad_completion_requests_name_their_parameter(live, body, param) -> None:
     response = _post(live, "/v1/completions", body)
     assert response.status_code == 400, response.text
@@ -322,12 +373,21 @@ def test_bad_completion_requests_name_their_parameter(live, body, param) -> None
     assert "None" not in error["message"] and "Value error" not in error["message"]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": [{"role": "user", "content": "a \udfff b"}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "regex"}}, "response_format.type"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": True}, "max_completion_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": [{"role": "user", "content": "a \udfff b"}]}, "messages.0.content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages.0.content.0.text",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "regex"}},
+            "response_format.type",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": True}, "max_completion_tokens"),
+    ],
+)
 def test_bad_chat_requests_name_their_parameter(live, body, param) -> None:
     response = _post(live, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
@@ -351,13 +411,18 @@ def test_deep_bodies_and_schemas_are_400(live) -> None:
 
     def schema_request(levels: int) -> dict:
         schema = json.loads('{"type": "array", "items": ' * levels + "{}" + "}" * levels)
-        return {"messages": [{"role": "user", "content": "hi"}],
-                "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+        return {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}},
+        }
 
-    answers = [_post(live, "/v1/completions", deep), _post(live, "/v1/completions", over),
-               _post(live, "/admin/draft", deep, headers={"Authorization": f"Bearer {ADMIN}"}),
-               _post(live, "/v1/chat/completions", schema_request(900)),
-               _post(live, "/v1/chat/completions", schema_request(80))]
+    answers = [
+        _post(live, "/v1/completions", deep),
+        _post(live, "/v1/completions", over),
+        _post(live, "/admin/draft", deep, headers={"Authorization": f"Bearer {ADMIN}"}),
+        _post(live, "/v1/chat/completions", schema_request(900)),
+        _post(live, "/v1/chat/completions", schema_request(80)),
+    ]
     assert answers[-1].json()["error"]["param"] == "response_format.json_schema.schema"
     assert "the schema nests 81 levels deep; the limit is 64" in answers[-1].json()["error"]["message"]
     for response in answers:
@@ -369,22 +434,25 @@ def test_deep_bodies_and_schemas_are_400(live) -> None:
 def test_metrics_need_a_key_when_the_server_has_one(live, monkeypatch) -> None:
     """With --api-key, /metrics answers the metrics key or the admin key, not the inference key nor no key; a server
     with an API key but neither of the others says how to open it."""
+
     def status(key: str | None) -> int:
         return httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).status_code
 
     assert [status(k) for k in (None, KEY, "wrong", ADMIN)] == [401, 401, 401, 200]
     monkeypatch.setattr(live.server, "options", dataclasses.replace(live.server.options, metrics_key="metrics-key"))
     assert [status(k) for k in (None, KEY, "metrics-key", ADMIN)] == [401, 401, 200, 200]
-    monkeypatch.setattr(live.server, "options", dataclasses.replace(live.server.options, metrics_key=None,
-                                                                    admin_key=None))
+    monkeypatch.setattr(
+        live.server, "options", dataclasses.replace(live.server.options, metrics_key=None, admin_key=None)
+    )
     refused = httpx.get(live.url + "/metrics", headers=AUTH)
     assert refused.status_code == 401 and "--metrics-key" in refused.json()["error"]["message"]
 
 
 def test_keys_are_compared_as_bytes(live) -> None:
     for token in ("ключ".encode(), b"\xff\xfe", KEY.encode() + b"\xe9"):
-        response = httpx.post(live.url + "/v1/completions", json={"prompt": "hi"},
-                              headers=[(b"authorization", b"Bearer " + token)])
+        response = httpx.post(
+            live.url + "/v1/completions", json={"prompt": "hi"}, headers=[(b"authorization", b"Bearer " + token)]
+        )
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(live.url + "/health").status_code == 200  # open without a key
 
@@ -398,10 +466,11 @@ def test_bodies_over_the_limit_are_refused_unread(live) -> None:
 
     def chunks():
         for start in range(0, len(big), 16 * 1024):
-            yield big[start:start + 16 * 1024]
+            yield big[start : start + 16 * 1024]
 
-    chunked = httpx.post(live.url + "/v1/completions", content=chunks(), timeout=60,
-                         headers={"content-type": "application/json", **AUTH})
+    chunked = httpx.post(
+        live.url + "/v1/completions", content=chunks(), timeout=60, headers={"content-type": "application/json", **AUTH}
+    )
     assert chunked.status_code == 413
     padded = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
     padded = padded[:-1] + b" " * (BODY_LIMIT - len(padded)) + b"}"
@@ -434,8 +503,12 @@ def test_tokenizing_runs_off_the_event_loop(live, monkeypatch) -> None:
 
 
 def _swap(live, spec: str, key: str = ADMIN, body_extra: dict | None = None) -> httpx.Response:
-    return httpx.post(live.url + "/admin/draft", json={"draft": spec, **(body_extra or {})},
-                      headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    return httpx.post(
+        live.url + "/admin/draft",
+        json={"draft": spec, **(body_extra or {})},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
 
 
 def test_admin_needs_its_own_key_and_exists_only_with_one(live, monkeypatch) -> None:
@@ -449,9 +522,22 @@ def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folder
     """Specs outside the built-in drafts and the models folder, missing ones, files, folders elsewhere, escapes from
     the folder and drafts that do not fit the target all get the same answer; drafts in the folder swap in."""
     outside = folders["target"]
-    refused = [str(outside), str(outside / "config.json"), str(folders["root"] / "missing"), "../target",
-               "draft/../../target", "missing", "draft/config.json", "other", "hybrid:../target", "hybrid:other",
-               "/etc", "none", "org/name", "."]
+    refused = [
+        str(outside),
+        str(outside / "config.json"),
+        str(folders["root"] / "missing"),
+        "../target",
+        "draft/../../target",
+        "missing",
+        "draft/config.json",
+        "other",
+        "hybrid:../target",
+        "hybrid:other",
+        "/etc",
+        "none",
+        "org/name",
+        ".",
+    ]
     messages = set()
     for spec in refused:
         response = _swap(live, spec)
@@ -478,22 +564,25 @@ def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folder
 # ----- the command line ------------------------------------------------------------------------------------------
 
 
-
-@pytest.mark.parametrize("flags, flag", [
-    (["--temperature", "1e-40"], "--temperature"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--top-p", "0"], "--top-p"),
-    (["--top-p", "nan"], "--top-p"),
-    (["--min-p", "1"], "--min-p"),
-    (["--seed", "-1"], "--seed"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--device", "cuda:99"], "--device"),
-    (["--device", "tpu"], "--device"),
-    (["--dtype", "float17"], "--dtype"),
-    (["--max-gamma", "0"], "--max-gamma"),
-    (["--json-schema", "/no/such/schema.json"], "--json-schema"),
-    (["--json-schema", __file__], "--json-schema"),  # not JSON
-] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]))
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--temperature", "1e-40"], "--temperature"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "nan"], "--top-p"),
+        (["--min-p", "1"], "--min-p"),
+        (["--seed", "-1"], "--seed"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--device", "cuda:99"], "--device"),
+        (["--device", "tpu"], "--device"),
+        (["--dtype", "float17"], "--dtype"),
+        (["--max-gamma", "0"], "--max-gamma"),
+        (["--json-schema", "/no/such/schema.json"], "--json-schema"),
+        (["--json-schema", __file__], "--json-schema"),  # not JSON
+    ]
+    + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]),
+)
 def test_generate_refuses_bad_flags_before_loading(flags, flag) -> None:
     """Each names its flag on one line with exit status 2; the target does not exist, so a check that waited for
     the models would report that instead."""
@@ -503,16 +592,19 @@ def test_generate_refuses_bad_flags_before_loading(flags, flag) -> None:
     assert len(lines) == 1 and f"argument {flag}" in lines[0] and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("flags, flag", [
-    (["--max-body-bytes", "0"], "--max-body-bytes"),
-    (["--prefix-cache-rows", "-1"], "--prefix-cache-rows"),
-    (["--models-dir", "/no/such/folder"], "--models-dir"),
-    (["--admin-key", ""], "--admin-key"),
-    (["--api-key", "same", "--admin-key", "same"], "--admin-key"),
-    (["--max-batch-size", "0"], "--max-batch-size"),
-    (["--port", "70000"], "--port"),
-    (["--device", "cuda:99"], "--device"),
-])
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--max-body-bytes", "0"], "--max-body-bytes"),
+        (["--prefix-cache-rows", "-1"], "--prefix-cache-rows"),
+        (["--models-dir", "/no/such/folder"], "--models-dir"),
+        (["--admin-key", ""], "--admin-key"),
+        (["--api-key", "same", "--admin-key", "same"], "--admin-key"),
+        (["--max-batch-size", "0"], "--max-batch-size"),
+        (["--port", "70000"], "--port"),
+        (["--device", "cuda:99"], "--device"),
+    ],
+)
 def test_serve_refuses_bad_flags_before_loading(flags, flag) -> None:
     done = run_cli("serve", "--model", "no-such-model", *flags)
     assert done.returncode == 2
@@ -521,8 +613,20 @@ def test_serve_refuses_bad_flags_before_loading(flags, flag) -> None:
 
 
 def test_generate_with_a_tiny_top_p_gives_the_greedy_text(folders) -> None:
-    args = ["generate", "hello world", "--target", str(folders["target"]), "--draft", "ngram", "--no-chat", "--json",
-            "--max-new-tokens", "8", "--dtype", "float32"]
+    args = [
+        "generate",
+        "hello world",
+        "--target",
+        str(folders["target"]),
+        "--draft",
+        "ngram",
+        "--no-chat",
+        "--json",
+        "--max-new-tokens",
+        "8",
+        "--dtype",
+        "float32",
+    ]
     tiny = run_cli(*args, "--top-p", "1e-300", "--seed", "0")
     assert tiny.returncode == 0, tiny.stderr
     assert json.loads(tiny.stdout)["token_ids"] == json.loads(run_cli(*args, "--temperature", "0").stdout)["token_ids"]
@@ -531,19 +635,114 @@ def test_generate_with_a_tiny_top_p_gives_the_greedy_text(folders) -> None:
 # ----- fuzzing: generated bad bodies never get a 5xx ------------------------------------------------------------
 
 FUZZ_BODIES = 3000
-EDGES = [None, True, False, 0, -1, 1, 2**63, 2**64, -2**63 - 1, 10**40, 1e308, -1e308, 5e-324, 1e-300, 0.5, -0.0,
-         "", "x", "0", "1e999", "\u0000", "\u202e\u0661\u00b2", "\U0001f600" * 50, "x" * 5000, [], {}, [[]], [1, 2],
-         {"a": 1}, {"type": "object"}, ["a"] * 300]
-RAW = [b"", b"{", b"[", b'{"prompt": "hi"', b"\xff\xfe{}", b'{"prompt": "\\ud800"}', b'{"prompt": NaN}',
-       b'{"prompt": "hi", "temperature": Infinity}', b'{"prompt": "hi", "max_tokens": 1e999}', b"null", b"[]",
-       b'{"prompt": "hi", "prompt": 5}', b'{"\\u0000": 1}', b"[" * 5000, b'{"a":' * 3000]
-FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
-          "stream_options", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "response_format", "cache_salt", "user", "model", "echo", "suffix",
-          "num_speculative_tokens", "speculative", "max_completion_tokens", "best_of", "\u00e9", "a" * 300]
-SCHEMA_KEYS = ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref",
-               "pattern", "minLength", "maxLength", "minimum", "maximum", "format", "additionalProperties", "$defs",
-               "prefixItems", "minItems", "uniqueItems", "description", "if"]
+EDGES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**40,
+    1e308,
+    -1e308,
+    5e-324,
+    1e-300,
+    0.5,
+    -0.0,
+    "",
+    "x",
+    "0",
+    "1e999",
+    "\u0000",
+    "\u202e\u0661\u00b2",
+    "\U0001f600" * 50,
+    "x" * 5000,
+    [],
+    {},
+    [[]],
+    [1, 2],
+    {"a": 1},
+    {"type": "object"},
+    ["a"] * 300,
+]
+RAW = [
+    b"",
+    b"{",
+    b"[",
+    b'{"prompt": "hi"',
+    b"\xff\xfe{}",
+    b'{"prompt": "\\ud800"}',
+    b'{"prompt": NaN}',
+    b'{"prompt": "hi", "temperature": Infinity}',
+    b'{"prompt": "hi", "max_tokens": 1e999}',
+    b"null",
+    b"[]",
+    b'{"prompt": "hi", "prompt": 5}',
+    b'{"\\u0000": 1}',
+    b"[" * 5000,
+    b'{"a":' * 3000,
+]
+FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "response_format",
+    "cache_salt",
+    "user",
+    "model",
+    "echo",
+    "suffix",
+    "num_speculative_tokens",
+    "speculative",
+    "max_completion_tokens",
+    "best_of",
+    "\u00e9",
+    "a" * 300,
+]
+SCHEMA_KEYS = [
+    "type",
+    "properties",
+    "required",
+    "items",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "not",
+    "$ref",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minimum",
+    "maximum",
+    "format",
+    "additionalProperties",
+    "$defs",
+    "prefixItems",
+    "minItems",
+    "uniqueItems",
+    "description",
+    "if",
+]
 
 
 def _fuzz_value(rng, depth: int = 0):
@@ -561,9 +760,18 @@ def _fuzz_value(rng, depth: int = 0):
 def _fuzz_schema(rng, depth: int = 0):
     if depth > 2 or rng.random() < 0.3:
         return rng.choice([{"type": t} for t in ("string", "integer", "boolean", "object", "bogus")] + EDGES[:8])
-    return {rng.choice(SCHEMA_KEYS): rng.choice([_fuzz_schema(rng, depth + 1), [_fuzz_schema(rng, depth + 1)],
-                                                 _fuzz_value(rng, depth + 1), "^.{1,5000}$", "#/$defs/x"])
-            for _ in range(rng.randrange(1, 4))}
+    return {
+        rng.choice(SCHEMA_KEYS): rng.choice(
+            [
+                _fuzz_schema(rng, depth + 1),
+                [_fuzz_schema(rng, depth + 1)],
+                _fuzz_value(rng, depth + 1),
+                "^.{1,5000}$",
+                "#/$defs/x",
+            ]
+        )
+        for _ in range(rng.randrange(1, 4))
+    }
 
 
 def _fuzz_body(rng) -> tuple[str, bytes]:
@@ -587,8 +795,9 @@ def _fuzz_body(rng) -> tuple[str, bytes]:
 def test_generated_bad_bodies_get_no_5xx_and_leave_the_server_healthy(live) -> None:
     """FUZZ_BODIES generated bodies (types, sizes, depths, Unicode, numbers at the edges, random schemas) through an
     in-process client: no 5xx, every error in the OpenAI shape, and a healthy server afterwards."""
-    server = SpecServer(live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128,
-                                                             grammar_workers=1))
+    server = SpecServer(
+        live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128, grammar_workers=1)
+    )
     app = build_app()
     app.state.server = server
     rng, statuses = random.Random(55), collections.Counter()
@@ -606,7 +815,10 @@ def test_generated_bad_bodies_get_no_5xx_and_leave_the_server_healthy(live) -> N
             health = await client.get("/health")
             assert health.status_code == 200 and health.json()["running"] == 0
             ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
-            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")  # EOS may come first
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in (
+                "length",
+                "stop",
+            )  # EOS may come first
 
     async def serve() -> None:
         server.start()

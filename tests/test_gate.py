@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import pytest
 import torch
+from model_factory import draft_request
+from planner_driver import batch, calibrate_confidence, untimed
 
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.base import Extension
@@ -16,7 +17,6 @@ from specsample.planner import adaptive
 from specsample.planner import costs as cost_model
 from specsample.planner.base import BatchState, RoundPlan, RowPlan, RowState
 from specsample.planner.costs import RoundKind
-from planner_driver import batch, calibrate_confidence, untimed
 
 
 @pytest.fixture
@@ -112,15 +112,21 @@ def test_greedy_output_is_the_targets_when_rounds_draft_past_their_plan(tiny_tar
     prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7, 4, 5, 6], [3], [10, 11, 10, 11, 10]]
     params = SamplingParams(temperature=0, max_new_tokens=30)
     plain = [c.token_ids for c in generate(tiny_target, prompts, params).completions]
-    out = generate(tiny_target, prompts, params, draft=ModelDrafter(tiny_draft), config=SpecConfig(),
-                   planner=_AlwaysExtends())
+    out = generate(
+        tiny_target, prompts, params, draft=ModelDrafter(tiny_draft), config=SpecConfig(), planner=_AlwaysExtends()
+    )
     assert [c.token_ids for c in out.completions] == plain
     assert out.stats["drafted"] > 1.5 * out.stats["drafts"]  # planned one a round, drafted up to 4
     assert out.stats["extended_row_rounds"] >= out.stats["drafts"] // 2  # ...and the statistics say so
 
 
-def _model_drafted(tiny_draft, extension: Extension | None, drafts: tuple[int, ...], reach: tuple[int, ...],
-                   thresholds: tuple[float, ...] = ()) -> list[int]:
+def _model_drafted(
+    tiny_draft,
+    extension: Extension | None,
+    drafts: tuple[int, ...],
+    reach: tuple[int, ...],
+    thresholds: tuple[float, ...] = (),
+) -> list[int]:
     drafter = ModelDrafter(tiny_draft)
     drafter.allocate(2, 64)
     drafter.add_rows([0, 1], [[1, 2, 3, 4], [5, 6, 7]])

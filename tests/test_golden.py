@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from virtual_clock import ClockedLM, VirtualClock
 
 from specsample import Engine, SamplingParams, SpecConfig, tiny_lm
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.planner import FixedGamma, GammaController
-from virtual_clock import ClockedLM, VirtualClock
 
 CASES = json.loads((Path(__file__).parent / "golden" / "engine_outputs.json").read_text())
 COSTS = {"target": (0.010, 0.0008), "draft": (0.0015, 0.0002)}  # virtual seconds: per forward, per row-token
@@ -63,23 +63,45 @@ def _run(case: dict, models) -> tuple[list[list[int]], list[str], list[list[int]
     target, draft, window = models
     clock = VirtualClock()
     gamma = case["gamma"]
-    config = SpecConfig(speculative=case["drafter"] != "none", max_batch_size=case["max_batch_size"],
-                        max_seq_len=case["max_seq_len"], target_widths=tuple(case["target_widths"]))
+    config = SpecConfig(
+        speculative=case["drafter"] != "none",
+        max_batch_size=case["max_batch_size"],
+        max_seq_len=case["max_seq_len"],
+        target_widths=tuple(case["target_widths"]),
+    )
     planner = GammaController(6) if gamma == "auto" else FixedGamma(gamma)
-    engine = Engine(ClockedLM(target, clock, *COSTS["target"]), _drafter(case["drafter"], draft, clock, window),
-                    config, case["eos"], planner, clock=clock)
-    ids = [engine.add_request(r["prompt"], SamplingParams(
-               temperature=r["temperature"], top_k=r.get("top_k"), top_p=r.get("top_p", 1.0),
-               max_new_tokens=r["max_new_tokens"], seed=r["seed"]),
-           speculative=r.get("speculative", True), gamma=r.get("gamma")) for r in case["requests"]]
+    engine = Engine(
+        ClockedLM(target, clock, *COSTS["target"]),
+        _drafter(case["drafter"], draft, clock, window),
+        config,
+        case["eos"],
+        planner,
+        clock=clock,
+    )
+    ids = [
+        engine.add_request(
+            r["prompt"],
+            SamplingParams(
+                temperature=r["temperature"],
+                top_k=r.get("top_k"),
+                top_p=r.get("top_p", 1.0),
+                max_new_tokens=r["max_new_tokens"],
+                seed=r["seed"],
+            ),
+            speculative=r.get("speculative", True),
+            gamma=r.get("gamma"),
+        )
+        for r in case["requests"]
+    ]
     outputs: dict[str, list[int]] = {i: [] for i in ids}
     finish: dict[str, str] = {}
     rounds = []
     for result in engine.stream():
         s = result.stats
         if s.batch_size:
-            rounds.append([s.batch_size, s.drafted, s.accepted, s.fallback_rows, s.scored_rows, s.lookup_rows,
-                           s.extended_rows])
+            rounds.append(
+                [s.batch_size, s.drafted, s.accepted, s.fallback_rows, s.scored_rows, s.lookup_rows, s.extended_rows]
+            )
         for update in result.rows:
             outputs[update.request_id].extend(update.new_tokens)
             if update.finish_reason:

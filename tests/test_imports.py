@@ -34,7 +34,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
@@ -85,8 +87,12 @@ def test_every_module_imports_on_its_own() -> None:
     """Each module imported first in a clean interpreter state (the package's modules dropped in between), in two
     interpreters at once, each taking every other module."""
     names = [n for n in sorted(_modules()) if not any(n.startswith(m) for m in OPTIONAL) or _has(OPTIONAL[n])]
-    processes = [subprocess.Popen([sys.executable, "-c", _importer(names[half::2])], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for half in (0, 1)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _importer(names[half::2])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for half in (0, 1)
+    ]
     for process in processes:
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-2000:]

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-import specsample.engine as engine_module
 from live_server import LiveServer
 from model_factory import make_tokenizer, write_hf_model
+
+import specsample.engine as engine_module
 from specsample.server.app import SpecServer
 from specsample.server.options import ServerOptions
 from specsample.speculator import EngineOptions, load
@@ -34,8 +34,16 @@ POISON_EVERY = 10.0
 WARM_UP = 15.0  # seconds before the memory baseline is taken
 RSS_BOUND_MIB = 64  # most resident-memory growth allowed between the end of warm-up and the end of the run
 POISON = [7, 11, 13, 17, 19, 23]
-PROMPTS = ["the quick brown fox", "hello world", "speculative sampling", "the lazy dog jumps", "tokens for tests",
-           "a tiny language model", "over the quick dog", "world hello fox"]
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "speculative sampling",
+    "the lazy dog jumps",
+    "tokens for tests",
+    "a tiny language model",
+    "over the quick dog",
+    "world hello fox",
+]
 
 
 def _rss_mib() -> float:
@@ -71,8 +79,9 @@ def live(tmp_path_factory):
     target = write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128)
     draft = write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
     speculator = load(EngineOptions(target=str(target), draft=str(draft), gamma="auto", max_gamma=4, dtype="float32"))
-    server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY,
-                                                             max_model_len=128)))
+    server = LiveServer(
+        SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY, max_model_len=128))
+    )
     yield server
     server.close()
 
@@ -83,7 +92,11 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch, tmp_path) ->
 
     def score(model, tokens, cache, slots, width, features=False):  # the poisoned request's logits are NaN
         logits, hidden = original(model, tokens, cache, slots, width, features)
-        rows = [i for i, s in enumerate(slots.tolist()) if s in engine.scheduler.by_slot() and engine.scheduler.by_slot()[s].prompt == POISON]
+        rows = [
+            i
+            for i, s in enumerate(slots.tolist())
+            if s in engine.scheduler.by_slot() and engine.scheduler.by_slot()[s].prompt == POISON
+        ]
         if rows:
             logits = logits.clone()
             logits[rows] = float("nan")
@@ -97,8 +110,13 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch, tmp_path) ->
     async def client_loop(client: httpx.AsyncClient, worker: int, end: float) -> None:
         rng = random.Random(worker)
         while time.monotonic() < end:
-            body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(8, 48), "temperature": 0.8,
-                    "seed": rng.randrange(2**31), "stream": rng.random() < 0.5}
+            body = {
+                "prompt": rng.choice(PROMPTS),
+                "max_tokens": rng.randint(8, 48),
+                "temperature": 0.8,
+                "seed": rng.randrange(2**31),
+                "stream": rng.random() < 0.5,
+            }
             start = time.perf_counter()
             completed, finish = await _one(client, body)
             healthy.append((time.perf_counter() - start, completed, finish))
@@ -106,8 +124,11 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch, tmp_path) ->
     async def poisoner(client: httpx.AsyncClient, end: float) -> None:
         while time.monotonic() + POISON_EVERY < end:
             await asyncio.sleep(POISON_EVERY)
-            poisoned.append(await _one(client, {"prompt": POISON, "max_tokens": 32, "temperature": 0.8,
-                                                "stream": len(poisoned) % 2 == 0}))
+            poisoned.append(
+                await _one(
+                    client, {"prompt": POISON, "max_tokens": 32, "temperature": 0.8, "stream": len(poisoned) % 2 == 0}
+                )
+            )
 
     async def sample_memory() -> None:
         await asyncio.sleep(WARM_UP)
@@ -118,8 +139,9 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch, tmp_path) ->
         end = started + SECONDS
         limits = httpx.Limits(max_connections=CONCURRENCY + 2)
         async with httpx.AsyncClient(base_url=live.url, timeout=120, limits=limits) as client:
-            await asyncio.gather(*(client_loop(client, w, end) for w in range(CONCURRENCY)), poisoner(client, end),
-                                 sample_memory())
+            await asyncio.gather(
+                *(client_loop(client, w, end) for w in range(CONCURRENCY)), poisoner(client, end), sample_memory()
+            )
         return time.monotonic() - started
 
     load_before = os.getloadavg()[0]  # other work on the machine while it ran
@@ -130,13 +152,20 @@ def test_closed_loop_load_with_poisoned_requests(live, monkeypatch, tmp_path) ->
     p50, p99 = latencies[len(latencies) // 2], latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
     growth = rss["end"] - rss["after_warm_up"]
     report = {
-        "seconds": round(wall, 1), "concurrency": CONCURRENCY, "healthy_requests": len(healthy), "lost": len(lost),
-        "poisoned_requests": len(poisoned), "poisoned_ended_in_error": sum(1 for p in poisoned if p[1] == "error"
-                                                                           or not p[0]),
-        "latency_p50_seconds": round(p50, 4), "latency_p99_seconds": round(p99, 4),
-        "rss_mib_after_warm_up": round(rss["after_warm_up"], 1), "rss_mib_end": round(rss["end"], 1),
-        "rss_growth_mib": round(growth, 1), "rss_bound_mib": RSS_BOUND_MIB,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_average_before": round(load_before, 2),
+        "seconds": round(wall, 1),
+        "concurrency": CONCURRENCY,
+        "healthy_requests": len(healthy),
+        "lost": len(lost),
+        "poisoned_requests": len(poisoned),
+        "poisoned_ended_in_error": sum(1 for p in poisoned if p[1] == "error" or not p[0]),
+        "latency_p50_seconds": round(p50, 4),
+        "latency_p99_seconds": round(p99, 4),
+        "rss_mib_after_warm_up": round(rss["after_warm_up"], 1),
+        "rss_mib_end": round(rss["end"], 1),
+        "rss_growth_mib": round(growth, 1),
+        "rss_bound_mib": RSS_BOUND_MIB,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "load_average_before": round(load_before, 2),
         "models": "tiny (tests/model_factory.py), float32",
     }
     print(json.dumps(report, indent=1))
@@ -166,11 +195,16 @@ def big_vocab(tmp_path_factory):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_TOKENIZER))
-    target = write_hf_model(tmp_path_factory.mktemp("big_vocab") / "target", "llama", tokenizer=tokenizer,
-                            max_position_embeddings=128)
+    target = write_hf_model(
+        tmp_path_factory.mktemp("big_vocab") / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128
+    )
     speculator = load(EngineOptions(target=str(target), draft="ngram", gamma=4, dtype="float32"))
-    server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY,
-                                                             max_model_len=128, grammar_compile_timeout=60)))
+    server = LiveServer(
+        SpecServer(
+            speculator,
+            ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY, max_model_len=128, grammar_compile_timeout=60),
+        )
+    )
     yield server
     server.close()
 
@@ -179,8 +213,11 @@ def _heavy(i: int) -> dict:
     """A chat request whose schema takes about half a second to compile with SmolLM2's vocabulary (a 1,000-character
     pattern, at the limit), each one different."""
     schema = {"type": "object", "properties": {f"field{i}": {"type": "string", "pattern": "^.{1000}$"}}}
-    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "heavy", "schema": schema}}}
+    return {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "heavy", "schema": schema}},
+    }
 
 
 def test_an_unrelated_request_keeps_its_latency_while_grammars_compile(big_vocab) -> None:
@@ -207,8 +244,7 @@ def test_an_unrelated_request_keeps_its_latency_while_grammars_compile(big_vocab
             await client.post("/v1/chat/completions", json=_heavy(-1))  # the workers started
             before = await latencies(client)
             compiled = pool.compiled
-            flood = [asyncio.ensure_future(client.post("/v1/chat/completions", json=_heavy(i)))
-                     for i in range(FLOOD)]
+            flood = [asyncio.ensure_future(client.post("/v1/chat/completions", json=_heavy(i))) for i in range(FLOOD)]
             await asyncio.sleep(0.3)
             during = median(await latencies(client))
             busy_at_end = len(pool._busy)
@@ -220,9 +256,14 @@ def test_an_unrelated_request_keeps_its_latency_while_grammars_compile(big_vocab
             deadline = time.perf_counter() + 2
             while pool.started == started and time.perf_counter() < deadline:
                 await asyncio.sleep(0.02)
-            return {"idle_median_s": round(idle, 4), "during_compiles_median_s": round(during, 4),
-                    "compiles": pool.compiled - compiled, "busy_workers_at_end_of_measure": busy_at_end,
-                    "statuses": statuses, "worker_killed_after_leave": pool.started < started}
+            return {
+                "idle_median_s": round(idle, 4),
+                "during_compiles_median_s": round(during, 4),
+                "compiles": pool.compiled - compiled,
+                "busy_workers_at_end_of_measure": busy_at_end,
+                "statuses": statuses,
+                "worker_killed_after_leave": pool.started < started,
+            }
 
     report = asyncio.run(run())
     print(json.dumps(report))
@@ -233,12 +274,32 @@ def test_an_unrelated_request_keeps_its_latency_while_grammars_compile(big_vocab
 
 # ----- shutdown of a real `specsample serve` process --------------------------------------------------------------
 
+
 def _serve_process(live_folder: Path, port: int, timeout: float) -> subprocess.Popen:
     """`specsample serve` on the tiny pair, one request at a time (the rest queue), once it answers /health."""
-    command = [sys.executable, "-m", "specsample.cli", "serve", "--model", str(live_folder / "target"),
-               "--speculative-model", str(live_folder / "draft"), "--dtype", "float32", "--pad-rows", "off",
-               "--max-model-len", "128", "--max-batch-size", "1", "--port", str(port),
-               "--shutdown-timeout", str(timeout), "--enforce-eager"]
+    command = [
+        sys.executable,
+        "-m",
+        "specsample.cli",
+        "serve",
+        "--model",
+        str(live_folder / "target"),
+        "--speculative-model",
+        str(live_folder / "draft"),
+        "--dtype",
+        "float32",
+        "--pad-rows",
+        "off",
+        "--max-model-len",
+        "128",
+        "--max-batch-size",
+        "1",
+        "--port",
+        str(port),
+        "--shutdown-timeout",
+        str(timeout),
+        "--enforce-eager",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -260,13 +321,19 @@ def pair(tmp_path_factory) -> Path:
     return root
 
 
-LONG = {"prompt": "the quick brown fox", "max_tokens": 100, "temperature": 0.8, "seed": 1,
-        "logit_bias": {"0": -100, "1": -100, "2": -100}}  # no end of text: each runs to max_tokens
+LONG = {
+    "prompt": "the quick brown fox",
+    "max_tokens": 100,
+    "temperature": 0.8,
+    "seed": 1,
+    "logit_bias": {"0": -100, "1": -100, "2": -100},
+}  # no end of text: each runs to max_tokens
 
 
 async def _ends(url: str, streams: int, plain: int, after_start) -> list[tuple[int, str]]:
     """(status, how it ended) of `streams` streamed and `plain` non-streamed long requests sent together; a stream
     ends "done" ([DONE] after a finish), "error-done" ([DONE] after an error event) or "cut" (no [DONE])."""
+
     async def stream(client):
         events = []
         async with client.stream("POST", "/v1/completions", json=LONG | {"stream": True}) as response:

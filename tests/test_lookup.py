@@ -4,11 +4,12 @@ estimates; what the drafters offer and propose; the engine running them."""
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import random
 
 import pytest
 import torch
+from model_factory import draft_request
+from planner_driver import UNLIMITED, accepted, batch, drafts, learn, lookups, untimed
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
 from specsample.drafters.base import PromptLookup
@@ -18,7 +19,6 @@ from specsample.drafters.routed import RoutedDrafter
 from specsample.planner import GammaController
 from specsample.planner import costs as cost_model
 from specsample.planner.base import RowOutcome, RowState
-from planner_driver import UNLIMITED, accepted, batch, drafts, learn, lookups, untimed
 
 
 def _offer(rid: str = "r", available: int = 0, model: bool = True, remaining: int = UNLIMITED) -> RowState:
@@ -36,8 +36,14 @@ def _lookup_round(controller: GammaController, available: int, taken: int | None
     return n
 
 
-def _lookup_rounds(controller: GammaController, accept: float, rounds: int, available: int = 8,
-                   rng: random.Random | None = None, model: bool = True) -> list[int]:
+def _lookup_rounds(
+    controller: GammaController,
+    accept: float,
+    rounds: int,
+    available: int = 8,
+    rng: random.Random | None = None,
+    model: bool = True,
+) -> list[int]:
     """Plan `rounds` rounds where a lookup of `available` tokens is on offer, each token accepted with
     probability `accept` (a rejection ends the round); return the lookup lengths planned. `model`: whether the
     drafter could draft with a model instead (if so, its probes in fallback are among the lengths)."""
@@ -144,8 +150,14 @@ def test_lookup_rounds_are_timed_apart_from_model_rounds(monkeypatch) -> None:
     state = batch(_offer("r", 2), _offer("s", 0), offers_lookups=True)
     plan = controller.plan(state)
     assert lookups(plan, state) == {"r": 2} and plan.rows[1].drafts > 0
-    learn(controller, plan, state, RowOutcome("r", 2, 2), RowOutcome("s", plan.rows[1].drafts, 0),
-          seconds=(0.004, 0.02, 0.0))
+    learn(
+        controller,
+        plan,
+        state,
+        RowOutcome("r", 2, 2),
+        RowOutcome("s", plan.rows[1].drafts, 0),
+        seconds=(0.004, 0.02, 0.0),
+    )
     assert 2 not in controller.costs.lookups and 2 not in controller.costs.drafting
 
 
@@ -158,8 +170,11 @@ def test_lookup_lengths_match_what_propose_takes() -> None:
     ngram.add_rows([0, 1, 2], [[1, 2, 3, 4, 1, 2], [5, 6, 5, 6, 7, 5, 6], [5, 6, 5]])
     lengths = ngram.lookup_lengths([0, 1, 2], [2, 4, 4])
     assert lengths == [2, 3, 0]
-    proposal = ngram.propose(draft_request((0, 1, 2), tuple(lengths), tuple(lengths), (SamplingParams(),) * 3,
-                                          (torch.Generator(),) * 3, width=4))
+    proposal = ngram.propose(
+        draft_request(
+            (0, 1, 2), tuple(lengths), tuple(lengths), (SamplingParams(),) * 3, (torch.Generator(),) * 3, width=4
+        )
+    )
     assert proposal.num_drafted.tolist() == lengths and proposal.tokens[1, :3].tolist() == [7, 5, 6]
     routed = RoutedDrafter(ngram)
     assert isinstance(routed, PromptLookup) and not isinstance(ModelDrafter.__new__(ModelDrafter), PromptLookup)
@@ -191,8 +206,12 @@ def test_hybrid_offers_gamma_auto_shorter_matches_than_it_takes_alone(tiny_draft
 def test_engine_runs_lookups_and_model_drafts_and_reports_them(tiny_target, tiny_draft) -> None:
     prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]  # repeats: the lookup has a continuation at once
     controller = GammaController(4)
-    engine = Engine(tiny_target, HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2),
-                    SpecConfig(), planner=controller)
+    engine = Engine(
+        tiny_target,
+        HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=2),
+        SpecConfig(),
+        planner=controller,
+    )
     engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=40))
     stats = [r.stats for r in engine.stream()]
     lookups_run = sum(s.lookup_rows for s in stats)
@@ -225,8 +244,12 @@ def test_greedy_hybrid_auto_equals_target_only(tiny_target, tiny_draft, seed: in
     plain = Engine(tiny_target, None, SpecConfig(speculative=False))
     plain.add_request(prompt, params)
     expected = [t for r in plain.stream() for u in r.rows for t in u.new_tokens]
-    engine = Engine(tiny_target, HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=1),
-                    SpecConfig(), planner=GammaController(6))
+    engine = Engine(
+        tiny_target,
+        HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=1),
+        SpecConfig(),
+        planner=GammaController(6),
+    )
     engine.add_request(prompt, params)
     assert [t for r in engine.stream() for u in r.rows for t in u.new_tokens] == expected
     assert engine.planner.lookup_rounds > 0
@@ -235,9 +258,17 @@ def test_greedy_hybrid_auto_equals_target_only(tiny_target, tiny_draft, seed: in
 def test_the_summary_line_says_what_gamma_auto_did() -> None:
     from specsample.cli import summary_line
 
-    stats = {"new_tokens": 10, "tokens_per_second": 50.0, "ttft_seconds": 0.1, "tpot_seconds": 0.02,
-             "acceptance_rate": 0.5, "accepted_per_round": 1.0, "tokens_per_round": 2.0, "gamma": "auto (mean 2.0)",
-             "draft": "hybrid"}
+    stats = {
+        "new_tokens": 10,
+        "tokens_per_second": 50.0,
+        "ttft_seconds": 0.1,
+        "tpot_seconds": 0.02,
+        "acceptance_rate": 0.5,
+        "accepted_per_round": 1.0,
+        "tokens_per_round": 2.0,
+        "gamma": "auto (mean 2.0)",
+        "draft": "hybrid",
+    }
     assert "lookup rounds" not in summary_line(stats)
     line = summary_line({**stats, "lookup_row_rounds": 4, "fallback_row_rounds": 2})
     assert "4 lookup rounds, 2 without drafting" in line

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from devices import DEVICE
 from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
+
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.ngram import NgramDrafter
 from specsample.models.loader import load_model
@@ -22,9 +22,22 @@ CONFIGS = {
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "qwen2_window_from_layer_1": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "rope_linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-    "rope_llama3": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
-    "rope_yarn": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    "rope_llama3": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "rope_yarn": (
+        "qwen2",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    ),
     "bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "tied": ("llama", {"tie_word_embeddings": True}),
 }
@@ -34,11 +47,13 @@ CONFIGS = {
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     tokenizer = make_tokenizer()
-    out = {name: write_hf_model(root / name, kind, tokenizer=tokenizer, **extra)
-           for name, (kind, extra) in CONFIGS.items()}
+    out = {
+        name: write_hf_model(root / name, kind, tokenizer=tokenizer, **extra) for name, (kind, extra) in CONFIGS.items()
+    }
     out["gemma3"] = write_hf_model(root / "gemma3", "gemma3", tokenizer=tokenizer, sliding_window=4)
-    out["gemma3_draft"] = write_hf_model(root / "gemma3_draft", "gemma3", tokenizer=tokenizer, seed=5,
-                                         sliding_window=4, num_hidden_layers=1)
+    out["gemma3_draft"] = write_hf_model(
+        root / "gemma3_draft", "gemma3", tokenizer=tokenizer, seed=5, sliding_window=4, num_hidden_layers=1
+    )
     out["gguf"] = write_llama_gguf(out["llama"], root / "tiny.gguf")
     return out
 
@@ -59,7 +74,7 @@ def _incremental(model, ids: torch.Tensor) -> torch.Tensor:
     parts = [model.forward_cached(ids[:, :10], cache, slot)]
     model.forward_cached(torch.tensor([[3, 4, 5]]), cache, slot)  # drafts that get rejected...
     cache.truncate(slot, torch.tensor([10]))  # ...and rolled back by lowering the length
-    parts += [model.forward_cached(ids[:, i:i + 1], cache, slot) for i in range(10, ids.shape[1])]
+    parts += [model.forward_cached(ids[:, i : i + 1], cache, slot) for i in range(10, ids.shape[1])]
     return torch.cat(parts, dim=1)
 
 
@@ -248,10 +263,13 @@ def test_tokenizer_stop_ids_chat_and_streaming(folders) -> None:
     assert "".join(pieces) + decoder.flush() == tokenizer.decode(ids) == text
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("no-such-model", "unknown model spec"),
-    ("someorg/somemodel", "local path"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no-such-model", "unknown model spec"),
+        ("someorg/somemodel", "local path"),
+    ],
+)
 def test_loader_errors(spec, message, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match=message):
@@ -288,16 +306,21 @@ def test_a_token_tree_scores_each_path_as_a_chain_and_keeps_one_path() -> None:
 
     cache = fresh([1, 2, 3, 4])
     logits, hidden = model.forward_cached_tree(tokens, cache, slot, parents)
-    assert torch.allclose(logits[0, [0, 1, 3, 4]], model.forward_cached(torch.tensor([[5, 6, 8, 9]]),
-                                                                        fresh([1, 2, 3, 4]), slot)[0], atol=1e-12)
-    assert torch.allclose(logits[0, [2, 5]], model.forward_cached(torch.tensor([[7, 10]]), fresh([1, 2, 3, 4, 5]),
-                                                                  slot)[0], atol=1e-12)
+    assert torch.allclose(
+        logits[0, [0, 1, 3, 4]],
+        model.forward_cached(torch.tensor([[5, 6, 8, 9]]), fresh([1, 2, 3, 4]), slot)[0],
+        atol=1e-12,
+    )
+    assert torch.allclose(
+        logits[0, [2, 5]], model.forward_cached(torch.tensor([[7, 10]]), fresh([1, 2, 3, 4, 5]), slot)[0], atol=1e-12
+    )
     with torch.inference_mode():
         assert torch.allclose(model.logits(hidden), logits)
     cache.keep_path(0, 4, [0, 1, 3, 4])
     assert int(cache.lengths[0]) == 8
     after = model.forward_cached(torch.tensor([[11]]), cache, slot)
-    assert torch.allclose(after, model.forward_cached(torch.tensor([[11]]), fresh([1, 2, 3, 4, 5, 6, 8, 9]), slot),
-                          atol=1e-12)
+    assert torch.allclose(
+        after, model.forward_cached(torch.tensor([[11]]), fresh([1, 2, 3, 4, 5, 6, 8, 9]), slot), atol=1e-12
+    )
     with pytest.raises(ValueError, match="must come before"):
         model.forward_cached_tree(tokens, fresh([1, 2]), slot, torch.tensor([[-1, 0, 3, 1, 3, 2]]))

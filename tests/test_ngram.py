@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import random
 
 import pytest
 import torch
+from model_factory import draft_request
+from ngram_reference import reference_continuation
 
 from specsample import SamplingParams
-
 from specsample.drafters.ngram import NgramDrafter, NgramIndex
-from ngram_reference import reference_continuation
 
 
 def _indexed(history: list[int], max_tokens: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
@@ -55,8 +54,9 @@ def test_ngram_index_matches_its_definition_on_random_histories() -> None:
         history = [rng.randrange(rng.randrange(1, 5)) for _ in range(rng.randrange(0, 25))]
         min_n = rng.randrange(1, 4)
         max_n, max_tokens = rng.randrange(min_n, 6), rng.randrange(0, 6)
-        assert (NgramIndex(history, min_n, max_n).find(max_tokens)
-                == reference_continuation(history, max_tokens, min_n, max_n)), (history, max_tokens, min_n, max_n)
+        assert NgramIndex(history, min_n, max_n).find(max_tokens) == reference_continuation(
+            history, max_tokens, min_n, max_n
+        ), (history, max_tokens, min_n, max_n)
 
 
 @pytest.mark.parametrize("min_n, max_n", [(1, 1), (1, 4), (2, 4), (3, 4), (3, 3)])
@@ -92,8 +92,9 @@ def test_rows_sent_away_from_their_lookup_propose_nothing() -> None:
     drafter = NgramDrafter(min_n=1, max_n=3)
     drafter.add_rows([0, 1], [[1, 2, 3, 1, 2], [4, 5, 4, 5]])
     gens = (torch.Generator(), torch.Generator())
-    proposal = drafter.propose(draft_request((0, 1), (3, 3), (3, 3), (SamplingParams(),) * 2, gens,
-                                            source=(False, True)))
+    proposal = drafter.propose(
+        draft_request((0, 1), (3, 3), (3, 3), (SamplingParams(),) * 2, gens, source=(False, True))
+    )
     assert proposal.num_drafted.tolist() == [0, 2] and proposal.tokens[1, :2].tolist() == [4, 5]
 
 

@@ -13,13 +13,13 @@ from dataclasses import fields, replace
 
 import pytest
 import torch
+from model_factory import make_tokenizer, write_hf_model
 
 import specsample.bench.context as bench_context
 import specsample.models.compiled as compiled_module
 import specsample.server.app as server_app
 import specsample.server.serve as serve_module
 import specsample.speculator as speculator_module
-from model_factory import make_tokenizer, write_hf_model
 from specsample.bench.config import BENCH_ENGINE_DEFAULTS, BenchConfig
 from specsample.cli import BENCH_SETS, build_parser, main
 from specsample.drafters.ngram import NgramDrafter
@@ -177,9 +177,13 @@ def _ray_args(monkeypatch, argv: list[str] | None = None, yaml: dict | None = No
     return bound["args"]
 
 
-ENTRIES = [Entry("generate", EngineOptions()), Entry("serve", SERVE_ENGINE_DEFAULTS),
-           Entry("serve --replicas", SERVE_ENGINE_DEFAULTS), Entry("Serve config", SERVE_ENGINE_DEFAULTS),
-           Entry("bench", BENCH_ENGINE_DEFAULTS)]
+ENTRIES = [
+    Entry("generate", EngineOptions()),
+    Entry("serve", SERVE_ENGINE_DEFAULTS),
+    Entry("serve --replicas", SERVE_ENGINE_DEFAULTS),
+    Entry("Serve config", SERVE_ENGINE_DEFAULTS),
+    Entry("bench", BENCH_ENGINE_DEFAULTS),
+]
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
@@ -192,16 +196,22 @@ def test_every_engine_option_reaches_the_loaded_pair(entry, monkeypatch, tmp_pat
         value, text = next((v, t) for v, t in values if v != getattr(entry.defaults, name))
         loaded, _ = entry.run(monkeypatch, tmp_path, {name: (value, text)})
         # serving's default compile yields to what cannot compile (deterministic mode, the transformers runtime)
-        expected = (serve_engine_options({name: value}) if entry.defaults is SERVE_ENGINE_DEFAULTS
-                    else replace(entry.defaults, **{name: value}))
+        expected = (
+            serve_engine_options({name: value})
+            if entry.defaults is SERVE_ENGINE_DEFAULTS
+            else replace(entry.defaults, **{name: value})
+        )
         assert loaded == expected and getattr(loaded, name) == value, (entry.name, name)
 
 
-@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.name != "generate" and e.name != "bench"],
-                         ids=lambda e: e.name)
+@pytest.mark.parametrize(
+    "entry", [e for e in ENTRIES if e.name != "generate" and e.name != "bench"], ids=lambda e: e.name
+)
 def test_every_server_option_reaches_the_server(entry, monkeypatch, tmp_path) -> None:
-    given = {name: (str(tmp_path), str(tmp_path)) if value == "MODELS_DIR" else (value, text)
-             for name, (value, text) in SERVER_VALUES.items()}
+    given = {
+        name: (str(tmp_path), str(tmp_path)) if value == "MODELS_DIR" else (value, text)
+        for name, (value, text) in SERVER_VALUES.items()
+    }
     _, served = entry.run(monkeypatch, tmp_path, given)
     expected = {name: value for name, (value, _) in given.items()}
     assert {name: getattr(served, name) for name in expected} == expected
@@ -234,6 +244,7 @@ def test_serve_compile_has_vllm_negation() -> None:
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])
 def test_every_command_refuses_compile_with_deterministic_alike(command, capsys, monkeypatch) -> None:
     """One validation: the same refusal, exit status 2, before anything loads."""
+
     def load(options, say=None):
         raise Built  # the pair an entry point that let the pair through would load
 
@@ -241,18 +252,22 @@ def test_every_command_refuses_compile_with_deterministic_alike(command, capsys,
     monkeypatch.setattr(bench_context, "load", load)
     assert main([*command, "--compile", "--deterministic"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["specsample: error: argument --deterministic: deterministic mode cannot run a compiled decode step "
-                   "(its kernels differ from the eager forward's); drop --compile (see --help)"]
+    assert err == [
+        "specsample: error: argument --deterministic: deterministic mode cannot run a compiled decode step "
+        "(its kernels differ from the eager forward's); drop --compile (see --help)"
+    ]
 
 
 def test_serve_config_text_is_refused_by_name() -> None:
     pytest.importorskip("ray.serve")
     from specsample.deploy import ReplicaSettings
 
-    for args, message in [({"compile": "maybe"}, "compile: expected true or false"),
-                          ({"max_gamma": "many"}, "max_gamma must be an integer"),
-                          ({"gamma": "0"}, "gamma must be an integer >= 1 or 'auto'"),
-                          ({"modle": "typo"}, "unknown specsample deployment argument")]:
+    for args, message in [
+        ({"compile": "maybe"}, "compile: expected true or false"),
+        ({"max_gamma": "many"}, "max_gamma must be an integer"),
+        ({"gamma": "0"}, "gamma must be an integer >= 1 or 'auto'"),
+        ({"modle": "typo"}, "unknown specsample deployment argument"),
+    ]:
         with pytest.raises(ValueError, match=message):
             ReplicaSettings.from_args(args)
     replica = ReplicaSettings.from_args({"model": "m", "compile": "True", "max_model_len": "512"})
@@ -261,10 +276,12 @@ def test_serve_config_text_is_refused_by_name() -> None:
 
 # ----- the built engine ------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return write_hf_model(tmp_path_factory.mktemp("options") / "target", tokenizer=make_tokenizer(),
-                          max_position_embeddings=64)
+    return write_hf_model(
+        tmp_path_factory.mktemp("options") / "target", tokenizer=make_tokenizer(), max_position_embeddings=64
+    )
 
 
 @pytest.mark.parametrize("entry", ["generate", "serve", "serve --replicas", "bench"])
@@ -272,8 +289,14 @@ def test_the_built_engine_follows_the_options(entry, target, monkeypatch, tmp_pa
     """Real loading of a tiny pair through each entry point: the engine it builds runs a compiled target (compiling
     itself is skipped: tests/test_compiled.py runs it), drafts with prompt lookup, and couples sampled tokens."""
     monkeypatch.setattr(compiled_module.CompiledDecode, "warm_up", lambda self, blocks=False, batches=False: None)
-    given = {"draft": ("ngram", "ngram"), "dtype": ("float32", "float32"), "compile": (True, "true"),
-             "sampling": ("coupled", "coupled"), "pad_rows": ("off", "off"), "target": (str(target), str(target))}
+    given = {
+        "draft": ("ngram", "ngram"),
+        "dtype": ("float32", "float32"),
+        "compile": (True, "true"),
+        "sampling": ("coupled", "coupled"),
+        "pad_rows": ("off", "off"),
+        "target": (str(target), str(target)),
+    }
     command = entry if entry in ("generate", "bench") else "serve"
     words = [w for name, (value, text) in given.items() for w in _words(command, name, value, text)]
     built: dict[str, object] = {}
@@ -316,19 +339,40 @@ def test_the_built_engine_follows_the_options(entry, target, monkeypatch, tmp_pa
         assert isinstance(engine.planner, FixedGamma) and engine.planner.max_gamma == 3
 
 
-@pytest.mark.parametrize("flags, compiled", [([], True), (["--enforce-eager"], False), (["--deterministic"], False)],
-                         ids=["default", "enforce-eager", "deterministic"])
+@pytest.mark.parametrize(
+    "flags, compiled",
+    [([], True), (["--enforce-eager"], False), (["--deterministic"], False)],
+    ids=["default", "enforce-eager", "deterministic"],
+)
 def test_serve_compiles_by_default(flags, compiled, target, monkeypatch) -> None:
     """`specsample serve` builds an engine whose target runs compiled, every graph serving runs compiled before it
     serves (batch 1 at load, then blocks and batches of rows for the engine), unless --enforce-eager, or deterministic
     mode, which cannot compile (the compile step itself is replaced: tests/test_compiled.py runs it)."""
     warmed = []
-    monkeypatch.setattr(compiled_module.CompiledDecode, "warm_up",
-                        lambda self, blocks=False, batches=False: warmed.append((blocks, batches)))
+    monkeypatch.setattr(
+        compiled_module.CompiledDecode,
+        "warm_up",
+        lambda self, blocks=False, batches=False: warmed.append((blocks, batches)),
+    )
     servers = []
     monkeypatch.setattr(serve_module, "serve_http", lambda server, host, port: servers.append(server))
-    assert _silent(["serve", "--model", str(target), "--speculative-model", "ngram", "--dtype", "float32",
-                    "--pad-rows", "off", *flags]) == 0
+    assert (
+        _silent(
+            [
+                "serve",
+                "--model",
+                str(target),
+                "--speculative-model",
+                "ngram",
+                "--dtype",
+                "float32",
+                "--pad-rows",
+                "off",
+                *flags,
+            ]
+        )
+        == 0
+    )
     engine = servers[0].engine
     assert (engine.target.compiled is not None) is compiled
     assert engine.target.deterministic is ("--deterministic" in flags)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from planner_driver import UNLIMITED, batch, calibrate_confidence, drafts, learn, lookups, simulate, untimed
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.hybrid import HybridDrafter
@@ -15,14 +16,20 @@ from specsample.planner import costs as cost_model
 from specsample.planner.acceptance import POOL_DECAY
 from specsample.planner.base import BatchState, RowOutcome, RowState
 from specsample.theory import expected_speedup, optimal_gamma
-from planner_driver import UNLIMITED, batch, calibrate_confidence, drafts, learn, lookups, simulate, untimed
 
 
 def test_fixed_gamma_plans_every_row_its_gamma_within_its_budget() -> None:
     planner = FixedGamma(4)
-    state = BatchState((RowState("a", UNLIMITED), RowState("own", UNLIMITED, gamma=2),
-                        RowState("greedy-own", UNLIMITED, gamma=9), RowState("plain", UNLIMITED, speculative=False),
-                        RowState("short", 3), RowState("last", 1)))
+    state = BatchState(
+        (
+            RowState("a", UNLIMITED),
+            RowState("own", UNLIMITED, gamma=2),
+            RowState("greedy-own", UNLIMITED, gamma=9),
+            RowState("plain", UNLIMITED, speculative=False),
+            RowState("short", 3),
+            RowState("last", 1),
+        )
+    )
     plan = planner.plan(state)
     # its own gamma, never past the planner's; none without speculation; never the last token of a budget
     assert drafts(plan) == [4, 2, 4, 0, 2, 0]
@@ -88,8 +95,14 @@ def test_gamma_auto_clips_every_plan_to_the_rows_budget() -> None:
     controller = untimed(6)
     calibrate_confidence(controller)  # confident drafts are accepted: the plan may extend past its drafts
     controller.acceptance.pooled = [60.0, 40.0]  # at c 0.05 the formula plans 4 drafts
-    state = batch(RowState("long", UNLIMITED), RowState("short", 3), RowState("last", 1), RowState("mid", 5),
-                  RowState("lookup", 4, lookup=3, drafts_otherwise=False), offers_lookups=True)
+    state = batch(
+        RowState("long", UNLIMITED),
+        RowState("short", 3),
+        RowState("last", 1),
+        RowState("mid", 5),
+        RowState("lookup", 4, lookup=3, drafts_otherwise=False),
+        offers_lookups=True,
+    )
     plan = controller.plan(state)
     assert drafts(plan) == [4, 2, 0, 4, 3]
     assert not any(r.fallback for r in plan.rows)  # a budget's end is not a fallback
@@ -152,12 +165,16 @@ def test_the_engine_tells_gamma_auto_each_rows_budget_left(tiny_target, tiny_dra
             seen.append({r.request_id: r.remaining for r in batch.rows if r.chosen})
             return super().plan(batch)
 
-    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=4),
-                    planner=Spy(4))
+    engine = Engine(tiny_target, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=4), planner=Spy(4))
     budgets = {"auto-a": 12, "fixed": 20, "plain": 7, "auto-b": 9}
     for rid, budget in budgets.items():
-        engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=budget), request_id=rid,
-                           speculative=rid != "plain", gamma=2 if rid == "fixed" else None)
+        engine.add_request(
+            [1, 2, 3],
+            SamplingParams(temperature=0, max_new_tokens=budget),
+            request_id=rid,
+            speculative=rid != "plain",
+            gamma=2 if rid == "fixed" else None,
+        )
     left, expected = dict(budgets), []
     for result in engine.stream():
         expected.append({rid: n for rid, n in left.items() if rid.startswith("auto") and n > 0})

@@ -13,8 +13,8 @@ from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
-from specsample.scheduler import MIN_REUSED
 from specsample.planner import FixedGamma
+from specsample.scheduler import MIN_REUSED
 
 VOCAB = 32
 HISTORY = [(7 * i + 3) % VOCAB for i in range(60)]
@@ -22,14 +22,19 @@ HISTORY = [(7 * i + 3) % VOCAB for i in range(60)]
 
 @pytest.fixture(scope="module")
 def models():
-    return (tiny_lm(VOCAB, seed=1, init_scale=0.2, dtype=torch.float64),
-            tiny_lm(VOCAB, seed=2, init_scale=0.2, num_layers=1, dtype=torch.float64))
+    return (
+        tiny_lm(VOCAB, seed=1, init_scale=0.2, dtype=torch.float64),
+        tiny_lm(VOCAB, seed=2, init_scale=0.2, num_layers=1, dtype=torch.float64),
+    )
 
 
 def drafter_for(kind: str, draft):
-    return {"none": lambda: None, "model": lambda: ModelDrafter(draft),
-            "window": lambda: ModelDrafter(draft, window=DraftWindow(sink=4, recent=16, limit=40)),
-            "hybrid": lambda: HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2)}[kind]()
+    return {
+        "none": lambda: None,
+        "model": lambda: ModelDrafter(draft),
+        "window": lambda: ModelDrafter(draft, window=DraftWindow(sink=4, recent=16, limit=40)),
+        "hybrid": lambda: HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=2),
+    }[kind]()
 
 
 def serve(engine: Engine, prompt: list[int], params: SamplingParams, scope: str = "") -> tuple[list[int], list]:
@@ -42,12 +47,15 @@ def serve(engine: Engine, prompt: list[int], params: SamplingParams, scope: str 
     return tokens, stats
 
 
-@pytest.mark.parametrize("kind, temperature", [("model", 0.0), ("window", 0.0), ("hybrid", 0.0), ("none", 0.9),
-                                               ("hybrid", 0.9)])
+@pytest.mark.parametrize(
+    "kind, temperature", [("model", 0.0), ("window", 0.0), ("hybrid", 0.0), ("none", 0.9), ("hybrid", 0.9)]
+)
 def test_second_turn_reuses_the_prefix_and_decodes_the_same(models, kind: str, temperature: float) -> None:
     target, draft = models
     params = SamplingParams(temperature=temperature, max_new_tokens=10, seed=11)
-    kept = Engine(target, drafter_for(kind, draft), SpecConfig(max_batch_size=2, prefix_cache_rows=2), planner=FixedGamma(3))
+    kept = Engine(
+        target, drafter_for(kind, draft), SpecConfig(max_batch_size=2, prefix_cache_rows=2), planner=FixedGamma(3)
+    )
     first, _ = serve(kept, HISTORY, params)
     follow_up = HISTORY + first + [5, 6, 7]  # the next turn: the history, the reply, a new message
     second, stats = serve(kept, follow_up, params)
@@ -62,15 +70,17 @@ def test_second_turn_reuses_the_prefix_and_decodes_the_same(models, kind: str, t
 def test_kept_rows_are_bounded_least_recent_first(models) -> None:
     target, draft = models
     params = SamplingParams(temperature=0, max_new_tokens=4)
-    engine = Engine(target, ModelDrafter(draft), SpecConfig(max_batch_size=1, prefix_cache_rows=2), planner=FixedGamma(3))
-    prompts = [[i] * 3 + HISTORY[i:i + 30] for i in range(3)]
+    engine = Engine(
+        target, ModelDrafter(draft), SpecConfig(max_batch_size=1, prefix_cache_rows=2), planner=FixedGamma(3)
+    )
+    prompts = [[i] * 3 + HISTORY[i : i + 30] for i in range(3)]
     replies = [serve(engine, p, params)[0] for p in prompts]
     assert len(engine.scheduler.kept) == 2  # the first was dropped when the third finished
     _, stats = serve(engine, prompts[0] + replies[0] + [1], params)
     assert stats[0].prefix_hits == 0  # dropped
     _, stats = serve(engine, prompts[2] + replies[2] + [1], params)
     assert stats[0].prefix_hits == 1
-    _, stats = serve(engine, prompts[1][:MIN_REUSED - 1] + [0, 0], params)  # too little shared to take a row
+    _, stats = serve(engine, prompts[1][: MIN_REUSED - 1] + [0, 0], params)  # too little shared to take a row
     assert stats[0].prefix_hits == 0
     assert engine.cache.num_slots == 3  # one running row and two kept, whatever ran
 
@@ -88,7 +98,9 @@ def test_rows_are_reused_only_within_their_cache_scope(models) -> None:
     still reuses it."""
     target, draft = models
     params = SamplingParams(temperature=0, max_new_tokens=4)
-    engine = Engine(target, ModelDrafter(draft), SpecConfig(max_batch_size=1, prefix_cache_rows=2), planner=FixedGamma(3))
+    engine = Engine(
+        target, ModelDrafter(draft), SpecConfig(max_batch_size=1, prefix_cache_rows=2), planner=FixedGamma(3)
+    )
     reply, _ = serve(engine, HISTORY, params, scope="A")
     _, stats = serve(engine, HISTORY + reply + [1], params, scope="B")
     assert stats[0].prefix_hits == 0 and stats[0].reused_tokens == 0

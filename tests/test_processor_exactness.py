@@ -17,10 +17,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from broken import WrappedDrafter
 from devices import DEVICE
 from planner_driver import AlternatingTrees
+from stats_util import chi_square
+
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.config import Grammar, TreeShape
 from specsample.drafters.hybrid import HybridDrafter
@@ -29,22 +30,31 @@ from specsample.grammar import GrammarCompiler, Matcher
 from specsample.planner import FixedGamma
 from specsample.processors import Shaper
 from specsample.sampling import warp_probs
-from stats_util import chi_square
 
 VOCAB = 8
 LENGTH = 3
 SAMPLES = 4_000
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats itself: prompt lookup proposes 3, 1, 2, ...
 TREE = TreeShape(6, 2, 3)
-PENALTIES = SamplingParams(temperature=0.9, max_new_tokens=LENGTH, presence_penalty=0.7, frequency_penalty=1.3,
-                           repetition_penalty=1.6, logit_bias={5: 1.5, 0: -1.0})
+PENALTIES = SamplingParams(
+    temperature=0.9,
+    max_new_tokens=LENGTH,
+    presence_penalty=0.7,
+    frequency_penalty=1.3,
+    repetition_penalty=1.6,
+    logit_bias={5: 1.5, 0: -1.0},
+)
 # tokens a..h; an item is "a" then one of b-e, or one of f-h, one of a-c, then "d", or "b" alone
 LETTERS = "abcdefgh"
 EBNF = 'root ::= item+\nitem ::= "a" [b-e] | [f-h] [a-c] "d" | "b"'
 GRAMMAR = SamplingParams(temperature=1.0, top_k=6, max_new_tokens=LENGTH, grammar=Grammar("ebnf", EBNF))
 # the grammar as a hand-written automaton: state -> {allowed token: next state}
-AUTOMATON = {"item": {0: "a", 1: "item", 5: "f", 6: "f", 7: "f"}, "a": {1: "item", 2: "item", 3: "item", 4: "item"},
-             "f": {0: "d", 1: "d", 2: "d"}, "d": {3: "item"}}
+AUTOMATON = {
+    "item": {0: "a", 1: "item", 5: "f", 6: "f", 7: "f"},
+    "a": {1: "item", 2: "item", 3: "item", 4: "item"},
+    "f": {0: "d", 1: "d", 2: "d"},
+    "d": {3: "item"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +88,7 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
     seqs = list(itertools.product(range(VOCAB), repeat=LENGTH))
     inputs = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), torch.tensor(seqs)], dim=1)
     with torch.no_grad():
-        logits = target(inputs.to(DEVICE))[:, len(prompt) - 1:-1].cpu().numpy()  # [V^3, 3, V]
+        logits = target(inputs.to(DEVICE))[:, len(prompt) - 1 : -1].cpu().numpy()  # [V^3, 3, V]
     joint = np.ones(len(seqs))
     for n, seq in enumerate(seqs):
         for t in range(LENGTH):
@@ -119,8 +129,9 @@ def test_penalties_and_bias_are_exact(pair) -> None:
 def test_grammar_with_lookups_and_trees_is_exact(pair) -> None:
     target, draft = pair
     drafter = HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=1)
-    statistic, threshold = chi_square(engine_counts(target, drafter, GRAMMAR, AlternatingTrees(TREE)),
-                                      exact_joint(target, GRAMMAR))
+    statistic, threshold = chi_square(
+        engine_counts(target, drafter, GRAMMAR, AlternatingTrees(TREE)), exact_joint(target, GRAMMAR)
+    )
     assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
 
 
@@ -167,8 +178,9 @@ class DrawsUnprocessed(WrappedDrafter):
         return dataclasses.replace(unprocessed, probs=probs)
 
 
-@pytest.mark.parametrize("broken", ["penalties_of_committed_tokens_only", "grammar_not_rolled_back",
-                                    "draws_unprocessed"])
+@pytest.mark.parametrize(
+    "broken", ["penalties_of_committed_tokens_only", "grammar_not_rolled_back", "draws_unprocessed"]
+)
 def test_broken_processing_fails(pair, monkeypatch, broken: str) -> None:
     target, draft = pair
     params, drafter, planner = PENALTIES, ModelDrafter(draft), FixedGamma(2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import random_head
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.config import Grammar, SettingError, TreeShape
@@ -15,7 +16,6 @@ from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.grammar import GrammarCompiler
 from specsample.planner import FixedGamma
-from test_eagle import random_head
 
 VOCAB = 16
 LETTERS = "abcdefghijklmnop"
@@ -35,10 +35,16 @@ def draft():
     return tiny_lm(VOCAB, seed=5, init_scale=0.2, num_layers=1, dtype=torch.float64)
 
 
-def run(target, drafter, params: SamplingParams, prompts=PROMPTS, tree: TreeShape | None = None,
-        speculative: bool = True) -> list[tuple[list[int], list]]:
-    engine = Engine(target, drafter, SpecConfig(max_batch_size=len(prompts)),
-                    planner=FixedGamma(3, tree), grammars=GrammarCompiler.from_vocab(list(LETTERS)))
+def run(
+    target, drafter, params: SamplingParams, prompts=PROMPTS, tree: TreeShape | None = None, speculative: bool = True
+) -> list[tuple[list[int], list]]:
+    engine = Engine(
+        target,
+        drafter,
+        SpecConfig(max_batch_size=len(prompts)),
+        planner=FixedGamma(3, tree),
+        grammars=GrammarCompiler.from_vocab(list(LETTERS)),
+    )
     ids = [engine.add_request(p, params, speculative=speculative) for p in prompts]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     logprobs: dict[str, list] = {i: [] for i in ids}
@@ -53,13 +59,14 @@ def run(target, drafter, params: SamplingParams, prompts=PROMPTS, tree: TreeShap
 def reference_logits(target, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
     """Target-only: one forward over prompt + output, each position's logits processed as written out here."""
     with torch.no_grad():
-        logits = target(torch.tensor([prompt + output]))[0, len(prompt) - 1:-1].clone()  # [len(output), vocab]
+        logits = target(torch.tensor([prompt + output]))[0, len(prompt) - 1 : -1].clone()  # [len(output), vocab]
     for t in range(len(output)):
         counts = torch.bincount(torch.tensor(output[:t], dtype=torch.long), minlength=VOCAB).double()
         seen = (counts > 0) | torch.isin(torch.arange(VOCAB), torch.tensor(prompt))
         row = logits[t]
-        row = torch.where(seen, torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty),
-                          row)
+        row = torch.where(
+            seen, torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty), row
+        )
         row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).double()
         for token, bias in params.logit_bias:
             row[token] += bias
@@ -68,10 +75,15 @@ def reference_logits(target, prompt: list[int], output: list[int], params: Sampl
 
 
 def test_settings_are_checked() -> None:
-    for kwargs, name in [({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {1: 101}}, "logit_bias"),
-                         ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
-                         ({"grammar": "json"}, "grammar")]:
+    for kwargs, name in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {1: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"grammar": "json"}, "grammar"),
+    ]:
         with pytest.raises(SettingError) as caught:
             SamplingParams(**kwargs)
         assert caught.value.name == name
@@ -116,9 +128,13 @@ def test_greedy_under_processors_and_grammar_is_target_only(target, draft, kind:
     """Greedy speculation under penalties and a grammar gives target-only decoding's tokens (plain rounds through the
     same processors), with chains, lookups and trees of every drafter; the output follows the grammar."""
     tree = TreeShape(6, 2, 3) if kind.endswith("tree") else None
-    make = {"model": lambda: ModelDrafter(draft), "lookup": lambda: NgramDrafter(min_n=1),
-            "model_tree": lambda: ModelDrafter(draft), "feature_tree": lambda: EagleDrafter(random_head(target), target),
-            "hybrid_tree": lambda: HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=1)}[kind]
+    make = {
+        "model": lambda: ModelDrafter(draft),
+        "lookup": lambda: NgramDrafter(min_n=1),
+        "model_tree": lambda: ModelDrafter(draft),
+        "feature_tree": lambda: EagleDrafter(random_head(target), target),
+        "hybrid_tree": lambda: HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=1),
+    }[kind]
     params = SamplingParams(temperature=0, max_new_tokens=14, grammar=Grammar("ebnf", EBNF), **PROCESSED)
     plain = run(target, None, params)
     speculative = run(target, make(), params, tree=tree)
@@ -131,7 +147,9 @@ def test_greedy_under_processors_and_grammar_is_target_only(target, draft, kind:
 
 def test_penalties_change_the_output(target, draft) -> None:
     plain = run(target, ModelDrafter(draft), SamplingParams(temperature=0, max_new_tokens=16))
-    penalised = run(target, ModelDrafter(draft), SamplingParams(temperature=0, max_new_tokens=16, frequency_penalty=2.0))
+    penalised = run(
+        target, ModelDrafter(draft), SamplingParams(temperature=0, max_new_tokens=16, frequency_penalty=2.0)
+    )
     assert [t for t, _ in plain] != [t for t, _ in penalised]
     for tokens, _ in penalised:  # a strong frequency penalty spreads the tokens out
         assert max(tokens.count(t) for t in set(tokens)) <= max(max(t.count(x) for x in set(t)) for t, _ in plain)

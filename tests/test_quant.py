@@ -6,18 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from model_factory import make_tokenizer, write_hf_model, write_llama_gguf
+
 from specsample.config import SettingError
 from specsample.models import quant, row_kernels
 from specsample.models.gguf_blocks import tensor_codes
 from specsample.models.loader import load_model
-from specsample.models.quant import (Int4Codes, Int4Linear, Int8Linear, QuantEmbedding, SplitLinear, quantize_int4,
-                                     quantize_int8, unpack_int4)
+from specsample.models.quant import (
+    Int4Codes,
+    Int4Linear,
+    Int8Linear,
+    QuantEmbedding,
+    SplitLinear,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 from specsample.models.quant_model import dequantized_model, quantize_model
 from specsample.models.tiny import tiny_lm
 
-BF16_STEP = 2.0 ** -8  # bfloat16's relative rounding bound
+BF16_STEP = 2.0**-8  # bfloat16's relative rounding bound
 
 
 def _layer(kind: str, out: int, width: int, seed: int = 0):
@@ -60,7 +68,7 @@ def test_each_row_is_computed_alone(kind: str, kernel: str) -> None:
     block = layer(x)
     for rows in (1, 2, 4, 5, 7, 8, 13):
         assert torch.equal(layer(x[:rows]), block[:rows])
-    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(17)]), block)
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(17)]), block)
 
 
 def test_shapes_our_kernels_cannot_read_use_torchs() -> None:
@@ -68,8 +76,9 @@ def test_shapes_our_kernels_cannot_read_use_torchs() -> None:
     int8 = Int8Linear(quantize_int8(torch.randn(8, 48)))  # int8 needs inputs in multiples of 32
     assert not int4.uses_our_kernel() and not int8.uses_our_kernel()
     x = torch.randn(3, 128, dtype=torch.bfloat16)
-    assert torch.equal(int4(x), torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, int4.packed, 32, int4.scales_zeros.view(torch.bfloat16)))
+    assert torch.equal(
+        int4(x), torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4.packed, 32, int4.scales_zeros.view(torch.bfloat16))
+    )
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (80, 96), (48, 32), (960, 64)])
@@ -119,8 +128,8 @@ def _random_q4_k(rows: int, width: int, seed: int) -> np.ndarray:
 def test_gguf_blocks_read_as_codes(kind: str) -> None:
     """int4 types keep their codes (only the scales and zeros round to bfloat16); Q8_0 is rescaled per row, other types
     requantized to int8 per row: each within its stated bound of the values the gguf package decodes."""
-    from gguf.quants import quantize
     import gguf
+    from gguf.quants import quantize
 
     shape = (32, 512)
     weight = np.random.default_rng(4).normal(0, 0.05, size=shape).astype(np.float32)
@@ -142,9 +151,19 @@ def gguf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     tokenizer = make_tokenizer()
     folder = write_hf_model(root / "hf", "llama", tokenizer=tokenizer, seed=3)
-    path = write_llama_gguf(folder, root / "tiny.gguf",
-                            types={"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1",
-                                   "ffn_": "Q4_0", "token_embd": "Q8_0", "output.": "Q8_0"})
+    path = write_llama_gguf(
+        folder,
+        root / "tiny.gguf",
+        types={
+            "attn_q": "Q4_0",
+            "attn_k": "Q4_1",
+            "attn_v": "Q8_0",
+            "attn_output": "Q4_1",
+            "ffn_": "Q4_0",
+            "token_embd": "Q8_0",
+            "output.": "Q8_0",
+        },
+    )
     native = load_model(str(path))  # dtype auto on a CPU: the codes as stored
     floats = load_model(str(path), dtype="float32")  # an explicit float dtype: dequantized, as before
     return folder, path, native, floats
@@ -201,7 +220,7 @@ def test_every_path_scores_alike(mode: str) -> None:
         model.prefill(tokens[:, :4], cache, slots)
         block = model.forward_cached(tokens[:, 4:], cache, slots)
         cache.truncate(slots, torch.tensor([4, 4]))
-        steps = torch.cat([model.forward_cached(tokens[:, i:i + 1], cache, slots) for i in range(4, 9)], dim=1)
+        steps = torch.cat([model.forward_cached(tokens[:, i : i + 1], cache, slots) for i in range(4, 9)], dim=1)
         cache.truncate(slots, torch.tensor([4, 4]))
         chain = torch.arange(-1, 4).expand(2, -1)
         tree, _ = model.forward_cached_tree(tokens[:, 4:], cache, slots, chain)

@@ -12,10 +12,9 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from live_server import LiveServer, free_port
 from model_factory import make_tokenizer, write_hf_model
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -33,8 +32,10 @@ def _ray_processes() -> set[int]:
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray")
     tokenizer = make_tokenizer()
-    return {"target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=256),
-            "draft": write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)}
+    return {
+        "target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=256),
+        "draft": write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +45,27 @@ def cluster(folders):
     before = _ray_processes()
     port = free_port()
     try:
-        ray.init(num_cpus=4, include_dashboard=False, object_store_memory=150 * 2**20,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=150 * 2**20,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ReplicaSettings.from_args({"model": str(folders["target"]), "draft": str(folders["draft"]),
-                                              "gamma": "4", "max_batch_size": "4", "max_model_len": "256",
-                                              "served_model_name": MODEL, "dtype": "float32", "compile": "false"})
+        settings = ReplicaSettings.from_args(
+            {
+                "model": str(folders["target"]),
+                "draft": str(folders["draft"]),
+                "gamma": "4",
+                "max_batch_size": "4",
+                "max_model_len": "256",
+                "served_model_name": MODEL,
+                "dtype": "float32",
+                "compile": "false",
+            }
+        )
         options = deployment_options(replicas=2, num_cpus=0.5, max_batch_size=4)
-        serve.run(SpecsampleReplica.options(**options).bind(settings.as_args()), name="specsample",
-                  route_prefix="/")
+        serve.run(SpecsampleReplica.options(**options).bind(settings.as_args()), name="specsample", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -74,8 +87,9 @@ def single_process(folders):
     from specsample.server.options import ServerOptions
     from specsample.speculator import EngineOptions, load
 
-    speculator = load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4,
-                                    dtype="float32"))
+    speculator = load(
+        EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4, dtype="float32")
+    )
     server = LiveServer(SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=4, max_model_len=256)))
     yield server
     server.close()
@@ -86,8 +100,10 @@ def test_two_replicas_serve_the_same_api(cluster, single_process) -> None:
     for prompt in PROMPTS:
         want = reference.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
         got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True))
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        )
         assert got == want == streamed
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8)
     assert chat.choices[0].message.role == "assistant"
@@ -96,8 +112,15 @@ def test_two_replicas_serve_the_same_api(cluster, single_process) -> None:
 def test_requests_spread_over_replicas_and_metrics_aggregate(cluster) -> None:
     async def fire():
         async with httpx.AsyncClient(timeout=120) as http:
-            responses = await asyncio.gather(*(http.post(cluster + "/v1/completions", json={
-                "model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0}) for p in PROMPTS * 4))
+            responses = await asyncio.gather(
+                *(
+                    http.post(
+                        cluster + "/v1/completions",
+                        json={"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0},
+                    )
+                    for p in PROMPTS * 4
+                )
+            )
         return responses
 
     responses = asyncio.run(fire())
@@ -106,15 +129,22 @@ def test_requests_spread_over_replicas_and_metrics_aggregate(cluster) -> None:
     assert len(replicas) == 2, replicas
     time.sleep(3)  # replicas push their metrics every 2 s
     text = httpx.get(cluster + "/metrics", timeout=30).text
-    labelled = {s.labels.get("replica") for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "specsample_requests_total"}
+    labelled = {
+        s.labels.get("replica")
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "specsample_requests_total"
+    }
     assert labelled == replicas  # one /metrics shows every replica's counters
 
 
 def test_killing_a_replica_mid_run(cluster) -> None:
     async def stream_one(http: httpx.AsyncClient, prompt: str):
-        async with http.stream("POST", cluster + "/v1/completions", json={
-                "model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0.8, "stream": True}) as response:
+        async with http.stream(
+            "POST",
+            cluster + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 200, "temperature": 0.8, "stream": True},
+        ) as response:
             replica = response.headers["x-specsample-replica"]
             chunks = 0
             try:
@@ -128,8 +158,11 @@ def test_killing_a_replica_mid_run(cluster) -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as http:
             tasks = [asyncio.ensure_future(stream_one(http, p)) for p in PROMPTS * 2]
             await asyncio.sleep(1.0)
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["name"].startswith("SERVE_REPLICA::specsample#SpecsampleReplica")]
+            names = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::specsample#SpecsampleReplica")
+            ]
             victim_name = sorted(names)[0]
             ray.kill(ray.get_actor(victim_name, namespace="serve"), no_restart=True)
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
@@ -142,8 +175,11 @@ def test_killing_a_replica_mid_run(cluster) -> None:
     while True:  # Serve replaces the dead replica; new requests succeed meanwhile and after
         out = _client(cluster).completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0)
         assert out.choices[0].text is not None
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("SERVE_REPLICA::specsample#SpecsampleReplica")]
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::specsample#SpecsampleReplica")
+        ]
         if len(names) == 2 and victim_name not in names:
             break
         assert time.time() < deadline, "Serve did not restart the killed replica"
@@ -155,7 +191,9 @@ def test_serve_config_yaml_builds() -> None:
 
     from specsample.deploy import builder
 
-    config = yaml.safe_load((__import__("pathlib").Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text())
+    config = yaml.safe_load(
+        (__import__("pathlib").Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text()
+    )
     args = config["applications"][0]["args"]
     application = builder(args)
     assert application is not None

@@ -14,8 +14,11 @@ from specsample.models.loader import load_model
 from specsample.planner import FixedGamma
 
 pytestmark = pytest.mark.slow
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-           "Repeat after me: red green blue, red green blue, red green blue."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Repeat after me: red green blue, red green blue, red green blue.",
+]
 NEAR_TIE = 1e-3  # logit gap below which fp rounding of a multi-token forward may flip the argmax
 
 
@@ -37,11 +40,20 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=32)
     plain = generate(model, prompts, params, eos_token_ids=tokenizer.eos_token_ids)
     assert "Paris" in tokenizer.decode(plain.completions[0].token_ids)
-    bf16_draft = load_model("smollm2-135m-instruct", dtype="bfloat16", device=DEVICE).model  # close to, not equal to, the target
+    bf16_draft = load_model(
+        "smollm2-135m-instruct", dtype="bfloat16", device=DEVICE
+    ).model  # close to, not equal to, the target
     shipped_head = load_head_drafter(builtin_draft(SMOLLM2_HEAD), model)  # reads the target's own features
     for drafter in (NgramDrafter(), ModelDrafter(bf16_draft), shipped_head):
-        spec = generate(model, prompts, params, draft=drafter, config=SpecConfig(),
-                        eos_token_ids=tokenizer.eos_token_ids, planner=FixedGamma(5))
+        spec = generate(
+            model,
+            prompts,
+            params,
+            draft=drafter,
+            config=SpecConfig(),
+            eos_token_ids=tokenizer.eos_token_ids,
+            planner=FixedGamma(5),
+        )
         assert spec.stats["accepted"] > 0
         for prompt, a, b in zip(prompts, plain.completions, spec.completions):
             _agree_or_near_tie(model, prompt, a.token_ids, b.token_ids)

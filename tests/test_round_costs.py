@@ -6,27 +6,36 @@ from __future__ import annotations
 import random
 
 import pytest
+from planner_driver import batch, learn, timed
 
 from specsample.planner import GammaController
 from specsample.planner import costs as cost_model
 from specsample.planner.base import RoundOutcome, RoundPlan, RowOutcome, RowPlan, RowState
 from specsample.planner.costs import CostModel, RoundCosts, RoundKind
 from specsample.theory import expected_speedup, optimal_gamma
-from planner_driver import batch, learn, timed
 
 
-def _time(costs: CostModel, batch_size: int, drafts: int, draft: float, target: float, verify: float = 0.0,
-          rows: tuple[str, ...] = ()) -> None:
+def _time(
+    costs: CostModel,
+    batch_size: int,
+    drafts: int,
+    draft: float,
+    target: float,
+    verify: float = 0.0,
+    rows: tuple[str, ...] = (),
+) -> None:
     """Record one model round (plain where `drafts` is 0) of the requests `rows` (none: not a planned round)."""
     costs.record(batch_size, RoundKind(drafts), rows, 0, draft, target, verify)
 
 
-def _time_unplanned(controller: GammaController, batch_size: int, drafts: int, draft: float, target: float,
-                    verify: float = 0.0) -> None:
+def _time_unplanned(
+    controller: GammaController, batch_size: int, drafts: int, draft: float, target: float, verify: float = 0.0
+) -> None:
     """Learn one round gamma auto chose nothing in (rows with a gamma of their own drafted `drafts`)."""
     plan = RoundPlan(rows=(RowPlan(drafts, drafts),) * batch_size)
-    outcome = RoundOutcome(tuple(RowOutcome(f"fixed{i}", 0, 0) for i in range(batch_size)), drafts, draft, target,
-                           verify)
+    outcome = RoundOutcome(
+        tuple(RowOutcome(f"fixed{i}", 0, 0) for i in range(batch_size)), drafts, draft, target, verify
+    )
     controller.learn(plan, outcome)
 
 
@@ -137,6 +146,7 @@ def test_a_stalled_first_plain_round_does_not_keep_a_dear_draft_drafting(monkeyp
     was stalled 5x. Taken alone, that timing would put drafting at a third of a plain round and, re-timed once in
     64 rounds and averaged in, keep the request drafting for hundreds of rounds. The first SETTLE timings give
     their median and come every SETTLE_EVERY rounds."""
+
     def share() -> float:
         drafting, chosen = _drafting_share(0.3, 40, seed=7, overhead=0.4, cost=0.3, stalls={1: 5.0})
         assert chosen[1] == 0  # the stalled round is the first plain round timed
@@ -152,6 +162,7 @@ def test_a_stalled_first_drafting_round_does_not_send_a_cheap_draft_into_fallbac
     stalled 20x. Alone it would price drafting at 20 plain rounds: the request would fall back at once, and a cost
     timed once is only re-timed by the rare probes it prices. No request falls back on costs timed fewer than
     SETTLE times."""
+
     def share() -> float:
         drafting, chosen = _drafting_share(0.8, 20, seed=8, overhead=0.05, cost=0.1, stalls={0: 20.0})
         assert chosen[0] > 0
@@ -166,6 +177,7 @@ def test_a_stalled_first_round_does_not_set_the_unit_round_costs_are_read_in(mon
     """The first round a batch size times sets the pace every round's relative cost is read against. Stalled 5x,
     alone it would make rounds of one draft 1.67 plain rounds where they cost 1.3; from the first SETTLE timings'
     median (the first round counted once) the ratio is right."""
+
     def ratio() -> float | None:
         costs = RoundCosts()
         costs.add(1, 0.130)
@@ -269,6 +281,7 @@ def test_a_new_request_re_seeds_the_pace_of_round_costs() -> None:
     dearer) fell back to plain rounds, the next, short one drafts. Its first rounds, timed against the
     long request's pace, would look cheap and, being rarely timed, weigh heavily: the request's first
     round timed only re-seeds the pace."""
+
     def run(tell_requests: bool) -> float:
         costs = CostModel()
         for request in range(40):
@@ -276,8 +289,14 @@ def test_a_new_request_re_seeds_the_pace_of_round_costs() -> None:
             rounds = [1] * 30 + [0] * 30 if request % 2 else [1] * 60
             for drafts in rounds:
                 seconds = 0.020 * scale * (1.26 if drafts else 1.0)
-                _time(costs, 1, drafts, 0.003 * drafts, seconds - 0.003 * drafts,
-                      rows=(f"r{request}",) if tell_requests else ())
+                _time(
+                    costs,
+                    1,
+                    drafts,
+                    0.003 * drafts,
+                    seconds - 0.003 * drafts,
+                    rows=(f"r{request}",) if tell_requests else (),
+                )
         return costs.round_cost(1, 1)
 
     assert run(tell_requests=True) == pytest.approx(1.26, rel=0.02)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import PROMPTS, _fresh_cache_matches
 
 import specsample.engine as engine_module
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
 from specsample.models.row_padding import fastest_widths, measure_target_widths
 from specsample.planner import FixedGamma
-from test_engine import PROMPTS, _fresh_cache_matches
 
 
 def test_fastest_widths_pads_to_a_cheaper_wider_block() -> None:
@@ -87,10 +87,14 @@ def _decode(target, draft, gamma: int, widths: tuple[int, ...], params: Sampling
         while engine.has_work():
             for update in engine.step().rows:
                 tokens.extend(update.new_tokens)
-            for slot in engine.scheduler.by_slot():  # the padding was rolled back: the cache is every token but the last
+            for (
+                slot
+            ) in engine.scheduler.by_slot():  # the padding was rolled back: the cache is every token but the last
                 assert int(engine.cache.lengths[slot]) == len(tokens) - 1
-                _fresh_cache_matches(target.model if isinstance(target, _Watched) else target, engine.cache, slot, tokens)
-        outputs.append(tokens[len(prompt):])
+                _fresh_cache_matches(
+                    target.model if isinstance(target, _Watched) else target, engine.cache, slot, tokens
+                )
+        outputs.append(tokens[len(prompt) :])
         assert rid not in engine.scheduler.by_slot().values()
     return outputs
 
@@ -124,7 +128,9 @@ def test_reading_the_padding_is_caught(tiny_target, tiny_draft, monkeypatch) -> 
 def test_batches_are_not_padded(tiny_target, tiny_draft) -> None:
     """The widths were measured at batch 1: a batch of rows scores what it asks."""
     spy = _Watched(tiny_target)
-    engine = Engine(spy, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=2, target_widths=(1, 8, 8)), planner=FixedGamma(2))
+    engine = Engine(
+        spy, ModelDrafter(tiny_draft), SpecConfig(max_batch_size=2, target_widths=(1, 8, 8)), planner=FixedGamma(2)
+    )
     for prompt in PROMPTS[:2]:
         engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=8))
     engine.step()

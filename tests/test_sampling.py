@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from stats_util import chi_square
 
 from specsample.config import SamplingParams
 from specsample.sampling import sample, sample_from, warp_probs, warp_rows
-from stats_util import chi_square
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
 LOGITS = PROBS.log()
@@ -69,9 +69,15 @@ def test_warp_rows_per_row_params() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-     ({"top_k": 0}, "top_k"), ({"min_p": 1.0}, "min_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
-     ({"temperature": math.nan}, "temperature")],
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"min_p": 1.0}, "min_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": math.nan}, "temperature"),
+    ],
 )
 def test_bad_params_name_the_problem(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

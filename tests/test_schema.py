@@ -14,8 +14,8 @@ from datetime import datetime, time
 import jsonschema
 import pytest
 import torch
-
 from model_factory import make_tokenizer
+
 from specsample.config import Grammar, SettingError
 from specsample.grammar import GrammarCompiler, unpack_bitmask
 from specsample.json_schema import MAX_PATTERN_SIZE, SchemaError, served_schema
@@ -25,35 +25,82 @@ xgrammar = pytest.importorskip("xgrammar")
 
 # every schema here is served; each keyword the grammar enforces appears in at least one
 CORPUS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer",
-     "minimum": 0, "maximum": 120}, "ok": {"type": "boolean"}, "mood": {"enum": ["fox", "dog", "a\"b\n"]}},
-     "required": ["name", "age", "ok", "mood"], "additionalProperties": False},
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z][a-z]{0,5}\\d?$"},
-                                      "free": {"type": "string", "pattern": "^.{1,8}$"},
-                                      "no_comma": {"type": "string", "pattern": "[^,]{2,4}"},
-                                      "marks": {"type": "string", "pattern": "^\\W\\S\\D\\w\\s$"}},
-     "required": ["code", "free", "no_comma", "marks"]},
-    {"type": "array", "items": {"type": "number", "exclusiveMinimum": -1.5, "exclusiveMaximum": 2.5},
-     "minItems": 1, "maxItems": 4},
-    {"type": "array", "prefixItems": [{"type": "string", "minLength": 2, "maxLength": 3}, {"type": "null"}],
-     "items": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "ok": {"type": "boolean"},
+            "mood": {"enum": ["fox", "dog", 'a"b\n']},
+        },
+        "required": ["name", "age", "ok", "mood"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z][a-z]{0,5}\\d?$"},
+            "free": {"type": "string", "pattern": "^.{1,8}$"},
+            "no_comma": {"type": "string", "pattern": "[^,]{2,4}"},
+            "marks": {"type": "string", "pattern": "^\\W\\S\\D\\w\\s$"},
+        },
+        "required": ["code", "free", "no_comma", "marks"],
+    },
+    {
+        "type": "array",
+        "items": {"type": "number", "exclusiveMinimum": -1.5, "exclusiveMaximum": 2.5},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {
+        "type": "array",
+        "prefixItems": [{"type": "string", "minLength": 2, "maxLength": 3}, {"type": "null"}],
+        "items": False,
+    },
     {"anyOf": [{"type": "integer", "minimum": 5, "maximum": 9}, {"type": ["string", "null"], "maxLength": 2}]},
-    {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
-        "type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v"]}},
-     "$ref": "#/$defs/node"},
-    {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
-                                      "mail": {"type": "string", "format": "email"},
-                                      "id": {"type": "string", "format": "uuid"},
-                                      "ip": {"type": "string", "format": "ipv6"}},
-     "required": ["day", "mail", "id", "ip"]},
-    {"type": "array", "prefixItems": [{"type": "string", "format": "date-time"}, {"type": "string", "format": "time"},
-                                      {"type": "string", "format": "duration"}], "minItems": 3, "items": False},
+    {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
+                "required": ["v"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
+    {
+        "type": "object",
+        "properties": {
+            "day": {"type": "string", "format": "date"},
+            "mail": {"type": "string", "format": "email"},
+            "id": {"type": "string", "format": "uuid"},
+            "ip": {"type": "string", "format": "ipv6"},
+        },
+        "required": ["day", "mail", "id", "ip"],
+    },
+    {
+        "type": "array",
+        "prefixItems": [
+            {"type": "string", "format": "date-time"},
+            {"type": "string", "format": "time"},
+            {"type": "string", "format": "duration"},
+        ],
+        "minItems": 3,
+        "items": False,
+    },
     {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2},
-    {"type": "object", "properties": {"inner": {"allOf": [{"$ref": "#/definitions/x"}], "description": "d"}},
-     "definitions": {"x": {"type": "string", "minLength": 3}}, "required": ["inner"]},
+    {
+        "type": "object",
+        "properties": {"inner": {"allOf": [{"$ref": "#/definitions/x"}], "description": "d"}},
+        "definitions": {"x": {"type": "string", "minLength": 3}},
+        "required": ["inner"],
+    },
     {"type": "integer", "enum": [1, "two", 3]},
     {"type": "object"},
-    {"type": "object", "properties": {"ключ \"q\"": {"const": "значение\t"}}, "required": ["ключ \"q\""]},
+    {"type": "object", "properties": {'ключ "q"': {"const": "значение\t"}}, "required": ['ключ "q"']},
 ]
 WALKS = 16  # random walks per schema
 STEPS = 300  # tokens a walk may take before it is dropped as unfinished
@@ -90,12 +137,18 @@ def _walks(tokenizer, compiled, seed: int) -> list[str]:
 # RFC 3339's date-time, time and duration (jsonschema checks them only with optional packages)
 _TIME = r"\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})"
 _DURATION_TIME = r"T(?:\d+H(?:\d+M(?:\d+S)?)?|\d+M(?:\d+S)?|\d+S)"
-_DURATION = (rf"P(?:\d+W|(?:\d+Y(?:\d+M(?:\d+D)?)?|\d+M(?:\d+D)?|\d+D)(?:{_DURATION_TIME})?|{_DURATION_TIME})")
+_DURATION = rf"P(?:\d+W|(?:\d+Y(?:\d+M(?:\d+D)?)?|\d+M(?:\d+D)?|\d+D)(?:{_DURATION_TIME})?|{_DURATION_TIME})"
 FORMATS = jsonschema.FormatChecker()
-FORMATS.checks("date-time")(lambda v: not isinstance(v, str) or bool(
-    re.fullmatch(rf"\d{{4}}-\d{{2}}-\d{{2}}[Tt]{_TIME}", v)) and _parses(datetime.fromisoformat, v))
-FORMATS.checks("time")(lambda v: not isinstance(v, str) or bool(re.fullmatch(_TIME, v)) and _parses(
-    time.fromisoformat, v))
+FORMATS.checks("date-time")(
+    lambda v: (
+        not isinstance(v, str)
+        or bool(re.fullmatch(rf"\d{{4}}-\d{{2}}-\d{{2}}[Tt]{_TIME}", v))
+        and _parses(datetime.fromisoformat, v)
+    )
+)
+FORMATS.checks("time")(
+    lambda v: not isinstance(v, str) or bool(re.fullmatch(_TIME, v)) and _parses(time.fromisoformat, v)
+)
 FORMATS.checks("duration")(lambda v: not isinstance(v, str) or bool(re.fullmatch(_DURATION, v)))
 
 
@@ -136,35 +189,38 @@ def test_every_walk_through_a_served_grammar_validates(compiler) -> None:
     assert twin_bad >= 5
 
 
-@pytest.mark.parametrize("schema, named", [
-    ({"anyOf": []}, "anyOf"),
-    ({"type": "integer", "const": "abc"}, "const"),
-    ({"not": {"type": "string"}}, "'not'"),
-    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "'allOf'"),
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf'"),
-    ({"$ref": "https://example.com/schema.json"}, "$ref"),
-    ({"$ref": "#/$defs/missing"}, "$ref"),
-    ({"$defs": {"x": {}}, "$ref": "#/$defs/x", "minimum": 3}, "'minimum'"),
-    ({"type": "string", "format": "credit-card"}, "format"),
-    ({"type": "string", "format": "ipv4"}, "format"),
-    ({"type": "array", "items": {}, "uniqueItems": True}, "'uniqueItems'"),
-    ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
-    ({"type": "object", "patternProperties": {"^a": {}}}, "'patternProperties'"),
-    ({"if": {}, "then": {}}, "'if'"),
-    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
-    ({"minLength": 2}, "'minLength'"),
-    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "together"),
-    ({"type": "string", "pattern": "^[0-9]{1,16000}$"}, f"the limit is {MAX_PATTERN_SIZE}"),
-    ({"type": "string", "pattern": "^(?:a{40}){40}$"}, f"the limit is {MAX_PATTERN_SIZE}"),
-    ({"type": "string", "pattern": "^say \"hi\"$"}, "JSON writes escaped"),
-    ({"type": "string", "pattern": "^a\\\\b$"}, "JSON writes escaped"),
-    ({"type": "string", "pattern": "^(a)\\1$"}, "backreference"),
-    ({"type": "string", "pattern": "^a(?=b)"}, "lookaround"),
-    ({"type": "string", "pattern": "(?i)abc"}, "flags"),
-    ({"type": "string", "pattern": "^[\\x00-\\x1f]$"}, "no character"),
-    ({"type": "string", "pattern": "[unclosed"}, "not a regular expression"),
-    ({"type": "bogus"}, "type"),
-])
+@pytest.mark.parametrize(
+    "schema, named",
+    [
+        ({"anyOf": []}, "anyOf"),
+        ({"type": "integer", "const": "abc"}, "const"),
+        ({"not": {"type": "string"}}, "'not'"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "'allOf'"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf'"),
+        ({"$ref": "https://example.com/schema.json"}, "$ref"),
+        ({"$ref": "#/$defs/missing"}, "$ref"),
+        ({"$defs": {"x": {}}, "$ref": "#/$defs/x", "minimum": 3}, "'minimum'"),
+        ({"type": "string", "format": "credit-card"}, "format"),
+        ({"type": "string", "format": "ipv4"}, "format"),
+        ({"type": "array", "items": {}, "uniqueItems": True}, "'uniqueItems'"),
+        ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
+        ({"type": "object", "patternProperties": {"^a": {}}}, "'patternProperties'"),
+        ({"if": {}, "then": {}}, "'if'"),
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
+        ({"minLength": 2}, "'minLength'"),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "together"),
+        ({"type": "string", "pattern": "^[0-9]{1,16000}$"}, f"the limit is {MAX_PATTERN_SIZE}"),
+        ({"type": "string", "pattern": "^(?:a{40}){40}$"}, f"the limit is {MAX_PATTERN_SIZE}"),
+        ({"type": "string", "pattern": '^say "hi"$'}, "JSON writes escaped"),
+        ({"type": "string", "pattern": "^a\\\\b$"}, "JSON writes escaped"),
+        ({"type": "string", "pattern": "^(a)\\1$"}, "backreference"),
+        ({"type": "string", "pattern": "^a(?=b)"}, "lookaround"),
+        ({"type": "string", "pattern": "(?i)abc"}, "flags"),
+        ({"type": "string", "pattern": "^[\\x00-\\x1f]$"}, "no character"),
+        ({"type": "string", "pattern": "[unclosed"}, "not a regular expression"),
+        ({"type": "bogus"}, "type"),
+    ],
+)
 def test_what_the_grammar_cannot_enforce_is_refused_by_name(schema, named) -> None:
     with pytest.raises(SchemaError, match=None) as caught:
         served_schema(schema)
@@ -172,17 +228,28 @@ def test_what_the_grammar_cannot_enforce_is_refused_by_name(schema, named) -> No
 
 
 def test_the_format_judge_can_fail() -> None:
-    assert _invalid(['"2020-01-01 10:00:00"', '"25:00"', '"P"', '"P1DT"'], {"anyOf": [
-        {"type": "string", "format": f} for f in ("date-time", "time", "duration")]}) != []
+    assert (
+        _invalid(
+            ['"2020-01-01 10:00:00"', '"25:00"', '"P"', '"P1DT"'],
+            {"anyOf": [{"type": "string", "format": f} for f in ("date-time", "time", "duration")]},
+        )
+        != []
+    )
 
 
 def test_annotations_do_not_change_the_served_form() -> None:
     """Two schemas differing in title, description, examples, default or $comment serve (and cache) as one; a
     property that happens to be named "title" is kept, and the served form is its own served form."""
     plain = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
-    annotated = {"type": "object", "title": "T", "description": "D", "$comment": "C", "examples": [{}],
-                 "properties": {"title": {"type": "string", "description": "the title", "default": "x"}},
-                 "required": ["title"]}
+    annotated = {
+        "type": "object",
+        "title": "T",
+        "description": "D",
+        "$comment": "C",
+        "examples": [{}],
+        "properties": {"title": {"type": "string", "description": "the title", "default": "x"}},
+        "required": ["title"],
+    }
     assert served_schema(annotated) == served_schema(plain) == plain
     for schema in CORPUS:
         assert served_schema(served_schema(schema)) == served_schema(schema)

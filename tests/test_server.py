@@ -13,36 +13,58 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
-
 from live_server import LiveServer, free_port
 from model_factory import make_tokenizer, write_hf_model
+from prometheus_client.parser import text_string_to_metric_families
+
 from specsample.server.app import SpecServer, build_app
 from specsample.server.options import ServerOptions
-from specsample.speculator import EngineOptions, load
 from specsample.server.protocol import TextAssembler
 from specsample.server.serve import FLUSH_SECONDS, DrainingServer
+from specsample.speculator import EngineOptions, load
 
 MODEL = "tiny"
-PROMPTS = ["the quick brown fox", "hello world", "speculative sampling", "the lazy dog jumps",
-           "tokens for tests", "a tiny language model", "over the quick dog", "world hello fox"]
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "speculative sampling",
+    "the lazy dog jumps",
+    "tokens for tests",
+    "a tiny language model",
+    "over the quick dog",
+    "world hello fox",
+]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("server")
     tokenizer = make_tokenizer()
-    return {"target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128),
-            "draft": write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
-            "draft2": write_hf_model(root / "draft2", "qwen2", tokenizer=tokenizer, seed=4, num_hidden_layers=1),
-            "other_vocab": write_hf_model(root / "other", "llama", tokenizer=tokenizer, vocab_size=512)}
+    return {
+        "target": write_hf_model(root / "target", "llama", tokenizer=tokenizer, max_position_embeddings=128),
+        "draft": write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
+        "draft2": write_hf_model(root / "draft2", "qwen2", tokenizer=tokenizer, seed=4, num_hidden_layers=1),
+        "other_vocab": write_hf_model(root / "other", "llama", tokenizer=tokenizer, vocab_size=512),
+    }
 
 
 def _server(folders, api_key=None, max_batch=8, **options) -> LiveServer:
-    speculator = load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4,
-                                    dtype="float32"))
-    return LiveServer(SpecServer(speculator, ServerOptions(model_name=MODEL, api_key=api_key, min_acceptance=0.7,
-                                                           max_batch_size=max_batch, max_model_len=128, **options)))
+    speculator = load(
+        EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4, dtype="float32")
+    )
+    return LiveServer(
+        SpecServer(
+            speculator,
+            ServerOptions(
+                model_name=MODEL,
+                api_key=api_key,
+                min_acceptance=0.7,
+                max_batch_size=max_batch,
+                max_model_len=128,
+                **options,
+            ),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +78,23 @@ def test_completions_and_chat_streamed_and_not(live) -> None:
     client = live.client()
     for kwargs in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
         full = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=24, **kwargs)
-        streamed = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=24, stream=True,
-                                             **kwargs)
+        streamed = client.completions.create(
+            model=MODEL, prompt="the quick brown fox", max_tokens=24, stream=True, **kwargs
+        )
         assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
         assert full.usage.completion_tokens >= 1 and full.usage.prompt_tokens > 0
         messages = [{"role": "user", "content": "hello world"}]
         chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, **kwargs)
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, stream=True,
-                                                     stream_options={"include_usage": True}, **kwargs))
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=24,
+                stream=True,
+                stream_options={"include_usage": True},
+                **kwargs,
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
         assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
@@ -76,10 +107,16 @@ def test_greedy_speculation_equals_plain(live) -> None:
     client = live.client()
     for prompt in PROMPTS[:4]:
         spec = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
-        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
-                                          extra_body={"speculative": False})
-        fixed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
-                                          extra_body={"num_speculative_tokens": 2, "top_k": 5})
+        plain = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, temperature=0, extra_body={"speculative": False}
+        )
+        fixed = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=30,
+            temperature=0,
+            extra_body={"num_speculative_tokens": 2, "top_k": 5},
+        )
         assert spec.choices[0].text == plain.choices[0].text == fixed.choices[0].text
 
 
@@ -91,10 +128,13 @@ def test_n_choices_and_stop_strings(live) -> None:
     text = greedy.choices[0].text
     stop = text[8:12]
     assert stop and stop in text
-    cut = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30, temperature=0, stop=[stop])
+    cut = client.completions.create(
+        model=MODEL, prompt="the quick brown fox", max_tokens=30, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30, temperature=0,
-                                         stop=stop, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="the quick brown fox", max_tokens=30, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == text[: text.index(stop)]
 
 
@@ -151,15 +191,18 @@ def test_usage_stops_counting_at_the_stop_string() -> None:
 
 def test_concurrent_clients_are_batched_and_isolated(live) -> None:
     client = live.client()
-    alone = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0).choices[0].text
-             for p in PROMPTS}
+    alone = {
+        p: client.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0).choices[0].text
+        for p in PROMPTS
+    }
 
     async def run_all():
         aclient = live.client(cls=openai.AsyncOpenAI)
 
         async def one(prompt):
-            stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
-                                                      stream=True)
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True
+            )
             return "".join([c.choices[0].text async for c in stream])
 
         return await asyncio.gather(*(one(p) for p in PROMPTS))
@@ -168,8 +211,9 @@ def test_concurrent_clients_are_batched_and_isolated(live) -> None:
     assert dict(zip(PROMPTS, together)) == alone
     assert live.server.metrics.max_batch_seen > 1
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
-    over_one = [s for s in families["specsample_batch_size"].samples
-                if s.name.endswith("_bucket") and s.labels["le"] == "1.0"]
+    over_one = [
+        s for s in families["specsample_batch_size"].samples if s.name.endswith("_bucket") and s.labels["le"] == "1.0"
+    ]
     total = [s for s in families["specsample_batch_size"].samples if s.name.endswith("_count")]
     assert total[0].value > over_one[0].value  # some rounds ran more than one request
 
@@ -177,8 +221,11 @@ def test_concurrent_clients_are_batched_and_isolated(live) -> None:
 def test_disconnect_frees_the_slot(live) -> None:
     engine = live.server.engine
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", live.url + "/v1/completions",
-                         json={"model": MODEL, "prompt": "hello", "max_tokens": 100, "stream": True}) as response:
+        with http.stream(
+            "POST",
+            live.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hello", "max_tokens": 100, "stream": True},
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data:"):
                     break  # first chunk received: hang up mid-stream
@@ -190,18 +237,21 @@ def test_disconnect_frees_the_slot(live) -> None:
     assert out.choices[0].text is not None
 
 
-@pytest.mark.parametrize("body, param", [
-    (b"{not json", None),
-    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": "hot"}).encode(), "temperature"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -0.5}).encode(), "temperature"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
-    (json.dumps({"model": MODEL, "prompt": "hi " * 60, "max_tokens": 100}).encode(), "max_tokens"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "frobnicate": True}).encode(), "frobnicate"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}).encode(), "presence_penalty"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 300}}).encode(), "logit_bias"),
-    (json.dumps({"model": MODEL, "prompt": ""}).encode(), None),
-    (json.dumps([1, 2]).encode(), None),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        (json.dumps({"model": MODEL, "prompt": "hi", "temperature": "hot"}).encode(), "temperature"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -0.5}).encode(), "temperature"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "hi " * 60, "max_tokens": 100}).encode(), "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "frobnicate": True}).encode(), "frobnicate"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}).encode(), "presence_penalty"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 300}}).encode(), "logit_bias"),
+        (json.dumps({"model": MODEL, "prompt": ""}).encode(), None),
+        (json.dumps([1, 2]).encode(), None),
+    ],
+)
 def test_bad_requests_get_400_and_the_server_carries_on(live, body, param) -> None:
     response = httpx.post(live.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
@@ -228,9 +278,14 @@ def test_metrics_parse_and_move(live) -> None:
     before = read()
     live.client().completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=12, temperature=0)
     after = read()
-    for name in ('specsample_requests_total{"status": "finished"}', "specsample_generation_tokens_total{}",
-                 "specsample_spec_decode_num_draft_tokens_total{}", "specsample_spec_decode_num_drafts_total{}",
-                 "specsample_time_to_first_token_seconds_count{}", "specsample_e2e_request_latency_seconds_count{}"):
+    for name in (
+        'specsample_requests_total{"status": "finished"}',
+        "specsample_generation_tokens_total{}",
+        "specsample_spec_decode_num_draft_tokens_total{}",
+        "specsample_spec_decode_num_drafts_total{}",
+        "specsample_time_to_first_token_seconds_count{}",
+        "specsample_e2e_request_latency_seconds_count{}",
+    ):
         assert after[name] > before.get(name, 0), name
     assert "specsample_spec_decode_recent_acceptance_rate{}" in after
     assert 'specsample_spec_decode_num_accepted_tokens_per_pos_total{"position": "0"}' in after
@@ -245,16 +300,32 @@ def test_metrics_count_what_the_controller_did() -> None:
     metrics = ServerMetrics()
     values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     assert values["specsample_compile_recompiles_total"] == values["specsample_compile_eager_fallbacks_total"] == 0
-    stats = RoundStats(4, 3, 6, 3, 7, (2, 2, 2), (2, 1, 0), 0.0, 0.0, 0.0, 0.0,
-                       fallback_rows=1, scored_rows=2, lookup_rows=3, extended_rows=4, recompiles=5,
-                       eager_fallbacks=6)
+    stats = RoundStats(
+        4,
+        3,
+        6,
+        3,
+        7,
+        (2, 2, 2),
+        (2, 1, 0),
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        fallback_rows=1,
+        scored_rows=2,
+        lookup_rows=3,
+        extended_rows=4,
+        recompiles=5,
+        eager_fallbacks=6,
+    )
     metrics.observe_round(RoundResult((), stats, 0.0), running=4, waiting=0)
     metrics.observe_round(RoundResult((), stats, 0.0), running=4, waiting=0)
-    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode())
-              for s in f.samples}
-    assert [values[f"specsample_controller_{name}_total"]
-            for name in ("fallback_row_rounds", "backlog_scorings", "lookup_row_rounds", "extended_row_rounds")] == [
-        2, 4, 6, 8]
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert [
+        values[f"specsample_controller_{name}_total"]
+        for name in ("fallback_row_rounds", "backlog_scorings", "lookup_row_rounds", "extended_row_rounds")
+    ] == [2, 4, 6, 8]
     assert [values[f"specsample_compile_{name}_total"] for name in ("recompiles", "eager_fallbacks")] == [10, 12]
 
 
@@ -264,13 +335,18 @@ def test_metrics_report_the_engines_shared_suffix_cache(folders, scope: str) -> 
     tokens) stay there in global scope; in request scope there is none."""
     from specsample import SamplingParams
 
-    speculator = load(EngineOptions(target=str(folders["target"]), draft="suffix", dtype="float32",
-                                    suffix_cache_scope=scope))
+    speculator = load(
+        EngineOptions(target=str(folders["target"]), draft="suffix", dtype="float32", suffix_cache_scope=scope)
+    )
     server = SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=1, max_model_len=64))
     server.engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, seed=0))
     output = [t for r in server.engine.stream() for u in r.rows for t in u.new_tokens]
-    values = {s.name: s.value for f in text_string_to_metric_families(server.metrics_text().decode())
-              for s in f.samples if s.name.startswith("specsample_suffix_cache")}
+    values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(server.metrics_text().decode())
+        for s in f.samples
+        if s.name.startswith("specsample_suffix_cache")
+    }
     if scope == "global":
         assert values["specsample_suffix_cache_tokens"] == 3 + len(output)
         assert values["specsample_suffix_cache_sequences"] == 1 and values["specsample_suffix_cache_bytes"] > 0
@@ -288,8 +364,12 @@ def test_api_key_and_draft_swap(folders) -> None:
         reference = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0)
 
         def swap(spec: str, key: str = "admin") -> httpx.Response:
-            return httpx.post(server.url + "/admin/draft", json={"draft": spec},
-                              headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            return httpx.post(
+                server.url + "/admin/draft",
+                json={"draft": spec},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+            )
 
         stream = client.completions.create(model=MODEL, prompt="hello world", max_tokens=60, temperature=0, stream=True)
         first = next(iter(stream))  # a request in flight on the first draft
@@ -309,13 +389,19 @@ def test_api_key_and_draft_swap(folders) -> None:
 
 # ----- shutdown: in flight requests drain until --shutdown-timeout, then end cleanly -----------------------------
 
+
 class _Draining:
     """A server run by `DrainingServer` in a thread; `signal()` does what SIGTERM or Ctrl-C does."""
 
     def __init__(self, spec: SpecServer) -> None:
         self.port = free_port()
-        config = uvicorn.Config(build_app(spec), host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=FLUSH_SECONDS)
+        config = uvicorn.Config(
+            build_app(spec),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_graceful_shutdown=FLUSH_SECONDS,
+        )
         self.server = DrainingServer(config, spec)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -335,8 +421,10 @@ async def _stream_events(client: httpx.AsyncClient, body: dict) -> list[str]:
 
 
 def _draining(live, monkeypatch, timeout: float) -> _Draining:
-    spec = SpecServer(live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128,
-                                                            shutdown_timeout=timeout))
+    spec = SpecServer(
+        live.server.speculator,
+        ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128, shutdown_timeout=timeout),
+    )
     step = spec.engine.step
 
     def slow_step():
@@ -348,8 +436,13 @@ def _draining(live, monkeypatch, timeout: float) -> _Draining:
 
 
 # runs to max_tokens (the special tokens, end of text among them, banned): at least 24 rounds of 0.1 s
-LONG = {"prompt": "the quick brown fox", "max_tokens": 120, "temperature": 0.8, "seed": 1,
-        "logit_bias": {"0": -100, "1": -100, "2": -100}}
+LONG = {
+    "prompt": "the quick brown fox",
+    "max_tokens": 120,
+    "temperature": 0.8,
+    "seed": 1,
+    "logit_bias": {"0": -100, "1": -100, "2": -100},
+}
 
 
 def test_shutdown_finishes_what_fits_in_its_limit_and_ends_the_rest(live, monkeypatch) -> None:
@@ -408,6 +501,7 @@ OTHERS = [{"prompt": p, "max_tokens": 24, "temperature": 0.9, "seed": i} for i, 
 
 def _texts(server: LiveServer, bodies: list[dict]) -> list[str]:
     """The texts of `bodies`, sent together (batched by the server)."""
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             answers = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
@@ -419,10 +513,24 @@ def _texts(server: LiveServer, bodies: list[dict]) -> list[str]:
 @pytest.fixture(scope="module")
 def bf16_servers(folders):
     """The server's defaults (rejection sampling, gamma auto) in bfloat16, and deterministic mode in bfloat16."""
-    servers = [LiveServer(SpecServer(load(EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]),
-                                                        gamma="auto", max_gamma=4, dtype="bfloat16", **extra)),
-                                     ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128)))
-               for extra in ({}, {"deterministic": True})]
+    servers = [
+        LiveServer(
+            SpecServer(
+                load(
+                    EngineOptions(
+                        target=str(folders["target"]),
+                        draft=str(folders["draft"]),
+                        gamma="auto",
+                        max_gamma=4,
+                        dtype="bfloat16",
+                        **extra,
+                    )
+                ),
+                ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128),
+            )
+        )
+        for extra in ({}, {"deterministic": True})
+    ]
     yield servers
     for server in servers:
         server.close()

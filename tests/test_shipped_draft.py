@@ -78,8 +78,15 @@ def test_quick_evaluation_rerun_matches_the_record(quick_record: dict, smollm2, 
     prompts = eval_prompt_set("spec-bench", 1)
     assert len(prompts) == quick_record["prompts"]
     chosen = [p for p in prompts if p.category in RERUN_CATEGORIES]
-    report = evaluate(smollm2.model, shipped_draft.model, smollm2.tokenizer, chosen, quick_record["max_new_tokens"],
-                      progress=False, measure_cost=False)
+    report = evaluate(
+        smollm2.model,
+        shipped_draft.model,
+        smollm2.tokenizer,
+        chosen,
+        quick_record["max_new_tokens"],
+        progress=False,
+        measure_cost=False,
+    )
     for category in RERUN_CATEGORIES:
         recorded, got = quick_record["categories"][category], report["categories"][category]
         assert got["positions"] == recorded["positions"], category

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
 from model_factory import make_tokenizer, write_hf_model
+
 from specsample import EngineOptions, SamplingParams, load
+from specsample.config import TreeShape
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
-from specsample.config import TreeShape
 from specsample.planner import FixedGamma, GammaController
 
 
@@ -16,23 +16,28 @@ from specsample.planner import FixedGamma, GammaController
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     tokenizer = make_tokenizer()
-    return (write_hf_model(root / "target", tokenizer=tokenizer, max_position_embeddings=256),
-            write_hf_model(root / "draft", tokenizer=tokenizer, seed=3, num_hidden_layers=1))
+    return (
+        write_hf_model(root / "target", tokenizer=tokenizer, max_position_embeddings=256),
+        write_hf_model(root / "draft", tokenizer=tokenizer, seed=3, num_hidden_layers=1),
+    )
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(gamma=0), "gamma must be an integer >= 1 or 'auto'"),
-    (dict(gamma="fast"), "gamma must be an integer >= 1 or 'auto'"),
-    (dict(gamma=True), "gamma must be an integer >= 1 or 'auto'"),
-    (dict(max_gamma=0), "max_gamma must be an integer >= 1"),
-    (dict(pad_rows="on"), "pad_rows must be one of auto, off"),
-    (dict(draft_window="half"), "draft_window must be one of auto, off"),
-    (dict(runtime="vllm"), "runtime must be one of"),
-    (dict(compile=True, runtime="hf"), "--compile needs our Llama-family runtime"),
-    (dict(tree="16x4"), "a tree is NODES or NODESxBRANCHxDEPTH"),
-    (dict(tree="4x2x8"), "a tree of 4 nodes cannot reach depth 8"),
-    (dict(tree=16), "tree must be 'off' or NODES"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(gamma=0), "gamma must be an integer >= 1 or 'auto'"),
+        (dict(gamma="fast"), "gamma must be an integer >= 1 or 'auto'"),
+        (dict(gamma=True), "gamma must be an integer >= 1 or 'auto'"),
+        (dict(max_gamma=0), "max_gamma must be an integer >= 1"),
+        (dict(pad_rows="on"), "pad_rows must be one of auto, off"),
+        (dict(draft_window="half"), "draft_window must be one of auto, off"),
+        (dict(runtime="vllm"), "runtime must be one of"),
+        (dict(compile=True, runtime="hf"), "--compile needs our Llama-family runtime"),
+        (dict(tree="16x4"), "a tree is NODES or NODESxBRANCHxDEPTH"),
+        (dict(tree="4x2x8"), "a tree of 4 nodes cannot reach depth 8"),
+        (dict(tree=16), "tree must be 'off' or NODES"),
+    ],
+)
 def test_bad_options_are_refused_before_anything_loads(fields, message) -> None:
     with pytest.raises(ValueError, match=message):
         EngineOptions(target="/nowhere", **fields)

@@ -8,18 +8,18 @@ import tracemalloc
 
 import pytest
 import torch
-
+from model_factory import draft_request
 from planner_driver import batch
+from suffix_reference import reference_find
+
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.config import TreeShape
-from model_factory import draft_request
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.suffix import SuffixDrafter
 from specsample.drafters.suffix_index import WALK, Draft, SuffixIndex, best_draft, cap, draft_tree
 from specsample.planner import FixedGamma, GammaController
 from specsample.planner.base import RowState
-from suffix_reference import reference_find
 
 LEVELS = (1, 2, 4)
 
@@ -91,14 +91,17 @@ def test_index_memory_estimate_follows_what_python_allocates() -> None:
 CONTINUATIONS = [(5, 6, 7), (5, 6, 8), (5, 6, 7), (9,)]  # most recent first
 
 
-@pytest.mark.parametrize("nodes, depth, min_prob, chain, tokens, parents", [
-    (8, 3, 0.1, False, (5, 6, 7, 9, 8), (-1, 0, 1, -1, 1)),  # 9 and 8 tie at 1/4: 9 came first (from the root)
-    (8, 3, 0.3, False, (5, 6, 7), (-1, 0, 1)),  # nodes below 0.3 are left out
-    (2, 3, 0.1, False, (5, 6), (-1, 0)),
-    (8, 1, 0.1, False, (5, 9), (-1, -1)),
-    (8, 3, 0.1, True, (5, 6, 7), (-1, 0, 1)),  # the path of most frequent children
-    (8, 3, 0.6, True, (5, 6), (-1, 0)),
-])
+@pytest.mark.parametrize(
+    "nodes, depth, min_prob, chain, tokens, parents",
+    [
+        (8, 3, 0.1, False, (5, 6, 7, 9, 8), (-1, 0, 1, -1, 1)),  # 9 and 8 tie at 1/4: 9 came first (from the root)
+        (8, 3, 0.3, False, (5, 6, 7), (-1, 0, 1)),  # nodes below 0.3 are left out
+        (2, 3, 0.1, False, (5, 6), (-1, 0)),
+        (8, 1, 0.1, False, (5, 9), (-1, -1)),
+        (8, 3, 0.1, True, (5, 6, 7), (-1, 0, 1)),  # the path of most frequent children
+        (8, 3, 0.6, True, (5, 6), (-1, 0)),
+    ],
+)
 def test_draft_tree_takes_the_most_probable_continuations(nodes, depth, min_prob, chain, tokens, parents) -> None:
     draft = draft_tree(CONTINUATIONS, 4, nodes, depth, min_prob, chain)
     assert (draft.tokens, draft.parents, draft.match) == (tokens, parents, 4)
@@ -136,11 +139,19 @@ def test_the_longer_match_drafts_more_and_wins_where_it_scores_higher() -> None:
     assert (draft.tokens, draft.parents, draft.match) == ((3, 4, 4, 7), (-1, 0, 1, -1), 2)
 
 
-def _request(slots, reach, tree=None, lookup_trees=False, source=()) :
+def _request(slots, reach, tree=None, lookup_trees=False, source=()):
     rows = len(slots)
     drafts = tuple(min(r, tree.depth) for r in reach) if tree is not None else tuple(reach)
-    return draft_request(tuple(slots), drafts, tuple(reach), (SamplingParams(),) * rows,
-                         (torch.Generator(),) * rows, source=tuple(source), tree=tree, lookup_trees=lookup_trees)
+    return draft_request(
+        tuple(slots),
+        drafts,
+        tuple(reach),
+        (SamplingParams(),) * rows,
+        (torch.Generator(),) * rows,
+        source=tuple(source),
+        tree=tree,
+        lookup_trees=lookup_trees,
+    )
 
 
 def test_a_row_drafts_from_its_own_text_and_from_what_other_requests_wrote() -> None:
@@ -220,12 +231,17 @@ def test_hybrid_offers_gamma_auto_shorter_suffix_matches_than_it_takes_alone(tin
 
 def test_gamma_auto_lets_lookups_branch_only_where_every_drafting_row_is_a_lookup() -> None:
     controller = GammaController(4)
-    lookups = batch(RowState("a", 100, lookup=4, drafts_otherwise=False), RowState("b", 100, lookup=3,
-                    drafts_otherwise=False), offers_lookups=True, can_tree=True)
+    lookups = batch(
+        RowState("a", 100, lookup=4, drafts_otherwise=False),
+        RowState("b", 100, lookup=3, drafts_otherwise=False),
+        offers_lookups=True,
+        can_tree=True,
+    )
     assert controller.plan(lookups).lookup_trees
     assert not controller.plan(batch(*lookups.rows, offers_lookups=True)).lookup_trees  # the target scores no trees
-    mixed = batch(RowState("a", 100, lookup=4, drafts_otherwise=False), RowState("c", 100), offers_lookups=True,
-                  can_tree=True)
+    mixed = batch(
+        RowState("a", 100, lookup=4, drafts_otherwise=False), RowState("c", 100), offers_lookups=True, can_tree=True
+    )
     plan = controller.plan(mixed)
     assert plan.rows[1].drafts > 0 and plan.rows[1].source is False and not plan.lookup_trees
 
@@ -241,8 +257,9 @@ def test_a_repeated_request_drafts_from_the_shared_cache_and_decodes_as_plain(ti
     """A request repeating an earlier one drafts its reply from the shared cache, in far fewer rounds, and its greedy
     output is plain decoding's."""
     prompt, params = [5, 17, 3, 29, 11, 8, 2, 23, 14], SamplingParams(temperature=0, max_new_tokens=16)
-    plain, _ = _decode(Engine(tiny_target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=32)),
-                       prompt, params)
+    plain, _ = _decode(
+        Engine(tiny_target, None, SpecConfig(speculative=False, max_batch_size=1, max_seq_len=32)), prompt, params
+    )
     engine = Engine(tiny_target, SuffixDrafter(), SpecConfig(max_batch_size=1, max_seq_len=32), planner=FixedGamma(6))
     (first, first_rounds), (again, again_rounds) = _decode(engine, prompt, params), _decode(engine, prompt, params)
     assert first == again == plain
@@ -273,17 +290,25 @@ def test_metrics_read_the_shared_caches_of_every_drafter_serving_rows(tiny_draft
     from specsample.server.metrics import ServerMetrics
 
     def gauges(metrics: ServerMetrics) -> dict[str, float]:
-        return {s.name.removeprefix("specsample_suffix_cache_"): s.value
-                for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples
-                if s.name.startswith("specsample_suffix_cache_")}
+        return {
+            s.name.removeprefix("specsample_suffix_cache_"): s.value
+            for f in text_string_to_metric_families(metrics.render().decode())
+            for s in f.samples
+            if s.name.startswith("specsample_suffix_cache_")
+        }
 
     old = HybridDrafter(ModelDrafter(tiny_draft), SuffixDrafter(capacity=100))
     routed = RoutedDrafter(old)
     routed.allocate(4, 64)
     metrics = ServerMetrics()
     metrics.watch_suffix_cache(routed.suffix_cache)
-    assert gauges(metrics) == {"tokens": 0, "sequences": 0, "bytes": gauges(metrics)["bytes"], "capacity_tokens": 100,
-                               "evicted_sequences": 0}
+    assert gauges(metrics) == {
+        "tokens": 0,
+        "sequences": 0,
+        "bytes": gauges(metrics)["bytes"],
+        "capacity_tokens": 100,
+        "evicted_sequences": 0,
+    }
     routed.add_rows([0], [[1, 2, 3]])
     routed.commit([0], [[4, 5]])
     routed.replace(SuffixDrafter(capacity=50))  # row 0 stays with the old drafter

@@ -6,8 +6,14 @@ import random
 
 import pytest
 
-from specsample.theory import (acceptance_rate, estimate_alpha, expected_speedup, expected_tokens_per_round,
-                               mean_accepted_length, optimal_gamma)
+from specsample.theory import (
+    acceptance_rate,
+    estimate_alpha,
+    expected_speedup,
+    expected_tokens_per_round,
+    mean_accepted_length,
+    optimal_gamma,
+)
 
 
 def test_expected_tokens_matches_definition() -> None:
@@ -43,7 +49,8 @@ def test_estimators() -> None:
     naive = acceptance_rate(sum(accepted), sum(drafted))
     assert naive < alpha - 0.05  # truncation biases accepted/drafted low
     assert mean_accepted_length(sum(accepted), len(accepted)) == pytest.approx(
-        expected_tokens_per_round(alpha, gamma), abs=0.03)
+        expected_tokens_per_round(alpha, gamma), abs=0.03
+    )
 
 
 def test_theory_errors() -> None:

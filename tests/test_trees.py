@@ -4,13 +4,14 @@ engine where trees pay and where they do not). Exactness at T > 0 is in test_exa
 
 from __future__ import annotations
 
-from model_factory import draft_request
 import random
 
 import pytest
 import torch
-
+from model_factory import draft_request
 from planner_driver import UNLIMITED, batch, learn
+from test_eagle import PROMPTS, _greedy_proposal, random_head
+
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.config import SettingError, TreeShape
 from specsample.drafters.eagle import EagleDrafter
@@ -20,7 +21,6 @@ from specsample.planner import FixedGamma, GammaController
 from specsample.planner.base import BatchState, RowOutcome, RowState
 from specsample.planner.trees import budgets
 from specsample.theory import expected_tokens_per_round
-from test_eagle import PROMPTS, _greedy_proposal, random_head
 
 VOCAB = 48
 TREE = TreeShape(8, 3, 4)
@@ -152,14 +152,16 @@ def test_lookup_branches_merge_into_a_trie() -> None:
     drafter = NgramDrafter(min_n=1)
     drafter.allocate(1, 64)
     drafter.add_rows([0], [[7, 1, 2, 7, 3, 4, 7, 5, 6, 7]])  # "7" was followed by 1, 3 and 5
-    request = draft_request((0,), (6,), (6,), (SamplingParams(temperature=0),), (torch.Generator(),),
-                           tree=TreeShape(6, 3, 2))
+    request = draft_request(
+        (0,), (6,), (6,), (SamplingParams(temperature=0),), (torch.Generator(),), tree=TreeShape(6, 3, 2)
+    )
     proposal = drafter.propose(request)
     # the most recent continuation first, whole; then the next most recent while the budget lasts
     assert proposal.tokens[0].tolist() == [5, 6, 7, 3, 4, 7] and int(proposal.num_drafted[0]) == 6
     assert proposal.parents[0].tolist() == [-1, 0, 1, -1, 3, 4]
-    short = draft_request((0,), (2,), (2,), (SamplingParams(temperature=0),), (torch.Generator(),),
-                         tree=TreeShape(2, 3, 2))
+    short = draft_request(
+        (0,), (2,), (2,), (SamplingParams(temperature=0),), (torch.Generator(),), tree=TreeShape(2, 3, 2)
+    )
     assert drafter.propose(short).tokens[0].tolist() == [5, 6]
 
 
@@ -175,8 +177,12 @@ def test_tree_settings_are_checked_and_parsed() -> None:
 
 def test_fixed_gamma_drafts_its_tree_only_where_the_target_scores_trees() -> None:
     planner = FixedGamma(4, tree=TREE)
-    rows = (RowState("a", UNLIMITED), RowState("own", UNLIMITED, gamma=3), RowState("short", 4),
-            RowState("plain", UNLIMITED, speculative=False))
+    rows = (
+        RowState("a", UNLIMITED),
+        RowState("own", UNLIMITED, gamma=3),
+        RowState("short", 4),
+        RowState("plain", UNLIMITED, speculative=False),
+    )
     plan = planner.plan(BatchState(rows, can_tree=True))
     # nodes: the tree's, a request's own gamma bounding them; depth: the tree's, never past what a budget can use
     assert plan.tree == TREE and [r.reach for r in plan.rows] == [8, 3, 8, 0]
@@ -185,8 +191,15 @@ def test_fixed_gamma_drafts_its_tree_only_where_the_target_scores_trees() -> Non
     assert chain.tree is None and [r.reach for r in chain.rows] == [4, 3, 3, 0]
 
 
-def _simulate(controller: GammaController, alpha: float, tree_yield: dict[int, float], rounds: int,
-              rng: random.Random, plain: float = 0.020, per_node: float = 0.01) -> list[int]:
+def _simulate(
+    controller: GammaController,
+    alpha: float,
+    tree_yield: dict[int, float],
+    rounds: int,
+    rng: random.Random,
+    plain: float = 0.020,
+    per_node: float = 0.01,
+) -> list[int]:
     """One request on a simulated engine: chains as `planner_driver.timed` (c 0.15, overhead 0.1), a tree round of n
     nodes costs a chain of its depth plus `per_node` plain rounds per further node and commits about
     `tree_yield[n]` tokens. The node budget of each round (0: a chain)."""

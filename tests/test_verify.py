@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from broken import residual_as_target
+from stats_util import chi_square
+
 from specsample.sampling import sample
 from specsample.verify import verify, verify_greedy
-from stats_util import chi_square
 
 VOCAB = 10
 SAMPLES = 200_000
@@ -125,15 +125,18 @@ def test_shape_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="target_probs has shape"):
         verify(torch.zeros(2, 3, dtype=torch.long), None, torch.zeros(2, 3, VOCAB), torch.Generator())
     with pytest.raises(ValueError, match="vocabularies must match"):
-        verify(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, VOCAB + 1), torch.zeros(2, 4, VOCAB),
-               torch.Generator())
+        verify(
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.zeros(2, 3, VOCAB + 1),
+            torch.zeros(2, 4, VOCAB),
+            torch.Generator(),
+        )
 
 
 def _acceptance_rate_check(target: torch.Tensor, draft: torch.Tensor, beta: float, samples: int) -> tuple[float, float]:
     """|observed - beta| of verify's acceptance over `samples` drafts drawn from `draft`, and the bound a
     correct beta stays within (a normal quantile at FALSE_ALARM for this sample size)."""
     from scipy import stats
-
     from stats_util import FALSE_ALARM
 
     g = torch.Generator().manual_seed(3)
@@ -144,22 +147,25 @@ def _acceptance_rate_check(target: torch.Tensor, draft: torch.Tensor, beta: floa
     return abs(observed - beta), bound
 
 
-@pytest.mark.parametrize("case", ["random", "draft_zero_where_target_positive", "target_zero_where_draft_positive",
-                                  "identical", "disjoint"])
+@pytest.mark.parametrize(
+    "case", ["random", "draft_zero_where_target_positive", "target_zero_where_draft_positive", "identical", "disjoint"]
+)
 def test_acceptance_probabilities_are_verify_acceptance_rates(case: str) -> None:
     """beta = sum min(target, draft) is the rate at which verify accepts a draft drawn from the draft; a beta
     computed from the wrong pair (the draft against itself: always 1) must fail the same check."""
     from specsample.verify import acceptance_probabilities
 
     target, draft = _cases()[case]
-    beta = acceptance_probabilities(torch.zeros(1, 1, dtype=torch.long), draft.view(1, 1, -1),
-                                    target.view(1, 1, -1))[0, 0].item()
+    beta = acceptance_probabilities(torch.zeros(1, 1, dtype=torch.long), draft.view(1, 1, -1), target.view(1, 1, -1))[
+        0, 0
+    ].item()
     assert 0.0 <= beta <= 1.0
     gap, bound = _acceptance_rate_check(target, draft, beta, 40_000)
     assert gap <= bound, (case, beta, gap, bound)
     if case not in ("identical",):  # the broken beta: what a draft agreeing with itself would be accepted with
-        broken = acceptance_probabilities(torch.zeros(1, 1, dtype=torch.long), draft.view(1, 1, -1),
-                                          draft.view(1, 1, -1))[0, 0].item()
+        broken = acceptance_probabilities(
+            torch.zeros(1, 1, dtype=torch.long), draft.view(1, 1, -1), draft.view(1, 1, -1)
+        )[0, 0].item()
         gap, bound = _acceptance_rate_check(target, draft, broken, 40_000)
         assert gap > bound, (case, broken, gap, bound)
 
@@ -177,6 +183,7 @@ def test_acceptance_probabilities_take_cpu_draft_tokens_with_target_probs_on_the
     """Drafters build their tokens on the CPU while the target scores on its device: on a GPU the one-hot
     (n-gram) path gathered with a CPU index and raised (`SPECSAMPLE_TEST_DEVICE=cuda` exercises that)."""
     from devices import DEVICE
+
     from specsample.verify import acceptance_probabilities
 
     target = _dist([1, 2, 3, 4]).view(1, 1, -1).expand(1, 2, -1).to(DEVICE)  # [1, gamma + 1 = 2, 4]

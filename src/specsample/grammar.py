@@ -24,8 +24,8 @@ COMPILED_KEPT = 64  # compiled grammars kept per compiler (least recently used d
 # the classes xgrammar (0.2) writes for a string's characters (in length-bounded strings, and in the others) admit
 # surrogate code points, whose UTF-8 is invalid (a decoder reads three replacement characters), and the first raw
 # control characters, which JSON forbids inside a string; each is replaced by the class of what JSON holds as itself
-_XGRAMMAR_STRING_CLASSES = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_STRING_CLASS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+_XGRAMMAR_STRING_CLASSES = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_STRING_CLASS = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # xgrammar's "[time] source.cc:line: " before a message
 
 
@@ -55,8 +55,9 @@ class GrammarCompiler:
         """For a Hugging Face tokenizer whose model has `vocab_size` outputs (ids past the tokenizer's are never
         allowed); a grammar ends on any of `stop_token_ids`."""
         xgr = _xgrammar()
-        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(int(t) for t in stop_token_ids))
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(int(t) for t in stop_token_ids)
+        )
         return cls(info, vocab_size)
 
     @classmethod

@@ -30,16 +30,19 @@ from typing import Any
 MAX_SCHEMA_BYTES = 65536  # the schema as compact JSON
 MAX_SCHEMA_DEPTH = 64  # nesting of objects and arrays in the schema document
 MAX_PATTERN_SIZE = 1000  # characters a pattern spells out with its bounded repetitions unrolled: `.{1000}` is 1000
-ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$comment", "deprecated", "readOnly",
-                         "writeOnly", "$schema"})
+ANNOTATIONS = frozenset(
+    {"title", "description", "examples", "default", "$comment", "deprecated", "readOnly", "writeOnly", "$schema"}
+)
 TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 # formats whose grammar writes only valid values (not xgrammar's ipv4: leading zeros; hostname: labels past 63
 # characters; uri: not checked)
 FORMATS = frozenset({"duration", "email", "ipv6", "uuid"})
 # formats served as patterns of valid values only (xgrammar's own allow September 31): RFC 3339's date (February to
 # the 28th), time and date-time
-_DATE = (r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-         r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_DATE = (
+    r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
 STRING_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format"})
@@ -48,9 +51,11 @@ ARRAY_KEYWORDS = frozenset({"items", "prefixItems", "minItems", "maxItems", "uni
 OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties"})
 GENERAL_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions"})
 SUPPORTED = STRING_KEYWORDS | NUMBER_KEYWORDS | ARRAY_KEYWORDS | OBJECT_KEYWORDS | GENERAL_KEYWORDS
-REFUSED_HINTS = {"oneOf": "use anyOf (the grammar cannot exclude a value that matches several branches)",
-                 "allOf": "give one schema (allOf is read only when it holds a single schema)",
-                 "uniqueItems": "the grammar cannot keep array items apart"}
+REFUSED_HINTS = {
+    "oneOf": "use anyOf (the grammar cannot exclude a value that matches several branches)",
+    "allOf": "give one schema (allOf is read only when it holds a single schema)",
+    "uniqueItems": "the grammar cannot keep array items apart",
+}
 
 
 class SchemaError(ValueError):
@@ -137,28 +142,35 @@ class _Walk:
         if "type" not in keys:
             specific = sorted(keys & (STRING_KEYWORDS | NUMBER_KEYWORDS | ARRAY_KEYWORDS))
             if specific:
-                raise SchemaError(f"{specific[0]!r}{_at(path)} needs a \"type\" beside it")
+                raise SchemaError(f'{specific[0]!r}{_at(path)} needs a "type" beside it')
             return None  # any value; with object keywords, an object (see _objects)
         given = schema["type"]
         types = [given] if isinstance(given, str) else given
-        if not isinstance(types, list) or not types or any(t not in TYPES for t in types) \
-                or len(set(types)) != len(types):
+        if (
+            not isinstance(types, list)
+            or not types
+            or any(t not in TYPES for t in types)
+            or len(set(types)) != len(types)
+        ):
             raise SchemaError(f"type{_at(path)} must be one of {', '.join(TYPES)} or a list of them")
         return types
 
     def _all_of(self, schema: dict, keys: set, path: str) -> dict[str, Any] | bool:
         branches = schema["allOf"]
         if not isinstance(branches, list) or len(branches) != 1 or keys != {"allOf"}:
-            raise SchemaError(f"unsupported keyword 'allOf'{_at(path)}: {REFUSED_HINTS['allOf']}, with nothing but "
-                              "annotations beside it")
+            raise SchemaError(
+                f"unsupported keyword 'allOf'{_at(path)}: {REFUSED_HINTS['allOf']}, with nothing but "
+                "annotations beside it"
+            )
         return self.node(branches[0], f"{path}/allOf/0")
 
     def _ref(self, schema: dict, keys: set, path: str) -> dict[str, Any]:
         ref = schema["$ref"]
         if keys - {"$ref", "$defs", "definitions"}:
             extra = sorted(keys - {"$ref", "$defs", "definitions"})[0]
-            raise SchemaError(f"{extra!r}{_at(path)} beside \"$ref\" is not supported: move it into the referenced "
-                              "schema")
+            raise SchemaError(
+                f'{extra!r}{_at(path)} beside "$ref" is not supported: move it into the referenced schema'
+            )
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise SchemaError(f"$ref{_at(path)} must point inside the schema ('#/$defs/NAME'), got {ref!r}")
         target: Any = self.root
@@ -189,8 +201,7 @@ class _Walk:
         beside = sorted(keys - {"enum", "const", "type"})
         if beside or {"enum", "const"} <= keys:
             other = beside[0] if beside else "const"
-            raise SchemaError(f"{other!r}{_at(path)} beside \"enum\"/\"const\" is not supported: list only the "
-                              "values")
+            raise SchemaError(f'{other!r}{_at(path)} beside "enum"/"const" is not supported: list only the values')
         if "const" in keys:
             values = [schema["const"]]
         else:
@@ -214,16 +225,20 @@ class _Walk:
             elif kind in FORMATS:
                 out["format"] = kind
             else:
-                raise SchemaError(f"format{_at(path)}: {kind!r} is not enforced; the supported formats are "
-                                  f"{', '.join(sorted(FORMATS | set(FORMAT_PATTERNS)))}")
+                raise SchemaError(
+                    f"format{_at(path)}: {kind!r} is not enforced; the supported formats are "
+                    f"{', '.join(sorted(FORMATS | set(FORMAT_PATTERNS)))}"
+                )
         if "pattern" in keys:
             if not isinstance(schema["pattern"], str):
                 raise SchemaError(f"pattern{_at(path)} must be a string")
             out["pattern"] = json_text_pattern(schema["pattern"], f"{path}/pattern")
         together = sorted(keys & STRING_KEYWORDS)
         if ("pattern" in keys or "format" in keys) and len(together) > 1:
-            raise SchemaError(f"{together[0]!r} and {together[1]!r}{_at(path)} together are not supported: the "
-                              "grammar enforces a pattern or a format alone (write the length into the pattern)")
+            raise SchemaError(
+                f"{together[0]!r} and {together[1]!r}{_at(path)} together are not supported: the "
+                "grammar enforces a pattern or a format alone (write the length into the pattern)"
+            )
 
     def _arrays(self, schema: dict, keys: set, path: str, out: dict[str, Any]) -> None:
         if schema.get("uniqueItems", False) is not False:
@@ -252,7 +267,7 @@ class _Walk:
                 raise SchemaError(f"required{_at(path)} must be an array of property names")
             missing = [r for r in required if r not in properties]
             if missing:
-                raise SchemaError(f"required{_at(path)} names {missing[0]!r}, which \"properties\" does not define")
+                raise SchemaError(f'required{_at(path)} names {missing[0]!r}, which "properties" does not define')
             out["required"] = required
         if "additionalProperties" in keys:
             out["additionalProperties"] = self.node(schema["additionalProperties"], f"{path}/additionalProperties")
@@ -268,11 +283,18 @@ def _count(value: Any, name: str, path: str) -> int:
 
 
 def _is_type(value: Any, kind: str) -> bool:
-    return {"string": isinstance(value, str), "boolean": isinstance(value, bool), "null": value is None,
-            "object": isinstance(value, dict), "array": isinstance(value, list),
-            "integer": isinstance(value, int) and not isinstance(value, bool) or
-            isinstance(value, float) and value.is_integer(),
-            "number": isinstance(value, int | float) and not isinstance(value, bool)}[kind]
+    return {
+        "string": isinstance(value, str),
+        "boolean": isinstance(value, bool),
+        "null": value is None,
+        "object": isinstance(value, dict),
+        "array": isinstance(value, list),
+        "integer": isinstance(value, int)
+        and not isinstance(value, bool)
+        or isinstance(value, float)
+        and value.is_integer(),
+        "number": isinstance(value, int | float) and not isinstance(value, bool),
+    }[kind]
 
 
 # ----- patterns -------------------------------------------------------------------------------------------------
@@ -283,10 +305,16 @@ _SAFE = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0xD7FF), (0xE000, MAX_CODE))
 _ASCII = ((0x20, 0x7E),)
 _LINE_ENDS = (0x0A, 0x0D, 0x2028, 0x2029)  # what `.` does not match (ECMA-262)
 # classes read alike by Python's `re` and ECMA-262 (both match these, the Unicode extras aside)
-_CATEGORIES = {sre.CATEGORY_DIGIT: ((0x30, 0x39),), sre.CATEGORY_SPACE: ((0x20, 0x20),),
-               sre.CATEGORY_WORD: ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))}
-_NEGATED = {sre.CATEGORY_NOT_DIGIT: sre.CATEGORY_DIGIT, sre.CATEGORY_NOT_SPACE: sre.CATEGORY_SPACE,
-            sre.CATEGORY_NOT_WORD: sre.CATEGORY_WORD}
+_CATEGORIES = {
+    sre.CATEGORY_DIGIT: ((0x30, 0x39),),
+    sre.CATEGORY_SPACE: ((0x20, 0x20),),
+    sre.CATEGORY_WORD: ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+}
+_NEGATED = {
+    sre.CATEGORY_NOT_DIGIT: sre.CATEGORY_DIGIT,
+    sre.CATEGORY_NOT_SPACE: sre.CATEGORY_SPACE,
+    sre.CATEGORY_NOT_WORD: sre.CATEGORY_WORD,
+}
 
 
 def json_text_pattern(pattern: str, path: str = "") -> str:
@@ -301,11 +329,13 @@ def json_text_pattern(pattern: str, path: str = "") -> str:
     items = list(parsed)
     head = "^" if items and items[0] == (sre.AT, sre.AT_BEGINNING) else ""
     tail = "$" if items and items[-1] == (sre.AT, sre.AT_END) and len(items) > bool(head) else ""
-    body = items[bool(head): len(items) - bool(tail)]
+    body = items[bool(head) : len(items) - bool(tail)]
     text, size = _emit(body, path)
     if size > MAX_PATTERN_SIZE:
-        raise SchemaError(f"pattern{_at(path.rsplit('/', 1)[0])} spells out {size} characters with its repetitions "
-                          f"unrolled; the limit is {MAX_PATTERN_SIZE}")
+        raise SchemaError(
+            f"pattern{_at(path.rsplit('/', 1)[0])} spells out {size} characters with its repetitions "
+            f"unrolled; the limit is {MAX_PATTERN_SIZE}"
+        )
     return head + text + tail
 
 
@@ -316,11 +346,17 @@ def _emit(items: list, path: str) -> tuple[str, int]:
         if op is sre.LITERAL:
             text, n = _literal(av, path), 1
         elif op in (sre.NOT_LITERAL, sre.ANY, sre.IN):
-            ranges = (_minus(_SAFE, [(av, av)]) if op is sre.NOT_LITERAL else
-                      _minus(_SAFE, [(c, c) for c in _LINE_ENDS]) if op is sre.ANY else _class(av, path))
+            ranges = (
+                _minus(_SAFE, [(av, av)])
+                if op is sre.NOT_LITERAL
+                else _minus(_SAFE, [(c, c) for c in _LINE_ENDS])
+                if op is sre.ANY
+                else _class(av, path)
+            )
             if not ranges:
-                raise SchemaError(f"pattern{_at(path.rsplit('/', 1)[0])} has a class with no character JSON writes "
-                                  "as itself")
+                raise SchemaError(
+                    f"pattern{_at(path.rsplit('/', 1)[0])} has a class with no character JSON writes as itself"
+                )
             text, n = _class_text(ranges), 1
         elif op is sre.BRANCH:
             emitted = [_emit(list(branch), path) for branch in av[1]]
@@ -338,8 +374,12 @@ def _emit(items: list, path: str) -> tuple[str, int]:
             text = f"(?:{inner}){{{low},{bound}}}" if bound != str(low) else f"(?:{inner}){{{low}}}"
             n = unit * (high if high != sre.MAXREPEAT else low + 1)
         else:
-            name = {sre.AT: "an anchor inside the pattern (^ or $ anywhere but its ends)", sre.GROUPREF:
-                    "a backreference", sre.ASSERT: "a lookaround", sre.ASSERT_NOT: "a lookaround"}.get(op, str(op))
+            name = {
+                sre.AT: "an anchor inside the pattern (^ or $ anywhere but its ends)",
+                sre.GROUPREF: "a backreference",
+                sre.ASSERT: "a lookaround",
+                sre.ASSERT_NOT: "a lookaround",
+            }.get(op, str(op))
             raise SchemaError(f"pattern{_at(path.rsplit('/', 1)[0])} uses {name}, which is not supported")
         parts.append(text)
         size += n
@@ -348,8 +388,10 @@ def _emit(items: list, path: str) -> tuple[str, int]:
 
 def _literal(code: int, path: str) -> str:
     if not any(lo <= code <= hi for lo, hi in _SAFE):
-        raise SchemaError(f"pattern{_at(path.rsplit('/', 1)[0])} requires {chr(code)!r}, which JSON writes escaped: "
-                          "structured output writes strings only of characters that need no escaping")
+        raise SchemaError(
+            f"pattern{_at(path.rsplit('/', 1)[0])} requires {chr(code)!r}, which JSON writes escaped: "
+            "structured output writes strings only of characters that need no escaping"
+        )
     return _char(code)
 
 

@@ -114,8 +114,11 @@ class StatsCollector:
 
     def tpots(self) -> list[float]:
         """Seconds per output token after the first, per finished request with 2+ tokens."""
-        return [(t.finished - t.first_token) / (t.tokens - 1) for t in self.requests.values()
-                if t.finished is not None and t.first_token is not None and t.tokens > 1]
+        return [
+            (t.finished - t.first_token) / (t.tokens - 1)
+            for t in self.requests.values()
+            if t.finished is not None and t.first_token is not None and t.tokens > 1
+        ]
 
     def summary(self) -> dict[str, Any]:
         """All statistics as a JSON-ready dict."""
@@ -137,8 +140,9 @@ class StatsCollector:
             "mean_accepted_length": mean_accepted_length(self.accepted, self.drafts),
             "accepted_per_round": self.accepted / self.drafts if self.drafts else 0.0,
             "tokens_per_round": self.emitted / self.row_rounds if self.row_rounds else 0.0,
-            "acceptance_per_position": [a / d if d else 0.0 for a, d in
-                                        zip(self.accepted_per_position, self.drafted_per_position)],
+            "acceptance_per_position": [
+                a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+            ],
             "drafts": self.drafts,
             "rejections": sum(int(a < d) for a, d in zip(self.accepted_per_draft, self.drafted_per_draft)),
             "accepted_per_position_counts": list(self.accepted_per_position),
@@ -176,4 +180,3 @@ def _add_into(total: list[int], values: tuple[int, ...]) -> None:
         total.extend([0] * (len(values) - len(total)))
     for i, v in enumerate(values):
         total[i] += v
-

@@ -46,11 +46,23 @@ class Flag:
     negation_help: str | None = None
 
 
-def setting(default: Any = MISSING, *, help: str, choices: Collection | None = None, flag: str | None = None,
-            negation: str | None = None, negation_help: str | None = None, metavar: str | None = None) -> Any:
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    choices: Collection | None = None,
+    flag: str | None = None,
+    negation: str | None = None,
+    negation_help: str | None = None,
+    metavar: str | None = None,
+) -> Any:
     """A dataclass field and its flag: `steps: int = setting(8, help="steps per round")`."""
-    return field(default=default, metadata={SETTING: Setting(help, None if choices is None else tuple(choices), flag,
-                                                             negation, negation_help, metavar)})
+    return field(
+        default=default,
+        metadata={
+            SETTING: Setting(help, None if choices is None else tuple(choices), flag, negation, negation_help, metavar)
+        },
+    )
 
 
 def settings(cls: type) -> dict[str, Setting]:
@@ -66,8 +78,14 @@ def field_kind(cls: type, name: str) -> type:
     return kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float) else str
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, defaults: object | None = None,
-              flags: Mapping[str, Flag] | None = None, skip: Collection[str] = (), title: str | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    defaults: object | None = None,
+    flags: Mapping[str, Flag] | None = None,
+    skip: Collection[str] = (),
+    title: str | None = None,
+) -> None:
     """Add a flag for every field of `cls` that has a `Setting`, but those in `skip` (which the command sets itself),
     defaulting to `defaults`' values (else the fields' own defaults). The flag of each field is recorded in the
     parser's `flags` default, for errors that name a field to name its flag."""
@@ -82,8 +100,14 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, defaults: object | Non
     for name, spec in known.items():
         if name in skip:
             continue
-        names[name] = _add(group, cls, by_name[name], spec, flags.get(name, Flag()),
-                           getattr(defaults, name) if defaults is not None else _default(by_name[name]))
+        names[name] = _add(
+            group,
+            cls,
+            by_name[name],
+            spec,
+            flags.get(name, Flag()),
+            getattr(defaults, name) if defaults is not None else _default(by_name[name]),
+        )
     parser.set_defaults(flags=names)
 
 
@@ -101,20 +125,37 @@ def _add(group, cls: type, f: Field, spec: Setting, override: Flag, default: Any
         flag = flag or "--" + f.name.replace("_", "-")
         shown = "" if default is None else f" (default: {default})"
         metavar = spec.metavar or (None if spec.choices else flag.lstrip("-").upper().replace("-", "_"))
-        group.add_argument(flag, dest=f.name, default=default, type=None if kind is str else kind,
-                           choices=spec.choices, metavar=metavar, help=_escape((override.help or spec.help) + shown))
+        group.add_argument(
+            flag,
+            dest=f.name,
+            default=default,
+            type=None if kind is str else kind,
+            choices=spec.choices,
+            metavar=metavar,
+            help=_escape((override.help or spec.help) + shown),
+        )
         return flag
     negation = override.negation or spec.negation
     if flag is None and spec.negation is None:
         flag = "--" + f.name.replace("_", "-")
     both = group.add_mutually_exclusive_group() if flag and negation else group
     if flag:
-        both.add_argument(flag, dest=f.name, action="store_true", default=default,
-                          help=_escape((override.help or spec.help) + (" (default)" if default else "")))
+        both.add_argument(
+            flag,
+            dest=f.name,
+            action="store_true",
+            default=default,
+            help=_escape((override.help or spec.help) + (" (default)" if default else "")),
+        )
     if negation:
         text = override.negation_help or spec.negation_help or override.help or spec.help
-        both.add_argument(negation, dest=f.name, action="store_false", default=default,
-                          help=_escape(text + ("" if default else " (default)")))
+        both.add_argument(
+            negation,
+            dest=f.name,
+            action="store_false",
+            default=default,
+            help=_escape(text + ("" if default else " (default)")),
+        )
     return flag or negation
 
 
@@ -139,8 +180,9 @@ def parse_text(cls: type, name: str, value: Any) -> Any:
         try:
             return kind(value)
         except ValueError:
-            raise SettingError(name, f"{name} must be {'an integer' if kind is int else 'a number'}, "
-                                     f"got {value!r}") from None
+            raise SettingError(
+                name, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+            ) from None
     return value
 
 

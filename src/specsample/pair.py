@@ -61,8 +61,16 @@ class Pair:
     def load_draft(self, spec: str) -> Drafter | None:
         """Another drafter for this target, loaded as this pair's was (dtype, device, window, quantization, the
         suffix cache's scope)."""
-        return load_drafter(spec, self.target, self.dtype, self.device, window=self.draft_window,
-                            quantize=self.draft_quantize, group_size=self.group_size, suffix_scope=self.suffix_scope)
+        return load_drafter(
+            spec,
+            self.target,
+            self.dtype,
+            self.device,
+            window=self.draft_window,
+            quantize=self.draft_quantize,
+            group_size=self.group_size,
+            suffix_scope=self.suffix_scope,
+        )
 
 
 def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
@@ -72,10 +80,17 @@ def resolve_draft_spec(target: LoadedModel, draft_spec: str | None) -> str:
     return target.default_draft or "ngram"
 
 
-def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu", compile_decode: bool = False,
-                 window: str | DraftWindow = "auto", quantize: str = "auto",
-                 group_size: int = DEFAULT_INT4_GROUP, suffix_scope: str = "global") -> Drafter | None:
+def load_drafter(
+    spec: str,
+    target: LoadedModel,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    compile_decode: bool = False,
+    window: str | DraftWindow = "auto",
+    quantize: str = "auto",
+    group_size: int = DEFAULT_INT4_GROUP,
+    suffix_scope: str = "global",
+) -> Drafter | None:
     """Build the drafter for `spec`: 'ngram' (prompt lookup), 'suffix' (suffix drafting), 'none',
     'hybrid[:MODEL]' (suffix drafting where the text repeats, the model elsewhere), 'self:int4' or 'self:int8' (the
     target's own weights, quantized: a draft without training), or any model spec sharing the target's tokenizer.
@@ -113,16 +128,19 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
     head = builtin_draft(spec) or (Path(spec) if Path(spec).is_dir() else None)
     if head is not None and is_head_folder(head):
         if not isinstance(target.model, LlamaModel):
-            raise ValueError(f"{spec} is a feature draft (EAGLE head): it needs the target on our Llama-family "
-                             "runtime, not the transformers adapter")
+            raise ValueError(
+                f"{spec} is a feature draft (EAGLE head): it needs the target on our Llama-family "
+                "runtime, not the transformers adapter"
+            )
         try:
             return load_head_drafter(head, target.model, compile=compile_decode)
         except (OSError, RuntimeError, MemoryError, SafetensorError) as exc:
             log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
             return None
     try:
-        draft = load_model(spec, dtype=dtype, device=device, compile_decode=compile_decode, quantize=quantize,
-                           group_size=group_size)
+        draft = load_model(
+            spec, dtype=dtype, device=device, compile_decode=compile_decode, quantize=quantize, group_size=group_size
+        )
         if dtype == "auto" and not compile_decode and _small_on_cpu(draft.model):
             # again, from the stored weights
             draft = load_model(spec, dtype=torch.float32, device=device, quantize=quantize, group_size=group_size)
@@ -137,24 +155,33 @@ def load_drafter(spec: str, target: LoadedModel, dtype: str | torch.dtype = "aut
         )
     if target.tokenizer is not None and draft.tokenizer is not None:
         if target.tokenizer.hf.get_vocab() != draft.tokenizer.hf.get_vocab():
-            raise ValueError("draft tokenizer maps tokens to different ids than the target's; pick a draft "
-                             "trained with the target's tokenizer, or use --draft ngram")
+            raise ValueError(
+                "draft tokenizer maps tokens to different ids than the target's; pick a draft "
+                "trained with the target's tokenizer, or use --draft ngram"
+            )
     if window == "auto":
         window = DraftWindow.from_folder(draft.folder)
     _warm_blocks(draft.model)
     return ModelDrafter(draft.model, draft.folder, window if isinstance(window, DraftWindow) else None)
 
 
-def _self_draft(spec: str, target: LoadedModel, dtype: str | torch.dtype, device: str | torch.device,
-                compile_decode: bool, group_size: int) -> ModelDrafter:
+def _self_draft(
+    spec: str,
+    target: LoadedModel,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    compile_decode: bool,
+    group_size: int,
+) -> ModelDrafter:
     """The target's own weights loaded again in the layout `spec` names ('self:int4', 'self:int8') as a draft."""
     mode = spec.removeprefix(SELF_DRAFT)
     if mode not in SELF_MODES:
         raise ValueError(f"a self-draft is {' or '.join(SELF_DRAFT + m for m in SELF_MODES)}, got {spec!r}")
     if not isinstance(target.model, LlamaModel):
         raise ValueError(f"{spec} needs the target on our Llama-family runtime, not {target.runtime!r}")
-    draft = load_model(target.spec, dtype=dtype, device=device, compile_decode=compile_decode, quantize=mode,
-                       group_size=group_size)
+    draft = load_model(
+        target.spec, dtype=dtype, device=device, compile_decode=compile_decode, quantize=mode, group_size=group_size
+    )
     _warm_blocks(draft.model)
     return ModelDrafter(draft.model, draft.folder, None)
 
@@ -169,8 +196,12 @@ def _warm_blocks(model: object) -> None:
 
 def _small_on_cpu(model: object) -> bool:
     """A draft on our runtime on a CPU, narrow enough to step faster in float32 (SMALL_DRAFT_HIDDEN)."""
-    return (isinstance(model, LlamaModel) and model.device.type == "cpu" and model.dtype != torch.float32
-            and model.config.hidden_size <= SMALL_DRAFT_HIDDEN)
+    return (
+        isinstance(model, LlamaModel)
+        and model.device.type == "cpu"
+        and model.dtype != torch.float32
+        and model.config.hidden_size <= SMALL_DRAFT_HIDDEN
+    )
 
 
 def is_hybrid(spec: str) -> bool:
@@ -190,17 +221,34 @@ def _model_draft_default(target: LoadedModel) -> str:
     return alias.draft_model
 
 
-def load_pair(target_spec: str, draft_spec: str | None, dtype: str | torch.dtype = "auto",
-              device: str | torch.device = "cpu", runtime: str = "auto", compile_decode: bool = False,
-              draft_window: str | DraftWindow = "auto", quantize: str = "auto", group_size: int = DEFAULT_INT4_GROUP,
-              draft_quantize: str = "auto", suffix_scope: str = "global") -> Pair:
+def load_pair(
+    target_spec: str,
+    draft_spec: str | None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    runtime: str = "auto",
+    compile_decode: bool = False,
+    draft_window: str | DraftWindow = "auto",
+    quantize: str = "auto",
+    group_size: int = DEFAULT_INT4_GROUP,
+    draft_quantize: str = "auto",
+    suffix_scope: str = "global",
+) -> Pair:
     """Load the target and its drafter from specs (`compile_decode`, `quantize`, `group_size`: see `load_model`;
     `draft_window`, `suffix_scope`: see `load_drafter`; `draft_quantize`: a draft model's `quantize`)."""
-    target = load_model(target_spec, dtype=dtype, device=device, runtime=runtime, compile_decode=compile_decode,
-                        quantize=quantize, group_size=group_size)
+    target = load_model(
+        target_spec,
+        dtype=dtype,
+        device=device,
+        runtime=runtime,
+        compile_decode=compile_decode,
+        quantize=quantize,
+        group_size=group_size,
+    )
     spec = resolve_draft_spec(target, draft_spec)
-    drafter = load_drafter(spec, target, dtype, device, compile_decode, draft_window, draft_quantize, group_size,
-                           suffix_scope)
+    drafter = load_drafter(
+        spec, target, dtype, device, compile_decode, draft_window, draft_quantize, group_size, suffix_scope
+    )
     if drafter is not None:
         _warm_blocks(target.model)
     return Pair(target, drafter, spec, dtype, device, draft_window, draft_quantize, group_size, suffix_scope)

@@ -26,8 +26,9 @@ from specsample.grammar import GrammarCompiler, Matcher
 class RowProcessors:
     """One request's processors and what they remember: the prompt's tokens, the output's counts, the grammar."""
 
-    def __init__(self, params: SamplingParams, prompt: Sequence[int], vocab_size: int,
-                 grammars: GrammarCompiler | None) -> None:
+    def __init__(
+        self, params: SamplingParams, prompt: Sequence[int], vocab_size: int, grammars: GrammarCompiler | None
+    ) -> None:
         self.params = params
         self.vocab_size = vocab_size
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
@@ -41,16 +42,17 @@ class RowProcessors:
             if grammars is None:
                 raise ValueError("this engine has no grammar compiler (it needs the target's tokenizer)")
             self.matcher = grammars.matcher(params.grammar)
-        self.penalised = (params.presence_penalty != 0 or params.frequency_penalty != 0
-                          or params.repetition_penalty != 1)
+        self.penalised = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
     def commit(self, tokens: Sequence[int]) -> bool:
         """Count committed tokens and move the grammar past them; False if the grammar disallows one."""
         if tokens:
-            self.output_counts.index_put_((torch.tensor(list(tokens), dtype=torch.long),),
-                                          torch.ones(len(tokens), dtype=torch.float64), accumulate=True)
+            self.output_counts.index_put_(
+                (torch.tensor(list(tokens), dtype=torch.long),),
+                torch.ones(len(tokens), dtype=torch.float64),
+                accumulate=True,
+            )
         return self.matcher.commit(tokens) if self.matcher is not None else True
-
 
 
 class Shaper:
@@ -68,8 +70,9 @@ class Shaper:
         self.repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64)  # [R]
         self.frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64)
         self.presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float64)
-        self.in_prompt = (torch.stack([r.in_prompt for r in states])
-                          if any(p.repetition_penalty != 1 for p in params) else None)  # [R, vocab]
+        self.in_prompt = (
+            torch.stack([r.in_prompt for r in states]) if any(p.repetition_penalty != 1 for p in params) else None
+        )  # [R, vocab]
         self.bias = None
         if any(p.logit_bias for p in params):
             self.bias = torch.zeros(len(states), vocab, dtype=torch.float64)  # [R, vocab]
@@ -90,8 +93,9 @@ class Shaper:
             drafted = [i for i, path in enumerate(paths) for _ in path]
             if drafted:
                 tokens = torch.tensor([t for path in paths for t in path], dtype=torch.long)
-                counts.index_put_((torch.tensor(drafted), tokens), torch.ones(len(drafted), dtype=counts.dtype),
-                                  accumulate=True)
+                counts.index_put_(
+                    (torch.tensor(drafted), tokens), torch.ones(len(drafted), dtype=counts.dtype), accumulate=True
+                )
             counts = counts.to(device=device, dtype=dtype)
             if self.in_prompt is not None:
                 seen = (counts > 0) | self.in_prompt[index].to(device)
@@ -112,8 +116,9 @@ class Shaper:
             out = out.masked_fill(~allowed.to(device), float("-inf"))
         return out
 
-    def next_logits(self, logits: Tensor, slots: Sequence[int], paths: Sequence[Sequence[int]],
-                    columns: Tensor | None = None) -> Tensor:
+    def next_logits(
+        self, logits: Tensor, slots: Sequence[int], paths: Sequence[Sequence[int]], columns: Tensor | None = None
+    ) -> Tensor:
         """Processed `logits [m, K]`: row i belongs to slot `slots[i]` and follows its committed tokens and
         `paths[i]`; `columns [K]`: the token id of each column (None: the vocabulary in order)."""
         chosen = [i for i, slot in enumerate(slots) if slot in self._index]
@@ -143,8 +148,11 @@ class Shaper:
         for k, i in enumerate(chosen):
             row_tokens = token_rows[k]
             rows += [self._index[slots[i]]] * len(row_tokens)
-            paths += ([row_tokens[1:j + 1] for j in range(len(row_tokens))] if parent_rows is None
-                      else _tree_paths(row_tokens, parent_rows[k]))
+            paths += (
+                [row_tokens[1 : j + 1] for j in range(len(row_tokens))]
+                if parent_rows is None
+                else _tree_paths(row_tokens, parent_rows[k])
+            )
         width = out.shape[1]
         out[chosen] = self._apply(out[chosen].flatten(0, 1), rows, paths).view(len(chosen), width, -1)
         return out
@@ -158,7 +166,9 @@ def _tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
     return paths
 
 
-def token_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+def token_logprobs(
+    logits: Tensor, tokens: Sequence[int], top: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
     """Per position of `logits [n, vocab]` (processed target logits), the log-probability of `tokens[i]` at
     temperature 1 and the `top` most likely tokens with theirs (most likely first)."""
     if not len(tokens):

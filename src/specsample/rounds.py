@@ -9,8 +9,8 @@ from torch import Tensor
 
 from specsample.drafters.base import Proposal
 from specsample.planner.base import RoundEvidence, RoundOutcome, RoundPlan, RowOutcome
-from specsample.verify import Verdict
 from specsample.verifier import block_parents
+from specsample.verify import Verdict
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,16 @@ def _depths(proposal: Proposal) -> Tensor:
     return tree_ancestors(block_parents(proposal))[1][:, 1:]
 
 
-
-def round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates: list[RowUpdate], scored_rows: int,
-                 seconds: tuple[float, float, float, float], admitted: dict[str, int],
-                 compiled: tuple[int, int] = (0, 0)) -> RoundStats:
+def round_stats(
+    plan: RoundPlan,
+    proposal: Proposal,
+    verdict: Verdict,
+    updates: list[RowUpdate],
+    scored_rows: int,
+    seconds: tuple[float, float, float, float],
+    admitted: dict[str, int],
+    compiled: tuple[int, int] = (0, 0),
+) -> RoundStats:
     """Counters of the round; `seconds`: its prefill, draft, target and verify-and-commit time; `admitted`: the
     admission's counters (RoundStats' admitted, admitted_tokens, prefix_hits and reused_tokens); `compiled`: the
     graphs compiled and eager fallbacks of compiled models during the round (`compile_events.since`)."""
@@ -100,28 +106,52 @@ def round_stats(plan: RoundPlan, proposal: Proposal, verdict: Verdict, updates: 
         depths = _depths(proposal)
         deepest = int(torch.where(positions < num_drafted.unsqueeze(1), depths, 0).max())
         positions = positions[:, :deepest]
-        drafted_at = torch.stack([((depths > d) & (torch.arange(gamma) < num_drafted.unsqueeze(1))).any(dim=1).sum()
-                                  for d in range(deepest)]) if deepest else positions.sum(dim=0)
+        drafted_at = (
+            torch.stack(
+                [
+                    ((depths > d) & (torch.arange(gamma) < num_drafted.unsqueeze(1))).any(dim=1).sum()
+                    for d in range(deepest)
+                ]
+            )
+            if deepest
+            else positions.sum(dim=0)
+        )
     accepted_at = (positions < num_accepted.unsqueeze(1)).sum(dim=0)
     planned = torch.tensor([r.drafts for r in plan.rows])
     return RoundStats(
-        batch_size=len(updates), gamma=gamma,
-        drafted=int(num_drafted.sum()), accepted=int(num_accepted.sum()),
+        batch_size=len(updates),
+        gamma=gamma,
+        drafted=int(num_drafted.sum()),
+        accepted=int(num_accepted.sum()),
         emitted=sum(len(u.new_tokens) for u in updates),
-        drafted_per_position=tuple(drafted_at.tolist()), accepted_per_position=tuple(accepted_at.tolist()),
-        prefill_seconds=seconds[0], draft_seconds=seconds[1], target_seconds=seconds[2], verify_seconds=seconds[3],
-        fallback_rows=sum(r.fallback for r in plan.rows), scored_rows=scored_rows, lookup_rows=plan.lookups,
+        drafted_per_position=tuple(drafted_at.tolist()),
+        accepted_per_position=tuple(accepted_at.tolist()),
+        prefill_seconds=seconds[0],
+        draft_seconds=seconds[1],
+        target_seconds=seconds[2],
+        verify_seconds=seconds[3],
+        fallback_rows=sum(r.fallback for r in plan.rows),
+        scored_rows=scored_rows,
+        lookup_rows=plan.lookups,
         extended_rows=int((num_drafted > planned).sum()) if gamma else 0,
         tree_rows=int((num_drafted > 0).sum()) if proposal.parents is not None else 0,
         tree_nodes=plan.tree.nodes if plan.tree is not None and proposal.parents is not None else 0,
-        recompiles=compiled[0], eager_fallbacks=compiled[1],
+        recompiles=compiled[0],
+        eager_fallbacks=compiled[1],
         **admitted,
     )
 
 
-def round_outcome(requests, updates: list[RowUpdate], proposal: Proposal, verdict: Verdict, target_probs: Tensor | None,
-                  backlog: dict[int, tuple[float, ...]], coupled: bool,
-                  seconds: tuple[float, float, float]) -> RoundOutcome:
+def round_outcome(
+    requests,
+    updates: list[RowUpdate],
+    proposal: Proposal,
+    verdict: Verdict,
+    target_probs: Tensor | None,
+    backlog: dict[int, tuple[float, ...]],
+    coupled: bool,
+    seconds: tuple[float, float, float],
+) -> RoundOutcome:
     """What the round teaches its planner: per row its drafts and accepted count, the draft's temperature-1 probability
     of each token it drew and its backlog's draft probabilities (a failed row teaches nothing); the finished requests;
     `seconds` of drafting, scoring and verify-and-commit; and the round's tensors as evidence (`RoundEvidence`)."""
@@ -131,11 +161,21 @@ def round_outcome(requests, updates: list[RowUpdate], proposal: Proposal, verdic
             rows.append(RowOutcome(request.request_id, 0, 0, failed=True))
             continue
         drafted = update.num_drafted
-        confidence = (tuple(proposal.confidence[i, :drafted].tolist())
-                      if proposal.confidence is not None and drafted else None)
-        rows.append(RowOutcome(request.request_id, drafted, update.num_accepted, confidence,
-                               backlog_draft_probs=backlog.get(i), greedy=request.params.greedy))
+        confidence = (
+            tuple(proposal.confidence[i, :drafted].tolist()) if proposal.confidence is not None and drafted else None
+        )
+        rows.append(
+            RowOutcome(
+                request.request_id,
+                drafted,
+                update.num_accepted,
+                confidence,
+                backlog_draft_probs=backlog.get(i),
+                greedy=request.params.greedy,
+            )
+        )
     finished = tuple(u.request_id for u in updates if u.finish_reason is not None)
-    evidence = RoundEvidence(proposal.tokens, proposal.probs, target_probs, verdict.next_token, coupled,
-                             proposal.parents is not None)
+    evidence = RoundEvidence(
+        proposal.tokens, proposal.probs, target_probs, verdict.next_token, coupled, proposal.parents is not None
+    )
     return RoundOutcome(tuple(rows), proposal.tokens.shape[1], *seconds, finished, evidence)

@@ -60,8 +60,9 @@ def one_hot_like(tokens: Tensor, like: Tensor) -> Tensor:
     return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
 
 
-def draw_uniforms(generators: Generators, rows: int, count: int, device: torch.device,
-                  counts: Sequence[int] | None = None) -> Tensor:
+def draw_uniforms(
+    generators: Generators, rows: int, count: int, device: torch.device, counts: Sequence[int] | None = None
+) -> Tensor:
     """Uniforms `[rows, count]` in [0, 1) as float64: one shared generator or one per row.
 
     With per-row generators, row i draws only `counts[i]` values (default `count`) and the rest of

@@ -76,8 +76,12 @@ class Admission:
     def counters(self) -> dict[str, int]:
         """The round's admission counters (`RoundStats`): requests admitted, their prompt tokens cached, those that
         reused a kept row's prefix and the tokens reused."""
-        return {"admitted": len(self.requests), "admitted_tokens": self.prompt_tokens,
-                "prefix_hits": sum(n > 0 for n in self.reused), "reused_tokens": sum(self.reused)}
+        return {
+            "admitted": len(self.requests),
+            "admitted_tokens": self.prompt_tokens,
+            "prefix_hits": sum(n > 0 for n in self.reused),
+            "reused_tokens": sum(self.reused),
+        }
 
 
 class Scheduler:

@@ -80,8 +80,10 @@ def check_device(spec: str | torch.device) -> None:
             raise SettingError("device", f"{spec}: CUDA is not available ({why}; torch {torch.__version__})")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise SettingError("device", f"{spec}: this machine has {count} CUDA device{'' if count == 1 else 's'} "
-                                         f"(cuda:0..cuda:{count - 1})")
+            raise SettingError(
+                "device",
+                f"{spec}: this machine has {count} CUDA device{'' if count == 1 else 's'} (cuda:0..cuda:{count - 1})",
+            )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise SettingError("device", f"{spec}: MPS is not available")
 
@@ -91,66 +93,108 @@ class EngineOptions:
     """Everything that decides how engines are built: the settings of `specsample generate`, `serve` and `bench`
     and of Ray replicas, whose flags are made from these fields (`options_cli`; each help is its flag's)."""
 
-    target: str = setting(DEFAULT_TARGET, help=f"target model: alias ({', '.join(ALIASES)}), Hugging Face folder, "
-                                               ".gguf file or hub id")
-    draft: str | None = setting(None, help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt "
-                                           "lookup), 'suffix' (suffix drafting over the request and recent "
-                                           "requests' outputs), 'hybrid[:MODEL]' (suffix drafting where the text "
-                                           "repeats, the model elsewhere) or 'none'. Default: the target alias's (smollm2-135m-instruct: "
-                                           "hybrid, with the distilled draft shipped in the package; gemma3-270m: "
-                                           "ngram)")
-    gamma: int | str = setting("auto", help="draft tokens per round, or 'auto': chosen per request online from "
-                                            "measured acceptance and cost, up to --max-gamma, with fallback to plain "
-                                            "decoding")
+    target: str = setting(
+        DEFAULT_TARGET, help=f"target model: alias ({', '.join(ALIASES)}), Hugging Face folder, .gguf file or hub id"
+    )
+    draft: str | None = setting(
+        None,
+        help="draft: a model spec sharing the target's tokenizer, 'ngram' (prompt "
+        "lookup), 'suffix' (suffix drafting over the request and recent "
+        "requests' outputs), 'hybrid[:MODEL]' (suffix drafting where the text "
+        "repeats, the model elsewhere) or 'none'. Default: the target alias's (smollm2-135m-instruct: "
+        "hybrid, with the distilled draft shipped in the package; gemma3-270m: "
+        "ngram)",
+    )
+    gamma: int | str = setting(
+        "auto",
+        help="draft tokens per round, or 'auto': chosen per request online from "
+        "measured acceptance and cost, up to --max-gamma, with fallback to plain "
+        "decoding",
+    )
     max_gamma: int = setting(8, help="upper bound for gamma auto")
-    tree: str = setting("off", help="token trees, scored in one target forward and verified exactly: off (chains) or "
-                                    "NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, "
-                                    "6 deep). With gamma auto the largest tree it may draft, only where trees measure "
-                                    "faster than chains; with a fixed gamma that tree every round. Needs our "
-                                    "Llama-family runtime")
-    speculative: bool = setting(True, help="draft and verify (false: plain decoding)", negation="--no-speculation",
-                                negation_help="plain decoding through the same loop (no draft is loaded)")
-    dtype: str = setting("auto", help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in "
-                                      "float32 on a CPU), float32, bfloat16")
+    tree: str = setting(
+        "off",
+        help="token trees, scored in one target forward and verified exactly: off (chains) or "
+        "NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, "
+        "6 deep). With gamma auto the largest tree it may draft, only where trees measure "
+        "faster than chains; with a fixed gamma that tree every round. Needs our "
+        "Llama-family runtime",
+    )
+    speculative: bool = setting(
+        True,
+        help="draft and verify (false: plain decoding)",
+        negation="--no-speculation",
+        negation_help="plain decoding through the same loop (no draft is loaded)",
+    )
+    dtype: str = setting(
+        "auto",
+        help="auto (bf16 where the CPU runs it natively; a draft at most 256 wide runs in "
+        "float32 on a CPU), float32, bfloat16",
+    )
     device: str = setting("cpu", help="cpu, cuda or cuda:N (checked before any model loads)")
-    runtime: str = setting("auto", choices=RUNTIMES, help="model runtime: ours (Llama family), hf (transformers) or "
-                                                          "auto (ours where it applies)")
-    compile: bool = setting(False, help="compile decode steps and verification blocks with torch.compile (our "
-                                        "runtime only): minutes once per process on a small CPU, then ~1.5x faster "
-                                        "steps (docs/runtime.md)")
-    quantize: str = setting("auto", choices=QUANT_MODES,
-                            help="how the target's weights are held: auto (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 tensors run "
-                                 "natively as int4/int8 on a CPU, unless --dtype names a float type), none "
-                                 "(dequantized to --dtype, e.g. bfloat16), int8 (per row) or int4 (group-wise): every "
-                                 "projection, weight-only (docs/runtime.md)")
-    quant_group: int = setting(DEFAULT_INT4_GROUP, choices=INT4_GROUP_SIZES,
-                               help="inputs per scale of int4 weights quantized at load")
+    runtime: str = setting(
+        "auto",
+        choices=RUNTIMES,
+        help="model runtime: ours (Llama family), hf (transformers) or auto (ours where it applies)",
+    )
+    compile: bool = setting(
+        False,
+        help="compile decode steps and verification blocks with torch.compile (our "
+        "runtime only): minutes once per process on a small CPU, then ~1.5x faster "
+        "steps (docs/runtime.md)",
+    )
+    quantize: str = setting(
+        "auto",
+        choices=QUANT_MODES,
+        help="how the target's weights are held: auto (a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 tensors run "
+        "natively as int4/int8 on a CPU, unless --dtype names a float type), none "
+        "(dequantized to --dtype, e.g. bfloat16), int8 (per row) or int4 (group-wise): every "
+        "projection, weight-only (docs/runtime.md)",
+    )
+    quant_group: int = setting(
+        DEFAULT_INT4_GROUP, choices=INT4_GROUP_SIZES, help="inputs per scale of int4 weights quantized at load"
+    )
     draft_quantize: str = setting("auto", choices=QUANT_MODES, help="the same for a draft model (auto: as stored)")
-    pad_rows: str = setting("off", choices=PAD_MODES,
-                            help="auto: first time the target's forward per number of tokens scored (a few seconds) "
-                                 "and score rounds at the fastest width >= what they need, which pays off over long or "
-                                 "many generations; off: score what is asked")
-    draft_window: str = setting("auto", choices=WINDOW_MODES,
-                                help="what a draft model attends to: auto (the window saved with the draft, for the "
-                                     "shipped one its first 32 and latest 256 tokens: it was trained on 512) or off "
-                                     "(the whole context); never changes the output's distribution")
-    sampling: str | None = setting(None, choices=SAMPLING_MODES,
-                                   help="how sampled drafts are verified: coupled (each token the target's Gumbel-max "
-                                        "with noise keyed by seed and position, so a seed gives the same tokens "
-                                        "whatever gamma, drafts and batch) or rejection (modified rejection sampling: "
-                                        "accepts more drafts; a seed reproduces only under the same plan). Default: "
-                                        f"{DEFAULT_SAMPLING}, coupled with --deterministic; both are exact "
-                                        "(docs/exactness.md)")
-    deterministic: bool = setting(False, help="batch- and shape-invariant target forwards (our runtime, not with "
-                                              "--compile): outputs are bitwise reproducible for a seed and "
-                                              "speculative greedy equals plain greedy in every dtype; slower "
-                                              "(docs/exactness.md)")
-    suffix_cache_scope: str = setting("global", choices=SUFFIX_SCOPES,
-                                      help="what suffix drafts (the hybrid's lookup, --draft suffix) come from: global "
-                                           "(the request and the outputs of the engine's recent requests, shared "
-                                           "across clients: a request decodes faster where another client wrote the "
-                                           "same text, a timing side channel) or request (the request alone); "
-                                           "docs/serving.md#the-suffix-cache")
+    pad_rows: str = setting(
+        "off",
+        choices=PAD_MODES,
+        help="auto: first time the target's forward per number of tokens scored (a few seconds) "
+        "and score rounds at the fastest width >= what they need, which pays off over long or "
+        "many generations; off: score what is asked",
+    )
+    draft_window: str = setting(
+        "auto",
+        choices=WINDOW_MODES,
+        help="what a draft model attends to: auto (the window saved with the draft, for the "
+        "shipped one its first 32 and latest 256 tokens: it was trained on 512) or off "
+        "(the whole context); never changes the output's distribution",
+    )
+    sampling: str | None = setting(
+        None,
+        choices=SAMPLING_MODES,
+        help="how sampled drafts are verified: coupled (each token the target's Gumbel-max "
+        "with noise keyed by seed and position, so a seed gives the same tokens "
+        "whatever gamma, drafts and batch) or rejection (modified rejection sampling: "
+        "accepts more drafts; a seed reproduces only under the same plan). Default: "
+        f"{DEFAULT_SAMPLING}, coupled with --deterministic; both are exact "
+        "(docs/exactness.md)",
+    )
+    deterministic: bool = setting(
+        False,
+        help="batch- and shape-invariant target forwards (our runtime, not with "
+        "--compile): outputs are bitwise reproducible for a seed and "
+        "speculative greedy equals plain greedy in every dtype; slower "
+        "(docs/exactness.md)",
+    )
+    suffix_cache_scope: str = setting(
+        "global",
+        choices=SUFFIX_SCOPES,
+        help="what suffix drafts (the hybrid's lookup, --draft suffix) come from: global "
+        "(the request and the outputs of the engine's recent requests, shared "
+        "across clients: a request decodes faster where another client wrote the "
+        "same text, a timing side channel) or request (the request alone); "
+        "docs/serving.md#the-suffix-cache",
+    )
 
     def __post_init__(self) -> None:
         """Every setting is checked here; whether this process can use the device, by `load` before it loads
@@ -165,16 +209,19 @@ class EngineOptions:
         if self.pad_rows not in PAD_MODES:
             raise SettingError("pad_rows", f"pad_rows must be one of {', '.join(PAD_MODES)}, got {self.pad_rows!r}")
         if self.draft_window not in WINDOW_MODES:
-            raise SettingError("draft_window",
-                               f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}")
+            raise SettingError(
+                "draft_window", f"draft_window must be one of {', '.join(WINDOW_MODES)}, got {self.draft_window!r}"
+            )
         if self.runtime not in RUNTIMES:
             raise SettingError("runtime", f"runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         for name in ("quantize", "draft_quantize"):
             if getattr(self, name) not in QUANT_MODES:
                 raise SettingError(name, f"{name} must be one of {', '.join(QUANT_MODES)}, got {getattr(self, name)!r}")
         if self.quant_group not in INT4_GROUP_SIZES:
-            raise SettingError("quant_group", f"quant_group must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
-                                              f"got {self.quant_group!r}")
+            raise SettingError(
+                "quant_group",
+                f"quant_group must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quant_group!r}",
+            )
         if self.quantize in ("int8", "int4") and self.runtime == "hf":
             raise SettingError("quantize", f"quantize {self.quantize} needs our Llama-family runtime, not runtime hf")
         try:
@@ -185,22 +232,33 @@ class EngineOptions:
         if self.compile and self.runtime == "hf":
             raise ValueError("--compile needs our Llama-family runtime, not --runtime hf")
         if self.sampling is not None and self.sampling not in SAMPLING_MODES:
-            raise SettingError("sampling", f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}")
+            raise SettingError(
+                "sampling", f"sampling must be one of {', '.join(SAMPLING_MODES)}, got {self.sampling!r}"
+            )
         if self.suffix_cache_scope not in SUFFIX_SCOPES:
-            raise SettingError("suffix_cache_scope", f"suffix_cache_scope must be one of {', '.join(SUFFIX_SCOPES)}, "
-                                                     f"got {self.suffix_cache_scope!r}")
+            raise SettingError(
+                "suffix_cache_scope",
+                f"suffix_cache_scope must be one of {', '.join(SUFFIX_SCOPES)}, got {self.suffix_cache_scope!r}",
+            )
         if not isinstance(self.deterministic, bool):
             raise SettingError("deterministic", f"deterministic must be true or false, got {self.deterministic!r}")
         if self.deterministic:
             if self.sampling == "rejection":
-                raise SettingError("sampling", "deterministic mode needs sampling 'coupled': with rejection sampling a "
-                                               "seed's tokens depend on the drafts each round proposes")
+                raise SettingError(
+                    "sampling",
+                    "deterministic mode needs sampling 'coupled': with rejection sampling a "
+                    "seed's tokens depend on the drafts each round proposes",
+                )
             if self.compile:
-                raise SettingError("deterministic", "deterministic mode cannot run a compiled decode step (its "
-                                                    "kernels differ from the eager forward's); drop --compile")
+                raise SettingError(
+                    "deterministic",
+                    "deterministic mode cannot run a compiled decode step (its "
+                    "kernels differ from the eager forward's); drop --compile",
+                )
             if self.runtime == "hf":
-                raise SettingError("deterministic", "deterministic mode needs our Llama-family runtime, not "
-                                                    "--runtime hf")
+                raise SettingError(
+                    "deterministic", "deterministic mode needs our Llama-family runtime, not --runtime hf"
+                )
 
     @property
     def coupled(self) -> bool:
@@ -235,8 +293,9 @@ class Speculator:
         tokenizer = self.pair.target.tokenizer
         if self._grammars is None and tokenizer is not None:
             try:
-                self._grammars = GrammarCompiler.from_tokenizer(tokenizer.hf, self.pair.target.model.vocab_size,
-                                                                tokenizer.eos_token_ids)
+                self._grammars = GrammarCompiler.from_tokenizer(
+                    tokenizer.hf, self.pair.target.model.vocab_size, tokenizer.eos_token_ids
+                )
             except SettingError as exc:
                 log.warning("%s", exc)
         return self._grammars
@@ -255,15 +314,27 @@ class Speculator:
         gamma, tree = self.options.gamma, self.options.tree_shape
         return GammaController(self.options.max_gamma, tree) if gamma == "auto" else FixedGamma(gamma, tree)
 
-    def spec_config(self, max_batch_size: int = 1, max_seq_len: int | None = None,
-                    prefix_cache_rows: int = 0) -> SpecConfig:
-        return SpecConfig(speculative=self.options.speculative and self.pair.drafter is not None,
-                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, target_widths=self.target_widths,
-                          prefix_cache_rows=prefix_cache_rows, coupled=self.options.coupled)
+    def spec_config(
+        self, max_batch_size: int = 1, max_seq_len: int | None = None, prefix_cache_rows: int = 0
+    ) -> SpecConfig:
+        return SpecConfig(
+            speculative=self.options.speculative and self.pair.drafter is not None,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            target_widths=self.target_widths,
+            prefix_cache_rows=prefix_cache_rows,
+            coupled=self.options.coupled,
+        )
 
-    def engine(self, max_batch_size: int = 1, max_seq_len: int | None = None, *,
-               drafter: Drafter | None | str = "loaded", planner: Planner | None = None,
-               prefix_cache_rows: int = 0) -> Engine:
+    def engine(
+        self,
+        max_batch_size: int = 1,
+        max_seq_len: int | None = None,
+        *,
+        drafter: Drafter | None | str = "loaded",
+        planner: Planner | None = None,
+        prefix_cache_rows: int = 0,
+    ) -> Engine:
         """An engine for up to `max_batch_size` running requests of up to `max_seq_len` tokens each (None: the
         target's context window). `drafter`: the loaded one ("loaded"), another (e.g. wrapped for swapping, or a
         fresh one beside an engine running in lockstep), or None for plain decoding; `planner`: one that keeps what
@@ -274,10 +345,14 @@ class Speculator:
         target = self.pair.target
         if self.options.compile and max_batch_size > 1:  # batched rounds' graphs compiled before the first of them
             self.pair.warm_up_batches()
-        return Engine(target.model, self.pair.drafter if isinstance(drafter, str) else drafter,
-                      self.spec_config(max_batch_size, max_seq_len, prefix_cache_rows),
-                      target.tokenizer.eos_token_ids if target.tokenizer is not None else (),
-                      planner if planner is not None else self.planner(), grammars=self.grammars())
+        return Engine(
+            target.model,
+            self.pair.drafter if isinstance(drafter, str) else drafter,
+            self.spec_config(max_batch_size, max_seq_len, prefix_cache_rows),
+            target.tokenizer.eos_token_ids if target.tokenizer is not None else (),
+            planner if planner is not None else self.planner(),
+            grammars=self.grammars(),
+        )
 
 
 def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None) -> Speculator:
@@ -286,15 +361,27 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
     check_device(options.device)
     if options.compile:
         say("compiling the decode steps after loading (20-80 s on a small CPU, once per process)")
-    pair = load_pair(options.target, options.draft if options.speculative else "none", options.dtype,
-                     options.device, options.runtime, compile_decode=options.compile,
-                     draft_window=options.draft_window, quantize=options.quantize, group_size=options.quant_group,
-                     draft_quantize=options.draft_quantize, suffix_scope=options.suffix_cache_scope)
+    pair = load_pair(
+        options.target,
+        options.draft if options.speculative else "none",
+        options.dtype,
+        options.device,
+        options.runtime,
+        compile_decode=options.compile,
+        draft_window=options.draft_window,
+        quantize=options.quantize,
+        group_size=options.quant_group,
+        draft_quantize=options.draft_quantize,
+        suffix_scope=options.suffix_cache_scope,
+    )
     if options.deterministic:
         make_deterministic(pair.target.model, options.target)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):
-        raise SettingError("tree", f"token trees need a target on our Llama-family runtime; {options.target} runs on "
-                                   f"{type(pair.target.model).__name__} (use --tree off)")
+        raise SettingError(
+            "tree",
+            f"token trees need a target on our Llama-family runtime; {options.target} runs on "
+            f"{type(pair.target.model).__name__} (use --tree off)",
+        )
     widths: tuple[int, ...] = ()
     if options.pad_rows == "auto" and options.speculative and pair.drafter is not None:
         say("timing the target's forward per tokens scored (pad_rows auto)")
@@ -310,8 +397,10 @@ def make_deterministic(model: object, spec: str) -> None:
     from specsample.models.llama import LlamaModel
 
     if not isinstance(model, LlamaModel):
-        raise SettingError("deterministic", f"deterministic mode needs a target on our Llama-family runtime; {spec} "
-                                            f"runs on {type(model).__name__}")
+        raise SettingError(
+            "deterministic",
+            f"deterministic mode needs a target on our Llama-family runtime; {spec} runs on {type(model).__name__}",
+        )
     model.set_deterministic(True)
     try:
         check_invariance(model)

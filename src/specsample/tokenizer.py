@@ -8,8 +8,16 @@ from pathlib import Path
 from typing import Any
 
 # special tokens that end a turn or a document in common model families
-_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<eos>",
-               "</s>", "<|end|>")
+_END_TOKENS = (
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<eos>",
+    "</s>",
+    "<|end|>",
+)
 
 
 class Tokenizer:
@@ -47,8 +55,9 @@ class Tokenizer:
         """Token ids for `text`; with `chat`, wrapped as one user turn with the generation prompt."""
         if not chat:
             return list(self.hf(text)["input_ids"])
-        return self.encode_messages(([{"role": "system", "content": system}] if system else [])
-                                    + [{"role": "user", "content": text}])
+        return self.encode_messages(
+            ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        )
 
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Apply the chat template to a conversation and add the assistant generation prompt."""
@@ -82,19 +91,19 @@ class StreamDecoder:
     def push(self, new_ids: Iterable[int]) -> str:
         """Add tokens; return the text that became final (possibly empty)."""
         self.ids.extend(int(i) for i in new_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def flush(self) -> str:
         """Text still held back at the end of generation (a truncated character stays replaced)."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
 
 def _generation_eos_ids(folder: Path) -> list[int]:

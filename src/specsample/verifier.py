@@ -55,9 +55,15 @@ class Verifier:
             return verify_coupled(proposal.tokens, target_probs, noise, num_drafted), target_probs
         return verify(proposal.tokens, proposal.probs, target_probs, list(generators), num_drafted), target_probs
 
-    def _tree(self, block: Tensor, proposal: Proposal, target_logits: Tensor, params: Sequence[SamplingParams],
-              generators: Sequence[torch.Generator],
-              noise: Sequence[DraftNoise | None]) -> tuple[Verdict, Tensor | None]:
+    def _tree(
+        self,
+        block: Tensor,
+        proposal: Proposal,
+        target_logits: Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+        noise: Sequence[DraftNoise | None],
+    ) -> tuple[Verdict, Tensor | None]:
         """A tree round's verdict (multi-candidate rejection sampling over each row's tree, or its coupled or greedy
         walk), and the warped target probabilities (None: every row greedy)."""
         parents, sizes = block_parents(proposal), proposal.num_drafted + 1
@@ -65,13 +71,20 @@ class Verifier:
             found, target_probs = verify_tree_greedy(block, parents, sizes, target_logits), None
         else:
             target_probs = warp_rows(target_logits, params)  # [b, nodes + 1, vocab]
-            draft = (None if proposal.probs is None else
-                     torch.cat([torch.zeros_like(proposal.probs[:, :1]), proposal.probs], dim=1))
-            found = (verify_tree_coupled(block, parents, sizes, target_probs, noise) if self.coupled
-                     else verify_tree(block, parents, sizes, draft, target_probs, list(generators)))
+            draft = (
+                None
+                if proposal.probs is None
+                else torch.cat([torch.zeros_like(proposal.probs[:, :1]), proposal.probs], dim=1)
+            )
+            found = (
+                verify_tree_coupled(block, parents, sizes, target_probs, noise)
+                if self.coupled
+                else verify_tree(block, parents, sizes, draft, target_probs, list(generators))
+            )
         paths = torch.where(found.path > 0, found.path - 1, -1)  # [b, depth] block indices -> proposal indices
-        accepted = torch.zeros(proposal.tokens.shape[0], proposal.tokens.shape[1] + 1, dtype=torch.bool,
-                               device=paths.device)
+        accepted = torch.zeros(
+            proposal.tokens.shape[0], proposal.tokens.shape[1] + 1, dtype=torch.bool, device=paths.device
+        )
         accepted.scatter_(1, torch.where(paths >= 0, paths, proposal.tokens.shape[1]), True)
         usable = usable_rows(target_logits.float().softmax(-1)) if target_probs is None else usable_rows(target_probs)
         return Verdict(found.num_accepted, found.next_token, accepted[:, :-1], ~usable[:, 0], paths), target_probs

@@ -94,8 +94,10 @@ def verify_tree(
     """Accepted path and next token per row; the output is distributed exactly as sampling from the target."""
     batch, n = tokens.shape
     if target_probs.shape[:2] != (batch, n) or parents.shape != (batch, n):
-        raise ValueError(f"need tokens, parents [batch, n] and target_probs [batch, n, vocab]; got "
-                         f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"need tokens, parents [batch, n] and target_probs [batch, n, vocab]; got "
+            f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(target_probs.shape)}"
+        )
     device, wide = target_probs.device, torch.float64
     table, depth = children_table(parents, sizes)
     table, tokens = table.to(device), tokens.to(device)

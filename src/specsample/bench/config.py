@@ -44,15 +44,18 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.engine.gamma != "auto" or not self.engine.speculative:
-            raise ValueError("the benchmark sets each system's gamma (--gamma) and runs target-only beside ours: "
-                             "leave the engine options' gamma at auto and speculative on")
+            raise ValueError(
+                "the benchmark sets each system's gamma (--gamma) and runs target-only beside ours: "
+                "leave the engine options' gamma at auto and speculative on"
+            )
         unknown = [s for s in self.suites if s not in SUITES]
         if unknown or not self.suites:
             raise ValueError(f"unknown or no suite {unknown}; choose from {', '.join(SUITES)}")
         peers = set(self.compare) - set(COMPARE_CHOICES)
         if peers:
-            raise ValueError(f"unknown --compare system(s) {', '.join(sorted(peers))}; choose from "
-                             f"{', '.join(COMPARE_CHOICES)}")
+            raise ValueError(
+                f"unknown --compare system(s) {', '.join(sorted(peers))}; choose from {', '.join(COMPARE_CHOICES)}"
+            )
         if not self.gammas or not self.temperatures or not self.batch_sizes:
             raise ValueError("--gamma, --temperature and --batch-size each need at least one value")
         for gamma in self.gammas:
@@ -74,8 +77,17 @@ class BenchConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
         """A preset that finishes in minutes: one prompt per category, short generations, small sweeps."""
-        base = cls(num_prompts=1, max_new_tokens=32, gammas=("auto", 2, 4, 6), temperatures=(0.0, 0.7),
-                   batch_sizes=(1, 4), sweep_prompts=4, lossless_prompts=2, lossless_samples=400, prefix_reps=2)
+        base = cls(
+            num_prompts=1,
+            max_new_tokens=32,
+            gammas=("auto", 2, 4, 6),
+            temperatures=(0.0, 0.7),
+            batch_sizes=(1, 4),
+            sweep_prompts=4,
+            lossless_prompts=2,
+            lossless_samples=400,
+            prefix_reps=2,
+        )
         return dataclasses.replace(base, **overrides)
 
     @property

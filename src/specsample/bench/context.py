@@ -26,6 +26,7 @@ from specsample.drafters.suffix import SuffixDrafter
 from specsample.planner import FixedGamma, GammaController, Planner
 from specsample.speculator import Speculator, load
 
+
 class Progress:
     """A bar on a terminal; elsewhere (a log, CI) one line per step on stderr."""
 
@@ -90,23 +91,36 @@ class Bench:
         self.prompt_ids = [ids for _, ids in kept]
         self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens
         if "repeat" in config.suites:  # peers hold the repeat suite's longest request too
-            self.max_len = max(self.max_len, context_needed(tokenizer, config.max_new_tokens,
-                                                            workload(config.num_prompts)))
+            self.max_len = max(
+                self.max_len, context_needed(tokenizer, config.max_new_tokens, workload(config.num_prompts))
+            )
         if self.speculator.target_widths:
-            self.notes.append(f"target rounds of 1..{len(self.speculator.target_widths)} tokens scored as "
-                              f"{self.speculator.target_widths} (measured at start-up, --pad-rows auto)")
+            self.notes.append(
+                f"target rounds of 1..{len(self.speculator.target_widths)} tokens scored as "
+                f"{self.speculator.target_widths} (measured at start-up, --pad-rows auto)"
+            )
         self.peers = self._load_peers()
 
     # ----- systems ----------------------------------------------------------------------------
 
     def params(self, temperature: float, index: int, max_new_tokens: int | None = None) -> SamplingParams:
-        return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens or self.config.max_new_tokens,
-                              seed=self.config.seed * 100_003 + index)
+        return SamplingParams(
+            temperature=temperature,
+            max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+            seed=self.config.seed * 100_003 + index,
+        )
 
-    def system(self, name: str, drafter: Drafter | None, make_planner: Callable[[], Planner],
-               keep_planner: bool = True, max_len: int | None = None) -> Ours:
+    def system(
+        self,
+        name: str,
+        drafter: Drafter | None,
+        make_planner: Callable[[], Planner],
+        keep_planner: bool = True,
+        max_len: int | None = None,
+    ) -> Ours:
         """One of ours: `drafter` (None: target-only) under planners from `make_planner`, for sequences of up to
         `max_len` tokens (default: the run's prompts and --max-new-tokens)."""
+
         def make_engine(batch: int, drafter: Drafter | None, planner: Planner):
             return self.speculator.engine(batch, max_len or self.max_len, drafter=drafter, planner=planner)
 
@@ -115,8 +129,9 @@ class Bench:
     def target_only(self, max_len: int | None = None) -> Ours:
         return self.system("target-only", None, lambda: FixedGamma(1), max_len=max_len)
 
-    def ours(self, gamma: int | str, drafter: Drafter | None = None, tree: bool = False,
-             max_len: int | None = None) -> Ours:
+    def ours(
+        self, gamma: int | str, drafter: Drafter | None = None, tree: bool = False, max_len: int | None = None
+    ) -> Ours:
         """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto; with `tree`, with --tree's trees."""
         if self.speculator.drafter is None:
             raise ValueError(f"no draft for {self.config.engine.target}: pass --draft")
@@ -146,8 +161,11 @@ class Bench:
         model = self.draft_model()
         if model is None:
             return None
-        hybrids = {"hybrid": SuffixDrafter, "hybrid-request": lambda: SuffixDrafter("request"),
-                   "hybrid-ngram": NgramDrafter}
+        hybrids = {
+            "hybrid": SuffixDrafter,
+            "hybrid-request": lambda: SuffixDrafter("request"),
+            "hybrid-ngram": NgramDrafter,
+        }
         if kind in hybrids:
             return HybridDrafter(model, hybrids[kind]())
         if kind != "model":
@@ -161,8 +179,11 @@ class Bench:
             if drafter is None:
                 self.notes.append("hybrid-ngram skipped: the pair has no draft model")
             else:
-                peers.append(self.system("hybrid, n-gram lookup gamma=auto", drafter,
-                                         lambda: GammaController(self.config.max_gamma)))
+                peers.append(
+                    self.system(
+                        "hybrid, n-gram lookup gamma=auto", drafter, lambda: GammaController(self.config.max_gamma)
+                    )
+                )
         for lookup in (False, True):
             if ("llama.cpp-lookup" if lookup else "llama.cpp") in self.config.compare:
                 peers += self._llama_cpp(lookup)
@@ -179,15 +200,22 @@ class Bench:
         if "hf-assisted" in self.config.compare:
             model = self.draft_model()  # the default hybrid's model is transformers' assistant
             if model is not None and model.folder is not None:
-                peers.append(HFGenerate("transformers assisted", hf_target, self.eos,
-                                        assistant=load_hf_peer(model.folder, dtype, self.config.engine.device)))
+                peers.append(
+                    HFGenerate(
+                        "transformers assisted",
+                        hf_target,
+                        self.eos,
+                        assistant=load_hf_peer(model.folder, dtype, self.config.engine.device),
+                    )
+                )
             else:
-                self.notes.append(f"hf-assisted skipped: the draft ({self.speculator.draft_spec}) is not a model "
-                                  "folder transformers can load")
+                self.notes.append(
+                    f"hf-assisted skipped: the draft ({self.speculator.draft_spec}) is not a model "
+                    "folder transformers can load"
+                )
         if "hf-lookup" in self.config.compare:
             peers.append(HFGenerate("transformers prompt lookup", hf_target, self.eos, prompt_lookup=5))
         return peers
-
 
     def _llama_cpp(self, lookup: bool = False) -> list:
         """llama.cpp on the target's GGUF file (an alias's, fetched if its cache lacks it), with its prompt-lookup
@@ -204,8 +232,10 @@ class Bench:
             self.notes.append(reason)
             self._say(reason)
             return []
-        self.notes.append(f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads"
-                          + (f", {peer.about}" if peer.about else ""))
+        self.notes.append(
+            f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads"
+            + (f", {peer.about}" if peer.about else "")
+        )
         return [peer]
 
 
@@ -213,12 +243,19 @@ def environment(bench: Bench) -> dict[str, Any]:
     """What the numbers were measured on."""
     model = bench.speculator.pair.target.model
     device = model.device
-    about: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                             "torch": torch.__version__, "python": platform.python_version(),
-                             "machine": platform.platform(), "device": str(device),
-                             "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
-                             "target": bench.config.engine.target, "draft": bench.speculator.draft_spec,
-                             "weights": bench.speculator.pair.target.quantize}
+    about: dict[str, Any] = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.platform(),
+        "device": str(device),
+        "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
+        "target": bench.config.engine.target,
+        "draft": bench.speculator.draft_spec,
+        "weights": bench.speculator.pair.target.quantize,
+    }
     if device.type == "cuda":
         about["gpu"] = torch.cuda.get_device_name(device)
     return about
@@ -238,10 +275,20 @@ def cpu_name() -> str:
 def commit() -> str | None:
     """The git commit of the package's checkout (marked when the tree has changes beside it), when it is one."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).parent,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + (" with uncommitted changes" if dirty else "")) if head else None

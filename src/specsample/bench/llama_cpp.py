@@ -25,8 +25,9 @@ LOOKUP_TOKENS = 2  # ...and num_pred_tokens: 2, which its documentation recommen
 INSTALL_HINT = "pip install 'specsample[llama]' (builds llama.cpp; CMAKE_ARGS=\"-DGGML_NATIVE=ON\" for this CPU)"
 
 
-def peer_or_reason(gguf: Path | None, context: int, eos: frozenset[int], threads: int | None = None,
-                   lookup: bool = False) -> tuple[LlamaCpp | None, str | None]:
+def peer_or_reason(
+    gguf: Path | None, context: int, eos: frozenset[int], threads: int | None = None, lookup: bool = False
+) -> tuple[LlamaCpp | None, str | None]:
     """The llama.cpp peer for `gguf` (with its prompt-lookup draft where `lookup`), or None and why it cannot run
     (not installed, no GGUF file)."""
     name = "llama.cpp-lookup" if lookup else "llama.cpp"
@@ -54,17 +55,26 @@ class LlamaCpp:
         self.name = "llama.cpp-lookup" if lookup else "llama.cpp"
         self.about = f"prompt lookup: max_ngram_size {LOOKUP_NGRAM}, num_pred_tokens {LOOKUP_TOKENS}" if lookup else ""
         self.gguf, self.eos, self.threads = gguf, eos, threads
-        self.llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         n_batch=min(512, context), draft_model=draft, verbose=False)
+        self.llm = Llama(
+            model_path=str(gguf),
+            n_ctx=context,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=min(512, context),
+            draft_model=draft,
+            verbose=False,
+        )
         self.version = _version()
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RunRecord]:
         return [self._one(prompt, p) for prompt, p in zip(prompts, params)]
 
     def _one(self, prompt: list[int], params: SamplingParams) -> RunRecord:
-        sampling: dict[str, Any] = ({"temp": 0.0, "top_k": 1} if params.greedy else
-                                    {"temp": params.temperature, "top_k": params.top_k or 0, "top_p": params.top_p,
-                                     "min_p": params.min_p})
+        sampling: dict[str, Any] = (
+            {"temp": 0.0, "top_k": 1}
+            if params.greedy
+            else {"temp": params.temperature, "top_k": params.top_k or 0, "top_p": params.top_p, "min_p": params.min_p}
+        )
         if params.seed is not None:
             self.llm.set_seed(params.seed % 2**31)
         tokens: list[int] = []

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from specsample.bench.context import Bench, Progress, Recorder
-from specsample.bench.systems import Ours, OursRun, record, speed_line
 from specsample.bench.repeat_stream import KINDS, Request, context_needed, workload
+from specsample.bench.systems import Ours, OursRun, record, speed_line
 from specsample.drafters.base import Drafter
 from specsample.engine import Engine
 from specsample.planner import GammaController
@@ -30,15 +30,22 @@ WARM_UP_TOKENS = 4
 
 def repeat_systems(bench: Bench, max_len: int) -> list[Ours]:
     """Target-only and the lookups the repeat suite compares, each on an engine of its own kept for the stream."""
+
     def resident(name: str, drafter: Drafter | None) -> Ours:
         planner = GammaController(bench.config.engine.max_gamma)
         engine = bench.speculator.engine(1, max_len, drafter=drafter, planner=planner)
         return Resident(name, engine)
 
     systems = [resident("target-only", None)]
-    kinds = (("hybrid, n-gram lookup", "hybrid-ngram"), ("hybrid, suffix (request)", "hybrid-request"),
-             ("hybrid, suffix (global)", "hybrid")) if bench.draft_model() is not None else (
-             ("n-gram lookup", "ngram"), ("suffix (request)", "suffix-request"), ("suffix (global)", "suffix"))
+    kinds = (
+        (
+            ("hybrid, n-gram lookup", "hybrid-ngram"),
+            ("hybrid, suffix (request)", "hybrid-request"),
+            ("hybrid, suffix (global)", "hybrid"),
+        )
+        if bench.draft_model() is not None
+        else (("n-gram lookup", "ngram"), ("suffix (request)", "suffix-request"), ("suffix (global)", "suffix"))
+    )
     systems += [resident(name, bench.fresh(kind)) for name, kind in kinds]
     return systems
 
@@ -63,8 +70,9 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         raise ValueError(f"{bench.config.engine.target} has no chat template: the repeat suite sends chats")
     stream = workload(bench.config.num_prompts)
     max_len = context_needed(bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens, stream)
-    store.update(requests=len(stream), kinds={k: sum(r.kind == k for r in stream) for k in KINDS}, runs={},
-                 warm_up=WARM_UP)
+    store.update(
+        requests=len(stream), kinds={k: sum(r.kind == k for r in stream) for k in KINDS}, runs={}, warm_up=WARM_UP
+    )
     warm_up = tokenizer.encode(WARM_UP, chat=True)
     shuffle = random.Random(bench.config.seed)
     for temperature in bench.config.temperatures:
@@ -77,15 +85,21 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         replies: dict[str, dict[int, list[int]]] = {s.name: {} for s in ours + peers}  # system -> request -> reply
         progress = Progress(f"repeat T={temperature}", len(stream))
         for i, request in enumerate(stream):
-            prompts = {name: tokenizer.encode_messages(_messages(request, stream, own, tokenizer.decode))
-                       for name, own in replies.items()}
+            prompts = {
+                name: tokenizer.encode_messages(_messages(request, stream, own, tokenizer.decode))
+                for name, own in replies.items()
+            }
             params = bench.params(temperature, i)
             turn = i % max(len(peers), 1)
             named = _lockstep(ours, prompts, params, shuffle)
             for peer in peers[turn:] + peers[:turn]:
                 named[peer.name] = peer.run([prompts[peer.name]], [params])[0]
-            row = {"prompt": request.id, "category": request.kind,
-                   "prompt_tokens": len(prompts["target-only"]), "systems": {}}
+            row = {
+                "prompt": request.id,
+                "category": request.kind,
+                "prompt_tokens": len(prompts["target-only"]),
+                "systems": {},
+            }
             for name in store["systems"]:
                 replies[name][i] = named[name].tokens
                 row["systems"][name] = record(named[name])
@@ -107,8 +121,9 @@ def _lockstep(systems: list[Ours], prompts: dict[str, list[int]], params, shuffl
     return {name: run.records()[0] for name, run in runs.items()}
 
 
-def _messages(request: Request, stream: list[Request], replies: dict[int, list[int]],
-              decode: Callable[[list[int]], str]) -> list[dict[str, str]]:
+def _messages(
+    request: Request, stream: list[Request], replies: dict[int, list[int]], decode: Callable[[list[int]], str]
+) -> list[dict[str, str]]:
     """A request's chat: a second turn after its first turn and the reply the system sent to it."""
     if request.after is None:
         return list(request.messages)
@@ -122,5 +137,8 @@ def _cache_of(systems: list) -> dict[str, dict[str, int]]:
 
     from specsample.drafters.suffix import SuffixCacheHolder
 
-    return {s.name: asdict(s.drafter.suffix_cache()) for s in systems
-            if isinstance(getattr(s, "drafter", None), SuffixCacheHolder) and s.drafter.suffix_cache() is not None}
+    return {
+        s.name: asdict(s.drafter.suffix_cache())
+        for s in systems
+        if isinstance(getattr(s, "drafter", None), SuffixCacheHolder) and s.drafter.suffix_cache() is not None
+    }

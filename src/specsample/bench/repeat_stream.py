@@ -18,14 +18,25 @@ from dataclasses import dataclass
 
 from specsample.datasets import spec_bench_prompts
 
-EXTRACTION_SCHEMA = {"type": "object", "properties": {
-    "people": {"type": "array", "items": {"type": "string"}},
-    "quantities": {"type": "array", "items": {"type": "number"}},
-    "question": {"type": "string"}}, "required": ["people", "quantities", "question"]}
-EXTRACTION = ("Extract the information in the text below as a JSON object that follows this JSON schema:\n"
-              + json.dumps(EXTRACTION_SCHEMA) + "\nAnswer with the JSON object only.\n\nText: ")  # + the text
-REWORDINGS = ("{question}", "Can you tell me: {lower}",
-              "Someone asked me this and I did not know the answer. {question}")
+EXTRACTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {"type": "array", "items": {"type": "string"}},
+        "quantities": {"type": "array", "items": {"type": "number"}},
+        "question": {"type": "string"},
+    },
+    "required": ["people", "quantities", "question"],
+}
+EXTRACTION = (
+    "Extract the information in the text below as a JSON object that follows this JSON schema:\n"
+    + json.dumps(EXTRACTION_SCHEMA)
+    + "\nAnswer with the JSON object only.\n\nText: "
+)  # + the text
+REWORDINGS = (
+    "{question}",
+    "Can you tell me: {lower}",
+    "Someone asked me this and I did not know the answer. {question}",
+)
 KINDS = ("first turn", "second turn", "extraction", "question", "reworded question")
 
 
@@ -49,16 +60,20 @@ def workload(per_kind: int | None = None) -> list[Request]:
     lanes: list[list[tuple[str, str, tuple[dict[str, str], ...], int | None]]] = [[], [], []]
     for p in chats:  # the second turn names its first turn by lane position, resolved below
         lanes[0].append(("first turn", f"{p.id}.1", ({"role": "user", "content": p.turns[0]},), None))
-        lanes[0].append(("second turn", f"{p.id}.2", ({"role": "user", "content": p.turns[1]},),
-                         len(lanes[0]) - 1))
+        lanes[0].append(("second turn", f"{p.id}.2", ({"role": "user", "content": p.turns[1]},), len(lanes[0]) - 1))
     for p in problems:
-        lanes[1].append(("extraction", p.id, ({"role": "user", "content": EXTRACTION + p.turns[0]},),
-                         None))
+        lanes[1].append(("extraction", p.id, ({"role": "user", "content": EXTRACTION + p.turns[0]},), None))
     for w, wording in enumerate(REWORDINGS):
         for p in questions:
             text = wording.format(question=p.turns[0], lower=_lower_first(p.turns[0]))
-            lanes[2].append(("question" if w == 0 else "reworded question", f"{p.id}.w{w}",
-                             ({"role": "user", "content": text},), None))
+            lanes[2].append(
+                (
+                    "question" if w == 0 else "reworded question",
+                    f"{p.id}.w{w}",
+                    ({"role": "user", "content": text},),
+                    None,
+                )
+            )
     stream: list[Request] = []
     positions: dict[tuple[int, int], int] = {}  # (lane, position in lane) -> index in the stream
     for step in range(max(len(lane) for lane in lanes)):

@@ -40,12 +40,14 @@ def _verdict(cell: list[float]) -> str:
 
 
 def _prompt_rows(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, tuple[int, float]]]]:
-    return [(row["category"], {name: (r["tokens"], r["seconds"]) for name, r in row["systems"].items()})
-            for row in rows]
+    return [
+        (row["category"], {name: (r["tokens"], r["seconds"]) for name, r in row["systems"].items()}) for row in rows
+    ]
 
 
 def _speedups(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, list[float]]]:
     """Each system's speed over target-only, per category and overall, with its interval."""
+
     def ratios(speeds: dict[str, float]) -> dict[str, float]:
         base = speeds.get(BASELINE, 0.0)
         return {name: speeds.get(name, 0.0) / base if base else 0.0 for name in systems}
@@ -59,10 +61,12 @@ def _pooled(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     tokens, seconds = sum(r["tokens"] for r in records), sum(r["seconds"] for r in records)
     ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
     tpots = [r["tpot_p50"] for r in records if r["tpot_p50"] is not None]
-    out: dict[str, Any] = {"tokens_per_s": tokens / seconds if seconds else 0.0,
-                           "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
-                           "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
-                           "tpot_ms": 1000 * statistics.median(tpots) if tpots else None}
+    out: dict[str, Any] = {
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
+        "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
+        "tpot_ms": 1000 * statistics.median(tpots) if tpots else None,
+    }
     rounds = sum(r["stats"].get("rounds", 0) for r in records)
     out["tokens_per_forward"] = tokens / rounds if rounds else None  # a round is one target forward
     stats = [r["stats"] for r in records if r["stats"].get("drafted")]
@@ -89,11 +93,13 @@ def _tree_use(rows: list[dict[str, Any]], name: str) -> str | None:
 
 def _cost_ratio(rows: list[dict[str, Any]], name: str) -> float | None:
     """c from whole rounds: what each drafted position adds to a round, over a target-only round's time."""
+
     def per_round(system: str) -> tuple[float, int, float]:
         stats = [row["systems"][system]["stats"] for row in rows]
         rounds = sum(s.get("rounds", 0) for s in stats)
-        seconds = sum(s.get("draft_seconds", 0) + s.get("target_seconds", 0) + s.get("verify_seconds", 0)
-                      for s in stats)
+        seconds = sum(
+            s.get("draft_seconds", 0) + s.get("target_seconds", 0) + s.get("verify_seconds", 0) for s in stats
+        )
         gamma = sum(s.get("gamma_mean", 0) * s.get("rounds", 0) for s in stats) / rounds if rounds else 0.0
         return (seconds / rounds if rounds else 0.0), rounds, gamma
 
@@ -107,10 +113,11 @@ def _compile_events(rows: list[dict[str, Any]], systems: list[str]) -> list[str]
     """A line on what compiled models did past start-up, per system: graphs compiled (each stalls its round for
     seconds to minutes) and forwards run eagerly."""
     counted = {name: [row["systems"][name]["stats"] for row in rows if name in row["systems"]] for name in systems}
-    parts = [f"{name} {sum(s.get('recompiles', 0) for s in runs)} and {sum(s.get('eager_fallbacks', 0) for s in runs)}"
-             for name, runs in counted.items()]
-    return ["", "Graphs compiled after start-up and forwards run eagerly by compiled models: " + "; ".join(parts)
-            + "."]
+    parts = [
+        f"{name} {sum(s.get('recompiles', 0) for s in runs)} and {sum(s.get('eager_fallbacks', 0) for s in runs)}"
+        for name, runs in counted.items()
+    ]
+    return ["", "Graphs compiled after start-up and forwards run eagerly by compiled models: " + "; ".join(parts) + "."]
 
 
 def compare_section(store: dict[str, Any]) -> list[str]:
@@ -120,30 +127,50 @@ def compare_section(store: dict[str, Any]) -> list[str]:
         if not rows:
             continue
         speed = _speedups(rows, systems)
-        lines += [f"### Temperature {temperature} ({len(rows)} prompts)", "",
-                  "| system | tokens/s | speedup (90% interval) | tokens/forward | acceptance | accepted/round | "
-                  "TTFT p50 ms | TPOT p50 ms |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### Temperature {temperature} ({len(rows)} prompts)",
+            "",
+            "| system | tokens/s | speedup (90% interval) | tokens/forward | acceptance | accepted/round | "
+            "TTFT p50 ms | TPOT p50 ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name in systems:
             pooled = _pooled(rows, name)
             accepted = pooled["mean_accepted_length"] - 1 if "mean_accepted_length" in pooled else None
-            lines.append(f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
-                         f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
-                         f"{_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | {_fmt(pooled['tpot_ms'], 1)} |")
+            lines.append(
+                f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
+                f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                f"{_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | {_fmt(pooled['tpot_ms'], 1)} |"
+            )
         if store.get("compiled"):
             lines += _compile_events(rows, systems)
         cats = sorted(c for c in speed[BASELINE] if c != "overall")
         others = [n for n in systems if n != BASELINE]
-        lines += ["", "Speedup by category:", "", "| category | " + " | ".join(others) + " |",
-                  "|---" * (len(others) + 1) + "|"]
+        lines += [
+            "",
+            "Speedup by category:",
+            "",
+            "| category | " + " | ".join(others) + " |",
+            "|---" * (len(others) + 1) + "|",
+        ]
         lines += [f"| {c} | " + " | ".join(_interval(speed[n][c]) for n in others) + " |" for c in cats]
         for name in others:
             by_category = {c: _tree_use([r for r in rows if r["category"] == c], name) for c in cats}
             if any(by_category.values()):
-                lines += ["", f"Trees drafted by `{name}`, per category:", "", "| category | tree rounds |",
-                          "|---|---|"]
+                lines += [
+                    "",
+                    f"Trees drafted by `{name}`, per category:",
+                    "",
+                    "| category | tree rounds |",
+                    "|---|---|",
+                ]
                 lines += [f"| {c} | {use or 'none'} |" for c, use in by_category.items()]
-        lines += _ratio_lines(rows, [n for n in others if n.startswith("specsample ")],
-                              [n for n in COMPARE_REFERENCES if n in systems], cats)
+        lines += _ratio_lines(
+            rows,
+            [n for n in others if n.startswith("specsample ")],
+            [n for n in COMPARE_REFERENCES if n in systems],
+            cats,
+        )
         for name in others:
             per_pos = _pooled(rows, name).get("acceptance_per_position")
             if per_pos:
@@ -165,8 +192,10 @@ def _ratio_lines(rows: list[dict[str, Any]], ours: list[str], references: list[s
 
     between = bootstrap(_prompt_rows(rows), ratios, LEVEL)
     lines = ["", "Speed ratios:", "", "| ratio | overall | " + " | ".join(cats) + " |", "|---" * (len(cats) + 2) + "|"]
-    return lines + [f"| {key} | {_interval(cells['overall'])} | " + " | ".join(_interval(cells[c]) for c in cats)
-                    + " |" for key, cells in between.items()]
+    return lines + [
+        f"| {key} | {_interval(cells['overall'])} | " + " | ".join(_interval(cells[c]) for c in cats) + " |"
+        for key, cells in between.items()
+    ]
 
 
 def gamma_section(store: dict[str, Any]) -> list[str]:
@@ -175,17 +204,25 @@ def gamma_section(store: dict[str, Any]) -> list[str]:
         return []
     systems = store["systems"]
     speed = _speedups(rows, systems)
-    lines = ["## Gamma sweep", "",
-             f"Temperature {store['temperature']}, {len(rows)} prompts; the prediction is the theory's "
-             "E(alpha, gamma) / (1 + gamma c) at the alpha and c measured for that gamma.", "",
-             "| gamma | speedup (90% interval) | ms/token | alpha | c | predicted |", "|---|---|---|---|---|---|"]
+    lines = [
+        "## Gamma sweep",
+        "",
+        f"Temperature {store['temperature']}, {len(rows)} prompts; the prediction is the theory's "
+        "E(alpha, gamma) / (1 + gamma c) at the alpha and c measured for that gamma.",
+        "",
+        "| gamma | speedup (90% interval) | ms/token | alpha | c | predicted |",
+        "|---|---|---|---|---|---|",
+    ]
     for gamma, name in zip(store["gammas"], systems[1:]):
         pooled, cost = _pooled(rows, name), _cost_ratio(rows, name)
         alpha = pooled.get("alpha")
-        predicted = (predicted_speedup(alpha, pooled["gamma_mean"], cost)
-                     if alpha is not None and cost is not None else None)
-        lines.append(f"| {gamma} | {_interval(speed[name]['overall'])} | {pooled['ms_per_token']:.1f} | "
-                     f"{_fmt(alpha)} | {_fmt(cost, 3)} | {_fmt(predicted)} |")
+        predicted = (
+            predicted_speedup(alpha, pooled["gamma_mean"], cost) if alpha is not None and cost is not None else None
+        )
+        lines.append(
+            f"| {gamma} | {_interval(speed[name]['overall'])} | {pooled['ms_per_token']:.1f} | "
+            f"{_fmt(alpha)} | {_fmt(cost, 3)} | {_fmt(predicted)} |"
+        )
     return lines + [""]
 
 
@@ -193,10 +230,19 @@ def batch_section(store: dict[str, Any]) -> list[str]:
     rows = store.get("rows", [])
     if not rows:
         return []
-    lines = ["## Batch size", "", f"Temperature {store['temperature']}, gamma {store['gamma']}.", "",
-             "| batch | target-only tokens/s | speculative tokens/s | speedup |", "|---|---|---|---|"]
-    lines += [f"| {b['batch_size']} | {b['target_only_tokens_per_s']:.1f} | {b['speculative_tokens_per_s']:.1f} | "
-              f"{b['speedup']:.2f}x |" for b in rows]
+    lines = [
+        "## Batch size",
+        "",
+        f"Temperature {store['temperature']}, gamma {store['gamma']}.",
+        "",
+        "| batch | target-only tokens/s | speculative tokens/s | speedup |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {b['batch_size']} | {b['target_only_tokens_per_s']:.1f} | {b['speculative_tokens_per_s']:.1f} | "
+        f"{b['speedup']:.2f}x |"
+        for b in rows
+    ]
     return lines + [""]
 
 
@@ -204,11 +250,17 @@ def lossless_section(store: dict[str, Any]) -> list[str]:
     tests = store.get("tests", [])
     if not tests:
         return []
-    lines = ["## Losslessness (two-sample chi-square test, speculative against target-only, temperature 1)", "",
-             "| prompt | category | samples each | tokens | cells | chi2 | dof | p-value |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {t['prompt']} | {t['category']} | {t['samples']} | {t['tokens']} | {t['categories']} | "
-              f"{t['statistic']:.1f} | {t['dof']} | {t['p_value']:.3f} |" for t in tests]
+    lines = [
+        "## Losslessness (two-sample chi-square test, speculative against target-only, temperature 1)",
+        "",
+        "| prompt | category | samples each | tokens | cells | chi2 | dof | p-value |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {t['prompt']} | {t['category']} | {t['samples']} | {t['tokens']} | {t['categories']} | "
+        f"{t['statistic']:.1f} | {t['dof']} | {t['p_value']:.3f} |"
+        for t in tests
+    ]
     return lines + [""]
 
 
@@ -231,37 +283,59 @@ def goal_intervals(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, 
 
 def adaptive_section(store: dict[str, Any]) -> list[str]:
     systems = store.get("systems", [])
-    lines = ["## Adaptive gamma", "",
-             "Every policy decodes every prompt, taking turns round by round (turns shuffled each round). Goals per "
-             "category: gamma auto within 3% of the best fixed gamma, and never more than 3% slower than "
-             "target-only; 'met' when the whole 90% interval clears 0.97, 'missed' when it lies below, else "
-             "'within noise'.", ""]
+    lines = [
+        "## Adaptive gamma",
+        "",
+        "Every policy decodes every prompt, taking turns round by round (turns shuffled each round). Goals per "
+        "category: gamma auto within 3% of the best fixed gamma, and never more than 3% slower than "
+        "target-only; 'met' when the whole 90% interval clears 0.97, 'missed' when it lies below, else "
+        "'within noise'.",
+        "",
+    ]
     for temperature, rows in store.get("runs", {}).items():
         if not rows:
             continue
         speed = _speedups(rows, systems)
         cats = sorted(c for c in speed[BASELINE] if c != "overall") + ["overall"]
         others = [n for n in systems if n != BASELINE]
-        lines += [f"### Temperature {temperature} ({len(rows)} prompts)", "", "Speed over target-only:", "",
-                  "| category | " + " | ".join(others) + " |", "|---" * (len(others) + 1) + "|"]
+        lines += [
+            f"### Temperature {temperature} ({len(rows)} prompts)",
+            "",
+            "Speed over target-only:",
+            "",
+            "| category | " + " | ".join(others) + " |",
+            "|---" * (len(others) + 1) + "|",
+        ]
         lines += [f"| {c} | " + " | ".join(f"{speed[n][c][0]:.3f}" for n in others) + " |" for c in cats]
         goals = goal_intervals(rows, systems)
         policies = [n for n in systems if f"{n} / best fixed" in goals]
         for name in policies:
             to_best, to_base = goals[f"{name} / best fixed"], goals[f"{name} / target-only"]
-            lines += ["", f"`{name}`:", "", "| category | / best fixed gamma | within 3% of best | / target-only | "
-                      "not 3% slower |", "|---|---|---|---|---|"]
-            lines += [f"| {c} | {_interval(to_best[c], 3)} | {_verdict(to_best[c])} | {_interval(to_base[c], 3)} | "
-                      f"{_verdict(to_base[c])} |" for c in cats]
+            lines += [
+                "",
+                f"`{name}`:",
+                "",
+                "| category | / best fixed gamma | within 3% of best | / target-only | not 3% slower |",
+                "|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {c} | {_interval(to_best[c], 3)} | {_verdict(to_best[c])} | {_interval(to_base[c], 3)} | "
+                f"{_verdict(to_base[c])} |"
+                for c in cats
+            ]
         lines.append("")
     return lines
 
 
 def structured_section(store: dict[str, Any]) -> list[str]:
     systems = store.get("systems", [])
-    lines = ["## Structured output", "",
-             "Each system with a JSON-schema grammar and without, on prompts asking for a JSON record; speed is "
-             "pooled tokens/s, the ratio a paired bootstrap over prompts (90% interval).", ""]
+    lines = [
+        "## Structured output",
+        "",
+        "Each system with a JSON-schema grammar and without, on prompts asking for a JSON record; speed is "
+        "pooled tokens/s, the ratio a paired bootstrap over prompts (90% interval).",
+        "",
+    ]
     for temperature, rows in store.get("runs", {}).items():
         if not rows:
             continue
@@ -271,14 +345,19 @@ def structured_section(store: dict[str, Any]) -> list[str]:
             return {free: speeds[constrained] / speeds[free] if speeds[free] else 0.0 for free, constrained in pairs}
 
         kept = bootstrap(_prompt_rows(rows), ratios, LEVEL)
-        lines += [f"### Temperature {temperature} ({len(rows)} prompts)", "",
-                  "| system | tokens/s free | tokens/s json_schema | kept | acceptance free | acceptance json_schema |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"### Temperature {temperature} ({len(rows)} prompts)",
+            "",
+            "| system | tokens/s free | tokens/s json_schema | kept | acceptance free | acceptance json_schema |",
+            "|---|---|---|---|---|---|",
+        ]
         for free, constrained in pairs:
             a, b = _pooled(rows, free), _pooled(rows, constrained)
-            lines.append(f"| {free} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
-                         f"{_interval(kept[free]['overall'], 3)} | {_fmt(a.get('acceptance_rate'))} | "
-                         f"{_fmt(b.get('acceptance_rate'))} |")
+            lines.append(
+                f"| {free} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+                f"{_interval(kept[free]['overall'], 3)} | {_fmt(a.get('acceptance_rate'))} | "
+                f"{_fmt(b.get('acceptance_rate'))} |"
+            )
         lines.append("")
     return lines
 
@@ -287,15 +366,22 @@ def prefix_section(store: dict[str, Any]) -> list[str]:
     times = store.get("ttft_seconds", {})
     if not times or not times.get("reuse"):
         return []
-    lines = ["## Prefix reuse", "",
-             f"Time to first token of a second chat turn ({store.get('second_turn_tokens')} tokens; the first turn "
-             f"{store['first_turn_tokens']} tokens and a {store['reply_tokens']}-token reply), median over "
-             f"{len(times['reuse'])} runs each.", "",
-             "| engine | TTFT ms (median) | min–max | prompt tokens reused |", "|---|---|---|---|"]
+    lines = [
+        "## Prefix reuse",
+        "",
+        f"Time to first token of a second chat turn ({store.get('second_turn_tokens')} tokens; the first turn "
+        f"{store['first_turn_tokens']} tokens and a {store['reply_tokens']}-token reply), median over "
+        f"{len(times['reuse'])} runs each.",
+        "",
+        "| engine | TTFT ms (median) | min–max | prompt tokens reused |",
+        "|---|---|---|---|",
+    ]
     for mode, runs in times.items():
         reused = store.get("admission", {}).get(mode, {}).get("reused_tokens")
-        lines.append(f"| {mode} | {1000 * statistics.median(runs):.1f} | "
-                     f"{1000 * min(runs):.1f}–{1000 * max(runs):.1f} | {_fmt(reused)} |")
+        lines.append(
+            f"| {mode} | {1000 * statistics.median(runs):.1f} | "
+            f"{1000 * min(runs):.1f}–{1000 * max(runs):.1f} | {_fmt(reused)} |"
+        )
     if "speedup_median" in store:
         low, high = store["speedup_range"]
         lines += ["", f"Speedup with reuse: {store['speedup_median']:.1f}x median (runs {low:.1f}x–{high:.1f}x)."]
@@ -315,58 +401,93 @@ def _draft_ms(rows: list[dict[str, Any]], name: str) -> float | None:
 def repeat_section(store: dict[str, Any]) -> list[str]:
     systems = store.get("systems", [])
     kinds = ", ".join(f"{n} {k}" for k, n in store.get("kinds", {}).items() if n)
-    lines = ["## Repetitive traffic", "",
-             f"A stream of {store.get('requests', 0)} requests ({kinds}), each system on one engine kept for the whole "
-             "stream at a temperature (repeat suite, docs/benchmarks.md). Speedups over target-only and ratios between "
-             "systems are paired bootstrap ratios over requests (90% intervals).", ""]
+    lines = [
+        "## Repetitive traffic",
+        "",
+        f"A stream of {store.get('requests', 0)} requests ({kinds}), each system on one engine kept for the whole "
+        "stream at a temperature (repeat suite, docs/benchmarks.md). Speedups over target-only and ratios between "
+        "systems are paired bootstrap ratios over requests (90% intervals).",
+        "",
+    ]
     for temperature, rows in store.get("runs", {}).items():
         if not rows:
             continue
         names = [n for n in systems if all(n in row["systems"] for row in rows)]
         speed = _speedups(rows, names)
-        lines += [f"### Temperature {temperature} ({len(rows)} requests)", "",
-                  "| system | tokens/s | speedup (90% interval) | tokens/forward | acceptance | draft ms/round |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"### Temperature {temperature} ({len(rows)} requests)",
+            "",
+            "| system | tokens/s | speedup (90% interval) | tokens/forward | acceptance | draft ms/round |",
+            "|---|---|---|---|---|---|",
+        ]
         for name in names:
             pooled = _pooled(rows, name)
-            lines.append(f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
-                         f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
-                         f"{_fmt(_draft_ms(rows, name), 3)} |")
+            lines.append(
+                f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
+                f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                f"{_fmt(_draft_ms(rows, name), 3)} |"
+            )
         cats = sorted(c for c in speed[BASELINE] if c != "overall")
         others = [n for n in names if n != BASELINE]
-        lines += ["", "Speedup over target-only by kind of request:", "",
-                  "| kind | " + " | ".join(others) + " |", "|---" * (len(others) + 1) + "|"]
+        lines += [
+            "",
+            "Speedup over target-only by kind of request:",
+            "",
+            "| kind | " + " | ".join(others) + " |",
+            "|---" * (len(others) + 1) + "|",
+        ]
         lines += [f"| {c} | " + " | ".join(_interval(speed[n][c]) for n in others) + " |" for c in cats]
         references = [r for r in REPEAT_REFERENCES if r in names]
         lines += _ratio_lines(rows, [n for n in others if "suffix (global)" in n], references, cats)
         cache = store.get("suffix_cache", {}).get(temperature, {})
         for name, held in cache.items():
-            lines += ["", f"Shared suffix cache of `{name}` at the end: {held['tokens']} tokens of {held['sequences']} "
-                      f"requests, {held['bytes'] / 2**20:.1f} MiB (capacity {held['capacity']} tokens, "
-                      f"{held['evicted']} requests evicted)."]
+            lines += [
+                "",
+                f"Shared suffix cache of `{name}` at the end: {held['tokens']} tokens of {held['sequences']} "
+                f"requests, {held['bytes'] / 2**20:.1f} MiB (capacity {held['capacity']} tokens, "
+                f"{held['evicted']} requests evicted).",
+            ]
         lines.append("")
     return lines
 
 
-SECTIONS = {"compare": compare_section, "gamma": gamma_section, "batch": batch_section,
-            "lossless": lossless_section, "adaptive": adaptive_section, "structured": structured_section,
-            "prefix": prefix_section, "repeat": repeat_section}
+SECTIONS = {
+    "compare": compare_section,
+    "gamma": gamma_section,
+    "batch": batch_section,
+    "lossless": lossless_section,
+    "adaptive": adaptive_section,
+    "structured": structured_section,
+    "prefix": prefix_section,
+    "repeat": repeat_section,
+}
 
 
 def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> None:
     """results.md (and, with `plots`, the PNG plots) from the results dict alone."""
     cfg, env = results["config"], results.get("environment", {})
-    lines = ["# specsample bench", "", f"`{results['command']}`", "",
-             f"Status: {results['status']}; wall time {results.get('wall_seconds', 0) / 60:.1f} min; commit "
-             f"{results.get('commit') or 'unknown'}.", ""]
+    lines = [
+        "# specsample bench",
+        "",
+        f"`{results['command']}`",
+        "",
+        f"Status: {results['status']}; wall time {results.get('wall_seconds', 0) / 60:.1f} min; commit "
+        f"{results.get('commit') or 'unknown'}.",
+        "",
+    ]
     if env:
-        machine = (f"{env['cpu']}, {env['cores']} cores, {env['threads']} torch threads, torch {env['torch']}, "
-                   f"device {env['device']}" + (f" ({env['gpu']})" if env.get("gpu") else ""))
+        machine = (
+            f"{env['cpu']}, {env['cores']} cores, {env['threads']} torch threads, torch {env['torch']}, "
+            f"device {env['device']}" + (f" ({env['gpu']})" if env.get("gpu") else "")
+        )
         held = {"auto": "the GGUF's quantized", "int8": "int8", "int4": "int4"}.get(env.get("weights"))
         weights = f"{held} weights, " if held else ""
         compiled = ", compiled one-token steps" if cfg["engine"]["compile"] else ""
-        lines += [f"Target `{env['target']}` ({weights}{env['dtype']} compute{compiled}), draft `{env['draft']}`; dataset `{cfg['dataset']}`, "
-                  f"{cfg['max_new_tokens']} new tokens. Machine: {machine}.", ""]
+        lines += [
+            f"Target `{env['target']}` ({weights}{env['dtype']} compute{compiled}), draft `{env['draft']}`; dataset `{cfg['dataset']}`, "
+            f"{cfg['max_new_tokens']} new tokens. Machine: {machine}.",
+            "",
+        ]
     for note in results.get("notes", []):
         lines += [f"> note: {note}", ""]
     for name, store in results.get("suites", {}).items():
@@ -395,8 +516,12 @@ def _plots(results: dict[str, Any], out: Path) -> None:
         points = [(g, speed[n]["overall"]) for g, n in zip(store["gammas"], store["systems"][1:]) if g != "auto"]
         if points:
             fig, ax = plt.subplots(figsize=(6, 4))
-            ax.errorbar([g for g, _ in points], [c[0] for _, c in points],
-                        yerr=[[c[0] - c[1] for _, c in points], [c[2] - c[0] for _, c in points]], fmt="o-")
+            ax.errorbar(
+                [g for g, _ in points],
+                [c[0] for _, c in points],
+                yerr=[[c[0] - c[1] for _, c in points], [c[2] - c[0] for _, c in points]],
+                fmt="o-",
+            )
             ax.axhline(1.0, color="black", linewidth=0.5)
             ax.set_xlabel("gamma")
             ax.set_ylabel("speedup over target-only")
@@ -422,8 +547,12 @@ def _plots(results: dict[str, Any], out: Path) -> None:
         for i, (temperature, rows) in enumerate(runs.items()):
             speed = _speedups(rows, compare["systems"])[ours]
             cats = sorted(c for c in speed if c != "overall") + ["overall"]
-            ax.bar([j + 0.8 * i / len(runs) for j in range(len(cats))], [speed[c][0] for c in cats],
-                   width=0.8 / len(runs), label=f"T={temperature}")
+            ax.bar(
+                [j + 0.8 * i / len(runs) for j in range(len(cats))],
+                [speed[c][0] for c in cats],
+                width=0.8 / len(runs),
+                label=f"T={temperature}",
+            )
             ax.set_xticks(range(len(cats)))
             ax.set_xticklabels(cats, rotation=45, ha="right")
         ax.axhline(1.0, color="black", linewidth=0.5)

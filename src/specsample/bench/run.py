@@ -21,15 +21,21 @@ from specsample.bench.config import BenchConfig
 from specsample.bench.context import Bench, Recorder, commit, environment
 
 
-def run(config: BenchConfig, command: str = "specsample bench",
-        say: Callable[[str], None] = lambda m: print(f"specsample bench: {m}", file=sys.stderr, flush=True)
-        ) -> dict[str, Any]:
+def run(
+    config: BenchConfig,
+    command: str = "specsample bench",
+    say: Callable[[str], None] = lambda m: print(f"specsample bench: {m}", file=sys.stderr, flush=True),
+) -> dict[str, Any]:
     """Run the chosen suites, writing results.json, results.md and the plots into `config.out` as they are
     measured; a suite that fails is recorded with its error and the run goes on to the next."""
-    results: dict[str, Any] = {"command": command, "commit": commit(), "started": time.time(),
-                               "config": {k: (str(v) if isinstance(v, Path) else v)
-                                          for k, v in dataclasses.asdict(config).items()},
-                               "status": "loading", "suites": {}}
+    results: dict[str, Any] = {
+        "command": command,
+        "commit": commit(),
+        "started": time.time(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
+        "status": "loading",
+        "suites": {},
+    }
     recorder = Recorder(config.out, results)
     recorder.save()
     bench = Bench(config, say)

@@ -24,8 +24,13 @@ def _speeds(rows: Sequence[PromptRow]) -> dict[str, float]:
     return {name: tokens / seconds if seconds > 0 else 0.0 for name, (tokens, seconds) in sums.items()}
 
 
-def bootstrap(rows: Sequence[PromptRow], statistic: Callable[[dict[str, float]], dict[str, float]],
-              level: float = 0.9, resamples: int = 1000, seed: int = 0) -> dict[str, dict[str, list[float]]]:
+def bootstrap(
+    rows: Sequence[PromptRow],
+    statistic: Callable[[dict[str, float]], dict[str, float]],
+    level: float = 0.9,
+    resamples: int = 1000,
+    seed: int = 0,
+) -> dict[str, dict[str, list[float]]]:
     """Paired bootstrap over prompts, per category and overall: `statistic(speeds)` (speeds: system -> tokens/s over
     the chosen prompts) at its point value and its `level` interval. Every system is paired on the same resampled
     prompts; prompts are resampled within their category (overall: every category at once, so its mix stays). A
@@ -59,8 +64,9 @@ def bootstrap(rows: Sequence[PromptRow], statistic: Callable[[dict[str, float]],
     return dict(out)
 
 
-def two_sample_test(first: Sequence[tuple[int, ...]], second: Sequence[tuple[int, ...]],
-                    min_expected: float = 5.0) -> dict[str, float]:
+def two_sample_test(
+    first: Sequence[tuple[int, ...]], second: Sequence[tuple[int, ...]], min_expected: float = 5.0
+) -> dict[str, float]:
     """Chi-square test of homogeneity: were two samples of token sequences drawn from one distribution?
 
     Categories whose expected count (under the pooled distribution) is below `min_expected` in either sample
@@ -100,16 +106,24 @@ def acceptance_summary(stats: Sequence[dict]) -> dict[str, object]:
     drafts = sum(s["drafts"] for s in stats)
     rejections = sum(s["rejections"] for s in stats)
     width = max((len(s["drafted_per_position_counts"]) for s in stats), default=0)
-    pos_a = [sum(s["accepted_per_position_counts"][i] for s in stats if i < len(s["accepted_per_position_counts"]))
-             for i in range(width)]
-    pos_d = [sum(s["drafted_per_position_counts"][i] for s in stats if i < len(s["drafted_per_position_counts"]))
-             for i in range(width)]
-    return {"drafted": drafted, "accepted": accepted, "drafts": drafts,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-            "gamma_mean": drafted / drafts if drafts else 0.0,
-            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(pos_a, pos_d)]}
+    pos_a = [
+        sum(s["accepted_per_position_counts"][i] for s in stats if i < len(s["accepted_per_position_counts"]))
+        for i in range(width)
+    ]
+    pos_d = [
+        sum(s["drafted_per_position_counts"][i] for s in stats if i < len(s["drafted_per_position_counts"]))
+        for i in range(width)
+    ]
+    return {
+        "drafted": drafted,
+        "accepted": accepted,
+        "drafts": drafts,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+        "gamma_mean": drafted / drafts if drafts else 0.0,
+        "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(pos_a, pos_d)],
+    }
 
 
 def predicted_speedup(alpha: float, gamma: float, cost_ratio: float) -> float:

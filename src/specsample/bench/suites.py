@@ -26,19 +26,27 @@ from typing import Any
 
 from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
+from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, record, run_lockstep, speed_line
 from specsample.config import Grammar, SamplingParams
 from specsample.datasets import spec_bench_prompts
 from specsample.planner import FixedGamma, GammaController
-from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 
-def _interleaved(bench: Bench, systems: list, indices: list[int], temperature: float, rows: list[dict[str, Any]],
-                 recorder: Recorder, label: str) -> None:
+
+def _interleaved(
+    bench: Bench,
+    systems: list,
+    indices: list[int],
+    temperature: float,
+    rows: list[dict[str, Any]],
+    recorder: Recorder,
+    label: str,
+) -> None:
     """Every system on each prompt in turn, the order rotating prompt by prompt; a row per prompt."""
     progress = Progress(label, len(indices))
     for n, i in enumerate(indices):
-        order = systems[n % len(systems):] + systems[: n % len(systems)]  # no system always runs first
+        order = systems[n % len(systems) :] + systems[: n % len(systems)]  # no system always runs first
         prompt = bench.prompts[i]
         row = {"prompt": prompt.id, "category": prompt.category, "systems": {}}
         for system in order:
@@ -59,8 +67,9 @@ def compare(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     store.update(systems=[s.name for s in systems], runs={}, compiled=bench.speculator.options.compile)
     for temperature in bench.config.temperatures:
         rows = store["runs"].setdefault(str(temperature), [])
-        _interleaved(bench, systems, list(range(len(bench.prompts))), temperature, rows, recorder,
-                     f"compare T={temperature}")
+        _interleaved(
+            bench, systems, list(range(len(bench.prompts))), temperature, rows, recorder, f"compare T={temperature}"
+        )
 
 
 def gamma(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
@@ -71,8 +80,9 @@ def gamma(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         return
     indices = spread(list(range(len(bench.prompts))), config.sweep_prompts, lambda i: bench.prompts[i].category)
     systems = [bench.target_only()] + [bench.ours(g) for g in config.gammas]
-    store.update(temperature=config.temperatures[0], systems=[s.name for s in systems],
-                 gammas=list(config.gammas), rows=[])
+    store.update(
+        temperature=config.temperatures[0], systems=[s.name for s in systems], gammas=list(config.gammas), rows=[]
+    )
     _interleaved(bench, systems, indices, config.temperatures[0], store["rows"], recorder, "gamma sweep")
 
 
@@ -89,15 +99,21 @@ def batch(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         systems = [bench.target_only(), bench.ours(config.gammas[0])]
         totals = {s.name: [0, 0.0] for s in systems}
         for start in range(0, len(indices), size):
-            group = indices[start:start + size]
+            group = indices[start : start + size]
             params = [bench.params(config.temperatures[0], i) for i in group]
             for system in systems:
                 runs = system.run([bench.prompt_ids[i] for i in group], params)
                 totals[system.name][0] += sum(len(r.tokens) for r in runs)
                 totals[system.name][1] += runs[0].seconds
         base, spec = (totals[s.name][0] / totals[s.name][1] for s in systems)
-        store["rows"].append({"batch_size": size, "target_only_tokens_per_s": base, "speculative_tokens_per_s": spec,
-                              "speedup": spec / base if base else 0.0})
+        store["rows"].append(
+            {
+                "batch_size": size,
+                "target_only_tokens_per_s": base,
+                "speculative_tokens_per_s": spec,
+                "speedup": spec / base if base else 0.0,
+            }
+        )
         recorder.save()
         progress.step(f"batch {size}: {spec / base:.2f}x")
     progress.close()
@@ -126,8 +142,16 @@ def lossless(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
                 seqs += [tuple(r.tokens) for r in system.run([bench.prompt_ids[i]] * count, params)]
             samples[speculative] = seqs
         test = two_sample_test(samples[False], samples[True])
-        store["tests"].append({"prompt": bench.prompts[i].id, "category": bench.prompts[i].category, "samples": n,
-                               "tokens": tokens, "temperature": 1.0, **test})
+        store["tests"].append(
+            {
+                "prompt": bench.prompts[i].id,
+                "category": bench.prompts[i].category,
+                "samples": n,
+                "tokens": tokens,
+                "temperature": 1.0,
+                **test,
+            }
+        )
         recorder.save()
         progress.step(f"{bench.prompts[i].category} {bench.prompts[i].id}: p = {test['p_value']:.3f}")
     progress.close()
@@ -158,18 +182,28 @@ def adaptive(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         progress = Progress(f"adaptive T={temperature}", len(bench.prompts))
         for i, prompt in enumerate(bench.prompts):
             runs = run_lockstep(systems, [bench.prompt_ids[i]], [bench.params(temperature, i)], shuffle)
-            row = {"prompt": prompt.id, "category": prompt.category,
-                   "systems": {s.name: record(r[0]) for s, r in zip(systems, runs)}}
+            row = {
+                "prompt": prompt.id,
+                "category": prompt.category,
+                "systems": {s.name: record(r[0]) for s, r in zip(systems, runs)},
+            }
             rows.append(row)
             recorder.save()
             progress.step(speed_line(row))
         progress.close()
 
 
-RECORD_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "year": {"type": "integer"}, "country": {"type": "string"},
-    "known_for": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
-    "required": ["name", "year", "country", "known_for"], "additionalProperties": False}
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "year": {"type": "integer"},
+        "country": {"type": "string"},
+        "known_for": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["name", "year", "country", "known_for"],
+    "additionalProperties": False,
+}
 JSON_PROMPTS = (
     "Give a JSON record about Ada Lovelace with her name, birth year, country and what she is known for.",
     "Describe the city of Paris as JSON: name, founding year, country, and three things it is known for.",
@@ -197,9 +231,13 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         progress = Progress(f"structured T={temperature}", len(prompts))
         for i, prompt in enumerate(prompts):
             row = {"prompt": i, "category": "json", "systems": {}}
-            for name, system, grammar_or_none in systems[i % len(systems):] + systems[:i % len(systems)]:
-                params = SamplingParams(temperature=temperature, max_new_tokens=bench.config.max_new_tokens,
-                                        seed=bench.config.seed * 100_003 + i, grammar=grammar_or_none)
+            for name, system, grammar_or_none in systems[i % len(systems) :] + systems[: i % len(systems)]:
+                params = SamplingParams(
+                    temperature=temperature,
+                    max_new_tokens=bench.config.max_new_tokens,
+                    seed=bench.config.seed * 100_003 + i,
+                    grammar=grammar_or_none,
+                )
                 row["systems"][name] = record(system.run([prompt], [params])[0])
             row["systems"] = {name: row["systems"][name] for name, _, _ in systems}
             rows.append(row)
@@ -247,26 +285,35 @@ def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     first_turn = tokenizer.encode_messages(messages)
     reply_params = SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens)
     modes = (("reuse", 1), ("no reuse", 0))
-    store.update(first_turn_tokens=len(first_turn), reply_tokens=config.max_new_tokens,
-                 ttft_seconds={m: [] for m, _ in modes}, first_turn_ttft_seconds=[], admission={})
+    store.update(
+        first_turn_tokens=len(first_turn),
+        reply_tokens=config.max_new_tokens,
+        ttft_seconds={m: [] for m, _ in modes},
+        first_turn_ttft_seconds=[],
+        admission={},
+    )
     progress = Progress("prefix", config.prefix_reps)
     for rep in range(config.prefix_reps):
-        for mode, kept in (modes if rep % 2 == 0 else modes[::-1]):
+        for mode, kept in modes if rep % 2 == 0 else modes[::-1]:
             # room for the reply, the follow-up and the template's tokens around them
-            engine = bench.speculator.engine(1, len(first_turn) + 2 * config.max_new_tokens + 256,
-                                             prefix_cache_rows=kept)
+            engine = bench.speculator.engine(
+                1, len(first_turn) + 2 * config.max_new_tokens + 256, prefix_cache_rows=kept
+            )
             first_seconds, reply, _ = _first_token(engine, first_turn, reply_params)
             turns = [{"role": "assistant", "content": tokenizer.decode(reply)}, {"role": "user", "content": FOLLOW_UP}]
             second_turn = tokenizer.encode_messages(messages + turns)
-            seconds, _, store["admission"][mode] = _first_token(engine, second_turn,
-                                                                dataclasses.replace(reply_params, max_new_tokens=8))
+            seconds, _, store["admission"][mode] = _first_token(
+                engine, second_turn, dataclasses.replace(reply_params, max_new_tokens=8)
+            )
             store["ttft_seconds"][mode].append(seconds)
             store["first_turn_ttft_seconds"].append(first_seconds)
             store["second_turn_tokens"] = len(second_turn)
         recorder.save()
         times = store["ttft_seconds"]
-        progress.step(f"second-turn TTFT {1000 * times['reuse'][-1]:.0f} ms with reuse, "
-                      f"{1000 * times['no reuse'][-1]:.0f} ms without")
+        progress.step(
+            f"second-turn TTFT {1000 * times['reuse'][-1]:.0f} ms with reuse, "
+            f"{1000 * times['no reuse'][-1]:.0f} ms without"
+        )
     progress.close()
     ratios = sorted(a / b for a, b in zip(store["ttft_seconds"]["no reuse"], store["ttft_seconds"]["reuse"]))
     store.update(speedup_median=statistics.median(ratios), speedup_range=[ratios[0], ratios[-1]])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -43,8 +43,9 @@ class Ours:
     builds a planner. With `keep_planner` one planner serves every run, as in a server (gamma auto keeps the
     costs and acceptance it measured), else every run starts a new one."""
 
-    def __init__(self, name: str, make_engine, drafter: Drafter | None, make_planner,
-                 keep_planner: bool = True) -> None:
+    def __init__(
+        self, name: str, make_engine, drafter: Drafter | None, make_planner, keep_planner: bool = True
+    ) -> None:
         self.name, self.drafter = name, drafter
         self._make_engine, self._make_planner = make_engine, make_planner
         self.planner: Planner | None = make_planner() if keep_planner else None
@@ -67,8 +68,9 @@ class OursRun:
     `step()`: the time, first-token latency and token gaps it reports are its own (engine set-up included), not
     those of other generations stepped in between (the engine statistics in `stats` keep wall-clock times)."""
 
-    def __init__(self, name: str, make_engine: Callable[[], Engine], prompts: list[list[int]],
-                 params: list[SamplingParams]) -> None:
+    def __init__(
+        self, name: str, make_engine: Callable[[], Engine], prompts: list[list[int]], params: list[SamplingParams]
+    ) -> None:
         self.name, self._make_engine, self._prompts, self._params = name, make_engine, prompts, params
         self.engine: Engine | None = None
         self._ids: list[str] = []
@@ -114,8 +116,9 @@ class OursRun:
         return records
 
 
-def run_lockstep(systems: list[Ours], prompts: list[list[int]], params: list[SamplingParams],
-                 shuffle: random.Random | None = None) -> list[list[RunRecord]]:
+def run_lockstep(
+    systems: list[Ours], prompts: list[list[int]], params: list[SamplingParams], shuffle: random.Random | None = None
+) -> list[list[RunRecord]]:
     """Generate the same prompts with every system, taking turns round by round, and return each system's records.
     Each system's time counts only its own rounds, so a slow stretch of the machine lands on all of them alike,
     within tens of milliseconds, where back-to-back runs are a second or more apart. The systems must not share a
@@ -156,8 +159,9 @@ class _HFStreamer:
 class HFGenerate:
     """transformers `generate()`: plain, assisted by the same draft, or prompt lookup (batch 1)."""
 
-    def __init__(self, name: str, model: Any, eos: frozenset[int], assistant: Any = None,
-                 prompt_lookup: int | None = None) -> None:
+    def __init__(
+        self, name: str, model: Any, eos: frozenset[int], assistant: Any = None, prompt_lookup: int | None = None
+    ) -> None:
         self.name, self.model, self.eos, self.assistant, self.prompt_lookup = name, model, eos, assistant, prompt_lookup
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RunRecord]:
@@ -165,13 +169,21 @@ class HFGenerate:
 
     @torch.inference_mode()
     def _one(self, prompt: list[int], params: SamplingParams) -> RunRecord:
-        kwargs: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "eos_token_id": sorted(self.eos) or None,
-                                  "pad_token_id": sorted(self.eos)[0] if self.eos else 0}
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens,
+            "eos_token_id": sorted(self.eos) or None,
+            "pad_token_id": sorted(self.eos)[0] if self.eos else 0,
+        }
         if params.greedy:
             kwargs.update(do_sample=False)
         else:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k or 0, min_p=params.min_p or None)
+            kwargs.update(
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k or 0,
+                min_p=params.min_p or None,
+            )
         if self.assistant is not None:
             kwargs["assistant_model"] = self.assistant
         if self.prompt_lookup is not None:
@@ -185,7 +197,7 @@ class HFGenerate:
         if ids.device.type == "cuda":
             torch.cuda.synchronize(ids.device)  # like ours: the wall time includes queued GPU work
         wall = time.perf_counter() - started
-        tokens = out[0, len(prompt):].tolist()
+        tokens = out[0, len(prompt) :].tolist()
         per_token = [t for t, c in zip(streamer.times, streamer.counts) for _ in range(c)]
         gaps = [b - a for a, b in zip(per_token, per_token[1:])]
         return RunRecord(tokens, wall, streamer.times[0] - started if streamer.times else None, gaps, {})
@@ -198,21 +210,43 @@ def load_hf_peer(folder, dtype: torch.dtype, device: str | torch.device = "cpu")
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
 
 
-STATS_KEPT = ("rounds", "drafted", "accepted", "drafts", "rejections", "gamma_mean", "drafted_per_position_counts",
-              "accepted_per_position_counts", "draft_seconds", "target_seconds", "verify_seconds",
-              "fallback_row_rounds", "lookup_row_rounds", "extended_row_rounds", "backlog_scorings", "tree_row_rounds",
-              "tree_budgets", "recompiles", "eager_fallbacks")
+STATS_KEPT = (
+    "rounds",
+    "drafted",
+    "accepted",
+    "drafts",
+    "rejections",
+    "gamma_mean",
+    "drafted_per_position_counts",
+    "accepted_per_position_counts",
+    "draft_seconds",
+    "target_seconds",
+    "verify_seconds",
+    "fallback_row_rounds",
+    "lookup_row_rounds",
+    "extended_row_rounds",
+    "backlog_scorings",
+    "tree_row_rounds",
+    "tree_budgets",
+    "recompiles",
+    "eager_fallbacks",
+)
 
 
 def record(run: RunRecord) -> dict[str, Any]:
     """What the report reads of one generation."""
-    return {"tokens": len(run.tokens), "seconds": run.seconds, "ttft": run.ttft,
-            "tpot_p50": percentile(run.tpots, 50) if run.tpots else None,
-            "tpot_p99": percentile(run.tpots, 99) if run.tpots else None,
-            "stats": {k: run.stats[k] for k in STATS_KEPT if k in run.stats}}
+    return {
+        "tokens": len(run.tokens),
+        "seconds": run.seconds,
+        "ttft": run.ttft,
+        "tpot_p50": percentile(run.tpots, 50) if run.tpots else None,
+        "tpot_p99": percentile(run.tpots, 99) if run.tpots else None,
+        "stats": {k: run.stats[k] for k in STATS_KEPT if k in run.stats},
+    }
 
 
 def speed_line(row: dict[str, Any]) -> str:
     """A progress line: each system's tokens per second on one prompt."""
     return f"{row['category']} {row['prompt']}: " + ", ".join(
-        f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0)
+        f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0
+    )

@@ -89,7 +89,9 @@ def _batches(items: list[tuple[list[int], dict]], batch_tokens: int) -> Iterator
         yield batch
 
 
-def _score_items(model, items: list[tuple[list[int], dict]], config: CollectConfig) -> tuple[list[Sequence_], list[dict]]:
+def _score_items(
+    model, items: list[tuple[list[int], dict]], config: CollectConfig
+) -> tuple[list[Sequence_], list[dict]]:
     """Score (sequence, metadata) items in length-sorted batches; returns aligned sequences and metadata."""
     scored, metas = [], []
     for batch in _batches(items, config.batch_tokens):
@@ -98,8 +100,14 @@ def _score_items(model, items: list[tuple[list[int], dict]], config: CollectConf
     return scored, metas
 
 
-def collect_teacher_forced(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], writer: DataWriter,
-                           config: CollectConfig, progress: bool = True) -> None:
+def collect_teacher_forced(
+    model,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    writer: DataWriter,
+    config: CollectConfig,
+    progress: bool = True,
+) -> None:
     """Score conversations `prompts[writer.num_sequences:]` and append them; resumable."""
     done = writer.num_sequences
     todo = prompts[done:]
@@ -107,7 +115,7 @@ def collect_teacher_forced(model, tokenizer: Tokenizer, prompts: Sequence[Prompt
     chunk = 64  # conversations per commit
     for begin in range(0, len(todo), chunk):
         items = []
-        for prompt in todo[begin:begin + chunk]:
+        for prompt in todo[begin : begin + chunk]:
             ids, score_from = conversation_ids(tokenizer, prompt, config.max_len)
             items.append((ids, {"id": prompt.id, "score_from": score_from}))
         writer.append(*_score_items(model, items, config))
@@ -116,32 +124,53 @@ def collect_teacher_forced(model, tokenizer: Tokenizer, prompts: Sequence[Prompt
     bar.close()
 
 
-def collect_on_policy(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], writer: DataWriter,
-                      config: CollectConfig, seed: int = 0, progress: bool = True) -> None:
+def collect_on_policy(
+    model,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    writer: DataWriter,
+    config: CollectConfig,
+    seed: int = 0,
+    progress: bool = True,
+) -> None:
     """Let the target answer `prompts[writer.num_sequences:]` (sampled), then score prompt + reply."""
     done = writer.num_sequences
     bar = tqdm(total=len(prompts), initial=done, desc="on-policy", unit="reply", disable=not progress)
     started, generated = time.perf_counter(), 0
     for begin in range(done, len(prompts), config.onpolicy_batch):
-        batch = prompts[begin:begin + config.onpolicy_batch]
-        prompt_ids = [tokenizer.encode(p.turns[0], chat=True)[: config.max_len - config.onpolicy_max_new]
-                      for p in batch]
-        engine = Engine(model, None, SpecConfig(speculative=False, max_batch_size=len(batch),
-                                                max_seq_len=config.max_len + 8), tokenizer.eos_token_ids)
-        temps = [config.onpolicy_temperatures[(begin + i) % len(config.onpolicy_temperatures)] for i in range(len(batch))]
-        ids = [engine.add_request(p, SamplingParams(temperature=t, max_new_tokens=config.onpolicy_max_new,
-                                                    seed=seed * 1_000_003 + begin + i))
-               for i, (p, t) in enumerate(zip(prompt_ids, temps))]
+        batch = prompts[begin : begin + config.onpolicy_batch]
+        prompt_ids = [
+            tokenizer.encode(p.turns[0], chat=True)[: config.max_len - config.onpolicy_max_new] for p in batch
+        ]
+        engine = Engine(
+            model,
+            None,
+            SpecConfig(speculative=False, max_batch_size=len(batch), max_seq_len=config.max_len + 8),
+            tokenizer.eos_token_ids,
+        )
+        temps = [
+            config.onpolicy_temperatures[(begin + i) % len(config.onpolicy_temperatures)] for i in range(len(batch))
+        ]
+        ids = [
+            engine.add_request(
+                p,
+                SamplingParams(
+                    temperature=t, max_new_tokens=config.onpolicy_max_new, seed=seed * 1_000_003 + begin + i
+                ),
+            )
+            for i, (p, t) in enumerate(zip(prompt_ids, temps))
+        ]
         replies: dict[str, list[int]] = {i: [] for i in ids}
         for result in engine.stream():
             for update in result.rows:
                 replies[update.request_id].extend(update.new_tokens)
         sequences = [p + replies[i] for p, i in zip(prompt_ids, ids)]
         generated += sum(len(replies[i]) for i in ids)
-        items = [(seq, {"id": p.id, "score_from": len(pi), "temperature": t})
-                 for seq, p, pi, t in zip(sequences, batch, prompt_ids, temps)]
+        items = [
+            (seq, {"id": p.id, "score_from": len(pi), "temperature": t})
+            for seq, p, pi, t in zip(sequences, batch, prompt_ids, temps)
+        ]
         writer.append(*_score_items(model, items, config))
         bar.update(len(batch))
         bar.set_postfix(tokens=writer.num_tokens, sampled_tok_s=f"{generated / (time.perf_counter() - started):.0f}")
     bar.close()
-

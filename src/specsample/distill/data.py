@@ -41,12 +41,21 @@ class DataWriter:
         if index_path.exists():
             self.index = _read_index(self.folder)
             if self.index["k"] != k or self.index["vocab_size"] != vocab_size:
-                raise ValueError(f"{self.folder} holds k={self.index['k']}, vocab={self.index['vocab_size']}; "
-                                 f"asked for k={k}, vocab={vocab_size}")
+                raise ValueError(
+                    f"{self.folder} holds k={self.index['k']}, vocab={self.index['vocab_size']}; "
+                    f"asked for k={k}, vocab={vocab_size}"
+                )
         else:
-            self.index = {"format": FORMAT, "kind": kind, "k": k, "vocab_size": vocab_size,
-                          "id_dtype": "uint16" if vocab_size <= 65536 else "int32",
-                          "offsets": [0], "meta": [], "complete": False}
+            self.index = {
+                "format": FORMAT,
+                "kind": kind,
+                "k": k,
+                "vocab_size": vocab_size,
+                "id_dtype": "uint16" if vocab_size <= 65536 else "int32",
+                "offsets": [0],
+                "meta": [],
+                "complete": False,
+            }
         self._truncate_to_committed()
 
     @property
@@ -61,8 +70,11 @@ class DataWriter:
         """Drop bytes written after the last commit (an interrupted append)."""
         total, k = self.num_tokens, self.index["k"]
         id_size = np.dtype(self.index["id_dtype"]).itemsize
-        for name, size in (("tokens.bin", total * 4), ("topk_ids.bin", total * k * id_size),
-                           ("topk_logp.bin", total * k * 2)):
+        for name, size in (
+            ("tokens.bin", total * 4),
+            ("topk_ids.bin", total * k * id_size),
+            ("topk_logp.bin", total * k * 2),
+        ):
             path = self.folder / name
             with path.open("ab") as handle:
                 handle.truncate(size)
@@ -71,8 +83,11 @@ class DataWriter:
         """Append sequences and commit them (data first, then the index, atomically)."""
         k = self.index["k"]
         id_dtype = np.dtype(self.index["id_dtype"])
-        with (self.folder / "tokens.bin").open("ab") as tok, (self.folder / "topk_ids.bin").open("ab") as ids, \
-                (self.folder / "topk_logp.bin").open("ab") as logp:
+        with (
+            (self.folder / "tokens.bin").open("ab") as tok,
+            (self.folder / "topk_ids.bin").open("ab") as ids,
+            (self.folder / "topk_logp.bin").open("ab") as logp,
+        ):
             for seq in batch:
                 n = len(seq.tokens)
                 if seq.topk_ids.shape != (n, k) or seq.topk_logp.shape != (n, k):
@@ -119,8 +134,11 @@ class DataReader:
         self.index = _read_index(self.folder)
         total, k = self.index["offsets"][-1], self.index["k"]
         id_dtype = np.dtype(self.index["id_dtype"])
-        expected = {"tokens.bin": total * 4, "topk_ids.bin": total * k * id_dtype.itemsize,
-                    "topk_logp.bin": total * k * 2}
+        expected = {
+            "tokens.bin": total * 4,
+            "topk_ids.bin": total * k * id_dtype.itemsize,
+            "topk_logp.bin": total * k * 2,
+        }
         for name, size in expected.items():
             path = self.folder / name
             actual = path.stat().st_size if path.exists() else -1
@@ -130,9 +148,21 @@ class DataReader:
         self.k = k
         self.vocab_size = self.index["vocab_size"]
         shape = (max(total, 1), k)
-        self.tokens = np.memmap(self.folder / "tokens.bin", dtype=np.int32, mode="r", shape=(max(total, 1),)) if total else np.zeros(0, np.int32)
-        self.topk_ids = np.memmap(self.folder / "topk_ids.bin", dtype=id_dtype, mode="r", shape=shape) if total else np.zeros((0, k), id_dtype)
-        self.topk_logp = np.memmap(self.folder / "topk_logp.bin", dtype=np.float16, mode="r", shape=shape) if total else np.zeros((0, k), np.float16)
+        self.tokens = (
+            np.memmap(self.folder / "tokens.bin", dtype=np.int32, mode="r", shape=(max(total, 1),))
+            if total
+            else np.zeros(0, np.int32)
+        )
+        self.topk_ids = (
+            np.memmap(self.folder / "topk_ids.bin", dtype=id_dtype, mode="r", shape=shape)
+            if total
+            else np.zeros((0, k), id_dtype)
+        )
+        self.topk_logp = (
+            np.memmap(self.folder / "topk_logp.bin", dtype=np.float16, mode="r", shape=shape)
+            if total
+            else np.zeros((0, k), np.float16)
+        )
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -143,5 +173,8 @@ class DataReader:
 
     def __getitem__(self, i: int) -> Sequence_:
         begin, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Sequence_(np.asarray(self.tokens[begin:end]), np.asarray(self.topk_ids[begin:end]),
-                         np.asarray(self.topk_logp[begin:end]))
+        return Sequence_(
+            np.asarray(self.tokens[begin:end]),
+            np.asarray(self.topk_ids[begin:end]),
+            np.asarray(self.topk_logp[begin:end]),
+        )

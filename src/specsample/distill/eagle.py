@@ -111,6 +111,7 @@ def _log(message: str) -> None:
 
 # ----- data ----------------------------------------------------------------------------------
 
+
 def collect(plan: HeadTraining, target, progress: bool) -> FeatureReader:
     """Stage 1: the feature store, filled to `plan.tokens` (unless training has begun: its data is then final)."""
     model = target.model
@@ -119,14 +120,33 @@ def collect(plan: HeadTraining, target, progress: bool) -> FeatureReader:
     started = (plan.work / "train" / "checkpoint.pt").exists()
     if plan.data == "regenerate":
         if not started:
-            regenerate_store(store, plan.target, plan.quantize, plan.device, plan.prompts, plan.regeneration, layers,
-                             plan.max_len, plan.tokens, loaded=target, progress=progress)
+            regenerate_store(
+                store,
+                plan.target,
+                plan.quantize,
+                plan.device,
+                plan.prompts,
+                plan.regeneration,
+                layers,
+                plan.max_len,
+                plan.tokens,
+                loaded=target,
+                progress=progress,
+            )
         return FeatureReader(store)
-    writer = FeatureWriter(store / "shard-0", plan.target, model.config.hidden_size, layers, model.vocab_size,
-                           plan.max_len, "teacher-forced")
+    writer = FeatureWriter(
+        store / "shard-0",
+        plan.target,
+        model.config.hidden_size,
+        layers,
+        model.vocab_size,
+        plan.max_len,
+        "teacher-forced",
+    )
     if writer.num_tokens < plan.tokens and not started:
-        collect_features(model, target.tokenizer, training_conversations(plan.prompts), writer, plan.tokens,
-                         progress=progress)
+        collect_features(
+            model, target.tokenizer, training_conversations(plan.prompts), writer, plan.tokens, progress=progress
+        )
     return FeatureReader(store)
 
 
@@ -217,13 +237,19 @@ def make_batch(sequences: list[FeatureSequence], device: torch.device) -> dict[s
         tokens[row, :n] = seq.tokens
         features[row, :n] = seq.features
         final[row, :n] = seq.final
-        mask[row, : seq.known - 1] = seq.reply[1: seq.known]
+        mask[row, : seq.known - 1] = seq.reply[1 : seq.known]
     lengths = torch.tensor([len(s.tokens) for s in sequences])
-    return {"tokens": tokens.to(device), "features": features.to(device), "final": final.to(device),
-            "mask": mask.to(device), "lengths": lengths}
+    return {
+        "tokens": tokens.to(device),
+        "features": features.to(device),
+        "final": final.to(device),
+        "mask": mask.to(device),
+        "lengths": lengths,
+    }
 
 
 # ----- loss ----------------------------------------------------------------------------------
+
 
 class Frozen:
     """What training reads of the target without training it: its embedding, and its output layer's rows of the
@@ -269,13 +295,24 @@ class UnrolledAttention:
         if step == 1:
             out = F.scaled_dot_product_attention(q, self.keys[0], self.values[0], is_causal=True, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2),
-                                                 attn_mask=self.mask(n, step, q.device), enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q,
+                torch.cat(self.keys, dim=2),
+                torch.cat(self.values, dim=2),
+                attn_mask=self.mask(n, step, q.device),
+                enable_gqa=True,
+            )
         return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
 
 
-def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], unroll: int, step_decay: float,
-              metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+def head_loss(
+    head: EagleHead,
+    frozen: Frozen,
+    batch: dict[str, torch.Tensor],
+    unroll: int,
+    step_decay: float,
+    metrics: bool = True,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE-3's loss over the masked entries: per drafting step s, the cross-entropy from the target's next-token
     distribution (over the draft vocabulary, renormalised there) to the head's, weighted step_decay ** (s - 1); with
     `metrics`, per step the KL divergence (the cross-entropy less the target's entropy), the head's acceptance
@@ -302,10 +339,14 @@ def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], u
             with torch.no_grad():
                 log_q = torch.log_softmax(logits, dim=-1)
                 suffix = "" if step == 1 else f"_{step}"
-                out.update({f"cross_entropy{suffix}": cross.item(),
-                            f"kl{suffix}": (cross + (target * log_p[rows]).sum(-1).mean()).item(),
-                            f"alpha{suffix}": torch.minimum(target, log_q.exp()).sum(-1).mean().item(),
-                            f"agree{suffix}": (target.argmax(-1) == log_q.argmax(-1)).float().mean().item()})
+                out.update(
+                    {
+                        f"cross_entropy{suffix}": cross.item(),
+                        f"kl{suffix}": (cross + (target * log_p[rows]).sum(-1).mean()).item(),
+                        f"alpha{suffix}": torch.minimum(target, log_q.exp()).sum(-1).mean().item(),
+                        f"agree{suffix}": (target.argmax(-1) == log_q.argmax(-1)).float().mean().item(),
+                    }
+                )
         hidden = torch.cat([hidden[:, :1], outputs[:, :-1].to(hidden.dtype)], dim=1)  # entry t: output at t - 1
     loss = total / weights
     out["loss"] = loss.item()
@@ -313,6 +354,7 @@ def head_loss(head: EagleHead, frozen: Frozen, batch: dict[str, torch.Tensor], u
 
 
 # ----- training ------------------------------------------------------------------------------
+
 
 def _lr(step: int, steps: int, plan: HeadTraining) -> float:
     if step < plan.warmup:
@@ -347,8 +389,14 @@ def init_head(target: LlamaModel, draft_ids: torch.Tensor, feature_layers: tuple
 
 
 @torch.no_grad()
-def heldout(head: EagleHead, frozen: Frozen, batches: Batches, plan: HeadTraining, device: torch.device,
-            limit_tokens: int = 60_000) -> dict[str, float]:
+def heldout(
+    head: EagleHead,
+    frozen: Frozen,
+    batches: Batches,
+    plan: HeadTraining,
+    device: torch.device,
+    limit_tokens: int = 60_000,
+) -> dict[str, float]:
     """The loss and acceptance over (up to `limit_tokens` of) the held-out chunk."""
     if batches.heldout_chunk is None:
         return {}
@@ -357,7 +405,7 @@ def heldout(head: EagleHead, frozen: Frozen, batches: Batches, plan: HeadTrainin
     sums: dict[str, float] = defaultdict(float)
     weight, used = 0, 0
     for start in range(0, len(sequences), 8):
-        group = sequences[start:start + 8]
+        group = sequences[start : start + 8]
         batch = make_batch(group, device)
         with bf16_autocast(device):
             _, metrics = head_loss(head, frozen, batch, plan.unroll, plan.step_decay)
@@ -372,8 +420,16 @@ def heldout(head: EagleHead, frozen: Frozen, batches: Batches, plan: HeadTrainin
     return {k: v / max(weight, 1) for k, v in sums.items()}
 
 
-def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: HeadTraining, work: Path,
-               progress: bool = True, minutes: float | None = None, stop_after: int | None = None) -> dict[str, Any]:
+def train_head(
+    head: EagleHead,
+    frozen: Frozen,
+    reader: FeatureReader,
+    plan: HeadTraining,
+    work: Path,
+    progress: bool = True,
+    minutes: float | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
     """Train `head`; checkpoints to `work/checkpoint.pt` (a later call resumes it exactly). `minutes` and
     `stop_after` bound this call (it checkpoints, and a resumed call continues). Returns the training record:
     steps, tokens seen, token-steps (reply entries trained, summed over the drafting steps) and the curve."""
@@ -384,8 +440,14 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
     optimizer = torch.optim.AdamW(head.parameters(), lr=plan.lr, weight_decay=plan.weight_decay, betas=(0.9, 0.95))
     batches = Batches(reader, plan.batch_tokens, plan.seed)
     steps = max(1, round(plan.epochs * batches.batches_per_epoch()))
-    record: dict[str, Any] = {"steps": steps, "step": 0, "tokens_seen": 0, "token_steps": 0, "seconds": 0.0,
-                              "curve": []}
+    record: dict[str, Any] = {
+        "steps": steps,
+        "step": 0,
+        "tokens_seen": 0,
+        "token_steps": 0,
+        "seconds": 0.0,
+        "curve": [],
+    }
     if path.exists():
         state = torch.load(path, weights_only=False)
         head.load_state_dict(state["head"])
@@ -415,18 +477,28 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
         record["seconds"] += time.monotonic() - tick
         window.append(metrics)
         if record["step"] % plan.eval_every == 0 or record["step"] == record["steps"]:
-            point = {"step": record["step"], "tokens_seen": record["tokens_seen"],
-                     "token_steps": record["token_steps"],
-                     **{f"train_{k}": statistics.fmean(w[k] for w in window if k in w)
-                        for k in sorted({k for w in window for k in w})},
-                     **{f"heldout_{k}": v for k, v in heldout(head, frozen, batches, plan, device).items()}}
+            point = {
+                "step": record["step"],
+                "tokens_seen": record["tokens_seen"],
+                "token_steps": record["token_steps"],
+                **{
+                    f"train_{k}": statistics.fmean(w[k] for w in window if k in w)
+                    for k in sorted({k for w in window for k in w})
+                },
+                **{f"heldout_{k}": v for k, v in heldout(head, frozen, batches, plan, device).items()},
+            }
             record["curve"].append(point)
             window = []
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         out_of_time = (minutes is not None and time.monotonic() - started > 60 * minutes) or (
-            stop_after is not None and record["step"] - first >= stop_after)
-        if out_of_time or record["step"] == record["steps"] or time.monotonic() - last_save > 60 * plan.checkpoint_minutes:
+            stop_after is not None and record["step"] - first >= stop_after
+        )
+        if (
+            out_of_time
+            or record["step"] == record["steps"]
+            or time.monotonic() - last_save > 60 * plan.checkpoint_minutes
+        ):
             _save(path, head, optimizer, batches, record)
             last_save = time.monotonic()
         if out_of_time:
@@ -437,13 +509,16 @@ def train_head(head: EagleHead, frozen: Frozen, reader: FeatureReader, plan: Hea
 
 def _save(path: Path, head: EagleHead, optimizer, batches: Batches, record: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor,
-                "record": record}, tmp)
+    torch.save(
+        {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor, "record": record},
+        tmp,
+    )
     os.replace(tmp, path)
     (path.parent / "curve.json").write_text(json.dumps(record["curve"], indent=1))
 
 
 # ----- evaluation ----------------------------------------------------------------------------
+
 
 def eval_prompts(name: str, per_category: int) -> list[Prompt]:
     """Spec-Bench (`per_category` of each category), ShareGPT conversations past the training range, or a file."""
@@ -461,12 +536,24 @@ def eval_prompts(name: str, per_category: int) -> list[Prompt]:
 
 
 @torch.inference_mode()
-def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt], max_new_tokens: int,
-                  gamma: int = 3, progress: bool = True, measure_cost: bool = True) -> dict[str, Any]:
+def evaluate_head(
+    target,
+    drafter: EagleDrafter,
+    tokenizer,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    gamma: int = 3,
+    progress: bool = True,
+    measure_cost: bool = True,
+) -> dict[str, Any]:
     """Through the real engine, a chain of `gamma` drafts per round at temperature 0 and 0.7: per category the
     acceptance rate, acceptance by draft position and tokens per target forward; and the cost ratio c."""
-    report: dict[str, Any] = {"prompts": len(prompts), "gamma": gamma, "max_new_tokens": max_new_tokens,
-                              "temperatures": {}}
+    report: dict[str, Any] = {
+        "prompts": len(prompts),
+        "gamma": gamma,
+        "max_new_tokens": max_new_tokens,
+        "temperatures": {},
+    }
     bar = tqdm(total=2 * len(prompts), desc="evaluate head", unit="prompt", disable=not progress)
     for temperature in (0.0, 0.7):
         per_cat: dict[str, StatsCollector] = defaultdict(StatsCollector)
@@ -474,8 +561,13 @@ def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt
             ids = tokenizer.encode(prompt.turns[0], chat=tokenizer.has_chat_template)
             if len(ids) + max_new_tokens > target.max_seq_len:
                 continue
-            engine = Engine(target, drafter, SpecConfig(max_seq_len=len(ids) + max_new_tokens),
-                            tokenizer.eos_token_ids, planner=FixedGamma(gamma))
+            engine = Engine(
+                target,
+                drafter,
+                SpecConfig(max_seq_len=len(ids) + max_new_tokens),
+                tokenizer.eos_token_ids,
+                planner=FixedGamma(gamma),
+            )
             engine.add_request(ids, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=i))
             for result in engine.stream():
                 per_cat[prompt.category].observe(result)
@@ -490,9 +582,14 @@ def evaluate_head(target, drafter: EagleDrafter, tokenizer, prompts: list[Prompt
 
 def _summary(collector: StatsCollector) -> dict[str, Any]:
     s = collector.summary()
-    return {"acceptance_rate": s["acceptance_rate"], "alpha": s["alpha_mle"],
-            "tokens_per_round": s["tokens_per_round"], "acceptance_per_position": s["acceptance_per_position"],
-            "rounds": s["rounds"], "new_tokens": s["new_tokens"]}
+    return {
+        "acceptance_rate": s["acceptance_rate"],
+        "alpha": s["alpha_mle"],
+        "tokens_per_round": s["tokens_per_round"],
+        "acceptance_per_position": s["acceptance_per_position"],
+        "rounds": s["rounds"],
+        "new_tokens": s["new_tokens"],
+    }
 
 
 @torch.inference_mode()
@@ -509,8 +606,12 @@ def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 
         cache = target.new_cache(1, context + repeats + 2)
         target.prefill(torch.randint(0, min(1000, target.vocab_size), (1, context)), cache, slot)
         head_cache = head.new_cache(1, context + repeats + 2)
-        head.forward_cached(drafter.embed(token.expand(1, context)), torch.zeros(1, context, head.config.hidden_size,
-                                                                                dtype=head.dtype), head_cache, slot)
+        head.forward_cached(
+            drafter.embed(token.expand(1, context)),
+            torch.zeros(1, context, head.config.hidden_size, dtype=head.dtype),
+            head_cache,
+            slot,
+        )
         hidden = torch.zeros(1, 1, head.config.hidden_size, dtype=head.dtype, device=target.device)
         for _ in range(repeats):
             start = time.perf_counter()
@@ -522,11 +623,11 @@ def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 
             torch.multinomial(probs, 1, generator=generator)
             draft_times.append(time.perf_counter() - start)
     t, d = statistics.median(target_times), statistics.median(draft_times)
-    return {"target_step_ms": 1000 * t, "draft_step_ms": 1000 * d, "c": d / t,
-            "compiled": target.compiled is not None}
+    return {"target_step_ms": 1000 * t, "draft_step_ms": 1000 * d, "c": d / t, "compiled": target.compiled is not None}
 
 
 # ----- the whole run -------------------------------------------------------------------------
+
 
 def _settings(plan: HeadTraining) -> dict[str, Any]:
     out = asdict(plan)
@@ -537,15 +638,19 @@ def _settings(plan: HeadTraining) -> dict[str, Any]:
     return out
 
 
-def run_head(plan: HeadTraining, resume: bool, progress: bool = True, minutes: float | None = None,
-             command: str | None = None) -> dict[str, Any]:
+def run_head(
+    plan: HeadTraining, resume: bool, progress: bool = True, minutes: float | None = None, command: str | None = None
+) -> dict[str, Any]:
     """Collect data, choose the draft vocabulary, train, export, evaluate; each stage resumes where an interrupted
     run stopped."""
     settings_path = plan.work / "settings.json"
     if plan.work.exists() and not resume:
         raise ValueError(f"{plan.out} already holds a training run; pass --resume to continue it")
-    if resume and settings_path.exists() and json.loads(settings_path.read_text()) != json.loads(
-            json.dumps(_settings(plan))):
+    if (
+        resume
+        and settings_path.exists()
+        and json.loads(settings_path.read_text()) != json.loads(json.dumps(_settings(plan)))
+    ):
         raise ValueError(f"--resume needs the same settings as the run in {plan.out} (see {settings_path})")
     plan.work.mkdir(parents=True, exist_ok=True)
     settings_path.write_text(json.dumps(_settings(plan), indent=2, sort_keys=True))
@@ -555,12 +660,15 @@ def run_head(plan: HeadTraining, resume: bool, progress: bool = True, minutes: f
         raise ValueError("a feature draft needs a Llama-family target (our runtime) with a tokenizer")
     model = target.model
     reader = collect(plan, target, progress)
-    _log(f"data: {reader.index['sequences']} conversations, {reader.num_tokens} tokens "
-         f"({reader.index['reply_tokens']} in replies)")
+    _log(
+        f"data: {reader.index['sequences']} conversations, {reader.num_tokens} tokens "
+        f"({reader.index['reply_tokens']} in replies)"
+    )
     vocab_path = plan.work / "draft_vocab.json"
     if not vocab_path.exists():
-        vocab_path.write_text(json.dumps({"token_ids": choose_vocab(reader, model.vocab_size, plan.draft_vocab)
-                                          .tolist()}))
+        vocab_path.write_text(
+            json.dumps({"token_ids": choose_vocab(reader, model.vocab_size, plan.draft_vocab).tolist()})
+        )
     draft_ids = torch.tensor(json.loads(vocab_path.read_text())["token_ids"])
     device = torch.device(plan.device)
     layers = tuple(reader.index["feature_layers"])
@@ -574,16 +682,32 @@ def run_head(plan: HeadTraining, resume: bool, progress: bool = True, minutes: f
     (plan.out / "training_curve.json").write_text(json.dumps(record["curve"], indent=1))
     _plot_curve(record["curve"], plan.out / "training_curve.png")
     drafter = EagleDrafter(load_head(plan.out, model.config), model, plan.out)
-    report = evaluate_head(model, drafter, target.tokenizer, eval_prompts(plan.eval_prompts, plan.eval_per_category),
-                           plan.eval_max_new_tokens, progress=progress)
+    report = evaluate_head(
+        model,
+        drafter,
+        target.tokenizer,
+        eval_prompts(plan.eval_prompts, plan.eval_per_category),
+        plan.eval_max_new_tokens,
+        progress=progress,
+    )
     report["target_weights"] = plan.quantize
     report["draft_vocab_coverage"] = vocab_coverage(reader, draft_ids, model.vocab_size)
     index = reader.index
-    report["data"] = {"source": index["source"], "conversations": index["sequences"], "prompts": reader.replies(),
-                      "tokens": index["tokens"], "reply_tokens": index["reply_tokens"]}
-    report["training"] = {"unroll": plan.unroll, "epochs": plan.epochs, "steps": record["step"],
-                          "token_steps": record["token_steps"], "hours": record["seconds"] / 3600,
-                          "device": _device_name(plan.device)}
+    report["data"] = {
+        "source": index["source"],
+        "conversations": index["sequences"],
+        "prompts": reader.replies(),
+        "tokens": index["tokens"],
+        "reply_tokens": index["reply_tokens"],
+    }
+    report["training"] = {
+        "unroll": plan.unroll,
+        "epochs": plan.epochs,
+        "steps": record["step"],
+        "token_steps": record["token_steps"],
+        "hours": record["seconds"] / 3600,
+        "device": _device_name(plan.device),
+    }
     (plan.out / "eval.json").write_text(json.dumps(report, indent=2))
     write_card(plan, reader, record, report, command)
     return {"finished": True, "step": record["step"], "eval": report}
@@ -616,48 +740,65 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_card(plan: HeadTraining, reader: FeatureReader, record: dict[str, Any], report: dict[str, Any],
-               command: str | None) -> None:
+def write_card(
+    plan: HeadTraining, reader: FeatureReader, record: dict[str, Any], report: dict[str, Any], command: str | None
+) -> None:
     """README.md beside the head: data, compute, curve and evaluation, all from this run's files."""
     index = reader.index
     target = portable_spec(plan.target)
     layers = ", ".join(map(str, index["feature_layers"]))
     regen = plan.regeneration
-    data = (f"{index['sequences']} conversations the target wrote itself (`--data regenerate`): the user turns of "
-            f"ShareGPT conversations 0..14,999 (up to {regen.turns} per conversation, {report['data']['prompts']:,} "
-            f"answered in all), each reply sampled by `{target}` (weights `--quantize {plan.quantize}`) through "
-            f"our engine at temperature {' or '.join(map(str, regen.temperatures))} (alternating by conversation), "
-            f"up to {regen.max_new_tokens} tokens, under its chat template; the features recorded as it wrote them"
-            if plan.data == "regenerate" else
-            f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
-            f"teacher-forced (weights `--quantize {plan.quantize}`)")
-    lines = [f"# EAGLE-3 head for {target}", "",
-             f"One decoder layer at the target's width ({index['hidden_size']}) that drafts from `{target}`'s "
-             f"hidden states entering layers {layers} (fused), with its own output layer over a {plan.draft_vocab}-token "
-             "draft vocabulary. The folder is in the EAGLE-3 layout vLLM and SGLang load "
-             "(`LlamaForCausalLMEagle3`: config.json, model.safetensors with d2t/t2d). Trained with "
-             "`specsample distill --kind eagle`.", ""]
+    data = (
+        f"{index['sequences']} conversations the target wrote itself (`--data regenerate`): the user turns of "
+        f"ShareGPT conversations 0..14,999 (up to {regen.turns} per conversation, {report['data']['prompts']:,} "
+        f"answered in all), each reply sampled by `{target}` (weights `--quantize {plan.quantize}`) through "
+        f"our engine at temperature {' or '.join(map(str, regen.temperatures))} (alternating by conversation), "
+        f"up to {regen.max_new_tokens} tokens, under its chat template; the features recorded as it wrote them"
+        if plan.data == "regenerate"
+        else f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
+        f"teacher-forced (weights `--quantize {plan.quantize}`)"
+    )
+    lines = [
+        f"# EAGLE-3 head for {target}",
+        "",
+        f"One decoder layer at the target's width ({index['hidden_size']}) that drafts from `{target}`'s "
+        f"hidden states entering layers {layers} (fused), with its own output layer over a {plan.draft_vocab}-token "
+        "draft vocabulary. The folder is in the EAGLE-3 layout vLLM and SGLang load "
+        "(`LlamaForCausalLMEagle3`: config.json, model.safetensors with d2t/t2d). Trained with "
+        "`specsample distill --kind eagle`.",
+        "",
+    ]
     if command:
         lines += ["## Command", "", "```bash", portable_command(command), "```", ""]
     hours = record["seconds"] / 3600
-    lines += ["## Data", "",
-              f"{data}. {index['tokens']:,} tokens, {index['reply_tokens']:,} of them in replies (the loss counts "
-              f"reply positions); conversations cut at {plan.max_len} tokens. The last chunk is held out. The draft "
-              f"vocabulary covers {report.get('draft_vocab_coverage', float('nan')):.1%} of held-out reply tokens.", "",
-              "## Training", "",
-              f"{record['step']} steps of up to {plan.batch_tokens} tokens with padding ({record['tokens_seen']:,} "
-              f"tokens seen, {plan.epochs} pass(es)), {plan.unroll} drafting steps per entry (the training-time test, "
-              f"step s weighted {plan.step_decay}^(s-1)): {record['token_steps']:,} token-steps. AdamW lr {plan.lr}, "
-              f"cosine to {plan.min_lr_ratio} x. Compute: {hours:.1f} h of training on {_device_name(plan.device)}.",
-              "", "![training curve](training_curve.png)", "",
-              "| step | token-steps | train loss | held-out loss | held-out alpha (T=1), steps 1 / 2 / 3 | "
-              "held-out greedy agreement |", "|---|---|---|---|---|---|"]
+    lines += [
+        "## Data",
+        "",
+        f"{data}. {index['tokens']:,} tokens, {index['reply_tokens']:,} of them in replies (the loss counts "
+        f"reply positions); conversations cut at {plan.max_len} tokens. The last chunk is held out. The draft "
+        f"vocabulary covers {report.get('draft_vocab_coverage', float('nan')):.1%} of held-out reply tokens.",
+        "",
+        "## Training",
+        "",
+        f"{record['step']} steps of up to {plan.batch_tokens} tokens with padding ({record['tokens_seen']:,} "
+        f"tokens seen, {plan.epochs} pass(es)), {plan.unroll} drafting steps per entry (the training-time test, "
+        f"step s weighted {plan.step_decay}^(s-1)): {record['token_steps']:,} token-steps. AdamW lr {plan.lr}, "
+        f"cosine to {plan.min_lr_ratio} x. Compute: {hours:.1f} h of training on {_device_name(plan.device)}.",
+        "",
+        "![training curve](training_curve.png)",
+        "",
+        "| step | token-steps | train loss | held-out loss | held-out alpha (T=1), steps 1 / 2 / 3 | "
+        "held-out greedy agreement |",
+        "|---|---|---|---|---|---|",
+    ]
     curve = record["curve"]
     shown = curve[:: max(1, len(curve) // 12)]
     for c in shown + [c for c in curve[-1:] if c not in shown]:
         alphas = " / ".join(f"{c.get(f'heldout_alpha{s}', float('nan')):.3f}" for s in ("", "_2", "_3"))
-        lines.append(f"| {c['step']} | {c['token_steps']:,} | {c['train_loss']:.4f} | "
-                     f"{c.get('heldout_loss', float('nan')):.4f} | {alphas} | {c.get('heldout_agree', float('nan')):.3f} |")
+        lines.append(
+            f"| {c['step']} | {c['token_steps']:,} | {c['train_loss']:.4f} | "
+            f"{c.get('heldout_loss', float('nan')):.4f} | {alphas} | {c.get('heldout_agree', float('nan')):.3f} |"
+        )
     lines += ["", "## Evaluation", "", *evaluation_table(report)]
     (plan.out / "README.md").write_text("\n".join(lines) + "\n")
 
@@ -671,21 +812,31 @@ def _device_name(device: str) -> str:
 def evaluation_table(report: dict[str, Any]) -> list[str]:
     """Markdown of an `evaluate_head` report: per temperature and category, and the cost ratio."""
     weights = f", the target's weights --quantize {report['target_weights']}" if "target_weights" in report else ""
-    lines = [f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, a chain of "
-             f"{report['gamma']} drafts per round through the engine (batch 1{weights}).", ""]
+    lines = [
+        f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, a chain of "
+        f"{report['gamma']} drafts per round through the engine (batch 1{weights}).",
+        "",
+    ]
     for temperature, cats in report["temperatures"].items():
-        lines += [f"Temperature {temperature}:", "",
-                  "| category | acceptance | alpha | tokens per target forward | acceptance by position |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            f"Temperature {temperature}:",
+            "",
+            "| category | acceptance | alpha | tokens per target forward | acceptance by position |",
+            "|---|---|---|---|---|",
+        ]
         for name in sorted(cats, key=lambda n: (n == "overall", n)):
             c = cats[name]
             positions = ", ".join(f"{a:.2f}" for a in c["acceptance_per_position"])
-            lines.append(f"| {name} | {c['acceptance_rate']:.3f} | {c['alpha']:.3f} | {c['tokens_per_round']:.2f} | "
-                         f"{positions} |")
+            lines.append(
+                f"| {name} | {c['acceptance_rate']:.3f} | {c['alpha']:.3f} | {c['tokens_per_round']:.2f} | "
+                f"{positions} |"
+            )
         lines.append("")
     cost = report.get("cost")
     if cost is not None:
         mode = "compiled" if cost.get("compiled") else "eager"
-        lines.append(f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target one-token "
-                     f"step {cost['target_step_ms']:.2f} ms, batch 1, both {mode}).")
+        lines.append(
+            f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target one-token "
+            f"step {cost['target_step_ms']:.2f} ms, batch 1, both {mode})."
+        )
     return lines

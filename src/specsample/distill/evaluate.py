@@ -29,21 +29,33 @@ from specsample.verify import acceptance_probabilities
 TEMPERATURES = (0.7, 1.0)
 
 
-def target_continuations(target, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_new_tokens: int,
-                         batch_size: int = 8, progress: bool = True) -> list[tuple[list[int], list[int]]]:
+def target_continuations(
+    target,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy continuation ids) per prompt, from the target alone."""
     out = []
     bar = tqdm(total=len(prompts), desc="target continuations", unit="prompt", disable=not progress)
     for begin in range(0, len(prompts), batch_size):
-        group = prompts[begin:begin + batch_size]
+        group = prompts[begin : begin + batch_size]
         ids = [tokenizer.encode(p.turns[0], chat=tokenizer.has_chat_template) for p in group]
         # a prompt that leaves no room for the continuation is skipped (an empty continuation)
         ids = [i if len(i) + max_new_tokens <= target.max_seq_len else [] for i in ids]
         longest = max(len(i) for i in ids) + max_new_tokens + 8
-        engine = Engine(target, None, SpecConfig(speculative=False, max_batch_size=len(group), max_seq_len=longest),
-                        tokenizer.eos_token_ids)
-        rids = [engine.add_request(i, SamplingParams(temperature=0, max_new_tokens=max_new_tokens)) if i else None
-                for i in ids]
+        engine = Engine(
+            target,
+            None,
+            SpecConfig(speculative=False, max_batch_size=len(group), max_seq_len=longest),
+            tokenizer.eos_token_ids,
+        )
+        rids = [
+            engine.add_request(i, SamplingParams(temperature=0, max_new_tokens=max_new_tokens)) if i else None
+            for i in ids
+        ]
         conts: dict[str | None, list[int]] = {r: [] for r in rids}
         for result in engine.stream():
             for update in result.rows:
@@ -65,13 +77,14 @@ def position_metrics(target, draft, prompt_ids: list[int], continuation: list[in
     for t in TEMPERATURES:
         params = SamplingParams(temperature=t)
         p, q = warp_probs(p_logits, params), warp_probs(q_logits, params)  # [n, vocab]
-        out[f"alpha_{t}"] = acceptance_probabilities(tokens[:, span.start + 1:], q[None], p[None])[0].tolist()
+        out[f"alpha_{t}"] = acceptance_probabilities(tokens[:, span.start + 1 :], q[None], p[None])[0].tolist()
     return out
 
 
 @torch.inference_mode()
 def cost_ratio(target, draft, repeats: int = 30, context: int = 128) -> dict[str, float]:
     """Median seconds of a target decode step and of a draft step (forward + sampling), batch 1."""
+
     def steps(model, sampled: bool) -> list[float]:
         cache = model.new_cache(1, context + repeats + 4)
         slot = torch.tensor([0])
@@ -95,8 +108,15 @@ def cost_ratio(target, draft, repeats: int = 30, context: int = 128) -> dict[str
     return {"target_step_ms": 1000 * t, "draft_step_ms": 1000 * d, "c": d / t}
 
 
-def evaluate(target, draft, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_new_tokens: int = 64,
-             progress: bool = True, measure_cost: bool = True) -> dict[str, Any]:
+def evaluate(
+    target,
+    draft,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 64,
+    progress: bool = True,
+    measure_cost: bool = True,
+) -> dict[str, Any]:
     """Agreement and alpha per category and overall; cost ratio; predicted speedup and best gamma."""
     conts = target_continuations(target, tokenizer, prompts, max_new_tokens, progress=progress)
     per_cat: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -107,10 +127,16 @@ def evaluate(target, draft, tokenizer: Tokenizer, prompts: Sequence[Prompt], max
             per_cat[prompt.category][key] += values
             per_cat["overall"][key] += values
     skipped = sum(1 for _, cont in conts if not cont)
-    result: dict[str, Any] = {"prompts": len(prompts) - skipped, "skipped_too_long": skipped,
-                              "max_new_tokens": max_new_tokens, "categories": {}}
+    result: dict[str, Any] = {
+        "prompts": len(prompts) - skipped,
+        "skipped_too_long": skipped,
+        "max_new_tokens": max_new_tokens,
+        "categories": {},
+    }
     for cat, values in per_cat.items():
-        result["categories"][cat] = {k: statistics.fmean(v) for k, v in values.items()} | {"positions": len(values["agree"])}
+        result["categories"][cat] = {k: statistics.fmean(v) for k, v in values.items()} | {
+            "positions": len(values["agree"])
+        }
     if measure_cost:
         cost = cost_ratio(target, draft)
         result["cost"] = cost
@@ -118,6 +144,9 @@ def evaluate(target, draft, tokenizer: Tokenizer, prompts: Sequence[Prompt], max
         result["predicted"] = {}
         for name, alpha in [("greedy", overall["agree"])] + [(f"t{t}", overall[f"alpha_{t}"]) for t in TEMPERATURES]:
             gamma = optimal_gamma(alpha, cost["c"])
-            result["predicted"][name] = {"alpha": alpha, "best_gamma": gamma,
-                                         "speedup": expected_speedup(alpha, gamma, cost["c"])}
+            result["predicted"][name] = {
+                "alpha": alpha,
+                "best_gamma": gamma,
+                "speedup": expected_speedup(alpha, gamma, cost["c"]),
+            }
     return result

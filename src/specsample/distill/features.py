@@ -101,8 +101,9 @@ def split_features(model, stacked: Tensor, feature_layers: Sequence[int]) -> tup
 
 
 @torch.inference_mode()
-def target_features(model, sequences: Sequence[Sequence[int]],
-                    feature_layers: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
+def target_features(
+    model, sequences: Sequence[Sequence[int]], feature_layers: Sequence[int]
+) -> list[tuple[Tensor, Tensor]]:
     """The target's fused features of `feature_layers` and final hidden states of each sequence, teacher-forced in one
     batch (right padding never reaches earlier positions of a causal model)."""
     model.set_feature_layers(recording_layers(feature_layers, len(model.layers)))
@@ -112,8 +113,9 @@ def target_features(model, sequences: Sequence[Sequence[int]],
     batch = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
         batch[row, : len(seq)] = torch.tensor(seq)
-    attend = Attention(None, None, torch.zeros(len(sequences), dtype=torch.long), width, model.config, model.groups,
-                       model.device)
+    attend = Attention(
+        None, None, torch.zeros(len(sequences), dtype=torch.long), width, model.config, model.groups, model.device
+    )
     _, stacked = model.hidden_states(batch.to(model.device), attend)
     features, final = split_features(model, stacked, feature_layers)
     return [(features[row, : len(seq)].cpu(), final[row, : len(seq)].cpu()) for row, seq in enumerate(sequences)]
@@ -122,21 +124,42 @@ def target_features(model, sequences: Sequence[Sequence[int]],
 class FeatureWriter:
     """Appends chunks of conversations; reopening a store continues after its last committed chunk."""
 
-    def __init__(self, folder: Path, target: str, hidden_size: int, feature_layers: Sequence[int], vocab_size: int,
-                 max_len: int, source: str) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        target: str,
+        hidden_size: int,
+        feature_layers: Sequence[int],
+        vocab_size: int,
+        max_len: int,
+        source: str,
+    ) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "index.json"
-        asked = {"target": target, "hidden_size": hidden_size, "feature_layers": list(feature_layers),
-                 "vocab_size": vocab_size, "max_len": max_len, "source": source}
+        asked = {
+            "target": target,
+            "hidden_size": hidden_size,
+            "feature_layers": list(feature_layers),
+            "vocab_size": vocab_size,
+            "max_len": max_len,
+            "source": source,
+        }
         if path.exists():
             self.index = read_index(self.folder)
             held = {k: self.index.get(k) for k in asked}
             if held != asked:
                 raise ValueError(f"{self.folder} holds features of {held}; asked for {asked}")
         else:
-            self.index = {"format": FORMAT, **asked, "chunks": [], "done": [], "sequences": 0, "tokens": 0,
-                          "reply_tokens": 0}
+            self.index = {
+                "format": FORMAT,
+                **asked,
+                "chunks": [],
+                "done": [],
+                "sequences": 0,
+                "tokens": 0,
+                "reply_tokens": 0,
+            }
         committed = {c["file"] for c in self.index["chunks"]}
         for stray in self.folder.glob("chunk-*.safetensors*"):  # written by a run that stopped before committing
             if stray.name not in committed:
@@ -210,8 +233,10 @@ def shard_folders(folder: Path) -> list[Path]:
     folder = Path(folder)
     if (folder / "index.json").exists():
         return [folder]
-    return sorted((f for f in folder.glob("shard-*") if (f / "index.json").exists()),
-                  key=lambda f: int(f.name.removeprefix("shard-")))
+    return sorted(
+        (f for f in folder.glob("shard-*") if (f / "index.json").exists()),
+        key=lambda f: int(f.name.removeprefix("shard-")),
+    )
 
 
 class FeatureReader:
@@ -271,8 +296,10 @@ class FeatureReader:
         """The sequences of chunk `i`."""
         t = load_file(str(self.folder / self.index["chunks"][i]["file"]))
         offsets, known = t["offsets"].tolist(), t["known"].tolist()
-        return [FeatureSequence(t["tokens"][a:b].long(), t["features"][a:b], t["final"][a:b], t["reply"][a:b].bool(),
-                                k) for a, b, k in zip(offsets[:-1], offsets[1:], known)]
+        return [
+            FeatureSequence(t["tokens"][a:b].long(), t["features"][a:b], t["final"][a:b], t["reply"][a:b].bool(), k)
+            for a, b, k in zip(offsets[:-1], offsets[1:], known)
+        ]
 
 
 def _length_batches(items: list[tuple[list[int], list[bool]]], batch_tokens: int) -> Iterator[list[int]]:
@@ -288,13 +315,26 @@ def _length_batches(items: list[tuple[list[int], list[bool]]], batch_tokens: int
         yield batch
 
 
-def collect_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], writer: FeatureWriter,
-                     max_tokens: int, batch_tokens: int = 8192, chunk_conversations: int = 64,
-                     progress: bool = True) -> None:
+def collect_features(
+    model,
+    tokenizer: Tokenizer,
+    prompts: Iterable[Prompt],
+    writer: FeatureWriter,
+    max_tokens: int,
+    batch_tokens: int = 8192,
+    chunk_conversations: int = 64,
+    progress: bool = True,
+) -> None:
     """Run the target teacher-forced over conversations with replies (skipping those `writer` handled already) until
     the store holds `max_tokens` tokens or the prompts run out; conversations without a reply token are skipped."""
-    bar = tqdm(total=max_tokens, initial=min(writer.num_tokens, max_tokens), desc="target features", unit="tok",
-               unit_scale=True, disable=not progress)
+    bar = tqdm(
+        total=max_tokens,
+        initial=min(writer.num_tokens, max_tokens),
+        desc="target features",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+    )
     done = writer.done
     source = ((i, p) for i, p in enumerate(prompts) if i not in done)
     max_len = writer.index["max_len"]
@@ -309,8 +349,9 @@ def collect_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], wri
                 items.append((ids, reply))
         sequences: list[FeatureSequence | None] = [None] * len(items)
         for batch in _length_batches(items, batch_tokens):
-            for i, (features, final) in zip(batch, target_features(model, [items[i][0] for i in batch],
-                                                                   writer.index["feature_layers"])):
+            for i, (features, final) in zip(
+                batch, target_features(model, [items[i][0] for i in batch], writer.index["feature_layers"])
+            ):
                 ids, reply = items[i]
                 sequences[i] = FeatureSequence(torch.tensor(ids), features, final, torch.tensor(reply), len(ids))
         before = writer.num_tokens

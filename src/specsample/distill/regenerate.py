@@ -11,8 +11,8 @@ forwards that write it: no second pass over the text.
 
 from __future__ import annotations
 
-from collections import deque
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +23,15 @@ from tqdm import tqdm
 
 from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt
-from specsample.distill.features import (FeatureSequence, FeatureWriter, read_index, recording_layers, reply_spans,
-                                         shard_folders, split_features)
+from specsample.distill.features import (
+    FeatureSequence,
+    FeatureWriter,
+    read_index,
+    recording_layers,
+    reply_spans,
+    shard_folders,
+    split_features,
+)
 from specsample.drafters.base import DraftRequest, Proposal
 from specsample.engine import Engine
 from specsample.tokenizer import Tokenizer
@@ -97,8 +104,7 @@ class Regeneration:
     def __post_init__(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(f"regeneration temperatures must be >= 0, got {self.temperatures}")
-        if min(self.turns, self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.chunk,
-               self.workers) < 1:
+        if min(self.turns, self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.chunk, self.workers) < 1:
             raise ValueError("turns, max_new_tokens, max_prompt_tokens, batch_size, chunk and workers must be >= 1")
 
 
@@ -111,10 +117,18 @@ class _Conversation:
     prompt_len: int = 0  # tokens of the prompt of the turn being answered
 
 
-def regenerate_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], writer: FeatureWriter,
-                        plan: Regeneration, max_tokens: int, max_conversations: int | None = None,
-                        progress: bool = True, shard: tuple[int, int] = (0, 1),
-                        skip: frozenset[int] = frozenset()) -> None:
+def regenerate_features(
+    model,
+    tokenizer: Tokenizer,
+    prompts: Iterable[Prompt],
+    writer: FeatureWriter,
+    plan: Regeneration,
+    max_tokens: int,
+    max_conversations: int | None = None,
+    progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
+    skip: frozenset[int] = frozenset(),
+) -> None:
     """Have the target answer the source conversations' user turns and store each finished conversation's tokens,
     reply mask and recorded features (of the conversations of `shard` (k, n): index i with i % n == k, skipping
     those `writer` or another shard (`skip`) handled already), until the store holds `max_tokens` tokens,
@@ -127,10 +141,20 @@ def regenerate_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], 
     source = ((i, p) for i, p in enumerate(prompts) if i % workers == mine and i not in done)
     finished: list[tuple[_Conversation, list[int], Tensor]] = []
     recorder = FeatureRecorder(lambda key, tokens, features: finished.append((key, tokens, features)))
-    engine = Engine(model, recorder, SpecConfig(speculative=False, max_batch_size=plan.batch_size,
-                                                max_seq_len=max_len), tokenizer.eos_token_ids)
-    bar = tqdm(total=max_tokens, initial=min(writer.num_tokens, max_tokens), desc="target-written conversations",
-               unit="tok", unit_scale=True, disable=not progress)
+    engine = Engine(
+        model,
+        recorder,
+        SpecConfig(speculative=False, max_batch_size=plan.batch_size, max_seq_len=max_len),
+        tokenizer.eos_token_ids,
+    )
+    bar = tqdm(
+        total=max_tokens,
+        initial=min(writer.num_tokens, max_tokens),
+        desc="target-written conversations",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+    )
     pending: list[FeatureSequence] = []
     handled: list[int] = []
     running = 0
@@ -144,8 +168,14 @@ def regenerate_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], 
             return False
         conversation.prompt_len = len(ids)
         recorder.expect(conversation)
-        engine.add_request(ids, SamplingParams(temperature=conversation.temperature, max_new_tokens=plan.max_new_tokens,
-                                               seed=plan.seed + 1000 * conversation.index + count))
+        engine.add_request(
+            ids,
+            SamplingParams(
+                temperature=conversation.temperature,
+                max_new_tokens=plan.max_new_tokens,
+                seed=plan.seed + 1000 * conversation.index + count,
+            ),
+        )
         return True
 
     def room(added: int) -> bool:
@@ -181,7 +211,7 @@ def regenerate_features(model, tokenizer: Tokenizer, prompts: Iterable[Prompt], 
     while running and writer.num_tokens < max_tokens:
         engine.step()
         for conversation, tokens, features in finished:
-            conversation.replies.append(tokenizer.decode(tokens[conversation.prompt_len:]))
+            conversation.replies.append(tokenizer.decode(tokens[conversation.prompt_len :]))
             if len(conversation.replies) < min(plan.turns, len(conversation.prompt.turns)) and start(conversation):
                 continue
             running -= 1
@@ -208,8 +238,14 @@ def _history(turns: Sequence[str], replies: Sequence[str]) -> list[dict[str, str
     return messages
 
 
-def _sequence(model, tokenizer: Tokenizer, conversation: _Conversation, tokens: list[int], features: Tensor,
-              feature_layers: Sequence[int]) -> FeatureSequence | None:
+def _sequence(
+    model,
+    tokenizer: Tokenizer,
+    conversation: _Conversation,
+    tokens: list[int],
+    features: Tensor,
+    feature_layers: Sequence[int],
+) -> FeatureSequence | None:
     """The finished conversation as a stored sequence: the tokens the target scored (its last turn's prompt, earlier
     replies included, and the last reply), the reply mask, and the recorded features split into fused features and
     final hidden states (known for every token but the last, which was never scored)."""
@@ -228,9 +264,19 @@ def _sequence(model, tokenizer: Tokenizer, conversation: _Conversation, tokens: 
     return FeatureSequence(torch.tensor(tokens), padded, finals, torch.tensor(mask), len(features))
 
 
-def regenerate_store(folder: Path, target: str, quantize: str, device: str, prompts: str, plan: Regeneration,
-                     feature_layers: Sequence[int], max_len: int, max_tokens: int, loaded=None,
-                     progress: bool = True) -> None:
+def regenerate_store(
+    folder: Path,
+    target: str,
+    quantize: str,
+    device: str,
+    prompts: str,
+    plan: Regeneration,
+    feature_layers: Sequence[int],
+    max_len: int,
+    max_tokens: int,
+    loaded=None,
+    progress: bool = True,
+) -> None:
     """Fill the feature store in `folder` with conversations the target writes (`regenerate_features`) from the
     source `prompts` (`datasets.training_conversations`), up to `max_tokens` tokens in all: `plan.workers` processes
     at once, worker k filling `shard-k` with conversation i % workers == k, each resuming its shard and skipping what
@@ -240,21 +286,31 @@ def regenerate_store(folder: Path, target: str, quantize: str, device: str, prom
         return  # the store already holds what was asked, whichever workers wrote it
     share = -(-max_tokens // plan.workers)
     if plan.workers == 1:
-        _fill_shard(folder, 0, plan, target, quantize, device, prompts, feature_layers, max_len, share, loaded,
-                    progress)
+        _fill_shard(
+            folder, 0, plan, target, quantize, device, prompts, feature_layers, max_len, share, loaded, progress
+        )
         return
     import multiprocessing
     import time
 
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_fill_shard, name=f"regenerate shard {k}",
-                               args=(folder, k, plan, target, quantize, device, prompts, feature_layers, max_len,
-                                     share, None, False))
-               for k in range(plan.workers)]
+    workers = [
+        context.Process(
+            target=_fill_shard,
+            name=f"regenerate shard {k}",
+            args=(folder, k, plan, target, quantize, device, prompts, feature_layers, max_len, share, None, False),
+        )
+        for k in range(plan.workers)
+    ]
     for worker in workers:
         worker.start()
-    bar = tqdm(total=max_tokens, desc=f"target-written conversations ({plan.workers} workers)", unit="tok",
-               unit_scale=True, disable=not progress)
+    bar = tqdm(
+        total=max_tokens,
+        desc=f"target-written conversations ({plan.workers} workers)",
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+    )
     try:
         while any(w.is_alive() for w in workers):
             time.sleep(5)
@@ -282,8 +338,20 @@ def _stored_tokens(folder: Path) -> int:
     return total
 
 
-def _fill_shard(folder: Path, shard: int, plan: Regeneration, target: str, quantize: str, device: str, prompts: str,
-                feature_layers: Sequence[int], max_len: int, max_tokens: int, loaded=None, progress: bool = False) -> None:
+def _fill_shard(
+    folder: Path,
+    shard: int,
+    plan: Regeneration,
+    target: str,
+    quantize: str,
+    device: str,
+    prompts: str,
+    feature_layers: Sequence[int],
+    max_len: int,
+    max_tokens: int,
+    loaded=None,
+    progress: bool = False,
+) -> None:
     """One worker of `regenerate_store`: its shard of the conversations into `folder/shard-{shard}`."""
     from specsample.datasets import training_conversations
     from specsample.models.loader import load_model
@@ -292,9 +360,26 @@ def _fill_shard(folder: Path, shard: int, plan: Regeneration, target: str, quant
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.workers))
         loaded = load_model(target, device=device, quantize=quantize)
     model = loaded.model
-    writer = FeatureWriter(Path(folder) / f"shard-{shard}", target, model.config.hidden_size, feature_layers,
-                           model.vocab_size, max_len, "regenerated")
-    elsewhere = frozenset(i for other in shard_folders(Path(folder)) if other.name != f"shard-{shard}"
-                          for i in read_index(other)["done"])
-    regenerate_features(model, loaded.tokenizer, training_conversations(prompts), writer, plan, max_tokens,
-                        progress=progress, shard=(shard, plan.workers), skip=elsewhere)
+    writer = FeatureWriter(
+        Path(folder) / f"shard-{shard}",
+        target,
+        model.config.hidden_size,
+        feature_layers,
+        model.vocab_size,
+        max_len,
+        "regenerated",
+    )
+    elsewhere = frozenset(
+        i for other in shard_folders(Path(folder)) if other.name != f"shard-{shard}" for i in read_index(other)["done"]
+    )
+    regenerate_features(
+        model,
+        loaded.tokenizer,
+        training_conversations(prompts),
+        writer,
+        plan,
+        max_tokens,
+        progress=progress,
+        shard=(shard, plan.workers),
+        skip=elsewhere,
+    )

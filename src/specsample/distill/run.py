@@ -63,8 +63,8 @@ def _training_prompts(plan: DistillPlan) -> tuple[list[Prompt], list[Prompt], li
     if len(pool) < plan.num_prompts + plan.onpolicy_prompts:
         raise ValueError(f"only {len(pool)} prompts available; asked for {plan.num_prompts} + {plan.onpolicy_prompts}")
     teacher = pool[: plan.num_prompts]
-    onpolicy = pool[plan.num_prompts: plan.num_prompts + plan.onpolicy_prompts]
-    heldout = pool[plan.num_prompts + plan.onpolicy_prompts:]
+    onpolicy = pool[plan.num_prompts : plan.num_prompts + plan.onpolicy_prompts]
+    heldout = pool[plan.num_prompts + plan.onpolicy_prompts :]
     return teacher, onpolicy, heldout
 
 
@@ -84,8 +84,10 @@ def collect(plan: DistillPlan, target: LoadedModel, progress: bool) -> list[Data
             else:
                 collect_on_policy(target.model, target.tokenizer, prompts, writer, plan.collect, plan.seed, progress)
             writer.finish()
-            _log(f"{kind}: {writer.num_sequences} sequences, {writer.num_tokens} tokens "
-                 f"({time.perf_counter() - started:.0f} s this run)")
+            _log(
+                f"{kind}: {writer.num_sequences} sequences, {writer.num_tokens} tokens "
+                f"({time.perf_counter() - started:.0f} s this run)"
+            )
         stores.append(DataReader(plan.work / "data" / kind))
     return stores
 
@@ -103,8 +105,13 @@ def _estimate_steps(draft: LlamaModel, stores: list[DataReader], config: TrainCo
     return max(config.warmup + 10, int(minutes * 60 / (per_step * 1.1)))
 
 
-def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: float | None = None,
-        command: str | None = None) -> dict[str, Any]:
+def run(
+    plan: DistillPlan,
+    resume: bool,
+    progress: bool = True,
+    train_minutes: float | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
     """Collect, train, export and evaluate; every stage resumes where an interrupted run stopped."""
     plan_file = plan.work / "plan.json"
     plan_json = json.dumps(_plan_dict(plan), indent=2, sort_keys=True)
@@ -134,15 +141,17 @@ def run(plan: DistillPlan, resume: bool, progress: bool = True, train_minutes: f
             schedule_path.write_text(json.dumps({"steps": _estimate_steps(draft, stores, config, plan.minutes)}))
         config = replace(config, steps=json.loads(schedule_path.read_text())["steps"])
     onpolicy = [i for i, s in enumerate(stores) if s.index["kind"] == "onpolicy"]
-    record = train(draft, stores, onpolicy, config, plan.work / "train", resume=True, minutes=train_minutes,
-                   progress=progress)
+    record = train(
+        draft, stores, onpolicy, config, plan.work / "train", resume=True, minutes=train_minutes, progress=progress
+    )
     if record["step"] < config.steps:
         _log(f"stopped at step {record['step']}/{config.steps}; rerun with --resume to continue")
         return {"finished": False, "step": record["step"]}
     export(draft, target, plan.out, stores, record, plan.collect.max_len)
     exported = load_model(str(plan.out), dtype="float32", device=plan.device)
-    report = evaluate(fp32_target, exported.model, target.tokenizer, _eval_prompts(plan),
-                      plan.eval_max_new_tokens, progress=progress)
+    report = evaluate(
+        fp32_target, exported.model, target.tokenizer, _eval_prompts(plan), plan.eval_max_new_tokens, progress=progress
+    )
     (plan.out / "eval.json").write_text(json.dumps(report, indent=2))
     write_model_card(plan, stores, record, report, command)
     return {"finished": True, "step": record["step"], "eval": report}
@@ -164,8 +173,14 @@ def _plan_dict(plan: DistillPlan) -> dict[str, Any]:
     return out
 
 
-def export(draft: LlamaModel, target: LoadedModel, out: Path, stores: list[DataReader], record: dict[str, Any],
-           trained_len: int) -> None:
+def export(
+    draft: LlamaModel,
+    target: LoadedModel,
+    out: Path,
+    stores: list[DataReader],
+    record: dict[str, Any],
+    trained_len: int,
+) -> None:
     """Write the draft as a standard HF Llama folder (bf16), its output subset, its tokenizer and the
     context window it drafts from (it saw sequences of at most `trained_len` tokens)."""
     config = draft.config.to_hf()
@@ -173,15 +188,23 @@ def export(draft: LlamaModel, target: LoadedModel, out: Path, stores: list[DataR
     tensors = export_hf_state_dict(draft)
     save_hf_folder(out, config, tensors, target.tokenizer.hf, target.tokenizer.eos_token_ids, dtype=torch.bfloat16)
     if draft.output_subset is not None and len(draft.output_subset) < draft.vocab_size:
-        (out / DRAFT_VOCAB_FILE).write_text(json.dumps({
-            "token_ids": draft.output_subset.tolist(),
-            "note": "specsample restricts this draft's output to these token ids (FR-Spec); other tokens get "
+        (out / DRAFT_VOCAB_FILE).write_text(
+            json.dumps(
+                {
+                    "token_ids": draft.output_subset.tolist(),
+                    "note": "specsample restricts this draft's output to these token ids (FR-Spec); other tokens get "
                     "probability 0. transformers ignores this file and uses the full tied vocabulary, so its "
-                    "logits equal ours on these ids."}))
+                    "logits equal ours on these ids.",
+                }
+            )
+        )
     window = DraftWindow.trained_on(trained_len)
     if window is not None:
-        window.save(out, f"trained on sequences of at most {trained_len} tokens: specsample drafts from the first "
-                         f"{window.sink} and latest {window.recent}, re-windowed at {window.limit} positions")
+        window.save(
+            out,
+            f"trained on sequences of at most {trained_len} tokens: specsample drafts from the first "
+            f"{window.sink} and latest {window.recent}, re-windowed at {window.limit} positions",
+        )
     (out / "training_curve.json").write_text(json.dumps(record["curve"], indent=1))
     _plot_curve(record["curve"], out / "training_curve.png")
 
@@ -210,14 +233,23 @@ def _plot_curve(curve: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_model_card(plan: DistillPlan, stores: list[DataReader], record: dict[str, Any], report: dict[str, Any],
-                     command: str | None = None) -> None:
+def write_model_card(
+    plan: DistillPlan,
+    stores: list[DataReader],
+    record: dict[str, Any],
+    report: dict[str, Any],
+    command: str | None = None,
+) -> None:
     """README.md beside the weights: data, command, curve and evaluation, all from this run's files (paths of this
     machine shown by their names)."""
     target = portable_spec(plan.target)
-    lines = [f"# Draft for {target}", "",
-             f"A {plan.shape.layers}-layer, {plan.shape.width}-wide Llama draft distilled from `{target}` with "
-             "`specsample distill` (DistillSpec-style: forward KL to the target's top-k distributions).", ""]
+    lines = [
+        f"# Draft for {target}",
+        "",
+        f"A {plan.shape.layers}-layer, {plan.shape.width}-wide Llama draft distilled from `{target}` with "
+        "`specsample distill` (DistillSpec-style: forward KL to the target's top-k distributions).",
+        "",
+    ]
     if command:
         lines += ["## Command", "", "```bash", portable_command(command), "```", ""]
     lines += ["## Data", ""]
@@ -225,37 +257,59 @@ def write_model_card(plan: DistillPlan, stores: list[DataReader], record: dict[s
         lines.append(f"- {store.index['kind']}: {len(store)} sequences, {store.num_tokens} tokens, top-{store.k}")
     window = DraftWindow.trained_on(plan.collect.max_len)
     if window is not None:
-        lines += ["", "## Context window", "",
-                  f"Trained on sequences of at most {plan.collect.max_len} tokens, so specsample drafts from the first "
-                  f"{window.sink} and the latest {window.recent} tokens of a longer context, re-windowed at "
-                  f"{window.limit} positions (`draft_window.json`; `--draft-window off` gives it the whole context). "
-                  "The evaluation below scores the whole context."]
-    lines += ["", "## Training", "",
-              f"{record['step']} steps, {record['tokens_seen']} scored tokens seen; settings: `{json.dumps(record['config'])}`",
-              "", "![training curve](training_curve.png)", "", "| step | tokens | train loss | held-out loss | held-out alpha | agreement |",
-              "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Context window",
+            "",
+            f"Trained on sequences of at most {plan.collect.max_len} tokens, so specsample drafts from the first "
+            f"{window.sink} and the latest {window.recent} tokens of a longer context, re-windowed at "
+            f"{window.limit} positions (`draft_window.json`; `--draft-window off` gives it the whole context). "
+            "The evaluation below scores the whole context.",
+        ]
+    lines += [
+        "",
+        "## Training",
+        "",
+        f"{record['step']} steps, {record['tokens_seen']} scored tokens seen; settings: `{json.dumps(record['config'])}`",
+        "",
+        "![training curve](training_curve.png)",
+        "",
+        "| step | tokens | train loss | held-out loss | held-out alpha | agreement |",
+        "|---|---|---|---|---|---|",
+    ]
     curve = record["curve"]
     shown = curve[:: max(1, len(curve) // 12)]
     for c in shown + [c for c in curve[-1:] if c not in shown]:
-        lines.append(f"| {c['step']} | {c['tokens_seen']} | {c['train_loss']:.3f} | {c['heldout_loss']:.3f} | "
-                     f"{c['heldout_alpha']:.3f} | {c['heldout_agree']:.3f} |")
+        lines.append(
+            f"| {c['step']} | {c['tokens_seen']} | {c['train_loss']:.3f} | {c['heldout_loss']:.3f} | "
+            f"{c['heldout_alpha']:.3f} | {c['heldout_agree']:.3f} |"
+        )
     lines += ["", "## Evaluation", "", *evaluation_table(report)]
     (plan.out / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def evaluation_table(report: dict[str, Any]) -> list[str]:
     """Markdown rows for an `evaluate()` report: per category, then cost and predicted speedup."""
-    lines = [f"{report['prompts']} prompts, greedy target continuations of up to {report['max_new_tokens']} tokens.", "",
-             "| category | positions | greedy agreement | alpha T=0.7 | alpha T=1.0 |", "|---|---|---|---|---|"]
+    lines = [
+        f"{report['prompts']} prompts, greedy target continuations of up to {report['max_new_tokens']} tokens.",
+        "",
+        "| category | positions | greedy agreement | alpha T=0.7 | alpha T=1.0 |",
+        "|---|---|---|---|---|",
+    ]
     cats = report["categories"]
     for name in sorted(cats, key=lambda n: (n == "overall", n)):
         c = cats[name]
         lines.append(f"| {name} | {c['positions']} | {c['agree']:.3f} | {c['alpha_0.7']:.3f} | {c['alpha_1.0']:.3f} |")
     if "cost" in report:
         cost = report["cost"]
-        lines += ["", f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target step "
-                  f"{cost['target_step_ms']:.2f} ms, batch 1).", "", "| decoding | alpha | best gamma | predicted speedup |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Cost ratio c = {cost['c']:.3f} (draft step {cost['draft_step_ms']:.2f} ms, target step "
+            f"{cost['target_step_ms']:.2f} ms, batch 1).",
+            "",
+            "| decoding | alpha | best gamma | predicted speedup |",
+            "|---|---|---|---|",
+        ]
         for name, p in report["predicted"].items():
             lines.append(f"| {name} | {p['alpha']:.3f} | {p['best_gamma']} | {p['speedup']:.2f}x |")
     return lines

@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from specsample.distill.data import DataReader
-from specsample.models.llama import LlamaConfig, LlamaModel
 from specsample.models.cpu import bf16_autocast
+from specsample.models.llama import LlamaConfig, LlamaModel
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ class DraftShape:
 
     def __post_init__(self) -> None:
         if self.width % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"width ({self.width}) must divide by heads ({self.heads}), heads by kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"width ({self.width}) must divide by heads ({self.heads}), heads by kv_heads ({self.kv_heads})"
+            )
         if (self.width // self.heads) % 2:
             raise ValueError("head dim (width / heads) must be even for RoPE")
 
@@ -63,11 +65,17 @@ class TrainConfig:
 def draft_config(target: LlamaConfig, shape: DraftShape) -> LlamaConfig:
     """The draft's Llama config: the target's vocabulary, RoPE and context; a small body."""
     return LlamaConfig(
-        vocab_size=target.vocab_size, hidden_size=shape.width,
+        vocab_size=target.vocab_size,
+        hidden_size=shape.width,
         intermediate_size=int(round(shape.width * shape.mlp_ratio / 32)) * 32,
-        num_layers=shape.layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
-        head_dim=shape.width // shape.heads, max_position_embeddings=target.max_position_embeddings,
-        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+        num_layers=shape.layers,
+        num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.width // shape.heads,
+        max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling,
         tie_word_embeddings=True,
     )
 
@@ -145,7 +153,7 @@ def make_batch(store: DataReader, seq_ids: list[int], to_subset: torch.Tensor) -
         tokens[row, :n] = torch.from_numpy(seq.tokens.astype(np.int64))
         ids[row, :n] = torch.from_numpy(seq.topk_ids.astype(np.int64))
         logp[row, :n] = torch.from_numpy(seq.topk_logp.astype(np.float32))
-        mask[row, max(int(meta.get("score_from", 1)) - 1, 0):n] = True
+        mask[row, max(int(meta.get("score_from", 1)) - 1, 0) : n] = True
     return {"tokens": tokens, "topk_ids": ids, "topk_sub": to_subset[ids], "topk_logp": logp, "mask": mask}
 
 
@@ -178,8 +186,14 @@ def _lr(step: int, config: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def heldout_metrics(draft: LlamaModel, stores: list[DataReader], batches: Batches, to_subset: torch.Tensor,
-                    max_tokens: int, batch_tokens: int) -> dict[str, float]:
+def heldout_metrics(
+    draft: LlamaModel,
+    stores: list[DataReader],
+    batches: Batches,
+    to_subset: torch.Tensor,
+    max_tokens: int,
+    batch_tokens: int,
+) -> dict[str, float]:
     """Acceptance (sum of min(p, q) over the target's top-k, at temperature 1) and greedy agreement."""
     draft.eval()
     totals = {"loss": 0.0, "alpha": 0.0, "agree": 0.0}
@@ -205,9 +219,17 @@ def heldout_metrics(draft: LlamaModel, stores: list[DataReader], batches: Batche
     return {k: v / count for k, v in totals.items()} if count else {k: float("nan") for k in totals}
 
 
-def train(draft: LlamaModel, stores: list[DataReader], onpolicy: list[int], config: TrainConfig, work: Path,
-          resume: bool, minutes: float | None = None, progress: bool = True,
-          stop_after: int | None = None) -> dict[str, Any]:
+def train(
+    draft: LlamaModel,
+    stores: list[DataReader],
+    onpolicy: list[int],
+    config: TrainConfig,
+    work: Path,
+    resume: bool,
+    minutes: float | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
     """Train `draft` (its output subset set) on `stores`; checkpoints to `work/checkpoint.pt`.
 
     `onpolicy` lists the indices of on-policy stores, used alone for the last `onpolicy_tail` of steps.
@@ -219,8 +241,7 @@ def train(draft: LlamaModel, stores: list[DataReader], onpolicy: list[int], conf
     assert draft.output_subset is not None, "set the draft's output subset before training"
     to_subset = torch.full((draft.vocab_size,), -1, dtype=torch.long)
     to_subset[draft.output_subset.cpu()] = torch.arange(len(draft.output_subset))
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     batches = Batches(stores, config.heldout_every, config.seed)
     record: dict[str, Any] = {"config": asdict(config), "curve": [], "step": 0, "tokens_seen": 0}
     if ckpt_path.exists():
@@ -232,8 +253,10 @@ def train(draft: LlamaModel, stores: list[DataReader], onpolicy: list[int], conf
         batches.cursor = state["cursor"]
         record = state["record"]
         if record["config"] != asdict(config):
-            raise ValueError("--resume with different training settings than the checkpoint "
-                             f"({record['config']} vs {asdict(config)})")
+            raise ValueError(
+                "--resume with different training settings than the checkpoint "
+                f"({record['config']} vs {asdict(config)})"
+            )
     sizes = np.array([len(b) for b in batches.train], dtype=np.float64)
     mix = sizes / sizes.sum()
     started, last_ckpt, first_step = time.monotonic(), time.monotonic(), record["step"]
@@ -257,15 +280,27 @@ def train(draft: LlamaModel, stores: list[DataReader], onpolicy: list[int], conf
         record["tokens_seen"] += int(batch["mask"].sum())
         if record["step"] % config.eval_every == 0 or record["step"] == config.steps:
             held = heldout_metrics(draft, stores, batches, to_subset, config.max_eval_tokens, config.batch_tokens)
-            latest = {"step": record["step"], "tokens_seen": record["tokens_seen"], "train_loss": metrics["loss"],
-                      "heldout_loss": held["loss"], "heldout_alpha": held["alpha"], "heldout_agree": held["agree"]}
+            latest = {
+                "step": record["step"],
+                "tokens_seen": record["tokens_seen"],
+                "train_loss": metrics["loss"],
+                "heldout_loss": held["loss"],
+                "heldout_alpha": held["alpha"],
+                "heldout_agree": held["agree"],
+            }
             record["curve"].append(latest)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                        heldout_alpha=f"{latest['heldout_alpha']:.3f}" if latest else "pending")
+        bar.set_postfix(
+            loss=f"{metrics['loss']:.3f}", heldout_alpha=f"{latest['heldout_alpha']:.3f}" if latest else "pending"
+        )
         out_of_time = (minutes is not None and time.monotonic() - started > 60 * minutes) or (
-            stop_after is not None and record["step"] - first_step >= stop_after)
-        if time.monotonic() - last_ckpt > 60 * config.checkpoint_minutes or out_of_time or record["step"] == config.steps:
+            stop_after is not None and record["step"] - first_step >= stop_after
+        )
+        if (
+            time.monotonic() - last_ckpt > 60 * config.checkpoint_minutes
+            or out_of_time
+            or record["step"] == config.steps
+        ):
             _save(ckpt_path, draft, optimizer, batches, record)
             last_ckpt = time.monotonic()
         if out_of_time:
@@ -281,8 +316,10 @@ def _pick_store(seed: int, step: int, mix: np.ndarray) -> int:
 
 def _save(path: Path, draft: LlamaModel, optimizer, batches: Batches, record: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor,
-                "record": record}, tmp)
+    torch.save(
+        {"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor, "record": record},
+        tmp,
+    )
     os.replace(tmp, path)
     (path.parent / "curve.json").write_text(json.dumps(record["curve"], indent=1))
 

@@ -106,8 +106,9 @@ class DraftRequest:
             raise ValueError(f"rows {past} may draft past their plan, but {why}")
 
 
-def draw_drafts(probs: Tensor, request: DraftRequest, step: int, active: Sequence[bool],
-                subset: Tensor | None = None) -> Tensor:
+def draw_drafts(
+    probs: Tensor, request: DraftRequest, step: int, active: Sequence[bool], subset: Tensor | None = None
+) -> Tensor:
     """The tokens `[rows]` a drafter draws at draft `step` from its warped `probs [rows, K]` (K: the vocabulary, or
     the columns of an output `subset` of token ids): from each row's generator, or, under coupled sampling, as the
     Gumbel-max of its probabilities with the row's noise at that position (a row without noise, greedy, takes its
@@ -124,8 +125,14 @@ def draw_drafts(probs: Tensor, request: DraftRequest, step: int, active: Sequenc
     return torch.where(torch.tensor(list(active), device=tokens.device), tokens, torch.zeros_like(tokens))
 
 
-def draw_chain(request: DraftRequest, logits: Tensor, advance: Callable[[Tensor], Tensor], vocab_size: int,
-               subset: Tensor | None = None, reach: Sequence[int] | None = None) -> Proposal:
+def draw_chain(
+    request: DraftRequest,
+    logits: Tensor,
+    advance: Callable[[Tensor], Tensor],
+    vocab_size: int,
+    subset: Tensor | None = None,
+    reach: Sequence[int] | None = None,
+) -> Proposal:
     """The draw loop every drafter that samples from its own distributions runs: up to `reach[i]` (default the
     request's) tokens per row, `logits [b, K]` scoring the first draft (over `subset`'s token ids, else the
     vocabulary) and `advance(tokens [b])` feeding the tokens just drawn and returning the next logits.
@@ -185,8 +192,12 @@ def draw_chain(request: DraftRequest, logits: Tensor, advance: Callable[[Tensor]
         else:  # back to vocabulary ids for the verifier
             draft_probs[:, :steps].index_copy_(-1, subset.cpu(), stacked)
         draft_conf[:, :steps] = torch.stack(confidence, dim=1).cpu()
-    return Proposal(tokens=draft_tokens, probs=draft_probs, num_drafted=torch.tensor(drafted, dtype=torch.long),
-                    confidence=draft_conf)
+    return Proposal(
+        tokens=draft_tokens,
+        probs=draft_probs,
+        num_drafted=torch.tensor(drafted, dtype=torch.long),
+        confidence=draft_conf,
+    )
 
 
 @runtime_checkable
@@ -231,8 +242,9 @@ class BacklogScorer(Protocol):
     """A drafter that can score, teacher-forced, tokens the target committed without it (plain rounds): gamma auto
     learns a request's acceptance in fallback from them instead of drafting."""
 
-    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
-                      params: Sequence[SamplingParams]) -> list[list[float]]:
+    def score_backlog(
+        self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
+    ) -> list[list[float]]:
         """Per row, the warped draft probability of each of its last `counts[i]` committed tokens (fewer where the
         drafter already fed them), oldest first; afterwards the row lacks only its last token."""
         ...
@@ -306,8 +318,11 @@ def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int,
         tokens[index, :width] = part.tokens.cpu()
         drafted[index] = part.num_drafted.cpu()
         if probs is not None:
-            probs[index, :width] = (part.probs.cpu().to(probs.dtype) if part.probs is not None
-                                    else one_hot_like(part.tokens.cpu(), probs[index, :width]))
+            probs[index, :width] = (
+                part.probs.cpu().to(probs.dtype)
+                if part.probs is not None
+                else one_hot_like(part.tokens.cpu(), probs[index, :width])
+            )
         if part.confidence is not None:
             confidence[index, :width] = part.confidence.cpu().to(confidence.dtype)
     parents = None
@@ -328,15 +343,23 @@ def _whole(part: tuple[Sequence[int], Proposal], batch: int, gamma: int) -> bool
     """Whether one proposal already is the merge of itself alone: every row in order, the full width, on the CPU, its
     probabilities (if any) in a dtype the merge keeps."""
     rows, proposal = part
-    return (list(rows) == list(range(batch)) and proposal.tokens.shape == (batch, gamma)
-            and (proposal.parents is None or proposal.parents.device.type == "cpu")
-            and proposal.tokens.device.type == "cpu" and proposal.num_drafted.device.type == "cpu"
-            and (proposal.confidence is None or proposal.confidence.device.type == "cpu")
-            and (proposal.probs is None
-                 or (proposal.probs.device.type == "cpu" and proposal.probs.dtype in (torch.float32, torch.float64))))
+    return (
+        list(rows) == list(range(batch))
+        and proposal.tokens.shape == (batch, gamma)
+        and (proposal.parents is None or proposal.parents.device.type == "cpu")
+        and proposal.tokens.device.type == "cpu"
+        and proposal.num_drafted.device.type == "cpu"
+        and (proposal.confidence is None or proposal.confidence.device.type == "cpu")
+        and (
+            proposal.probs is None
+            or (proposal.probs.device.type == "cpu" and proposal.probs.dtype in (torch.float32, torch.float64))
+        )
+    )
 
 
-def best_tree(tokens: list[list[int]], parents: list[list[int]], scores: list[list[float]], budget: list[int]) -> Proposal:
+def best_tree(
+    tokens: list[list[int]], parents: list[list[int]], scores: list[list[float]], budget: list[int]
+) -> Proposal:
     """Per row the `budget[i]` nodes of highest cumulative probability (a tree: ancestors rank higher), in depth
     order, as a tree proposal of deterministic drafts."""
     batch = len(tokens)
@@ -361,8 +384,13 @@ def best_tree(tokens: list[list[int]], parents: list[list[int]], scores: list[li
             out_parents[r, i] = index[parent] if parent >= 0 else -1
             confidence[r, i] = float(torch.tensor(scores[r][node]).exp())
         counts.append(len(order))
-    return Proposal(tokens=out_tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long),
-                    confidence=confidence, parents=out_parents)
+    return Proposal(
+        tokens=out_tokens,
+        probs=None,
+        num_drafted=torch.tensor(counts, dtype=torch.long),
+        confidence=confidence,
+        parents=out_parents,
+    )
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -110,8 +110,10 @@ class EagleDrafter:
             if len(feature):
                 row.pending.append(feature.detach())
             if row.known != len(row.history) - 1:
-                raise ValueError(f"row {slot}: features of {row.known} positions for {len(row.history)} committed "
-                                 "tokens (one per committed token but the last)")
+                raise ValueError(
+                    f"row {slot}: features of {row.known} positions for {len(row.history)} committed "
+                    "tokens (one per committed token but the last)"
+                )
 
     def park_rows(self, slots: Sequence[int]) -> None:
         """Keep the rows' entries and features for a request sharing their prefix (`add_rows`)."""
@@ -132,8 +134,10 @@ class EagleDrafter:
         """Drop the last proposal's speculative entries (the target's features of what was kept follow)."""
         rolled = [slot for slot in slots if self.rows[slot].drafted]
         if rolled:
-            self.cache.truncate(torch.tensor(rolled, dtype=torch.long),
-                                torch.tensor([self.rows[s].fed for s in rolled], dtype=torch.long))
+            self.cache.truncate(
+                torch.tensor(rolled, dtype=torch.long),
+                torch.tensor([self.rows[s].fed for s in rolled], dtype=torch.long),
+            )
         for slot, new in zip(slots, committed):
             row = self.rows[slot]
             row.history.extend(new)
@@ -153,7 +157,7 @@ class EagleDrafter:
     def _entries(self, row: _Row, count: int) -> tuple[Tensor, list[int]]:
         """The first `count` unfed entries of a row: their features `[count, F]` and tokens."""
         features = torch.cat(row.pending, dim=0)[:count]
-        return features, row.history[row.fed + 1: row.fed + 1 + count]
+        return features, row.history[row.fed + 1 : row.fed + 1 + count]
 
     def _consume(self, row: _Row, count: int) -> None:
         rest = torch.cat(row.pending, dim=0)[count:]
@@ -164,8 +168,9 @@ class EagleDrafter:
         """Feed each row its entries (right-padded, the padding rolled back); the head's output at each row's last
         entry `[b, H]`."""
         width = max(len(t) for t in tokens)
-        feats = torch.zeros(len(slots), width, self.head.config.feature_size, dtype=self.head.dtype,
-                            device=self.target.device)
+        feats = torch.zeros(
+            len(slots), width, self.head.config.feature_size, dtype=self.head.dtype, device=self.target.device
+        )
         ids = torch.zeros(len(slots), width, dtype=torch.long)
         for i, (f, t) in enumerate(zip(features, tokens)):
             feats[i, : len(t)] = f.to(feats.dtype)
@@ -183,8 +188,9 @@ class EagleDrafter:
         the others' caches by more than a round's width."""
         ready = [self.rows[s].known > self.rows[s].fed for s in slots]
         fed = [s for s, r in zip(slots, ready) if r]
-        predicted = torch.zeros(len(slots), self.head.config.hidden_size, dtype=self.head.dtype,
-                                device=self.target.device)
+        predicted = torch.zeros(
+            len(slots), self.head.config.hidden_size, dtype=self.head.dtype, device=self.target.device
+        )
         if not fed:
             return predicted, ready
         for slot in fed:
@@ -223,8 +229,16 @@ class EagleDrafter:
         reach = [m if r else 0 for m, r in zip(request.reach, ready)]
         return draw_chain(request, self.head.logits(predicted), advance, self.vocab_size, self.output_subset, reach)
 
-    def _grow(self, slots: Sequence[int], predicted: Tensor, ready: list[bool], depths: Sequence[int],
-              reach: Sequence[int], shape: TreeShape, shaper: Shaper | None = None) -> Proposal:
+    def _grow(
+        self,
+        slots: Sequence[int],
+        predicted: Tensor,
+        ready: list[bool],
+        depths: Sequence[int],
+        reach: Sequence[int],
+        shape: TreeShape,
+        shaper: Shaper | None = None,
+    ) -> Proposal:
         """EAGLE-2's dynamic tree per row (see `TreeShape`): children by the head's top `branch` tokens, expansion by
         cumulative (temperature 1) draft probability; every child is deterministic given the past (its q one-hot),
         so the verifier tests it with the target's probability alone. A row's tree holds at most `reach[i]` nodes
@@ -246,9 +260,12 @@ class EagleDrafter:
             logits = self.head.logits(outputs.flatten(0, 1))  # [b * frontier, K]
             if shaper is not None:
                 width = outputs.shape[1]
-                logits = shaper.next_logits(logits, [slots[r] for r in range(batch) for _ in range(width)],
-                                            [_path(tokens[r], parents[r], node) for r in range(batch)
-                                             for node in frontier[r]], self.output_subset)
+                logits = shaper.next_logits(
+                    logits,
+                    [slots[r] for r in range(batch) for _ in range(width)],
+                    [_path(tokens[r], parents[r], node) for r in range(batch) for node in frontier[r]],
+                    self.output_subset,
+                )
             log_probs = torch.log_softmax(logits.float(), dim=-1)
             log_probs = log_probs.view(batch, outputs.shape[1], -1).cpu()  # [b, frontier, K]
             top = log_probs.topk(min(shape.branch, log_probs.shape[-1]), dim=-1)
@@ -316,10 +333,11 @@ class EagleDrafter:
                 self._consume(row, skip)
             features, tokens = self._entries(row, count)
             hidden = self.head.fuse(features.unsqueeze(0))
-            outputs = self.head.forward_cached(self.embed(torch.tensor([tokens])), hidden, self.cache,
-                                               torch.tensor([slot]))[0]  # [count, H]
+            outputs = self.head.forward_cached(
+                self.embed(torch.tensor([tokens])), hidden, self.cache, torch.tensor([slot])
+            )[0]  # [count, H]
             start = row.fed + 2  # entry t predicts token t + 2
-            committed = torch.tensor(row.history[start:start + count], device=outputs.device)
+            committed = torch.tensor(row.history[start : start + count], device=outputs.device)
             probs = warp_rows(self.head.logits(outputs), [row_params] * count)  # [count, K]
             index = self._draft_index(committed)
             chosen = probs.gather(-1, index.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (index >= 0)
@@ -339,8 +357,7 @@ def _trimmed(row: _Row, keep: int, history: list[int], cache: KVCache, slot: int
     fed = min(row.fed, keep)
     cache.truncate(torch.tensor([slot]), torch.tensor([fed]))
     pending = torch.cat(row.pending, dim=0)[: keep - fed] if row.pending and keep > fed else None
-    return _Row(history=history, pending=[] if pending is None or not len(pending) else [pending], fed=fed,
-                reused=True)
+    return _Row(history=history, pending=[] if pending is None or not len(pending) else [pending], fed=fed, reused=True)
 
 
 def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:

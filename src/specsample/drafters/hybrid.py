@@ -8,7 +8,7 @@ from typing import Protocol
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import DraftRequest, Drafter, FeatureDrafter, PrefixKeeper, Proposal, merge_proposals
+from specsample.drafters.base import Drafter, DraftRequest, FeatureDrafter, PrefixKeeper, Proposal, merge_proposals
 from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter
 
 
@@ -31,11 +31,14 @@ class HybridDrafter:
     `offer_match` tokens on (default min(2, min_match)), which it takes only where it predicts them faster than
     the model; a fixed gamma takes only matches of `min_match` tokens on its own."""
 
-    def __init__(self, model: Drafter, lookup: Lookup | None = None, min_match: int = 3,
-                 offer_match: int | None = None) -> None:
+    def __init__(
+        self, model: Drafter, lookup: Lookup | None = None, min_match: int = 3, offer_match: int | None = None
+    ) -> None:
         offer_match = min(2, min_match) if offer_match is None else offer_match
         if not 1 <= offer_match <= min_match:
-            raise ValueError(f"need 1 <= offer_match <= min_match, got offer_match={offer_match}, min_match={min_match}")
+            raise ValueError(
+                f"need 1 <= offer_match <= min_match, got offer_match={offer_match}, min_match={min_match}"
+            )
         self.model = model
         self.lookup = lookup if lookup is not None else SuffixDrafter()
         self.min_match, self.offer_match = min_match, offer_match
@@ -80,12 +83,19 @@ class HybridDrafter:
         (False) draft with the model; the rest (None) use the lookup where its match is at least `min_match` tokens.
         Only rows sent to the model may be extended past their plan (a lookup's length is its reach)."""
         rows = range(len(request.slots))
-        request.refuse_extension([i for i in rows if request.source_of(i) is not False],
-                                 "only rows sent to the draft model (source False) can be extended")
-        looked_up = [i for i, (slot, reach) in enumerate(zip(request.slots, request.reach))
-                     if request.source_of(i) is not False
-                     and self._offer(slot, min(request.width, reach),
-                                     self.offer_match if request.source_of(i) else self.min_match) > 0]
+        request.refuse_extension(
+            [i for i in rows if request.source_of(i) is not False],
+            "only rows sent to the draft model (source False) can be extended",
+        )
+        looked_up = [
+            i
+            for i, (slot, reach) in enumerate(zip(request.slots, request.reach))
+            if request.source_of(i) is not False
+            and self._offer(
+                slot, min(request.width, reach), self.offer_match if request.source_of(i) else self.min_match
+            )
+            > 0
+        ]
         model_rows = [i for i in rows if i not in looked_up and request.source_of(i) is not True]
         parts = []
         if model_rows:
@@ -107,8 +117,9 @@ class HybridDrafter:
         if self.wants_features:
             self.model.add_features(slots, features)
 
-    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
-                      params: Sequence[SamplingParams]) -> list[list[float]]:
+    def score_backlog(
+        self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
+    ) -> list[list[float]]:
         """The draft model scores the tokens it missed (`ModelDrafter.score_backlog`): under gamma auto a
         lookup round is not one of the model's, so its estimate in fallback comes from these as for a model."""
         return self.model.score_backlog(slots, counts, params)

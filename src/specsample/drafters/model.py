@@ -42,12 +42,14 @@ class DraftWindow:
         if self.sink < 0 or self.recent < 1:
             raise ValueError(f"need sink >= 0 and recent >= 1, got {self.sink}, {self.recent}")
         if self.limit < self.sink + self.recent + 4:  # a re-windowed row feeds 2 tokens, drafts 1, may pad 1
-            raise ValueError(f"limit ({self.limit}) must exceed sink + recent ({self.sink + self.recent}) by at least 4")
+            raise ValueError(
+                f"limit ({self.limit}) must exceed sink + recent ({self.sink + self.recent}) by at least 4"
+            )
 
     def view(self, tokens: Sequence[int]) -> tuple[list[int], int]:
         """The tokens of `tokens` a draft attends to, and how many it skips (those between sink and recent)."""
         skipped = max(len(tokens) - self.sink - self.recent, 0)
-        return list(tokens[: self.sink]) + list(tokens[self.sink + skipped:]), skipped
+        return list(tokens[: self.sink]) + list(tokens[self.sink + skipped :]), skipped
 
     @classmethod
     def trained_on(cls, max_len: int) -> DraftWindow | None:
@@ -99,7 +101,9 @@ class ModelDrafter:
     def allocate(self, num_slots: int, max_len: int) -> None:
         """(Re)allocate the draft cache; called by the engine that owns the slots. A window bounds a
         row's cache at its `limit` positions, however long the requests may be."""
-        self.cache = self.model.new_cache(num_slots, max_len if self.window is None else min(max_len, self.window.limit))
+        self.cache = self.model.new_cache(
+            num_slots, max_len if self.window is None else min(max_len, self.window.limit)
+        )
         self.history.clear()
         self._drafted.clear()
         self._skipped.clear()
@@ -165,7 +169,7 @@ class ModelDrafter:
         slots = request.slots
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self._catch_up(slots, request.width)
-        pending = [self.history[s][self._fed(s):] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
+        pending = [self.history[s][self._fed(s) :] for s in slots]  # 1 or 2 tokens per row (a lone row: more)
         inputs, last = pad_right(pending, self.model.device)
         logits, subset = self._logits(inputs, slot_tensor, last)  # [b, K]: K the draft's output tokens
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
@@ -188,7 +192,7 @@ class ModelDrafter:
         batch = len(slots)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self._catch_up(slots, shape.depth)
-        pending = [self.history[s][self._fed(s):] for s in slots]
+        pending = [self.history[s][self._fed(s) :] for s in slots]
         inputs, last = pad_right(pending, self.model.device)
         logits, subset = self._logits(inputs, slot_tensor, last)
         self.cache.truncate(slot_tensor, self.cache.lengths[slot_tensor] - (inputs.shape[1] - 1 - last.cpu()))
@@ -225,8 +229,7 @@ class ModelDrafter:
         columns (None: the whole vocabulary, in order). A model with an output subset (FR-Spec) scores only
         its K tokens and only the last position: sampling then reads K probabilities, not the vocabulary."""
         if self._last_only:
-            return (self.model.forward_cached_last(inputs, self.cache, slot_tensor, last),
-                    self.model.output_subset)
+            return (self.model.forward_cached_last(inputs, self.cache, slot_tensor, last), self.model.output_subset)
         logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, n, vocab]
         return logits[torch.arange(inputs.shape[0], device=logits.device), last.to(logits.device)], None
 
@@ -238,9 +241,12 @@ class ModelDrafter:
         forward costs about the same for 1 token as for 8, so this saves a forward per probe from fallback.
         With a window, a row whose round would pass the window's limit is re-windowed first."""
         for slot in slots:
-            if self.window is not None and len(self.history[slot]) - self._skipped[slot] + gamma + 1 > self.window.limit:
+            if (
+                self.window is not None
+                and len(self.history[slot]) - self._skipped[slot] + gamma + 1 > self.window.limit
+            ):
                 self._rewindow(slot, gamma)
-            backlog = self.history[slot][self._fed(slot):-2]
+            backlog = self.history[slot][self._fed(slot) : -2]
             if backlog and (len(slots) > 1 or len(backlog) > MERGED_BACKLOG):
                 prefill_ragged(self.model, self.cache, torch.tensor([slot]), [backlog])
 
@@ -255,8 +261,10 @@ class ModelDrafter:
         window = self.window
         room = window.limit - window.sink - room_after  # recent tokens that leave room_after free
         if room < 1:
-            raise ValueError(f"a round of {room_after - 3} drafts does not fit the draft window (limit "
-                             f"{window.limit}, sink {window.sink})")
+            raise ValueError(
+                f"a round of {room_after - 3} drafts does not fit the draft window (limit "
+                f"{window.limit}, sink {window.sink})"
+            )
         if room < window.recent:
             window = DraftWindow(window.sink, room, window.limit)
         kept, skipped = window.view(self.history[slot][:upto])
@@ -265,8 +273,9 @@ class ModelDrafter:
         prefill_ragged(self.model, self.cache, slot_tensor, [kept])
         self._skipped[slot] = skipped
 
-    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
-                      params: Sequence[SamplingParams]) -> list[list[float]]:
+    def score_backlog(
+        self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
+    ) -> list[list[float]]:
         """Per row, the warped draft probability of each of its last `counts[i]` committed tokens that the
         cache has not fed yet, oldest first (one forward per row; the tokens before them are fed first).
         The row then lacks only its last token, as after a round with a rejection."""
@@ -285,11 +294,11 @@ class ModelDrafter:
             if self.window is not None and end - self._skipped[slot] > self.window.limit:
                 self._rebuild(slot, start, count + 1)
             else:
-                prefill_ragged(self.model, self.cache, slot_tensor, [history[self._fed(slot):start]])
+                prefill_ragged(self.model, self.cache, slot_tensor, [history[self._fed(slot) : start]])
             inputs = torch.tensor([history[start:end]], dtype=torch.long, device=self.model.device)
             logits = self.model.forward_cached(inputs, self.cache, slot_tensor)[0]  # [count, vocab]
             probs = warp_rows(logits, [row_params] * count)  # [count, vocab]
-            committed = torch.tensor(history[start + 1:end + 1], device=probs.device)
+            committed = torch.tensor(history[start + 1 : end + 1], device=probs.device)
             out.append(probs.gather(-1, committed.unsqueeze(-1)).squeeze(-1).float().cpu().tolist())
             self._drafted[slot] = []
         return out
@@ -313,4 +322,3 @@ class ModelDrafter:
             self._drafted[slot] = []
         if rolled:
             self.cache.truncate(torch.tensor(rolled, dtype=torch.long), torch.tensor(keep, dtype=torch.long))
-

@@ -12,7 +12,6 @@ import torch
 
 from specsample.drafters.base import DraftRequest, Proposal
 
-
 BRANCH_MEMORY = 3  # older occurrences kept per n-gram, beside the most recent, for branched lookups
 
 
@@ -41,7 +40,7 @@ class NgramIndex:
         for end in range(self._indexed, len(tokens) - 1):
             for table, earlier, n in zip(self._last_end, self._earlier, range(self.min_n, self.max_n + 1)):
                 if end >= n - 1:
-                    key = tuple(tokens[end - n + 1:end + 1])
+                    key = tuple(tokens[end - n + 1 : end + 1])
                     if key in table:  # the most recent wins; a few older ones stay for branches
                         earlier.setdefault(key, []).insert(0, table[key])
                         del earlier[key][BRANCH_MEMORY:]
@@ -55,9 +54,9 @@ class NgramIndex:
         self._index()
         tokens, length = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):  # the longest n with an occurrence wins
-            end = self._last_end[n - self.min_n].get(tuple(tokens[length - n:]))
+            end = self._last_end[n - self.min_n].get(tuple(tokens[length - n :]))
             if end is not None:
-                return tokens[end + 1:end + 1 + max_tokens], n
+                return tokens[end + 1 : end + 1 + max_tokens], n
         return [], 0
 
     def find_branches(self, max_tokens: int, branches: int) -> list[list[int]]:
@@ -68,8 +67,8 @@ class NgramIndex:
             return []
         tokens, length = self.tokens, len(self.tokens)
         out = [found]
-        for end in self._earlier[n - self.min_n].get(tuple(tokens[length - n:]), []):
-            continuation = tokens[end + 1:end + 1 + max_tokens]
+        for end in self._earlier[n - self.min_n].get(tuple(tokens[length - n :]), []):
+            continuation = tokens[end + 1 : end + 1 + max_tokens]
             if len(out) >= branches:
                 break
             if continuation and continuation not in out:
@@ -140,15 +139,18 @@ class NgramDrafter:
     def propose(self, request: DraftRequest) -> Proposal:
         """Each row's lookup (up to its reach); rows sent away from their lookup (source False) propose nothing.
         With `request.tree`, up to `tree.branch` continuations per row merged into a trie (`find_branches`)."""
-        request.refuse_extension([i for i in range(len(request.slots)) if request.source_of(i) is not False],
-                                 "an n-gram draft has no confidence to extend by")
+        request.refuse_extension(
+            [i for i in range(len(request.slots)) if request.source_of(i) is not False],
+            "an n-gram draft has no confidence to extend by",
+        )
         if request.tree is not None:
             return self._propose_tree(request)
         tokens = torch.zeros(len(request.slots), request.width, dtype=torch.long)
         counts = []
         for row, (slot, limit) in enumerate(zip(request.slots, request.reach)):
-            found, _ = (self.continuation(slot, min(request.width, limit)) if request.source_of(row) is not False
-                        else ([], 0))
+            found, _ = (
+                self.continuation(slot, min(request.width, limit)) if request.source_of(row) is not False else ([], 0)
+            )
             tokens[row, : len(found)] = torch.tensor(found, dtype=torch.long)
             counts.append(len(found))
         return Proposal(tokens=tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long))
@@ -162,8 +164,11 @@ class NgramDrafter:
         parents = torch.full((len(request.slots), width), -1, dtype=torch.long)
         counts = []
         for row, (slot, depth, reach) in enumerate(zip(request.slots, request.drafts, request.reach)):
-            branches = (self.rows[slot].find_branches(depth, shape.branch)
-                        if request.source_of(row) is not False and reach > 0 else [])
+            branches = (
+                self.rows[slot].find_branches(depth, shape.branch)
+                if request.source_of(row) is not False and reach > 0
+                else []
+            )
             nodes, links = trie(branches, min(reach, width))
             tokens[row, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
             parents[row, : len(links)] = torch.tensor(links, dtype=torch.long)

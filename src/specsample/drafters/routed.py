@@ -13,8 +13,16 @@ from typing import Any
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import (BacklogScorer, DraftRequest, Drafter, FeatureDrafter, PrefixKeeper, PromptLookup,
-                                       Proposal, merge_proposals)
+from specsample.drafters.base import (
+    BacklogScorer,
+    Drafter,
+    DraftRequest,
+    FeatureDrafter,
+    PrefixKeeper,
+    PromptLookup,
+    Proposal,
+    merge_proposals,
+)
 from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats, combined
 
 
@@ -31,7 +39,9 @@ class RoutedDrafter:
     def replace(self, drafter: Drafter) -> None:
         """Make `drafter` serve rows added from now on (thread-safe; caches allocated here)."""
         if None not in (drafter.vocab_size, self.vocab_size) and drafter.vocab_size != self.vocab_size:
-            raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the running one ({self.vocab_size})")
+            raise ValueError(
+                f"draft vocabulary ({drafter.vocab_size}) differs from the running one ({self.vocab_size})"
+            )
         if self._size is not None:
             drafter.allocate(*self._size)
         with self._lock:
@@ -82,15 +92,18 @@ class RoutedDrafter:
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
         """Each row's drafter's prompt lookup (0 for rows whose drafter has none)."""
-        found = self._per_row(slots, PromptLookup,
-                              lambda drafter, rows: drafter.lookup_lengths([slots[i] for i in rows],
-                                                                           [max_tokens[i] for i in rows]))
+        found = self._per_row(
+            slots,
+            PromptLookup,
+            lambda drafter, rows: drafter.lookup_lengths([slots[i] for i in rows], [max_tokens[i] for i in rows]),
+        )
         return [found.get(i, 0) for i in range(len(slots))]
 
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """Rows whose drafter has no lookup draft as always; others as their drafter says."""
-        found = self._per_row(slots, PromptLookup,
-                              lambda drafter, rows: drafter.drafts_otherwise([slots[i] for i in rows]))
+        found = self._per_row(
+            slots, PromptLookup, lambda drafter, rows: drafter.drafts_otherwise([slots[i] for i in rows])
+        )
         return [found.get(i, True) for i in range(len(slots))]
 
     @property
@@ -111,21 +124,24 @@ class RoutedDrafter:
             if isinstance(drafter, FeatureDrafter) and drafter.wants_features:
                 drafter.add_features([slots[i] for i in rows], [features[i] for i in rows])
 
-    def score_backlog(self, slots: Sequence[int], counts: Sequence[int],
-                      params: Sequence[SamplingParams]) -> list[list[float]]:
+    def score_backlog(
+        self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
+    ) -> list[list[float]]:
         """Each row's drafter scores its backlog where it can (a model draft); other rows score nothing."""
-        found = self._per_row(slots, BacklogScorer,
-                              lambda drafter, rows: drafter.score_backlog([slots[i] for i in rows],
-                                                                          [counts[i] for i in rows],
-                                                                          [params[i] for i in rows]))
+        found = self._per_row(
+            slots,
+            BacklogScorer,
+            lambda drafter, rows: drafter.score_backlog(
+                [slots[i] for i in rows], [counts[i] for i in rows], [params[i] for i in rows]
+            ),
+        )
         return [found.get(i, []) for i in range(len(slots))]
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         for drafter, rows in self._groups(list(range(len(slots))), slots):
             drafter.commit([slots[i] for i in rows], [committed[i] for i in rows])
 
-    def _per_row(self, slots: Sequence[int], kind: type,
-                 call: Callable[[Any, list[int]], list[Any]]) -> dict[int, Any]:
+    def _per_row(self, slots: Sequence[int], kind: type, call: Callable[[Any, list[int]], list[Any]]) -> dict[int, Any]:
         """`call(drafter, rows)` for each group of rows whose drafter is a `kind`, its answers by row index."""
         found: dict[int, Any] = {}
         for drafter, rows in self._groups(list(range(len(slots))), slots):

@@ -72,8 +72,14 @@ class SuffixDrafter:
 
     vocab_size = None  # proposes token ids from committed text: works with any vocabulary
 
-    def __init__(self, scope: str = "global", capacity: int = SHARED_TOKENS, factor: float = SPEC_FACTOR,
-                 offset: float = SPEC_OFFSET, min_prob: float = MIN_PROB) -> None:
+    def __init__(
+        self,
+        scope: str = "global",
+        capacity: int = SHARED_TOKENS,
+        factor: float = SPEC_FACTOR,
+        offset: float = SPEC_OFFSET,
+        min_prob: float = MIN_PROB,
+    ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"suffix cache scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         if not isinstance(capacity, int) or capacity < 1:
@@ -140,15 +146,20 @@ class SuffixDrafter:
         memo = self._memo.get(slot)
         if memo is None or memo[0] != versions:
             context = own.tokens(0)
-            memo = self._memo[slot] = (versions, own.find(context),
-                                       self.shared.find(context) if self.shared is not None else [], {})
+            memo = self._memo[slot] = (
+                versions,
+                own.find(context),
+                self.shared.find(context) if self.shared is not None else [],
+                {},
+            )
         _, own_found, shared_found, drafts = memo
         asked = (nodes, depth, chain)
         if asked not in drafts:
             best = best_draft(own, own_found, nodes, depth, self.factor, self.offset, self.min_prob, chain)
             if shared_found:
-                shared = best_draft(self.shared, shared_found, nodes, depth, self.factor, self.offset, self.min_prob,
-                                    chain)
+                shared = best_draft(
+                    self.shared, shared_found, nodes, depth, self.factor, self.offset, self.min_prob, chain
+                )
                 if shared.score > best.score:
                     best = Draft(shared.tokens, shared.parents, shared.probs, shared.match, shared=True)
             drafts[asked] = best
@@ -176,23 +187,27 @@ class SuffixDrafter:
         sent away from their lookup (source False) propose nothing. Parents are given where a row branched (every
         row of a tree round)."""
         rows = range(len(request.slots))
-        request.refuse_extension([i for i in rows if request.source_of(i) is not False],
-                                 "a suffix draft has no confidence to extend by")
+        request.refuse_extension(
+            [i for i in rows if request.source_of(i) is not False], "a suffix draft has no confidence to extend by"
+        )
         width = max(request.width, 1)
         chain = list(range(-1, width - 1))
         tokens, parents, counts, branched = [], [], [], request.tree is not None
         for i in rows:  # [rows, width] as lists: one tensor each at the end (a round's cost is mostly per call)
             found = self.row_draft(request, i)
             tokens.append(list(found.tokens) + [0] * (width - len(found)))
-            parents.append(list(found.parents) + chain[len(found):])
+            parents.append(list(found.parents) + chain[len(found) :])
             counts.append(len(found))
             branched |= not found.is_chain
             if found.tokens:
                 self.proposed["shared" if found.shared else "own"] += 1
                 self.proposed["trees"] += not found.is_chain
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), probs=None,
-                        num_drafted=torch.tensor(counts, dtype=torch.long),
-                        parents=torch.tensor(parents, dtype=torch.long) if branched else None)
+        return Proposal(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            probs=None,
+            num_drafted=torch.tensor(counts, dtype=torch.long),
+            parents=torch.tensor(parents, dtype=torch.long) if branched else None,
+        )
 
     def row_draft(self, request: DraftRequest, i: int) -> Draft:
         """Row i's draft for the request (see `propose`)."""
@@ -209,5 +224,6 @@ class SuffixDrafter:
         """What the shared cache holds (None with scope "request")."""
         if self.shared is None:
             return None
-        return SuffixCacheStats(self.shared.held, self.shared.sequences, self.shared.nbytes(), self.capacity,
-                                self.shared.evicted)
+        return SuffixCacheStats(
+            self.shared.held, self.shared.sequences, self.shared.nbytes(), self.capacity, self.shared.evicted
+        )

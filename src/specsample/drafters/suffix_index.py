@@ -75,8 +75,13 @@ class SuffixIndex:
     """Sequences of tokens indexed for `find` (see the module docstring). With `capacity`, the oldest sequences are
     dropped while more than `capacity` tokens are held."""
 
-    def __init__(self, levels: Sequence[int] = LEVELS, capacity: int | None = None,
-                 occurrences: int = OCCURRENCES, longest: int = LONGEST) -> None:
+    def __init__(
+        self,
+        levels: Sequence[int] = LEVELS,
+        capacity: int | None = None,
+        occurrences: int = OCCURRENCES,
+        longest: int = LONGEST,
+    ) -> None:
         levels = tuple(sorted(set(levels)))
         if not levels or levels[0] < 1:
             raise ValueError(f"levels must be n-gram lengths >= 1, got {levels}")
@@ -115,7 +120,7 @@ class SuffixIndex:
                 if end < n - 1:
                     chain.append(-1)
                     continue
-                key = hash(tuple(held[end - n + 1:end + 1]))
+                key = hash(tuple(held[end - n + 1 : end + 1]))
                 chain.append(last.get(key, -1))
                 last[key] = base | end
         self.held += len(tokens)
@@ -136,7 +141,7 @@ class SuffixIndex:
             for n, last, chain in zip(self.levels, self._last, chains):
                 if end < n - 1:
                     continue
-                key = hash(tuple(held[end - n + 1:end + 1]))
+                key = hash(tuple(held[end - n + 1 : end + 1]))
                 if last.get(key) == base | end:
                     before = chain[end]
                     if before != -1 and (before >> SEQ_SHIFT) != seq and (before >> SEQ_SHIFT) in self._tokens:
@@ -175,7 +180,7 @@ class SuffixIndex:
             n = self.levels[level]
             if n > size:
                 continue
-            tail = tuple(context[size - n:])
+            tail = tuple(context[size - n :])
             found = self._walk(level, n, tail, context)
             if found:
                 return found
@@ -193,7 +198,7 @@ class SuffixIndex:
             held = self._tokens.get(seq)
             if held is None:  # its sequence was dropped: the chain ends here
                 break
-            if tuple(held[end - n + 1:end + 1]) == tail:  # not a hash collision
+            if tuple(held[end - n + 1 : end + 1]) == tail:  # not a hash collision
                 found.append(Occurrence(seq, end, _match(held, end, context, n, min(self.longest, end + 1, size))))
                 if len(found) == self.occurrences:
                     break
@@ -202,7 +207,7 @@ class SuffixIndex:
 
     def continuation(self, occurrence: Occurrence, depth: int) -> tuple[int, ...]:
         """Up to `depth` tokens that followed an occurrence."""
-        return tuple(self._tokens[occurrence.seq][occurrence.end + 1:occurrence.end + 1 + depth])
+        return tuple(self._tokens[occurrence.seq][occurrence.end + 1 : occurrence.end + 1 + depth])
 
 
 def _match(held: Sequence[int], end: int, context: Sequence[int], match: int, reach: int) -> int:
@@ -211,7 +216,7 @@ def _match(held: Sequence[int], end: int, context: Sequence[int], match: int, re
     size = len(context)
     while match < reach:
         step = min(8, reach - match)
-        if held[end - match - step + 1:end - match + 1] != context[size - match - step:size - match]:
+        if held[end - match - step + 1 : end - match + 1] != context[size - match - step : size - match]:
             break
         match += step
     while match < reach and held[end - match] == context[size - 1 - match]:
@@ -224,8 +229,9 @@ def cap(match: int, factor: float, offset: float, budget: int) -> int:
     return max(0, min(budget, int(match * factor + offset + 1e-6)))
 
 
-def draft_tree(continuations: Sequence[tuple[int, ...]], match: int, nodes: int, depth: int, min_prob: float,
-               chain: bool = False) -> Draft:
+def draft_tree(
+    continuations: Sequence[tuple[int, ...]], match: int, nodes: int, depth: int, min_prob: float, chain: bool = False
+) -> Draft:
     """SuffixDecoding's speculation from the continuations of a match's occurrences (most recent first): in the trie
     of the continuations, a node's count is the continuations through it (the root's: all of them) and its estimated
     probability its count over its parent's times its parent's probability. The nodes of highest probability come
@@ -264,8 +270,9 @@ def draft_tree(continuations: Sequence[tuple[int, ...]], match: int, nodes: int,
             heap = []
             grown = [max(grown, key=lambda g: g[1])] if grown else []
         for child_token, child_count, child_members in grown:
-            heapq.heappush(heap, (negative * child_count / count, order, child_token, here, level + 1, child_count,
-                                  child_members))
+            heapq.heappush(
+                heap, (negative * child_count / count, order, child_token, here, level + 1, child_count, child_members)
+            )
             order += 1
     return Draft(tuple(out_tokens), tuple(out_parents), tuple(out_probs), match)
 
@@ -285,8 +292,16 @@ def _children(members: list[tuple[tuple[int, ...], int]], level: int) -> list[tu
     return [(token, count, group) for token, (count, group) in grouped.items()]
 
 
-def best_draft(index: SuffixIndex, found: Sequence[Occurrence], nodes: int, depth: int, factor: float,
-               offset: float, min_prob: float, chain: bool = False) -> Draft:
+def best_draft(
+    index: SuffixIndex,
+    found: Sequence[Occurrence],
+    nodes: int,
+    depth: int,
+    factor: float,
+    offset: float,
+    min_prob: float,
+    chain: bool = False,
+) -> Draft:
     """The best draft from a query's occurrences (`SuffixIndex.find`): the draft of those matching furthest back,
     and the draft of them all (more occurrences, fewer tokens allowed), each capped by `cap(match)`; the higher
     score wins, the longer match on ties."""
@@ -296,8 +311,9 @@ def best_draft(index: SuffixIndex, found: Sequence[Occurrence], nodes: int, dept
     for match in sorted({min(o.match for o in found), max(o.match for o in found)}):
         allowed = cap(match, factor, offset, nodes)
         reach = min(depth, allowed)
-        draft = draft_tree([index.continuation(o, reach) for o in found if o.match >= match], match, allowed, reach,
-                           min_prob, chain)
+        draft = draft_tree(
+            [index.continuation(o, reach) for o in found if o.match >= match], match, allowed, reach, min_prob, chain
+        )
         if draft.tokens and draft.score >= best.score:
             best = draft
     return best

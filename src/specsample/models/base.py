@@ -84,8 +84,9 @@ class TreeLM(Protocol):
     """A model that scores a token tree per row in one forward (each token sees the context and its ancestors) and
     keeps one path of it in its cache."""
 
-    def forward_cached_tree(self, tokens: Tensor, cache: ModelCache, slots: Tensor,
-                            parents: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_cached_tree(
+        self, tokens: Tensor, cache: ModelCache, slots: Tensor, parents: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Logits `[b, n, vocab]` and final hidden states `[b, n, hidden]` of a block whose token i hangs from
         `parents[:, i]` (-1 for the first); the cache holds the block in order until a path is kept."""
         ...
@@ -101,8 +102,9 @@ def pad_right(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple
     return out.to(device), last.to(device)
 
 
-def prefill_ragged(model: CausalLM, cache: ModelCache, slots: Tensor, sequences: list[list[int]],
-                   features: bool = False) -> list[Tensor] | None:
+def prefill_ragged(
+    model: CausalLM, cache: ModelCache, slots: Tensor, sequences: list[list[int]], features: bool = False
+) -> list[Tensor] | None:
     """Prefill rows with sequences of different lengths (right-padded, then rolled back). With `features` (a
     `FeatureLM`), return each row's final hidden states `[len, hidden]` (empty for an empty sequence)."""
     if not any(sequences):

@@ -39,8 +39,8 @@ from specsample.kv_cache import KVCache
 from specsample.models import compile_events
 from specsample.models.hub import cache_dir
 from specsample.models.layers import apply_rope, weight_version
-from specsample.models.rope import rope_tables
 from specsample.models.quant import QuantLinear, SplitLinear
+from specsample.models.rope import rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,14 @@ MAX_BLOCK = 16  # the most tokens per row a compiled call appends (a round's dra
 # CPU: freeze the weights as constants, drop the Python wrapper between kernels, and let inductor time
 # its own packed C++ matrix-vector kernels against oneDNN's per weight shape (on a 2-core AVX512-BF16 CPU its
 # kernels read weights faster, kernel for kernel); its stderr tables are switched off
-CPU_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
-                       "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
-                       "max_autotune_report_choices_stats": False}
+CPU_INDUCTOR_CONFIG = {
+    "freezing": True,
+    "cpp_wrapper": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
 # CUDA: CUDA graphs (inductor's cudagraph trees): each graph's kernels replay with one launch, where a small model's
 # step is otherwise bound by launching hundreds of kernels. A graph is recorded per concrete shape, so there a step
 # reads the cache up to a multiple of READ_BUCKET positions (entries past a row's length are masked, as always), rows
@@ -60,8 +65,9 @@ CPU_INDUCTOR_CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": Tr
 CUDA_INDUCTOR_CONFIG = {"triton.cudagraphs": True}
 READ_BUCKET = 256
 # inductor's autotuner calls a deprecated storage API (torch 2.13); the warning is not the user's to act on
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
-                        module=r"torch\._inductor\.select_algorithm")
+warnings.filterwarnings(
+    "ignore", message="TypedStorage is deprecated", category=UserWarning, module=r"torch\._inductor\.select_algorithm"
+)
 
 
 class DecodeStep(nn.Module):
@@ -73,8 +79,16 @@ class DecodeStep(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor, keys: Tensor,
-                values: Tensor, first: int | None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        tokens: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        key_positions: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        first: int | None,
+    ) -> tuple[Tensor, Tensor | None]:
         """`keys`/`values` are a `KVCache`'s stores as allocated, `[1 + layers * rows, KVH, max_len, hd]` (one size
         for any number of rows, 1 included; row 0 spare), written in place from `positions [b]` on; attention reads
         their first `len(key_positions)` entries (`key_positions`: 0, 1, ..). `first`: where the rows are consecutive
@@ -102,7 +116,7 @@ class DecodeStep(nn.Module):
             qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
             rows = slots + (1 + i * rows_per_layer)  # layer i's entries of the rows
             keys[rows.view(batch, 1), :, new_positions] = qk[:, :, heads:]  # [b, n, KVH, hd]
-            values[rows.view(batch, 1), :, new_positions] = qkv[:, :, heads + kv_heads:]
+            values[rows.view(batch, 1), :, new_positions] = qkv[:, :, heads + kv_heads :]
             mask = windowed if m.uses_window(i) else causal
             q = qk[:, :, :heads].reshape(batch, n, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
             if first is None:  # [b, KVH, length, hd]
@@ -111,8 +125,9 @@ class DecodeStep(nn.Module):
             else:
                 row_keys = keys.narrow(0, first + 1 + i * rows_per_layer, batch)[:, :, :length]
                 row_values = values.narrow(0, first + 1 + i * rows_per_layer, batch)[:, :, :length]
-            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, groups * n, head_dim), row_keys,
-                                                 row_values, attn_mask=mask)  # [b, KVH, G * n, hd]
+            out = F.scaled_dot_product_attention(
+                q.reshape(batch, kv_heads, groups * n, head_dim), row_keys, row_values, attn_mask=mask
+            )  # [b, KVH, G * n, hd]
             out = out.reshape(batch, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4)
             x = x + project(layer.o_proj, out.reshape(batch, n, heads * head_dim))
             gate, up = project(layer.gate_up, layer.post_norm(x)).chunk(2, dim=-1)
@@ -299,8 +314,9 @@ class CompiledDecode:
         """Up to MAX_BLOCK tokens per row, for distinct rows of the cache (the compiled step's contract)."""
         return tokens.shape[1] <= MAX_BLOCK and len(torch.unique(slots)) == len(slots)
 
-    def __call__(self, tokens: Tensor, cache: KVCache, slots: Tensor,
-                 positions: Tensor) -> tuple[Tensor, Tensor | None]:
+    def __call__(
+        self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
         """Hidden states `[b, n, hidden]` for rows `slots [b]` appending `tokens [b, n]`, and their features where the
         model has feature layers (`DecodeStep`); writes their new keys and values from `positions [b]` on."""
         batch, n = tokens.shape
@@ -309,10 +325,13 @@ class CompiledDecode:
         first = view_first(slots, tokens.device)
         shape = (batch == 1, n == 1, first is not None)
         if shape not in self.shapes:
-            log.info("compiling the decode step for batch %s, %s%s (20-80 s on a small CPU; found in inductor's "
-                     "cache by later processes)", "1" if shape[0] else "> 1",
-                     "one token per row" if shape[1] else "blocks of tokens",
-                     "" if shape[0] else ", rows in consecutive slots" if shape[2] else ", rows gathered")
+            log.info(
+                "compiling the decode step for batch %s, %s%s (20-80 s on a small CPU; found in inductor's "
+                "cache by later processes)",
+                "1" if shape[0] else "> 1",
+                "one token per row" if shape[1] else "blocks of tokens",
+                "" if shape[0] else ", rows in consecutive slots" if shape[2] else ", rows gathered",
+            )
         start = time.perf_counter()
         # fresh tensors: dynamo guards on dispatch keys and strides, and a caller's token tensor made outside
         # inference mode, or a slice of a longer one, would differ from the engine's and recompile the step (70 s)
@@ -324,8 +343,9 @@ class CompiledDecode:
         if tokens.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()
         with torch._inductor.config.patch(self.inductor_config):
-            hidden = replayed(self.step(tokens, slots, positions, reading, *stores,
-                                        None if first is None else DynamicInt(first)))
+            hidden = replayed(
+                self.step(tokens, slots, positions, reading, *stores, None if first is None else DynamicInt(first))
+            )
         if shape not in self.shapes:
             self.shapes.add(shape)
             log.info("compiled the decode step in %.0f s", time.perf_counter() - start)
@@ -339,8 +359,10 @@ class CompiledDecode:
         subset = self.model.output_subset
         if self.head is None or self.head[0] is not subset:  # built for another subset: build again
             log.info("compiling the output layer (a few seconds)")
-            self.head = subset, torch.compile(_private_forward(DecodeHead(self.model).eval()), fullgraph=True,
-                                              backend=_inductor)
+            self.head = (
+                subset,
+                torch.compile(_private_forward(DecodeHead(self.model).eval()), fullgraph=True, backend=_inductor),
+            )
         if hidden.shape[1] > 1:  # one graph for every block length
             torch._dynamo.mark_dynamic(hidden, 1)
         mark_rows_dynamic(hidden)
@@ -359,25 +381,35 @@ class HeadStep(nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, embeddings: Tensor, hidden: Tensor, slots: Tensor, positions: Tensor, key_positions: Tensor,
-                keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        embeddings: Tensor,
+        hidden: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        key_positions: Tensor,
+        keys: Tensor,
+        values: Tensor,
+    ) -> tuple[Tensor, Tensor]:
         h, c = self.head, self.head.layer_config
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         groups = heads // kv_heads
         batch, length = embeddings.shape[0], key_positions.shape[0]
         normed = h.hidden_norm(hidden)
         residual = normed if h.config.norm_before_residual else hidden
-        qkv = project(h.qkv, torch.cat([h.input_norm(embeddings), normed], dim=-1)).view(batch, 1, heads + 2 * kv_heads,
-                                                                                          head_dim)
+        qkv = project(h.qkv, torch.cat([h.input_norm(embeddings), normed], dim=-1)).view(
+            batch, 1, heads + 2 * kv_heads, head_dim
+        )
         cos, sin = rope_tables(h._inv_freq, h.rope_scale, positions.view(batch, 1), qkv.dtype)
         qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
         rows = slots + 1  # the stores' row 0 is spare (KVCache)
         keys[rows.view(batch, 1), :, positions.view(batch, 1)] = qk[:, :, heads:]  # [b, 1, KVH, hd]
-        values[rows.view(batch, 1), :, positions.view(batch, 1)] = qkv[:, :, heads + kv_heads:]
+        values[rows.view(batch, 1), :, positions.view(batch, 1)] = qkv[:, :, heads + kv_heads :]
         mask = key_positions.view(1, 1, 1, length) <= positions.view(batch, 1, 1, 1)  # [b, 1, 1, length]
         q = qk[:, :, :heads].reshape(batch, kv_heads, groups, head_dim)
-        out = F.scaled_dot_product_attention(q, keys[:, :, :length].index_select(0, rows),
-                                             values[:, :, :length].index_select(0, rows), attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, :length].index_select(0, rows), values[:, :, :length].index_select(0, rows), attn_mask=mask
+        )
         x = residual.to(out.dtype) + project(h.o_proj, out.reshape(batch, 1, heads * head_dim))
         gate, up = project(h.gate_up, h.post_norm(x)).chunk(2, dim=-1)
         x = x + project(h.down, F.silu(gate) * up)
@@ -403,8 +435,9 @@ class CompiledHeadStep:
             for rows in (1, 2) if batches else (1,):
                 if (rows == 1) in self.batches:
                     continue
-                hidden = torch.zeros(rows, 1, self.head.config.hidden_size, dtype=self.head.dtype,
-                                     device=self.head.device)
+                hidden = torch.zeros(
+                    rows, 1, self.head.config.hidden_size, dtype=self.head.dtype, device=self.head.device
+                )
                 slots = torch.arange(rows)
                 self(embed(torch.zeros(rows, 1, dtype=torch.long)), hidden, cache, slots)
                 cache.reset(slots)
@@ -417,10 +450,17 @@ class CompiledHeadStep:
         stores = mark_stores_dynamic(cache)
         single = len(slots) == 1
         if single not in self.batches:
-            log.info("compiling the feature draft's step for batch %s (10-30 s on a small CPU; found in inductor's "
-                     "cache by later processes)", "1" if single else "> 1")
-        inputs = (embeddings.contiguous(), hidden.contiguous(), slots.to(hidden.device).clone(),
-                  starts.to(hidden.device).clone())
+            log.info(
+                "compiling the feature draft's step for batch %s (10-30 s on a small CPU; found in inductor's "
+                "cache by later processes)",
+                "1" if single else "> 1",
+            )
+        inputs = (
+            embeddings.contiguous(),
+            hidden.contiguous(),
+            slots.to(hidden.device).clone(),
+            starts.to(hidden.device).clone(),
+        )
         mark_rows_dynamic(*inputs)
         with torch._inductor.config.patch(self.inductor_config):
             if hidden.is_cuda:

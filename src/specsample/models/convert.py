@@ -12,8 +12,15 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from specsample.models.gguf_file import (OUR_ARCHES, gguf_architecture, gguf_eos_ids, hf_config_from_gguf,
-                                         iter_hf_tensors, load_gguf_tokenizer, open_gguf)
+from specsample.models.gguf_file import (
+    OUR_ARCHES,
+    gguf_architecture,
+    gguf_eos_ids,
+    hf_config_from_gguf,
+    iter_hf_tensors,
+    load_gguf_tokenizer,
+    open_gguf,
+)
 
 
 def save_hf_folder(
@@ -30,8 +37,14 @@ def save_hf_folder(
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
-        config = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = {
+            **config,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     (out / "model.safetensors").chmod(0o644)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     eos = sorted(set(int(i) for i in eos_token_ids))
@@ -50,10 +63,20 @@ def gguf_to_hf_folder(gguf_path: Path, out: Path, progress: bool = True) -> None
     arch = gguf_architecture(reader)
     if arch in OUR_ARCHES:
         config = hf_config_from_gguf(reader)
-        config["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                    "mistral": "MistralForCausalLM"}[config["model_type"]]]
-        tensors = dict(tqdm(iter_hf_tensors(reader, config), total=len(reader.tensors), disable=not progress,
-                            desc=f"dequantizing {gguf_path.name}", unit="tensor"))
+        config["architectures"] = [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[
+                config["model_type"]
+            ]
+        ]
+        tensors = dict(
+            tqdm(
+                iter_hf_tensors(reader, config),
+                total=len(reader.tensors),
+                disable=not progress,
+                desc=f"dequantizing {gguf_path.name}",
+                unit="tensor",
+            )
+        )
         tokenizer = load_gguf_tokenizer(gguf_path)
         save_hf_folder(out, config, tensors, tokenizer, gguf_eos_ids(reader) + _end_ids(tokenizer))
         return
@@ -70,8 +93,7 @@ def _transformers_gguf_to_folder(gguf_path: Path, out: Path, eos_ids: list[int])
     """Architectures our runtime does not cover (e.g. Gemma 3): let transformers dequantize."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)

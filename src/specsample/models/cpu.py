@@ -31,5 +31,6 @@ def bf16_autocast(device: torch.device | str):
     faster training steps measured on an AVX512-BF16 CPU); float32 elsewhere. Weights stay as they are."""
     device = torch.device(device)
     enabled = (device.type == "cuda" and torch.cuda.is_bf16_supported()) or (
-        device.type == "cpu" and cpu_has_native_bf16())
+        device.type == "cpu" and cpu_has_native_bf16()
+    )
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)

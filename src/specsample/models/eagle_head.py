@@ -72,17 +72,31 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         if len(self.feature_layers) < 1 or self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"a head needs feature layers and a draft vocabulary within the target's, got "
-                             f"{self.feature_layers} and {self.draft_vocab_size} of {self.vocab_size}")
+            raise ValueError(
+                f"a head needs feature layers and a draft vocabulary within the target's, got "
+                f"{self.feature_layers} and {self.draft_vocab_size} of {self.vocab_size}"
+            )
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, draft_vocab_size: int,
-                   feature_layers: tuple[int, ...] | None = None) -> HeadConfig:
+    def for_target(
+        cls, target: LlamaConfig, draft_vocab_size: int, feature_layers: tuple[int, ...] | None = None
+    ) -> HeadConfig:
         """A head at the target's width, heads and RoPE."""
-        return cls(target.hidden_size, target.intermediate_size, target.num_heads, target.num_kv_heads,
-                   target.head_dim, target.rms_norm_eps, target.rope_theta, target.rope_scaling,
-                   target.max_position_embeddings, target.vocab_size, draft_vocab_size, target.hidden_size,
-                   tuple(feature_layers or default_feature_layers(target.num_layers)))
+        return cls(
+            target.hidden_size,
+            target.intermediate_size,
+            target.num_heads,
+            target.num_kv_heads,
+            target.head_dim,
+            target.rms_norm_eps,
+            target.rope_theta,
+            target.rope_scaling,
+            target.max_position_embeddings,
+            target.vocab_size,
+            draft_vocab_size,
+            target.hidden_size,
+            tuple(feature_layers or default_feature_layers(target.num_layers)),
+        )
 
     @property
     def feature_size(self) -> int:
@@ -91,26 +105,47 @@ class HeadConfig:
 
     def layer_config(self) -> LlamaConfig:
         """The shape our attention reads (one layer)."""
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                           max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-                           rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+        )
 
     def to_hf(self, dtype: torch.dtype) -> dict[str, Any]:
         """config.json for `LlamaForCausalLMEagle3` loaders."""
         out = {
-            "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False, "norm_before_residual": self.norm_before_residual,
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "norm_before_residual": self.norm_before_residual,
             "torch_dtype": str(dtype).removeprefix("torch."),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers),
-                             "use_aux_hidden_state": True},
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(self.feature_layers),
+                "use_aux_hidden_state": True,
+            },
         }
         if self.rope_scaling is not None:
             out["rope_scaling"] = dict(self.rope_scaling)
@@ -121,11 +156,14 @@ class HeadConfig:
         """From a head's config.json; what this runtime cannot run is refused by name."""
         if not set(hf.get("architectures") or ()) & set(ARCHITECTURES):
             raise ValueError(f"not an EAGLE-3 head: architectures {hf.get('architectures')}, expected {ARCHITECTURE}")
-        for key, supported in (("num_hidden_layers", 1), ("hidden_act", "silu"), ("attention_bias", False),
-                               ("mlp_bias", False)):
+        for key, supported in (
+            ("num_hidden_layers", 1),
+            ("hidden_act", "silu"),
+            ("attention_bias", False),
+            ("mlp_bias", False),
+        ):
             if hf.get(key, supported) != supported:
-                raise ValueError(f"this runtime runs EAGLE-3 heads with {key} {supported!r}, the head has "
-                                 f"{hf[key]!r}")
+                raise ValueError(f"this runtime runs EAGLE-3 heads with {key} {supported!r}, the head has {hf[key]!r}")
         eagle = hf.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state", True) is not True:
             raise ValueError("the head does not read fused target features (use_aux_hidden_state false): not run here")
@@ -134,15 +172,21 @@ class HeadConfig:
         rope = dict(hf.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         return cls(
-            hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"], num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(hf.get("rope_theta", 10000.0)),
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else tuple(sorted(rope.items())),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            vocab_size=hf["vocab_size"],
             draft_vocab_size=hf.get("draft_vocab_size") or hf["vocab_size"],
             target_hidden_size=hf.get("target_hidden_size") or hf["hidden_size"],
             feature_layers=tuple(int(i) for i in layers),
-            norm_before_residual=bool(hf.get("norm_before_residual", False)))
+            norm_before_residual=bool(hf.get("norm_before_residual", False)),
+        )
 
     def check_target(self, target: LlamaConfig, has_embedding: bool) -> None:
         """Raise `ValueError` naming the mismatch where the head cannot draft for `target`."""
@@ -152,8 +196,10 @@ class HeadConfig:
         if self.target_hidden_size != target.hidden_size:
             problems.append(f"target hidden size {self.target_hidden_size} (the target's: {target.hidden_size})")
         if not has_embedding and self.hidden_size != target.hidden_size:
-            problems.append(f"hidden size {self.hidden_size} without its own embedding (the target's embedding is "
-                            f"{target.hidden_size} wide)")
+            problems.append(
+                f"hidden size {self.hidden_size} without its own embedding (the target's embedding is "
+                f"{target.hidden_size} wide)"
+            )
         if max(self.feature_layers) > target.num_layers or min(self.feature_layers) < 0:
             problems.append(f"feature layers {list(self.feature_layers)} (the target has {target.num_layers})")
         if problems:
@@ -218,7 +264,7 @@ class EagleHead(nn.Module):
         qkv = self.qkv(x).view(batch, n, heads + 2 * kv_heads, self.head_dim)
         rope = rope_tables(self._inv_freq, self.rope_scale, attend.rope_positions, qkv.dtype)
         qk = apply_rope(qkv[:, :, : heads + kv_heads], *rope)
-        out = attend(qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads:])  # [b, n, H * hd]
+        out = attend(qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :])  # [b, n, H * hd]
         x = residual.to(out.dtype) + self.o_proj(out)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -237,15 +283,25 @@ class EagleHead(nn.Module):
         cache.lengths[slots.cpu()] = starts + n
         return out
 
-    def forward_tree(self, embeddings: Tensor, hidden: Tensor, cache: KVCache, slots: Tensor, visible: Tensor,
-                     positions: Tensor) -> Tensor:
+    def forward_tree(
+        self, embeddings: Tensor, hidden: Tensor, cache: KVCache, slots: Tensor, visible: Tensor, positions: Tensor
+    ) -> Tensor:
         """Append entries that see what `visible [b, n, kv_len]` says (a tree grown over several calls), at RoPE
         `positions [b, n]`; their outputs `[b, n, H]`."""
         n = embeddings.shape[1]
         starts = cache.reserve(slots, n)
         groups = self.num_heads // self.num_kv_heads
-        attend = Attention(cache, slots, starts, n, self.layer_config, groups, self.device, visible=visible,
-                           rope_positions=starts.unsqueeze(1) * 0 + positions)
+        attend = Attention(
+            cache,
+            slots,
+            starts,
+            n,
+            self.layer_config,
+            groups,
+            self.device,
+            visible=visible,
+            rope_positions=starts.unsqueeze(1) * 0 + positions,
+        )
         out = self(embeddings, hidden, attend)
         cache.lengths[slots.cpu()] = starts + n
         return out
@@ -257,28 +313,44 @@ class EagleHead(nn.Module):
 
 
 # our parameter names -> the published layout's (q/k/v and gate/up are fused here, split there)
-_NAMES = {"fc.weight": "fc.weight", "input_norm.weight": "midlayer.input_layernorm.weight",
-          "hidden_norm.weight": "midlayer.hidden_norm.weight", "o_proj.weight": "midlayer.self_attn.o_proj.weight",
-          "post_norm.weight": "midlayer.post_attention_layernorm.weight", "down.weight": "midlayer.mlp.down_proj.weight",
-          "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "embed.weight": "embed_tokens.weight",
-          "d2t": "d2t"}
+_NAMES = {
+    "fc.weight": "fc.weight",
+    "input_norm.weight": "midlayer.input_layernorm.weight",
+    "hidden_norm.weight": "midlayer.hidden_norm.weight",
+    "o_proj.weight": "midlayer.self_attn.o_proj.weight",
+    "post_norm.weight": "midlayer.post_attention_layernorm.weight",
+    "down.weight": "midlayer.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "embed.weight": "embed_tokens.weight",
+    "d2t": "d2t",
+}
 
 
-_SPLIT = tuple(f"midlayer.self_attn.{p}_proj.weight" for p in "qkv") + ("midlayer.mlp.gate_proj.weight",
-                                                                       "midlayer.mlp.up_proj.weight")
+_SPLIT = tuple(f"midlayer.self_attn.{p}_proj.weight" for p in "qkv") + (
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+)
 
 
 def published_tensors(head: EagleHead, dtype: torch.dtype) -> dict[str, Tensor]:
     """The head's tensors under the published names: floats in `dtype`, d2t int64, t2d bool."""
     own = {k: v.detach().cpu() for k, v in head.state_dict().items()}
     c = head.config
-    q, k, v = own.pop("qkv.weight").split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                           c.num_kv_heads * c.head_dim])
+    q, k, v = own.pop("qkv.weight").split(
+        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+    )
     gate, up = own.pop("gate_up.weight").chunk(2)
     out = {_NAMES[name]: tensor for name, tensor in own.items()}
-    out.update({"midlayer.self_attn.q_proj.weight": q, "midlayer.self_attn.k_proj.weight": k,
-                "midlayer.self_attn.v_proj.weight": v, "midlayer.mlp.gate_proj.weight": gate,
-                "midlayer.mlp.up_proj.weight": up})
+    out.update(
+        {
+            "midlayer.self_attn.q_proj.weight": q,
+            "midlayer.self_attn.k_proj.weight": k,
+            "midlayer.self_attn.v_proj.weight": v,
+            "midlayer.mlp.gate_proj.weight": gate,
+            "midlayer.mlp.up_proj.weight": up,
+        }
+    )
     out = {name: t.contiguous() if name == "d2t" else t.to(dtype).contiguous() for name, t in out.items()}
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[head.draft_ids.cpu()] = True
@@ -315,8 +387,10 @@ def load_head(folder: str | Path, target: LlamaConfig) -> EagleHead:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"the EAGLE-3 head in {folder} cannot be read: {exc}") from exc
     config = HeadConfig.from_hf(hf, target.num_layers)
-    tensors = {(name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name): t
-               for name, t in tensors.items()}
+    tensors = {
+        (name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name): t
+        for name, t in tensors.items()
+    }
     config.check_target(target, "embed_tokens.weight" in tensors)
     known = set(_NAMES.values()) | set(_SPLIT) | {"t2d"}
     unknown = sorted(set(tensors) - known)
@@ -330,8 +404,10 @@ def load_head(folder: str | Path, target: LlamaConfig) -> EagleHead:
         raise ValueError(f"the EAGLE-3 head in {folder} lacks {', '.join(_NAMES.get(m, m) for m in missing)}")
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ValueError(f"the EAGLE-3 head in {folder}: {_NAMES.get(name, name)} is {list(tensor.shape)}, its "
-                             f"config.json makes it {list(expected[name].shape)}")
+            raise ValueError(
+                f"the EAGLE-3 head in {folder}: {_NAMES.get(name, name)} is {list(tensor.shape)}, its "
+                f"config.json makes it {list(expected[name].shape)}"
+            )
     ids = torch.arange(config.draft_vocab_size) + state["d2t"]
     if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size or len(torch.unique(ids)) != len(ids):
         raise ValueError(f"the EAGLE-3 head in {folder}: d2t maps draft ids outside the vocabulary or twice")

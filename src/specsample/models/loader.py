@@ -44,8 +44,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (measured faster there), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "float64": torch.float64,
+    }
     if dtype in names:
         return names[dtype]
     if dtype != "auto":
@@ -62,14 +69,23 @@ def resolve_quantize(quantize: str, dtype: str | torch.dtype, device: torch.devi
     if quantize == "auto":
         return "auto" if dtype == "auto" and device.type == "cpu" else "none"
     if quantize in ("int8", "int4") and device.type != "cpu":
-        log.warning("the int4/int8 kernels run on CPUs: on %s quantized layers multiply by their dequantized weights",
-                    device)
+        log.warning(
+            "the int4/int8 kernels run on CPUs: on %s quantized layers multiply by their dequantized weights", device
+        )
     return quantize
 
 
-def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               runtime: str = "auto", progress: bool = True, compile_decode: bool = False, quantize: str = "auto",
-               group_size: int = DEFAULT_INT4_GROUP) -> LoadedModel:
+def load_model(
+    spec: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    runtime: str = "auto",
+    progress: bool = True,
+    compile_decode: bool = False,
+    quantize: str = "auto",
+    group_size: int = DEFAULT_INT4_GROUP,
+) -> LoadedModel:
     """Load `spec`: a built-in alias, a Hugging Face folder, a .gguf file or a Hugging Face Hub id.
 
     `quantize`: how the weights are held (`resolve_quantize`; by default a GGUF's quantized tensors run natively on a
@@ -84,14 +100,23 @@ def load_model(spec: str, *, dtype: str | torch.dtype = "auto", device: str | to
     loaded = _load(spec, dtype, device, runtime, progress, mode, group_size)
     if compile_decode:
         if not isinstance(loaded.model, LlamaModel):
-            raise ValueError(f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}: run "
-                             "it eagerly (without --compile; `specsample serve --enforce-eager`)")
+            raise ValueError(
+                f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}: run "
+                "it eagerly (without --compile; `specsample serve --enforce-eager`)"
+            )
         loaded.model.compile_decode(warm_up=True)
     return loaded
 
 
-def _load(spec: str, dtype: str | torch.dtype, device: torch.device, runtime: str, progress: bool, quantize: str,
-          group_size: int) -> LoadedModel:
+def _load(
+    spec: str,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    runtime: str,
+    progress: bool,
+    quantize: str,
+    group_size: int,
+) -> LoadedModel:
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if quantize in ("int8", "int4") and runtime == "hf":
@@ -103,8 +128,16 @@ def _load(spec: str, dtype: str | torch.dtype, device: torch.device, runtime: st
         default_draft = ALIASES[spec].default_draft
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
         if quantize != "none" and _use_ours(model_type, runtime):  # the weights from the alias's GGUF, as stored
-            loaded = _load_gguf(alias_gguf(spec, progress=progress), spec, compute_dtype, device, runtime, quantize,
-                                group_size, Tokenizer.from_folder(folder))
+            loaded = _load_gguf(
+                alias_gguf(spec, progress=progress),
+                spec,
+                compute_dtype,
+                device,
+                runtime,
+                quantize,
+                group_size,
+                Tokenizer.from_folder(folder),
+            )
             loaded.default_draft, loaded.folder = default_draft, folder
             return loaded
     elif builtin_draft(spec) is not None:
@@ -128,8 +161,15 @@ def _load(spec: str, dtype: str | torch.dtype, device: torch.device, runtime: st
     return loaded
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, runtime: str, spec: str,
-                quantize: str = "none", group_size: int = DEFAULT_INT4_GROUP) -> LoadedModel:
+def load_folder(
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    runtime: str,
+    spec: str,
+    quantize: str = "none",
+    group_size: int = DEFAULT_INT4_GROUP,
+) -> LoadedModel:
     """Load a Hugging Face folder with our runtime where it applies, else through transformers."""
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -149,13 +189,20 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, runtime:
 
 def _use_ours(model_type: str | None, runtime: str) -> bool:
     if runtime == "ours" and model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"our runtime supports {', '.join(SUPPORTED_MODEL_TYPES)}, not {model_type!r}; "
-                         "use runtime 'hf'")
+        raise ValueError(
+            f"our runtime supports {', '.join(SUPPORTED_MODEL_TYPES)}, not {model_type!r}; use runtime 'hf'"
+        )
     return runtime != "hf" and model_type in SUPPORTED_MODEL_TYPES
 
 
-def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
-                      quantize: str = "none", group_size: int = DEFAULT_INT4_GROUP) -> LlamaModel:
+def llama_from_folder(
+    folder: Path,
+    hf_config: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantize: str = "none",
+    group_size: int = DEFAULT_INT4_GROUP,
+) -> LlamaModel:
     """Our Llama-family runtime with the folder's safetensors weights."""
     from safetensors.torch import load_file
 
@@ -178,8 +225,14 @@ def llama_from_folder(folder: Path, hf_config: dict, dtype: torch.dtype, device:
     return model
 
 
-def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor | Codes], dtype: torch.dtype,
-                device: torch.device, quantize: str = "none", group_size: int = DEFAULT_INT4_GROUP) -> LlamaModel:
+def build_llama(
+    config: LlamaConfig,
+    tensors: dict[str, torch.Tensor | Codes],
+    dtype: torch.dtype,
+    device: torch.device,
+    quantize: str = "none",
+    group_size: int = DEFAULT_INT4_GROUP,
+) -> LlamaModel:
     """Instantiate without random init (meta device), then load Hugging Face-named weights (float tensors, or codes
     of quantized GGUF tensors), holding them as `quantize` says (models/quant_model.py)."""
     weights = plan_weights(tensors, quantize, config.tie_word_embeddings, group_size)
@@ -199,10 +252,25 @@ def build_llama(config: LlamaConfig, tensors: dict[str, torch.Tensor | Codes], d
     return model
 
 
-def _load_gguf(path: Path, spec: str, dtype: torch.dtype, device: torch.device, runtime: str, quantize: str,
-               group_size: int, tokenizer: Tokenizer | None = None) -> LoadedModel:
-    from specsample.models.gguf_file import (OUR_ARCHES, gguf_architecture, gguf_eos_ids, hf_config_from_gguf,
-                                             iter_hf_tensors, load_gguf_tokenizer, open_gguf)
+def _load_gguf(
+    path: Path,
+    spec: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    runtime: str,
+    quantize: str,
+    group_size: int,
+    tokenizer: Tokenizer | None = None,
+) -> LoadedModel:
+    from specsample.models.gguf_file import (
+        OUR_ARCHES,
+        gguf_architecture,
+        gguf_eos_ids,
+        hf_config_from_gguf,
+        iter_hf_tensors,
+        load_gguf_tokenizer,
+        open_gguf,
+    )
 
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
@@ -240,9 +308,14 @@ def _hub_folder(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, etag_timeout=10, allow_patterns=[
-            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
-            ignore_patterns=["consolidated*"]))
+        return Path(
+            snapshot_download(
+                repo_id,
+                etag_timeout=10,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+                ignore_patterns=["consolidated*"],
+            )
+        )
     except Exception as exc:  # the hub client raises many types for offline / missing repos
         raise ValueError(
             f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: "

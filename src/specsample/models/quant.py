@@ -69,10 +69,15 @@ def concat_codes(parts: list[Codes]) -> Codes | None:
     """Codes of the weights `parts` stacked along their output rows (a fused projection), or None where they differ in
     kind or group size (the projection then runs its parts one after the other)."""
     first = parts[0]
-    if isinstance(first, Int4Codes) and all(isinstance(p, Int4Codes) and p.group_size == first.group_size
-                                            for p in parts):
-        return Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                         torch.cat([p.zeros for p in parts]), first.group_size)
+    if isinstance(first, Int4Codes) and all(
+        isinstance(p, Int4Codes) and p.group_size == first.group_size for p in parts
+    ):
+        return Int4Codes(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.zeros for p in parts]),
+            first.group_size,
+        )
     if isinstance(first, Int8Codes) and all(isinstance(p, Int8Codes) for p in parts):
         return Int8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
     return None
@@ -186,13 +191,19 @@ class Int4Linear(QuantLinear):
         super().__init__(width, out, bias)
         self.group_size = codes.group_size
         if out % 16 or width % codes.group_size:
-            raise ValueError(f"int4 layers need out features divisible by 16 and in features by the group size; "
-                             f"got [{out}, {width}] with groups of {codes.group_size}")
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.codes.to(torch.int32).cpu().contiguous(), 1), persistent=False)  # [out, in / 2] uint8
+            raise ValueError(
+                f"int4 layers need out features divisible by 16 and in features by the group size; "
+                f"got [{out}, {width}] with groups of {codes.group_size}"
+            )
+        self.register_buffer(
+            "packed",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).cpu().contiguous(), 1),
+            persistent=False,
+        )  # [out, in / 2] uint8
         scales_zeros = torch.stack([codes.scales.t(), codes.zeros.t()], dim=-1)  # [in / group, out, 2]
-        self.register_buffer("scales_zeros", _to_kernel_dtype(scales_zeros).contiguous().view(torch.int16),
-                             persistent=False)
+        self.register_buffer(
+            "scales_zeros", _to_kernel_dtype(scales_zeros).contiguous().view(torch.int16), persistent=False
+        )
         self._ours = row_kernels.int4_fits(out, width, self.group_size, packing_block()) and row_kernels.available()
 
     @property
@@ -209,8 +220,9 @@ class Int4Linear(QuantLinear):
         """The codes unpacked from the kernel's layout (exact: no arithmetic on weights)."""
         scales_zeros = self.scales_zeros.view(KERNEL_DTYPE).float().cpu()
         codes = unpack_int4(self.packed.cpu(), self.out_features, self.in_features)
-        return Int4Codes(codes, scales_zeros[..., 0].t().contiguous(), scales_zeros[..., 1].t().contiguous(),
-                         self.group_size)
+        return Int4Codes(
+            codes, scales_zeros[..., 0].t().contiguous(), scales_zeros[..., 1].t().contiguous(), self.group_size
+        )
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 groups of {self.group_size}"
@@ -282,8 +294,9 @@ class Int8Linear(QuantLinear):
         """A layer of the output rows `ids` only (an output subset)."""
         codes = self.codes()
         ids = ids.cpu()
-        return Int8Linear(Int8Codes(codes.codes[ids], codes.scales[ids]),
-                          None if self.bias is None else self.bias[ids]).to(self.device)
+        return Int8Linear(
+            Int8Codes(codes.codes[ids], codes.scales[ids]), None if self.bias is None else self.bias[ids]
+        ).to(self.device)
 
     def lookup(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows `ids [...]` of the weight, dequantized: `[..., in]` in `dtype` (an embedding tied to this layer)."""

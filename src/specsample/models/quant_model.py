@@ -17,12 +17,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specsample.models.quant import (DEFAULT_INT4_GROUP, QUANT_MODES, Codes, Int4Codes, Int8Codes, QuantEmbedding,
-                                     SplitLinear, concat_codes, linear_module, quantize_int4, quantize_int8)
+from specsample.models.quant import (
+    DEFAULT_INT4_GROUP,
+    QUANT_MODES,
+    Codes,
+    Int4Codes,
+    Int8Codes,
+    QuantEmbedding,
+    SplitLinear,
+    concat_codes,
+    linear_module,
+    quantize_int4,
+    quantize_int8,
+)
 
 # our fused projections and the Hugging Face weights they are made of (in order)
-PROJECTIONS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
-               "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+PROJECTIONS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
 OUTPUT, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
@@ -44,8 +59,9 @@ def _as_layout(value: Tensor | Codes, layout: str, group_size: int) -> Codes:
     return quantize_int4(weights, group_size) if layout == "int4" else quantize_int8(weights)
 
 
-def plan_weights(tensors: dict[str, Tensor | Codes], mode: str, tied: bool,
-                 group_size: int = DEFAULT_INT4_GROUP) -> dict[str, Tensor | Codes]:
+def plan_weights(
+    tensors: dict[str, Tensor | Codes], mode: str, tied: bool, group_size: int = DEFAULT_INT4_GROUP
+) -> dict[str, Tensor | Codes]:
     """Hugging Face-named weights as the runtime will hold them under `mode`: codes for what is quantized, float
     tensors (codes dequantized) for the rest."""
     out: dict[str, Tensor | Codes] = {}
@@ -118,8 +134,12 @@ def quantize_model(model: torch.nn.Module, mode: str, group_size: int = DEFAULT_
         raise ValueError(f"quantize_model takes int8 or int4, got {mode!r}")
     check_mode(mode, group_size)
     device = model.device
-    weights = plan_weights({k: v.detach().float().cpu() for k, v in export_hf_state_dict(model).items()}, mode,
-                           model.config.tie_word_embeddings, group_size)
+    weights = plan_weights(
+        {k: v.detach().float().cpu() for k, v in export_hf_state_dict(model).items()},
+        mode,
+        model.config.tie_word_embeddings,
+        group_size,
+    )
     install_quantized(model, weights)
     return model.to(device)
 

@@ -53,8 +53,14 @@ def _load() -> bool:
 
     log.info("loading the int4/int8 CPU kernels (built once per machine, ~10 s)")
     try:
-        load(name="specsample_rows_mm", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        load(
+            name="specsample_rows_mm",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as error:  # a failed build leaves torch's kernels, which compute the same products
         log.warning("int4/int8 layers use torch's slower kernels: building ours failed (%s)", error)
         return False
@@ -64,6 +70,7 @@ def _load() -> bool:
 
 def _register_fakes() -> None:
     """Shapes of the ops for torch.compile (the compiled decode step calls them as opaque kernels)."""
+
     def int4_fake(x, packed, group, scales_zeros):
         return x.new_empty(x.shape[0], packed.shape[0])
 

@@ -29,8 +29,9 @@ PAD_MODES = ("auto", "off")  # --pad-rows
 MIN_GAIN = 0.03  # pad only where the wider block measured at least 3% faster: below that it is noise
 
 
-def score_padded(model: CausalLM, tokens: Tensor, cache: ModelCache, slots: Tensor, width: int,
-                 features: bool = False) -> tuple[Tensor, Tensor | None]:
+def score_padded(
+    model: CausalLM, tokens: Tensor, cache: ModelCache, slots: Tensor, width: int, features: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """Logits `[b, n, vocab]` of `tokens [b, n]` appended to rows `slots`, scored as a block of `width` >= n
     tokens (the last one repeated), and with `features` the final hidden states `[b, n, hidden]` (a `FeatureLM`;
     else None). Each row's cache length grows by `width`: the caller rolls it back."""
@@ -55,8 +56,13 @@ def fastest_widths(seconds: Sequence[float], min_gain: float = MIN_GAIN) -> tupl
     return tuple(widths)
 
 
-def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, repeats: int = 12,
-                          clock: Callable[[], float] = time.perf_counter) -> tuple[int, ...]:
+def measure_target_widths(
+    model: CausalLM,
+    max_tokens: int,
+    context: int = 128,
+    repeats: int = 12,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[int, ...]:
     """Time one row's forward over 1..`max_tokens` new tokens after `context` cached ones (interleaved,
     after a warm-up pass) and return the width to score each count at (`fastest_widths`). A count is
     padded only where the medians of both halves of the repeats pick the same width (on a shared machine one pass can cross the 3% bar by noise). Takes
@@ -66,16 +72,26 @@ def measure_target_widths(model: CausalLM, max_tokens: int, context: int = 128, 
         raise ValueError(f"repeats must be >= 2 (two halves must agree), got {repeats}")
     times = time_forward_widths(model, max_tokens, context, repeats, clock)
     medians = [statistics.median(times[w]) for w in times]
-    first, second = (fastest_widths([statistics.median(times[w][part]) for w in times])
-                     for part in (slice(0, repeats // 2), slice(repeats // 2, None)))
+    first, second = (
+        fastest_widths([statistics.median(times[w][part]) for w in times])
+        for part in (slice(0, repeats // 2), slice(repeats // 2, None))
+    )
     widths = tuple(a if a == b else n for n, (a, b) in enumerate(zip(first, second), start=1))
-    log.info("target forward by tokens scored (ms): %s; scoring widths %s",
-             ", ".join(f"{w}: {m * 1000:.2f}" for w, m in zip(times, medians)), widths)
+    log.info(
+        "target forward by tokens scored (ms): %s; scoring widths %s",
+        ", ".join(f"{w}: {m * 1000:.2f}" for w, m in zip(times, medians)),
+        widths,
+    )
     return widths
 
 
-def time_forward_widths(model: CausalLM, max_tokens: int, context: int = 128, repeats: int = 12,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[int, list[float]]:
+def time_forward_widths(
+    model: CausalLM,
+    max_tokens: int,
+    context: int = 128,
+    repeats: int = 12,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[int, list[float]]:
     """Seconds of one row's forward over each of 1..`max_tokens` new tokens after `context` cached ones,
     `repeats` times, interleaved by width, after a warm-up pass."""
     if max_tokens < 1:
@@ -92,7 +108,7 @@ def time_forward_widths(model: CausalLM, max_tokens: int, context: int = 128, re
             for width in times:
                 _sync(model.device)
                 start = clock()
-                model.forward_cached(tokens[:, context:context + width], cache, slot)
+                model.forward_cached(tokens[:, context : context + width], cache, slot)
                 _sync(model.device)
                 if rep:  # the first pass warms kernels and allocators up
                     times[width].append(clock() - start)

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 
 import torch
 
-
 _lock = threading.Lock()
 _holders = 0  # forwards inside that rely on cuDNN's attention being off; the last one out turns it back on
 

@@ -61,7 +61,8 @@ class Acceptance:
         are noisy enough to send requests that gain by drafting into fallback)."""
         state = self.of(request_id)
         return (state.successes + PRIOR_WEIGHT * self.prior_centre(state)) / (
-            state.successes + state.failures + PRIOR_WEIGHT)
+            state.successes + state.failures + PRIOR_WEIGHT
+        )
 
     def alpha_upper(self, request_id: str, margin: float) -> float:
         """Alpha `margin` standard errors above the estimate (its trials are its sample size)."""
@@ -78,15 +79,17 @@ class Acceptance:
         state = self.of(request_id)
         centre = self.pooled_alpha(self.lookup_pooled)
         return (state.lookup_successes + PRIOR_WEIGHT * centre) / (
-            state.lookup_successes + state.lookup_failures + PRIOR_WEIGHT)
+            state.lookup_successes + state.lookup_failures + PRIOR_WEIGHT
+        )
 
     def prior_centre(self, state: RequestAcceptance) -> float:
         """What a request's drafts' confidences predict (each draft's bin's past acceptance), behind
         CONFIDENCE_WEIGHT pseudo-trials at the pool, and never above the pool: a draft lost on a request is unsure
         of its own tokens, and confidences arrive with every draft, accepted or not."""
         pooled = self.pooled_alpha()
-        return min((state.predicted + CONFIDENCE_WEIGHT * pooled) / (state.predicted_trials + CONFIDENCE_WEIGHT),
-                   pooled)
+        return min(
+            (state.predicted + CONFIDENCE_WEIGHT * pooled) / (state.predicted_trials + CONFIDENCE_WEIGHT), pooled
+        )
 
     def pooled_alpha(self, pooled: list[float] | None = None) -> float:
         """Acceptance over earlier requests (the draft model's, or `pooled`), or PRIOR_ALPHA while the pool holds
@@ -116,8 +119,15 @@ class Acceptance:
         self.pooled = [POOL_ROUND_DECAY * x for x in self.pooled]
         self.lookup_pooled = [POOL_ROUND_DECAY * x for x in self.lookup_pooled]
 
-    def observe(self, request_id: str, num_drafted: int, num_accepted: int, lookup: bool,
-                confidences: tuple[float, ...] | None = None, expected: tuple[float, ...] | None = None) -> None:
+    def observe(
+        self,
+        request_id: str,
+        num_drafted: int,
+        num_accepted: int,
+        lookup: bool,
+        confidences: tuple[float, ...] | None = None,
+        expected: tuple[float, ...] | None = None,
+    ) -> None:
         """One drafting round of a request: counts, the confidence of each drafted token, and per position reached
         (its accepted drafts and the first rejected one) the probability a draft there is accepted (`expected`,
         counted in place of the coins)."""
@@ -129,8 +139,11 @@ class Acceptance:
         reached = min(num_accepted + 1, num_drafted)
         if expected is not None and len(expected) != reached:
             raise ValueError(f"expected holds one probability per position reached ({reached}), got {len(expected)}")
-        outcomes = ([min(max(float(b), 0.0), 1.0) for b in expected] if expected is not None
-                    else [1.0] * num_accepted + [0.0] * (reached - num_accepted))
+        outcomes = (
+            [min(max(float(b), 0.0), 1.0) for b in expected]
+            if expected is not None
+            else [1.0] * num_accepted + [0.0] * (reached - num_accepted)
+        )
         successes, failures = sum(outcomes), reached - sum(outcomes)
         factor = DECAY**reached  # forget per trial, not per round: a long round must not outweigh many short ones
         pool = POOL_DECAY**reached

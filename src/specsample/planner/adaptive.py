@@ -14,10 +14,20 @@ import dataclasses
 import logging
 
 import specsample.planner.fallback as fallback
-from specsample.planner.acceptance import BINS, Acceptance
-from specsample.planner.base import (BatchState, Extension, RoundOutcome, RoundPlan, RowOutcome, RowPlan,
-                                     RowState, fixed_drafts, most_drafts, tree_row)
 from specsample.config import TreeShape
+from specsample.planner.acceptance import BINS, Acceptance
+from specsample.planner.base import (
+    BatchState,
+    Extension,
+    RoundOutcome,
+    RoundPlan,
+    RowOutcome,
+    RowPlan,
+    RowState,
+    fixed_drafts,
+    most_drafts,
+    tree_row,
+)
 from specsample.planner.costs import CostModel, RoundKind
 from specsample.planner.fallback import RequestChoice
 from specsample.planner.trees import TreeYields, budgets
@@ -115,25 +125,50 @@ class GammaController:
             thresholds, extension = self._gate(size, facts.get("exploring", False))
         tree = self._tree(batch, rows, chosen, size) if chosen and self.trees and batch.can_tree else None
         if tree is not None:  # the model's rows draft the tree, the others their chains as trees; no gate or extension
-            rows = [dataclasses.replace(tree_row(state, tree) if state.chosen and r.source is not True
-                                        else RowPlan(r.drafts, r.drafts), source=r.source,
-                                        score_backlog=r.score_backlog, fallback=r.fallback) if r.drafts > 0 else r
-                    for r, state in zip(rows, batch.rows)]
+            rows = [
+                dataclasses.replace(
+                    tree_row(state, tree) if state.chosen and r.source is not True else RowPlan(r.drafts, r.drafts),
+                    source=r.source,
+                    score_backlog=r.score_backlog,
+                    fallback=r.fallback,
+                )
+                if r.drafts > 0
+                else r
+                for r, state in zip(rows, batch.rows)
+            ]
             thresholds, extension = [], None
         if extension is not None:
-            rows = [RowPlan(r.drafts, max(r.drafts, min(self.max_gamma, state.remaining - 1)), r.source,
-                            r.score_backlog, r.fallback)
-                    if state.chosen and r.drafts > 0 and r.source is not True else r
-                    for r, state in zip(rows, batch.rows)]
+            rows = [
+                RowPlan(
+                    r.drafts,
+                    max(r.drafts, min(self.max_gamma, state.remaining - 1)),
+                    r.source,
+                    r.score_backlog,
+                    r.fallback,
+                )
+                if state.chosen and r.drafts > 0 and r.source is not True
+                else r
+                for r, state in zip(rows, batch.rows)
+            ]
             if all(r.reach == r.drafts for r in rows):
                 extension = None
         # lookups may branch only where every drafting row is a lookup's: one row's tree makes the round a tree round
         # for every row, which the model's chains are not priced as
-        lookup_trees = (batch.can_tree and tree is None and any(r.source is True and r.drafts > 0 for r in rows)
-                        and all(r.source is True for r in rows if r.drafts > 0))
-        return RoundPlan(rows=tuple(rows), stop_thresholds=tuple(thresholds), extension=extension,
-                         chosen_ids=tuple(batch.rows[i].request_id for i in chosen), tree=tree,
-                         lookup_trees=lookup_trees, **facts)
+        lookup_trees = (
+            batch.can_tree
+            and tree is None
+            and any(r.source is True and r.drafts > 0 for r in rows)
+            and all(r.source is True for r in rows if r.drafts > 0)
+        )
+        return RoundPlan(
+            rows=tuple(rows),
+            stop_thresholds=tuple(thresholds),
+            extension=extension,
+            chosen_ids=tuple(batch.rows[i].request_id for i in chosen),
+            tree=tree,
+            lookup_trees=lookup_trees,
+            **facts,
+        )
 
     def _tree(self, batch: BatchState, rows: list[RowPlan], chosen: list[int], size: int) -> TreeShape | None:
         """The tree this round drafts (None: chains), see `trees`: the fastest predicted for the rows the model drafts
@@ -152,8 +187,9 @@ class GammaController:
                 if shape is None:
                     total += self.speedup(alpha, rows[i].drafts, size)
                 else:
-                    total += (self.tree_yields.tokens(rid, shape, alpha)
-                              / self.costs.tree_cost(size, shape.nodes, shape.depth))
+                    total += self.tree_yields.tokens(rid, shape, alpha) / self.costs.tree_cost(
+                        size, shape.nodes, shape.depth
+                    )
             return total / len(drafting)
 
         options: list[TreeShape | None] = [None, *self.trees]
@@ -216,9 +252,12 @@ class GammaController:
             choice.gamma = best
         # stop drafting only when even a generous alpha predicts a loss: at the ~25 trials the estimate remembers,
         # its noise near break-even sent requests that gained by drafting into fallback
-        if (not choice.fallback and speedup < fallback.FALLBACK_BELOW and not self.costs.settling(size)
-                and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1]
-                < fallback.FALLBACK_BELOW):
+        if (
+            not choice.fallback
+            and speedup < fallback.FALLBACK_BELOW
+            and not self.costs.settling(size)
+            and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1] < fallback.FALLBACK_BELOW
+        ):
             choice.fallback, choice.rounds_since_probe, choice.scorings = True, 0, 0
             self._switch(rid, "off", alpha, size, speedup)
         elif choice.fallback and speedup > fallback.RESUME_ABOVE:
@@ -233,15 +272,19 @@ class GammaController:
             # while a generous alpha says drafting may pay, keep the first scoring's cadence: the next scoring may
             # end a fallback that a slow start began
             first = fallback.score_interval(cost, 0, row.remaining)
-            if (first <= choice.rounds_since_probe < interval
-                    and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1]
-                    > fallback.RESUME_ABOVE):
+            if (
+                first <= choice.rounds_since_probe < interval
+                and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1] > fallback.RESUME_ABOVE
+            ):
                 interval = first
             if self._backlog(row) < fallback.SCORE_MIN_TOKENS:
                 interval = max(interval, choice.rounds_since_probe + 1)  # not yet: wait for a backlog
         else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
-            interval = fallback.probe_interval(self.acceptance.alpha_upper(rid, fallback.MARGIN), choice.gamma,
-                                               self.costs.round_cost(size, choice.gamma))
+            interval = fallback.probe_interval(
+                self.acceptance.alpha_upper(rid, fallback.MARGIN),
+                choice.gamma,
+                self.costs.round_cost(size, choice.gamma),
+            )
         if choice.rounds_since_probe < interval or not fallback.worth_probing(row.remaining):
             return 0, False
         choice.rounds_since_probe = 0
@@ -250,8 +293,15 @@ class GammaController:
             return 0, True
         return choice.gamma, False  # a probe drafts the gamma the formula picks for the current alpha
 
-    def _planned(self, rows: list[RowState], out: list[int], scores: dict[str, int], lookups: dict[str, int],
-                 exploring: bool, offers_lookups: bool) -> tuple[list[RowPlan], dict]:
+    def _planned(
+        self,
+        rows: list[RowState],
+        out: list[int],
+        scores: dict[str, int],
+        lookups: dict[str, int],
+        exploring: bool,
+        offers_lookups: bool,
+    ) -> tuple[list[RowPlan], dict]:
         """Row plans from the choices (each row is sent to its lookup or its model where the drafter offers
         lookups); notes which rows draft right after a plain round: a model draft then first feeds itself the
         tokens it missed, a cost of the plain rounds, not of drafting."""
@@ -267,8 +317,15 @@ class GammaController:
                 model_drafting |= n > 0
                 choice.planned = n
             drafts = max(0, min(n, self.max_gamma, row.remaining - 1))
-            plans.append(RowPlan(drafts=drafts, reach=drafts, source=lookup if offers_lookups else None,
-                                 score_backlog=scores.get(row.request_id, 0), fallback=n == 0))
+            plans.append(
+                RowPlan(
+                    drafts=drafts,
+                    reach=drafts,
+                    source=lookup if offers_lookups else None,
+                    score_backlog=scores.get(row.request_id, 0),
+                    fallback=n == 0,
+                )
+            )
         return plans, {"exploring": exploring, "catching_up": catching_up, "model_drafting": model_drafting}
 
     def _backlog(self, row: RowState) -> int:
@@ -330,13 +387,31 @@ class GammaController:
                 if row_plan.source is not True:
                     self.tree_yields.observe(row.request_id, plan.tree.nodes, row.num_accepted + 1)
             elif row.num_drafted > 0:
-                self.acceptance.observe(row.request_id, row.num_drafted, row.num_accepted, row_plan.source is True,
-                                        row.confidence, row.acceptance)
-        kind = RoundKind(drafts=outcome.width, lookups=plan.lookups > 0, scoring=plan.scoring > 0,
-                         model_drafting=plan.model_drafting, catching_up=plan.catching_up,
-                         tree=plan.tree.nodes if plan.tree is not None else 0)
-        self.costs.record(len(outcome.rows), kind, plan.chosen_ids, self.round, outcome.draft_seconds,
-                          outcome.target_seconds, outcome.verify_seconds)
+                self.acceptance.observe(
+                    row.request_id,
+                    row.num_drafted,
+                    row.num_accepted,
+                    row_plan.source is True,
+                    row.confidence,
+                    row.acceptance,
+                )
+        kind = RoundKind(
+            drafts=outcome.width,
+            lookups=plan.lookups > 0,
+            scoring=plan.scoring > 0,
+            model_drafting=plan.model_drafting,
+            catching_up=plan.catching_up,
+            tree=plan.tree.nodes if plan.tree is not None else 0,
+        )
+        self.costs.record(
+            len(outcome.rows),
+            kind,
+            plan.chosen_ids,
+            self.round,
+            outcome.draft_seconds,
+            outcome.target_seconds,
+            outcome.verify_seconds,
+        )
         for request_id in outcome.finished:
             self.forget(request_id)
 
@@ -359,18 +434,26 @@ class GammaController:
                 values = every.tolist()
                 kept = {i: values[i] for i in plain}
         acceptance = None
-        if (evidence is not None and evidence.target_probs is not None and not evidence.coupled and not evidence.tree
-                and evidence.draft_tokens.shape[1] > 0):
+        if (
+            evidence is not None
+            and evidence.target_probs is not None
+            and not evidence.coupled
+            and not evidence.tree
+            and evidence.draft_tokens.shape[1] > 0
+        ):
             from specsample.verify import acceptance_probabilities
 
-            acceptance = acceptance_probabilities(evidence.draft_tokens, evidence.draft_probs,
-                                                  evidence.target_probs).cpu().tolist()  # [b, gamma]
+            acceptance = (
+                acceptance_probabilities(evidence.draft_tokens, evidence.draft_probs, evidence.target_probs)
+                .cpu()
+                .tolist()
+            )  # [b, gamma]
         out = []
         for i, row in enumerate(rows):
             history = self.plain_probs.setdefault(row.request_id, [])
             scores = row.backlog_scores
             if scores is None and row.backlog_draft_probs is not None:
-                targets = history[len(history) - len(row.backlog_draft_probs):]
+                targets = history[len(history) - len(row.backlog_draft_probs) :]
                 scores = tuple(min(1.0, q / p) if p > 0 else 0.0 for q, p in zip(row.backlog_draft_probs, targets))
                 history.clear()
             if row.num_drafted > 0:
@@ -394,5 +477,12 @@ class GammaController:
 
     def _switch(self, rid: str, to: str, alpha: float, size: int, speedup: float) -> None:
         self.switches.append((rid, to))
-        log.info("request %s: speculation %s (alpha %.2f, cost ratio %.3f, overhead %.3f, predicted speedup %.2f)",
-                 rid, to, alpha, self.costs.cost_ratio(size), self.costs.overhead(size), speedup)
+        log.info(
+            "request %s: speculation %s (alpha %.2f, cost ratio %.3f, overhead %.3f, predicted speedup %.2f)",
+            rid,
+            to,
+            alpha,
+            self.costs.cost_ratio(size),
+            self.costs.overhead(size),
+            speedup,
+        )

@@ -80,8 +80,9 @@ class RoundCosts:
         elapsed = self.rounds - self.last.get(drafts, self.rounds - 1)
         self.last[drafts] = self.rounds
         cost = self.relative.setdefault(drafts, settled())
-        cost.add(seconds / self.pace.value, weight=min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT),
-                 spike=RELATIVE_SPIKE)
+        cost.add(
+            seconds / self.pace.value, weight=min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT), spike=RELATIVE_SPIKE
+        )
         if not seeding:  # counted twice, the first round would be the median of three
             self.pace.add(seconds / cost.value, spike=RELATIVE_SPIKE)
 
@@ -143,8 +144,13 @@ class CostModel:
 
     def nearest(self, batch_size: int) -> int | None:
         """The batch size nearest `batch_size` where drafting rounds were timed."""
-        return self._memoised(("nearest", batch_size), lambda: closest(
-            [b for b, step in self.draft_step.items() if step.value is not None and b in self.target_step], batch_size))
+        return self._memoised(
+            ("nearest", batch_size),
+            lambda: closest(
+                [b for b, step in self.draft_step.items() if step.value is not None and b in self.target_step],
+                batch_size,
+            ),
+        )
 
     def timed_drafting(self, batch_size: int) -> bool:
         """Whether a drafting round was timed at this very batch size."""
@@ -181,8 +187,9 @@ class CostModel:
             nearest = self.nearest(batch_size)
             cost = self.drafting[nearest].ratio(drafts, COST_MIN_ROUNDS) if nearest in self.drafting else None
             if cost is None:
-                overhead, ratio = self._memoised(("affine", batch_size),
-                                                 lambda: (self.overhead(batch_size), self.cost_ratio(batch_size)))
+                overhead, ratio = self._memoised(
+                    ("affine", batch_size), lambda: (self.overhead(batch_size), self.cost_ratio(batch_size))
+                )
                 cost = 1.0 + overhead + drafts * ratio
             return cost
 
@@ -255,8 +262,16 @@ class CostModel:
 
     # ----- timings --------------------------------------------------------------------------
 
-    def record(self, batch_size: int, kind: RoundKind, request_ids: tuple[str, ...], round_index: int,
-               draft_seconds: float, target_seconds: float, verify_seconds: float) -> None:
+    def record(
+        self,
+        batch_size: int,
+        kind: RoundKind,
+        request_ids: tuple[str, ...],
+        round_index: int,
+        draft_seconds: float,
+        target_seconds: float,
+        verify_seconds: float,
+    ) -> None:
         """Price one round from its draft, target and verify-and-commit time. A lookup round prices lookups only
         (one where a model drafted or scored too, nothing); a round with a backlog scoring prices only what the
         scoring added to a plain round; a catch-up forward (a draft feeding what plain rounds committed) is a cost

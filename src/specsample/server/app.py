@@ -34,11 +34,18 @@ from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats
 from specsample.engine import RowUpdate
 from specsample.models.hub import ALIASES, DRAFTS_DIR, alias_cached, builtin_draft
 from specsample.pair import is_hybrid
-from specsample.server.metrics import ServerMetrics
 from specsample.server.grammar_pool import CompileFailed, CompileTimeout, GrammarPool
+from specsample.server.metrics import ServerMetrics
 from specsample.server.options import ServerOptions
-from specsample.server.protocol import (MAX_JSON_DEPTH, PARAM_NAMES, ChatRequest, CompletionRequest, ProtocolError,
-                                        TextAssembler, validate_request)
+from specsample.server.protocol import (
+    MAX_JSON_DEPTH,
+    PARAM_NAMES,
+    ChatRequest,
+    CompletionRequest,
+    ProtocolError,
+    TextAssembler,
+    validate_request,
+)
 from specsample.server.runner import EngineRunner, RequestHandle
 from specsample.speculator import Speculator
 
@@ -54,16 +61,20 @@ class SpecServer:
             raise ValueError(f"{target.spec} has no tokenizer; serving text needs one")
         self.speculator, self.options, self.tokenizer = speculator, options, target.tokenizer
         drafter = RoutedDrafter(speculator.drafter) if speculator.drafter is not None else None
-        self.engine = speculator.engine(options.max_batch_size, options.max_model_len, drafter=drafter,
-                                        prefix_cache_rows=options.prefix_cache_rows)
+        self.engine = speculator.engine(
+            options.max_batch_size, options.max_model_len, drafter=drafter, prefix_cache_rows=options.prefix_cache_rows
+        )
         self.draft_spec = speculator.draft_spec
         labels = {"replica": options.replica_id} if options.replica_id else {}
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
         self.runner = EngineRunner(self.engine, self._observe)
         grammars = self.engine.grammars
-        self.grammar_pool = (GrammarPool(grammars, options.grammar_workers, options.grammar_compile_timeout)
-                             if grammars is not None else None)
+        self.grammar_pool = (
+            GrammarPool(grammars, options.grammar_workers, options.grammar_compile_timeout)
+            if grammars is not None
+            else None
+        )
         self.created = int(time.time())
         self.metrics_text = self.metrics.render  # replaced by the aggregate of all replicas under Ray Serve
         self.active = 0  # requests being answered (all routes but /health and /metrics)
@@ -95,11 +106,13 @@ class SpecServer:
             self.grammar_pool.close()
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
     """An OpenAI-style error object."""
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": code}}
+    )
 
 
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (/metrics has keys of its own)
@@ -182,15 +195,22 @@ def _refusal(options: ServerOptions, scope) -> Response | None:
         if not options.admin_key:
             return error_response(404, "Not Found", kind="not_found_error")
         if not _bearer_matches(scope, options.admin_key):
-            return error_response(403, "admin endpoints need the admin key: Authorization: Bearer ADMIN_KEY",
-                                  kind="permission_error", code="forbidden")
+            return error_response(
+                403,
+                "admin endpoints need the admin key: Authorization: Bearer ADMIN_KEY",
+                kind="permission_error",
+                code="forbidden",
+            )
     elif path == "/metrics":
         keys = [k for k in (options.metrics_key, options.admin_key) if k]
         if (options.api_key or options.metrics_key) and not any(_bearer_matches(scope, k) for k in keys):
-            return error_response(401, "/metrics needs the metrics key (--metrics-key) or the admin key: "
-                                       "Authorization: Bearer KEY" if keys else
-                                  "/metrics of a server with --api-key needs a key of its own: start the server "
-                                  "with --metrics-key", code="invalid_api_key")
+            return error_response(
+                401,
+                "/metrics needs the metrics key (--metrics-key) or the admin key: Authorization: Bearer KEY"
+                if keys
+                else "/metrics of a server with --api-key needs a key of its own: start the server with --metrics-key",
+                code="invalid_api_key",
+            )
     elif options.api_key and path not in OPEN_PATHS and not _bearer_matches(scope, options.api_key):
         return error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
     declared = _header(scope, b"content-length")
@@ -213,13 +233,16 @@ def _bearer_matches(scope, key: str) -> bool:
     """Whether the request carries `Authorization: Bearer KEY`, compared as bytes in constant time (any bytes a
     client sends compare; none raise)."""
     header = _header(scope, b"authorization") or b""
-    given = header[len(b"Bearer "):].strip() if header.startswith(b"Bearer ") else b""
+    given = header[len(b"Bearer ") :].strip() if header.startswith(b"Bearer ") else b""
     return secrets.compare_digest(given, key.encode("utf-8"))
 
 
 def _too_large(limit: int) -> Response:
-    return error_response(413, f"request body too large: this server accepts at most {limit} bytes "
-                               "(--max-body-bytes)", code="request_too_large")
+    return error_response(
+        413,
+        f"request body too large: this server accepts at most {limit} bytes (--max-body-bytes)",
+        code="request_too_large",
+    )
 
 
 def build_app(server: SpecServer | None = None) -> FastAPI:
@@ -241,10 +264,15 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
         srv: SpecServer = request.app.state.server
-        return {"status": "ok", "running": srv.engine.num_running, "waiting": srv.engine.num_waiting,
-                "draft": srv.draft_spec, "replica": srv.options.replica_id,
-                "sampling": "coupled" if srv.engine.config.coupled else "rejection",
-                "deterministic": srv.speculator.options.deterministic}
+        return {
+            "status": "ok",
+            "running": srv.engine.num_running,
+            "waiting": srv.engine.num_waiting,
+            "draft": srv.draft_spec,
+            "replica": srv.options.replica_id,
+            "sampling": "coupled" if srv.engine.config.coupled else "rejection",
+            "deterministic": srv.speculator.options.deterministic,
+        }
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -254,9 +282,18 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         srv: SpecServer = request.app.state.server
-        return {"object": "list", "data": [{
-            "id": srv.options.model_name, "object": "model", "created": srv.created, "owned_by": "specsample",
-            "max_model_len": srv.engine.max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": srv.options.model_name,
+                    "object": "model",
+                    "created": srv.created,
+                    "owned_by": "specsample",
+                    "max_model_len": srv.engine.max_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -273,7 +310,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
             body = _json(await request.body())
             spec = body.get("draft") if isinstance(body, dict) and len(body) == 1 else None
             if not isinstance(spec, str) or not spec:
-                raise ProtocolError("give the new draft as {\"draft\": \"SPEC\"}", "draft")
+                raise ProtocolError('give the new draft as {"draft": "SPEC"}', "draft")
             drafter = await asyncio.to_thread(_load_allowed_draft, srv, spec)
             await asyncio.to_thread(srv.runner.replace_drafter, drafter)
         except ProtocolError as exc:
@@ -287,8 +324,10 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     return app
 
 
-UNUSABLE_DRAFT = ("unknown or unusable draft: give ngram, suffix, hybrid, a built-in draft ({builtin}), hybrid:NAME, "
-                  "or the name of a draft in the server's models folder (--models-dir)")
+UNUSABLE_DRAFT = (
+    "unknown or unusable draft: give ngram, suffix, hybrid, a built-in draft ({builtin}), hybrid:NAME, "
+    "or the name of a draft in the server's models folder (--models-dir)"
+)
 
 
 def _load_allowed_draft(srv: SpecServer, spec: str):
@@ -308,8 +347,13 @@ def _load_allowed_draft(srv: SpecServer, spec: str):
         raise refusal from None
     target_vocab = srv.speculator.pair.target.model.vocab_size
     if drafter is None or (drafter.vocab_size is not None and drafter.vocab_size != target_vocab):
-        log.warning("draft %r refused: %s", spec, "it did not load" if drafter is None else
-                    f"its vocabulary ({drafter.vocab_size}) differs from the target's ({target_vocab})")
+        log.warning(
+            "draft %r refused: %s",
+            spec,
+            "it did not load"
+            if drafter is None
+            else f"its vocabulary ({drafter.vocab_size}) differs from the target's ({target_vocab})",
+        )
         raise refusal
     return drafter
 
@@ -382,8 +426,10 @@ async def _serve(request: Request, schema: type, chat: bool):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # a client that hangs up before the stream starts would never run the stream's cleanup
         asyncio.ensure_future(_cancel_on_disconnect(srv, request, choices))
-        return StreamingResponse(_stream(srv, request_id, chat, choices, len(prompt_ids), include_usage, logprobs),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(srv, request_id, chat, choices, len(prompt_ids), include_usage, logprobs),
+            media_type="text/event-stream",
+        )
     return await _complete(srv, request, request_id, chat, choices, len(prompt_ids), logprobs)
 
 
@@ -391,8 +437,9 @@ def _prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[An
     """The validated request, its prompt's token ids and its max_tokens (raises `ProtocolError`)."""
     req = validate_request(schema, _json(body))
     if req.model not in (None, srv.options.model_name):
-        raise ProtocolError(f"The model `{req.model}` does not exist (this server serves "
-                            f"`{srv.options.model_name}`)", "model", 404)
+        raise ProtocolError(
+            f"The model `{req.model}` does not exist (this server serves `{srv.options.model_name}`)", "model", 404
+        )
     prompt_ids, max_tokens = _prompt(srv, req, chat)
     try:  # all but the grammar, which compiles in the grammar pool (_compile)
         grammar = None if srv.grammar_pool is not None else req.sampling_params(max_tokens).grammar
@@ -421,15 +468,17 @@ async def _compile(srv: SpecServer, request: Request, grammar) -> bool:
     except SettingError as exc:
         raise _protocol_error(exc) from None
     except CompileTimeout:
-        raise ProtocolError(f"response_format: the grammar did not compile within "
-                            f"{srv.options.grammar_compile_timeout:g} s (the server's --grammar-compile-timeout); "
-                            "a simpler schema compiles faster", "response_format") from None
+        raise ProtocolError(
+            f"response_format: the grammar did not compile within "
+            f"{srv.options.grammar_compile_timeout:g} s (the server's --grammar-compile-timeout); "
+            "a simpler schema compiles faster",
+            "response_format",
+        ) from None
     except CompileFailed as exc:
         if srv.draining:
             raise ProtocolError("the server is shutting down", None, 503, "server_error") from None
         log.error("grammar compile failed: %s", exc)
-        raise ProtocolError("response_format: the grammar compiler failed on this grammar", "response_format") \
-            from None
+        raise ProtocolError("response_format: the grammar compiler failed on this grammar", "response_format") from None
     return True
 
 
@@ -453,8 +502,12 @@ def _cache_scope(request: Request, req) -> str:
 
 
 def _shutting_down() -> JSONResponse:
-    return error_response(503, "the server is shutting down: the request was ended before it finished",
-                          kind="server_error", code="shutting_down")
+    return error_response(
+        503,
+        "the server is shutting down: the request was ended before it finished",
+        kind="server_error",
+        code="shutting_down",
+    )
 
 
 async def _cancel_on_disconnect(srv: SpecServer, request: Request, choices: list[_Choice]) -> None:
@@ -481,9 +534,12 @@ def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
             raise ProtocolError("prompt is empty", "prompt")
         max_tokens = req.max_tokens or 16
     if len(ids) + max_tokens > limit:
-        raise ProtocolError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                            "completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        raise ProtocolError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
     return ids, max_tokens
 
 
@@ -491,13 +547,15 @@ def _submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int, cache_
     handles = []
     gamma = req.num_speculative_tokens
     if gamma is not None and gamma > srv.engine.planner.max_gamma:
-        raise ProtocolError(f"num_speculative_tokens must be <= {srv.engine.planner.max_gamma}",
-                            "num_speculative_tokens")
+        raise ProtocolError(
+            f"num_speculative_tokens must be <= {srv.engine.planner.max_gamma}", "num_speculative_tokens"
+        )
     try:
         for i in range(req.n):
             params = req.sampling_params(max_tokens, seed=None if req.seed is None else req.seed + i)
-            handles.append(srv.runner.submit(prompt_ids, params, speculative=req.speculative, gamma=gamma,
-                                             cache_scope=cache_scope))
+            handles.append(
+                srv.runner.submit(prompt_ids, params, speculative=req.speculative, gamma=gamma, cache_scope=cache_scope)
+            )
     except ValueError as exc:
         for handle in handles:
             srv.runner.cancel(handle.request_id)
@@ -507,8 +565,11 @@ def _submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int, cache_
 
 def _protocol_error(exc: ValueError) -> ProtocolError:
     """The engine's refusal as a 400 naming the request's parameter."""
-    param = PARAM_NAMES.get(exc.name, exc.name) if isinstance(exc, SettingError) else (
-        "prompt" if "prompt" in str(exc) else None)
+    param = (
+        PARAM_NAMES.get(exc.name, exc.name)
+        if isinstance(exc, SettingError)
+        else ("prompt" if "prompt" in str(exc) else None)
+    )
     return ProtocolError(str(exc), param)
 
 
@@ -525,15 +586,24 @@ class _LogprobFormat:
     def render(self, entries: list, offset: int = 0) -> dict[str, Any]:
         """`entries` (TokenLogprob) as the API's logprobs object; `offset`: the text length before them."""
         if self.chat:
-            return {"content": [self._chat_entry(e.token, e.logprob) | {
-                "top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]} for e in entries]}
+            return {
+                "content": [
+                    self._chat_entry(e.token, e.logprob)
+                    | {"top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]}
+                    for e in entries
+                ]
+            }
         texts = [self.text(e.token) for e in entries]
         offsets = []
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+        return {
+            "tokens": texts,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _chat_entry(self, token: int, logprob: float) -> dict[str, Any]:
         """A token's entry; `bytes` are the token's own (its text shows a replacement character where the token holds
@@ -596,34 +666,73 @@ def _finish(srv: SpecServer, request_id: str, choices: list[_Choice], prompt_tok
         end = time.perf_counter()
         ttft = None if h.first_token is None else h.first_token - h.submitted
         tpot = (end - h.first_token) / (choice.tokens - 1) if h.first_token is not None and choice.tokens > 1 else None
-        status = ("error" if choice.finish_reason == "error" else
-                  "finished" if choice.done and choice.finish_reason != "shutdown" else "cancelled")
+        status = (
+            "error"
+            if choice.finish_reason == "error"
+            else "finished"
+            if choice.done and choice.finish_reason != "shutdown"
+            else "cancelled"
+        )
         srv.metrics.observe_request(status, prompt_tokens, ttft, tpot, end - h.submitted)
-        log.info(json.dumps({
-            "event": "request", "id": request_id, "choice": choice.index, "prompt_tokens": prompt_tokens,
-            "completion_tokens": choice.tokens, "finish_reason": choice.finish_reason or "cancelled",
-            "ttft_ms": None if ttft is None else round(1000 * ttft, 1),
-            "tpot_ms": None if tpot is None else round(1000 * tpot, 2),
-            "acceptance_rate": round(h.accepted / h.drafted, 3) if h.drafted else None,
-            "gamma_mean": round(h.gamma_sum / h.rounds, 2) if h.rounds else 0.0,
-        }))
+        log.info(
+            json.dumps(
+                {
+                    "event": "request",
+                    "id": request_id,
+                    "choice": choice.index,
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": choice.tokens,
+                    "finish_reason": choice.finish_reason or "cancelled",
+                    "ttft_ms": None if ttft is None else round(1000 * ttft, 1),
+                    "tpot_ms": None if tpot is None else round(1000 * tpot, 2),
+                    "acceptance_rate": round(h.accepted / h.drafted, 3) if h.drafted else None,
+                    "gamma_mean": round(h.gamma_sum / h.rounds, 2) if h.rounds else 0.0,
+                }
+            )
+        )
 
 
-def _chunk(request_id: str, chat: bool, model: str, created: int, index: int, text: str | None,
-           finish: str | None, role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def _chunk(
+    request_id: str,
+    chat: bool,
+    model: str,
+    created: int,
+    index: int,
+    text: str | None,
+    finish: str | None,
+    role: bool = False,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text:
             delta["content"] = text
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [choice]}
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}]}
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}],
+    }
 
 
-async def _stream(srv: SpecServer, request_id: str, chat: bool, choices: list[_Choice], prompt_tokens: int,
-                  include_usage: bool, logprobs: _LogprobFormat | None = None) -> AsyncIterator[str]:
+async def _stream(
+    srv: SpecServer,
+    request_id: str,
+    chat: bool,
+    choices: list[_Choice],
+    prompt_tokens: int,
+    include_usage: bool,
+    logprobs: _LogprobFormat | None = None,
+) -> AsyncIterator[str]:
     model, created = srv.options.model_name, int(time.time())
     try:
         if chat:
@@ -636,25 +745,44 @@ async def _stream(srv: SpecServer, request_id: str, chat: bool, choices: list[_C
                 choice = pending.pop(task)
                 for text, finish in task.result():
                     if finish == "shutdown":  # the shutdown limit passed: an error event, then the stream's end
-                        yield _sse({"error": {"message": "the server is shutting down: the response was cut short",
-                                              "type": "server_error", "param": None, "code": "shutting_down"}})
+                        yield _sse(
+                            {
+                                "error": {
+                                    "message": "the server is shutting down: the response was cut short",
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": "shutting_down",
+                                }
+                            }
+                        )
                         yield "data: [DONE]\n\n"
                         return
-                    new = choice.logprobs[choice.sent_logprobs:] if logprobs is not None else []
+                    new = choice.logprobs[choice.sent_logprobs :] if logprobs is not None else []
                     if text or finish or new:  # each chunk carries the logprobs of the tokens it adds
                         rendered = logprobs.render(new, offset=choice.text_offset) if logprobs is not None else None
                         choice.sent_logprobs += len(new)
                         choice.text_offset += sum(len(logprobs.text(e.token)) for e in new) if new else 0
-                        yield _sse(_chunk(request_id, chat, model, created, choice.index, text, finish,
-                                          logprobs=rendered))
+                        yield _sse(
+                            _chunk(request_id, chat, model, created, choice.index, text, finish, logprobs=rendered)
+                        )
                 if not choice.done:
                     pending[asyncio.ensure_future(choice.next())] = choice
         if include_usage:
             completion = sum(c.tokens for c in choices)
-            yield _sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": created, "model": model, "choices": [],
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                  "total_tokens": prompt_tokens + completion}})
+            yield _sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": completion,
+                        "total_tokens": prompt_tokens + completion,
+                    },
+                }
+            )
         yield "data: [DONE]\n\n"
     finally:  # also runs when the client disconnects mid-stream: its rows are cancelled and freed
         if "pending" in locals():
@@ -667,8 +795,15 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _complete(srv: SpecServer, request: Request, request_id: str, chat: bool, choices: list[_Choice],
-                    prompt_tokens: int, logprobs: _LogprobFormat | None = None):
+async def _complete(
+    srv: SpecServer,
+    request: Request,
+    request_id: str,
+    chat: bool,
+    choices: list[_Choice],
+    prompt_tokens: int,
+    logprobs: _LogprobFormat | None = None,
+):
     texts = {c.index: "" for c in choices}
 
     async def collect(choice: _Choice) -> None:
@@ -693,17 +828,44 @@ async def _complete(srv: SpecServer, request: Request, request_id: str, chat: bo
     if any(c.finish_reason == "error" for c in choices):
         return error_response(500, "generation failed inside the engine", kind="server_error")
     completion = sum(c.tokens for c in choices)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
     created, model = int(time.time()), srv.options.model_name
     if chat:
-        body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "usage": usage,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
-                             "finish_reason": c.finish_reason,
-                             "logprobs": logprobs.render(c.logprobs) if logprobs is not None else None}
-                            for c in choices]}
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "usage": usage,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": texts[c.index]},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": logprobs.render(c.logprobs) if logprobs is not None else None,
+                }
+                for c in choices
+            ],
+        }
     else:
-        body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "usage": usage,
-                "choices": [{"index": c.index, "text": texts[c.index], "finish_reason": c.finish_reason,
-                             "logprobs": logprobs.render(c.logprobs) if logprobs is not None else None}
-                            for c in choices]}
+        body = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "usage": usage,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": texts[c.index],
+                    "finish_reason": c.finish_reason,
+                    "logprobs": logprobs.render(c.logprobs) if logprobs is not None else None,
+                }
+                for c in choices
+            ],
+        }
     return JSONResponse(body)

@@ -119,8 +119,14 @@ class GrammarPool:
         package_root = str(Path(__file__).resolve().parents[2])  # the folder holding specsample
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specsample.server.grammar_worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
+            sys.executable,
+            "-m",
+            "specsample.server.grammar_worker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env=env,
+        )
         worker = _Worker(process)
         self._busy.add(worker)  # from its start: close() kills it
         try:

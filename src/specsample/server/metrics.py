@@ -32,7 +32,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
 class ServerMetrics:
     """One registry per server (tests run several in a process)."""
 
-    def __init__(self, min_acceptance: float | None = None, window_rounds: int = 64, labels: dict | None = None) -> None:
+    def __init__(
+        self, min_acceptance: float | None = None, window_rounds: int = 64, labels: dict | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         names = list((labels or {}).keys())
         self._labels = labels or {}
@@ -53,46 +55,65 @@ class ServerMetrics:
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.emitted_tokens = counter("spec_decode_num_emitted_tokens", "Tokens emitted by speculative rounds")
-        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each draft position", ("position",))
-        self.drafted_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
-                                       "Draft tokens proposed at each draft position", ("position",))
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position", ("position",)
+        )
+        self.drafted_per_pos = counter(
+            "spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed at each draft position", ("position",)
+        )
         # what gamma auto did beyond choosing gamma (the CLI's summary and the stats dict count the same)
         self.plain_rows = counter("controller_fallback_row_rounds", "Row-rounds gamma auto decoded without drafting")
         self.lookup_rows = counter("controller_lookup_row_rounds", "Row-rounds gamma auto drafted by prompt lookup")
-        self.extended_rows = counter("controller_extended_row_rounds",
-                                     "Row-rounds that drafted past the gamma the controller planned")
-        self.scored_rows = counter("controller_backlog_scorings",
-                                   "Rows whose draft scored the tokens it missed (probes in fallback)")
+        self.extended_rows = counter(
+            "controller_extended_row_rounds", "Row-rounds that drafted past the gamma the controller planned"
+        )
+        self.scored_rows = counter(
+            "controller_backlog_scorings", "Rows whose draft scored the tokens it missed (probes in fallback)"
+        )
         self.prefix_queries = counter("prefix_cache_queries", "Requests admitted (each looks for a cached prefix)")
         self.prefix_hits = counter("prefix_cache_hits", "Admitted requests that reused a cached prefix")
-        self.prefix_queried_tokens = counter("prefix_cache_queried_tokens",
-                                             "Prompt tokens of admitted requests the target's cache takes")
-        self.prefix_reused_tokens = counter("prefix_cache_reused_tokens",
-                                            "Prompt tokens taken from a cached prefix instead of prefilled")
+        self.prefix_queried_tokens = counter(
+            "prefix_cache_queried_tokens", "Prompt tokens of admitted requests the target's cache takes"
+        )
+        self.prefix_reused_tokens = counter(
+            "prefix_cache_reused_tokens", "Prompt tokens taken from a cached prefix instead of prefilled"
+        )
         self.suffix_tokens = gauge("suffix_cache_tokens", "Tokens the shared suffix cache holds (recent outputs)")
         self.suffix_sequences = gauge("suffix_cache_sequences", "Requests' outputs the shared suffix cache holds")
         self.suffix_bytes = gauge("suffix_cache_bytes", "Memory the shared suffix cache holds (estimated)")
         self.suffix_capacity = gauge("suffix_cache_capacity_tokens", "Most tokens the shared suffix cache holds")
-        self.suffix_evicted = gauge("suffix_cache_evicted_sequences",
-                                    "Requests' outputs dropped from the shared suffix cache for room")
-        self.recompiles = counter("compile_recompiles", "Graphs compiled after start-up (shapes the warm-up did not "
-                                                        "cover), each costing seconds to minutes of a round")
-        self.eager_fallbacks = counter("compile_eager_fallbacks", "Cached forwards of a compiled model that ran eagerly "
-                                                                  "(token trees, blocks past 16 tokens per row)")
+        self.suffix_evicted = gauge(
+            "suffix_cache_evicted_sequences", "Requests' outputs dropped from the shared suffix cache for room"
+        )
+        self.recompiles = counter(
+            "compile_recompiles",
+            "Graphs compiled after start-up (shapes the warm-up did not "
+            "cover), each costing seconds to minutes of a round",
+        )
+        self.eager_fallbacks = counter(
+            "compile_eager_fallbacks",
+            "Cached forwards of a compiled model that ran eagerly (token trees, blocks past 16 tokens per row)",
+        )
         for metric in (self.recompiles, self.eager_fallbacks):  # shown at 0 from the start, labels included
             self._l(metric)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
-        self.batch_size = Histogram("specsample_batch_size", "Rows decoded together per engine round", names,
-                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=self.registry)
+        self.batch_size = Histogram(
+            "specsample_batch_size",
+            "Rows decoded together per engine round",
+            names,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=self.registry,
+        )
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests queued for a batch slot")
-        self.recent_acceptance = gauge("spec_decode_recent_acceptance_rate",
-                                       f"Accepted / drafted tokens over the last {window_rounds} rounds")
-        self.recent_mean_length = gauge("spec_decode_recent_mean_acceptance_length",
-                                        f"1 + accepted / drafts over the last {window_rounds} rounds")
+        self.recent_acceptance = gauge(
+            "spec_decode_recent_acceptance_rate", f"Accepted / drafted tokens over the last {window_rounds} rounds"
+        )
+        self.recent_mean_length = gauge(
+            "spec_decode_recent_mean_acceptance_length", f"1 + accepted / drafts over the last {window_rounds} rounds"
+        )
         self.max_batch_seen = 0
         self._window: deque[tuple[int, int, int]] = deque(maxlen=window_rounds)  # (accepted, drafted, drafts)
         self._min_acceptance = min_acceptance
@@ -102,9 +123,13 @@ class ServerMetrics:
 
     def watch_suffix_cache(self, read: Callable[[], SuffixCacheStats | None]) -> None:
         """Report, at every scrape, what `read()` says the shared suffix cache holds (zeros without one)."""
-        for gauge, name in ((self.suffix_tokens, "tokens"), (self.suffix_sequences, "sequences"),
-                            (self.suffix_bytes, "bytes"), (self.suffix_capacity, "capacity"),
-                            (self.suffix_evicted, "evicted")):
+        for gauge, name in (
+            (self.suffix_tokens, "tokens"),
+            (self.suffix_sequences, "sequences"),
+            (self.suffix_bytes, "bytes"),
+            (self.suffix_capacity, "capacity"),
+            (self.suffix_evicted, "evicted"),
+        ):
             self._l(gauge).set_function(lambda name=name: getattr(read() or NO_SUFFIX_CACHE, name))
 
     def _l(self, metric, **extra):
@@ -163,12 +188,17 @@ class ServerMetrics:
         self._low_since = self._low_since or now
         if now - self._low_since >= 5.0 and now - self._last_warning >= 60.0:
             self._last_warning = now
-            log.warning("recent acceptance rate %.2f has stayed below --min-acceptance %.2f for %.0f s: "
-                        "the draft no longer matches the target's traffic", rate, self._min_acceptance,
-                        now - self._low_since)
+            log.warning(
+                "recent acceptance rate %.2f has stayed below --min-acceptance %.2f for %.0f s: "
+                "the draft no longer matches the target's traffic",
+                rate,
+                self._min_acceptance,
+                now - self._low_since,
+            )
 
-    def observe_request(self, status: str, prompt_tokens: int, ttft: float | None, tpot: float | None,
-                        e2e: float) -> None:
+    def observe_request(
+        self, status: str, prompt_tokens: int, ttft: float | None, tpot: float | None, e2e: float
+    ) -> None:
         """Count one finished request (called from the event loop)."""
         self._l(self.requests, status=status).inc()
         self._l(self.prompt_tokens).inc(prompt_tokens)
@@ -197,8 +227,11 @@ def merge_expositions(texts: list[str]) -> str:
         lines += [f"# HELP {name} {_escape(doc, help_text=True)}", f"# TYPE {name} {kind}"]
         for sample in samples:
             labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels.items())
-            lines.append(f"{sample.name}{{{labels}}} {_number(sample.value)}" if labels else
-                         f"{sample.name} {_number(sample.value)}")
+            lines.append(
+                f"{sample.name}{{{labels}}} {_number(sample.value)}"
+                if labels
+                else f"{sample.name} {_number(sample.value)}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -40,29 +40,46 @@ class ServerOptions:
 
     model_name: str = setting(help="model id in the API (default: the --model spec)", flag="--served-model-name")
     api_key: str | None = setting(None, help="require 'Authorization: Bearer KEY' on the inference routes")
-    min_acceptance: float | None = setting(None, help="warn when the recent acceptance rate stays below this (0.7 "
-                                                      "suits a well-matched pair)")
+    min_acceptance: float | None = setting(
+        None, help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)"
+    )
     max_batch_size: int = setting(8, help="requests decoded together; more wait in line")
     max_model_len: int = setting(2048, help="context length per request (prompt + output)")
     replica_id: str | None = None  # set under Ray Serve: labels metrics, tagged on responses
     extra_labels: dict[str, str] = field(default_factory=dict)
-    admin_key: str | None = setting(None, help="enable /admin/* (live draft replacement), which then needs "
-                                               "'Authorization: Bearer ADMIN_KEY'; without it /admin/* answers 404")
-    models_dir: str | None = setting(None, help="folder of drafts /admin/draft may load, named by their path inside "
-                                                "it (besides ngram, suffix, hybrid and the built-in drafts)")
+    admin_key: str | None = setting(
+        None,
+        help="enable /admin/* (live draft replacement), which then needs "
+        "'Authorization: Bearer ADMIN_KEY'; without it /admin/* answers 404",
+    )
+    models_dir: str | None = setting(
+        None,
+        help="folder of drafts /admin/draft may load, named by their path inside "
+        "it (besides ngram, suffix, hybrid and the built-in drafts)",
+    )
     max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, help="refuse request bodies larger than this with 413")
-    prefix_cache_rows: int = setting(4, help="finished requests' cache rows kept for requests sharing their prefix, "
-                                             "such as the next turn of a chat, which then prefills only what is new; "
-                                             "each costs what a running row's caches cost (0: none)")
-    metrics_key: str | None = setting(None, help="/metrics then needs 'Authorization: Bearer METRICS_KEY' (the admin "
-                                                 "key also works); with --api-key, /metrics answers only to these keys")
-    grammar_compile_timeout: float = setting(DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
-                                             help="seconds a request's response_format grammar may take to compile, "
-                                                  "waiting for a free compiler included; past it: 400")
+    prefix_cache_rows: int = setting(
+        4,
+        help="finished requests' cache rows kept for requests sharing their prefix, "
+        "such as the next turn of a chat, which then prefills only what is new; "
+        "each costs what a running row's caches cost (0: none)",
+    )
+    metrics_key: str | None = setting(
+        None,
+        help="/metrics then needs 'Authorization: Bearer METRICS_KEY' (the admin "
+        "key also works); with --api-key, /metrics answers only to these keys",
+    )
+    grammar_compile_timeout: float = setting(
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+        help="seconds a request's response_format grammar may take to compile, "
+        "waiting for a free compiler included; past it: 400",
+    )
     grammar_workers: int = setting(2, help="processes compiling grammars apart from the decoding loop")
-    shutdown_timeout: float = setting(DEFAULT_SHUTDOWN_TIMEOUT,
-                                      help="seconds requests in flight may finish in after SIGTERM or Ctrl-C; then "
-                                           "they are ended (503 / error); a second signal ends them at once")
+    shutdown_timeout: float = setting(
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        help="seconds requests in flight may finish in after SIGTERM or Ctrl-C; then "
+        "they are ended (503 / error); a second signal ends them at once",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -71,10 +88,14 @@ class ServerOptions:
             raise SettingError("max_model_len", f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise SettingError("max_body_bytes", f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
-        if isinstance(self.prefix_cache_rows, bool) or not isinstance(self.prefix_cache_rows, int) \
-                or self.prefix_cache_rows < 0:
-            raise SettingError("prefix_cache_rows",
-                               f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
+        if (
+            isinstance(self.prefix_cache_rows, bool)
+            or not isinstance(self.prefix_cache_rows, int)
+            or self.prefix_cache_rows < 0
+        ):
+            raise SettingError(
+                "prefix_cache_rows", f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}"
+            )
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise SettingError("min_acceptance", f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
         for name in ("api_key", "admin_key", "metrics_key"):
@@ -86,10 +107,14 @@ class ServerOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise SettingError(name, f"{name} must be a number of seconds > 0, got {value!r}")
-        if isinstance(self.grammar_workers, bool) or not isinstance(self.grammar_workers, int) \
-                or self.grammar_workers < 1:
-            raise SettingError("grammar_workers", f"grammar_workers must be an integer >= 1, got "
-                                                  f"{self.grammar_workers!r}")
+        if (
+            isinstance(self.grammar_workers, bool)
+            or not isinstance(self.grammar_workers, int)
+            or self.grammar_workers < 1
+        ):
+            raise SettingError(
+                "grammar_workers", f"grammar_workers must be an integer >= 1, got {self.grammar_workers!r}"
+            )
         if self.admin_key is not None and self.admin_key == self.api_key:
             raise SettingError("admin_key", "admin_key must differ from api_key")
         if self.models_dir is not None and not Path(self.models_dir).is_dir():

@@ -22,8 +22,9 @@ MAX_JSON_DEPTH = 100  # nesting of objects and arrays in a request body (a schem
 class ProtocolError(ValueError):
     """A request we refuse, with the offending parameter for the OpenAI error object."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.param, self.status, self.kind = param, status, kind
 
@@ -53,17 +54,20 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_where_needed(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
-            raise ProtocolError("response_format of type json_schema needs json_schema.schema",
-                                "response_format.json_schema")
+            raise ProtocolError(
+                "response_format of type json_schema needs json_schema.schema", "response_format.json_schema"
+            )
         if self.type != "json_schema" and self.json_schema is not None:
-            raise ProtocolError(f"response_format of type {self.type} takes no json_schema",
-                                "response_format.json_schema")
+            raise ProtocolError(
+                f"response_format of type {self.type} takes no json_schema", "response_format.json_schema"
+            )
         if self.type == "json_schema":
             try:  # a keyword the grammar cannot enforce, or a schema past the limits, is refused here
                 self._served = served_schema(self.json_schema.schema_)
             except SchemaError as exc:
-                raise ProtocolError(f"response_format.json_schema.schema: {exc}",
-                                    "response_format.json_schema.schema") from None
+                raise ProtocolError(
+                    f"response_format.json_schema.schema: {exc}", "response_format.json_schema.schema"
+                ) from None
         return self
 
     def grammar(self) -> Grammar | None:
@@ -148,12 +152,19 @@ class _Sampling(BaseModel):
     def sampling_params(self, max_new_tokens: int, seed: int | None = None) -> SamplingParams:
         """The engine's settings for this request (one choice, seeded with `seed`)."""
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            max_new_tokens=max_new_tokens, seed=seed, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             grammar=self.response_format.grammar() if self.response_format is not None else None,
-            logprobs=self.top_logprobs_asked())
+            logprobs=self.top_logprobs_asked(),
+        )
 
 
 # SamplingParams' field names that the API spells otherwise
@@ -231,8 +242,9 @@ def validate_request(schema: type[_Sampling], data: Any) -> _Sampling:
     where = _lone_surrogate(data)
     if where is not None:
         param = ".".join(map(str, where)) or None
-        raise ProtocolError(f"{param or 'a field name'}: text must be valid Unicode (it holds a lone UTF-16 "
-                            "surrogate)", param)
+        raise ProtocolError(
+            f"{param or 'a field name'}: text must be valid Unicode (it holds a lone UTF-16 surrogate)", param
+        )
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -271,8 +283,13 @@ def _protocol_error(exc: ValidationError, data: dict) -> ProtocolError:
         return cause
     path, value = [], data
     for part in error["loc"]:
-        if isinstance(value, dict) and part in value or isinstance(value, list) and isinstance(part, int) \
-                and 0 <= part < len(value):
+        if (
+            isinstance(value, dict)
+            and part in value
+            or isinstance(value, list)
+            and isinstance(part, int)
+            and 0 <= part < len(value)
+        ):
             path.append(part)
             value = value[part]
         elif error["type"] == "missing" and part == error["loc"][-1]:
@@ -319,7 +336,7 @@ class TextAssembler:
             return out
         keep = 0 if final else self._holdback()
         out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep:]
+        self.pending = self.pending[len(self.pending) - keep :]
         return out
 
     def _holdback(self) -> int:

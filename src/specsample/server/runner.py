@@ -59,15 +59,22 @@ class EngineRunner:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, speculative: bool = True,
-               gamma: int | None = None, cache_scope: str = "") -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative: bool = True,
+        gamma: int | None = None,
+        cache_scope: str = "",
+    ) -> RequestHandle:
         """Queue a request (raises ValueError for one the engine cannot run); it reuses only caches of its
         `cache_scope`."""
         loop = asyncio.get_running_loop()
         handle = RequestHandle("", len(prompt_ids), asyncio.Queue(), loop)
         with self._lock:  # register before the engine can emit for it
-            handle.request_id = self.engine.add_request(prompt_ids, params, speculative=speculative, gamma=gamma,
-                                                        cache_scope=cache_scope)
+            handle.request_id = self.engine.add_request(
+                prompt_ids, params, speculative=speculative, gamma=gamma, cache_scope=cache_scope
+            )
             self._handles[handle.request_id] = handle
         self._wake.set()
         return handle
@@ -143,6 +150,7 @@ class EngineRunner:
                 del self._handles[handle.request_id]
         for handle in handles:
             self.engine.cancel(handle.request_id)
-            handle.loop.call_soon_threadsafe(handle.queue.put_nowait,
-                                             RowUpdate(handle.request_id, (), 0, 0, finish_reason))
+            handle.loop.call_soon_threadsafe(
+                handle.queue.put_nowait, RowUpdate(handle.request_id, (), 0, 0, finish_reason)
+            )
         self._wake.set()

@@ -58,8 +58,11 @@ class DrainingServer(uvicorn.Server):
         spec.draining = True
         limit = spec.options.shutdown_timeout
         if spec.active:
-            log.warning("shutting down: %d request(s) in flight have %g s to finish (Ctrl-C again: end them now)",
-                        spec.active, limit)
+            log.warning(
+                "shutting down: %d request(s) in flight have %g s to finish (Ctrl-C again: end them now)",
+                spec.active,
+                limit,
+            )
         deadline = loop.time() + limit
         while spec.active and not self._hurry and loop.time() < deadline:
             await asyncio.sleep(0.05)
@@ -74,6 +77,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve_http(spec: SpecServer, host: str, port: int) -> None:
     """Serve `spec` on host:port until a signal (see the module)."""
-    config = uvicorn.Config(build_app(spec), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=FLUSH_SECONDS)
+    config = uvicorn.Config(
+        build_app(spec), host=host, port=port, log_level="warning", timeout_graceful_shutdown=FLUSH_SECONDS
+    )
     DrainingServer(config, spec).run()
