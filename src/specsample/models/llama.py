@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
 from specsample.models import compile_events
+from specsample.models.fused import FusedStep
+from specsample.models.fused import unsupported as unsupported_fused
 from specsample.models.invariant import FIXED_ROWS, QueryGroups, exact_attention
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
 from specsample.models.quant import QuantLinear
@@ -332,6 +334,7 @@ class LlamaModel(nn.Module):
         self.rope_scale = scale
         self.window_layers = window_layers(config) if config.sliding_window is not None else frozenset()
         self.compiled: CompiledDecode | None = None  # see compile_decode()
+        self.fused: FusedStep | None = None  # see use_fused_step()
         # let torch pick cuDNN's attention in eager cached forwards: it builds a graph per context length
         self.cudnn_attention = False  # (models/sdpa.py); the compiled decode step's shapes never change
         self.deterministic = False  # see set_deterministic()
@@ -355,6 +358,8 @@ class LlamaModel(nn.Module):
         out = super()._apply(fn, recurse)
         if self.compiled is not None:  # compiled for the old weights: compile again on first use
             self.compile_decode()
+        if self.fused is not None:  # built over the old weights: build again where it still applies
+            self.use_fused_step(unsupported_fused(self) is None)
         self.set_output_subset(self.output_subset)  # re-place on the new device, drop stale copies
         return out
 
@@ -420,6 +425,20 @@ class LlamaModel(nn.Module):
         self.compiled = CompiledDecode(self)
         if warm_up:
             self.compiled.warm_up(blocks, batches)
+
+    def use_fused_step(self, on: bool = True) -> None:
+        """Run cached forwards (prefill, decode steps, verification blocks and trees) through the fused step
+        (`models/fused.py`: the decoder stack in one native call), or with `on` False through torch ops. Raises where
+        the fused step cannot run this model (`fused.unsupported` says why). A compiled decode step, where there is
+        one, still runs the forwards it takes; deterministic mode runs torch ops."""
+        self.fused = FusedStep(self) if on else None
+
+    @property
+    def step_path(self) -> str:
+        """Which code runs a decode step: "compiled", "fused" or "torch"."""
+        if self.compiled is not None:
+            return "compiled"
+        return "fused" if self.fused is not None and not self.deterministic else "torch"
 
     def set_deterministic(self, on: bool = True) -> None:
         """Compute every position exactly as a one-token forward of its row alone would, whatever the tokens scored
@@ -579,6 +598,12 @@ class LlamaModel(nn.Module):
             if self.compiled.stale():
                 self.compile_decode()
             hidden, features = self.compiled(tokens.to(self.device), cache, slots, starts)
+        elif self.fused is not None and not self.deterministic:
+            if self.fused.stale():
+                self.use_fused_step()
+            hidden, features = self.fused(
+                self.embed(tokens.to(self.device)), cache, slots, starts, parents, self.feature_layers
+            )
         else:
             if compiled_ok and self.compiled is not None:  # a compiled model's forward its step cannot take
                 compile_events.fell_back()
