@@ -425,7 +425,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 sys.stdout.flush()
     stats = collector.summary()
     drafting = speculator.draft_spec != "none"
-    stats.update(gamma=options.gamma if drafting else 0, draft=speculator.draft_spec, target=options.target)
+    stats.update(
+        gamma=options.gamma if drafting else 0,
+        draft=speculator.draft_spec,
+        target=options.target,
+        step=speculator.step_path,
+    )
     if options.gamma == "auto" and drafting:
         stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
     if args.json:
@@ -732,7 +737,7 @@ def summary_line(stats: dict) -> str:
         f"TTFT {1000 * stats['ttft_seconds']:.0f} ms | TPOT {1000 * stats['tpot_seconds']:.1f} ms | "
         f"acceptance {stats['acceptance_rate']:.2f} | {stats['accepted_per_round']:.2f} accepted/round | "
         f"{stats['tokens_per_round']:.2f} tokens/round | "
-        f"gamma {stats['gamma']} | draft {stats['draft']}{_controller_rounds(stats)}]"
+        f"gamma {stats['gamma']} | draft {stats['draft']}{_controller_rounds(stats)} | step {stats['step']}]"
     )
 
 

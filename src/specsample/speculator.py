@@ -135,7 +135,9 @@ class EngineOptions:
     runtime: str = setting(
         "auto",
         choices=RUNTIMES,
-        help="model runtime: ours (Llama family), hf (transformers) or auto (ours where it applies)",
+        help="model runtime: fused (our Llama-family runtime with each forward's decoder layers in one native call: "
+        "CPUs with AVX512-BF16, bfloat16 and int4/int8 weights), ours (our runtime on torch ops), hf "
+        "(transformers) or auto (fused where it applies, else ours, else hf)",
     )
     compile: bool = setting(
         False,
@@ -303,6 +305,11 @@ class Speculator:
     @property
     def drafter(self) -> Drafter | None:
         return self.pair.drafter
+
+    @property
+    def step_path(self) -> str:
+        """Which code runs the target's forwards (`LlamaModel.step_path`; "transformers" on the adapter)."""
+        return getattr(self.pair.target.model, "step_path", "transformers")
 
     @property
     def draft_spec(self) -> str:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
-from specsample.models import compile_events
+from specsample.models import compile_events, row_kernels
 from specsample.models.fused import FusedStep
 from specsample.models.fused import unsupported as unsupported_fused
 from specsample.models.invariant import FIXED_ROWS, QueryGroups, exact_attention
@@ -435,10 +435,13 @@ class LlamaModel(nn.Module):
 
     @property
     def step_path(self) -> str:
-        """Which code runs a decode step: "compiled", "fused" or "torch"."""
+        """Which code runs the cached forwards: "compiled" (a compiled decode step), "fused-amx" or "fused-avx512"
+        (the fused step, its products on AMX tiles or AVX-512) or "torch" (torch ops)."""
         if self.compiled is not None:
             return "compiled"
-        return "fused" if self.fused is not None and not self.deterministic else "torch"
+        if self.fused is not None and not self.deterministic:
+            return "fused-amx" if row_kernels.uses_amx() else "fused-avx512"
+        return "torch"
 
     def set_deterministic(self, on: bool = True) -> None:
         """Compute every position exactly as a one-token forward of its row alone would, whatever the tokens scored

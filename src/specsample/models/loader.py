@@ -12,6 +12,7 @@ import torch
 
 from specsample.models.base import CausalLM
 from specsample.models.cpu import cpu_has_native_bf16
+from specsample.models.fused import unsupported as unsupported_fused
 from specsample.models.hf_names import load_hf_state_dict
 from specsample.models.hub import ALIASES, alias_folder, alias_gguf, builtin_draft
 from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel
@@ -22,7 +23,8 @@ from specsample.tokenizer import Tokenizer
 log = logging.getLogger("specsample")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-RUNTIMES = ("auto", "ours", "hf")
+# auto: our runtime's fused step where it applies (models/fused.py), else our runtime on torch ops, else transformers
+RUNTIMES = ("auto", "fused", "ours", "hf")
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: output tokens of a reduced-vocabulary draft
 
 
@@ -33,7 +35,7 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer | None
     spec: str
-    runtime: str  # "ours" (Llama-family runtime) or "hf" (transformers adapter)
+    runtime: str  # "fused" or "ours" (our Llama-family runtime, with or without the fused step) or "hf" (transformers)
     default_draft: str | None = None
     folder: Path | None = None
     gguf: Path | None = None  # the GGUF file the weights came from, if any
@@ -98,6 +100,15 @@ def load_model(
     device = torch.device(device)
     mode = resolve_quantize(quantize, dtype, device)
     loaded = _load(spec, dtype, device, runtime, progress, mode, group_size)
+    if isinstance(loaded.model, LlamaModel) and runtime in ("auto", "fused"):
+        problem = unsupported_fused(loaded.model)
+        if problem is None:
+            loaded.model.use_fused_step()
+            loaded.runtime = "fused"
+        elif runtime == "fused":
+            raise ValueError(f"runtime 'fused' cannot run {spec}: {problem}; use runtime 'ours'")
+        else:
+            log.info("%s runs on torch ops, not the fused step: %s", spec, problem)
     if compile_decode:
         if not isinstance(loaded.model, LlamaModel):
             raise ValueError(
@@ -188,7 +199,7 @@ def load_folder(
 
 
 def _use_ours(model_type: str | None, runtime: str) -> bool:
-    if runtime == "ours" and model_type not in SUPPORTED_MODEL_TYPES:
+    if runtime in ("ours", "fused") and model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"our runtime supports {', '.join(SUPPORTED_MODEL_TYPES)}, not {model_type!r}; use runtime 'hf'"
         )

@@ -68,6 +68,7 @@ class SpecServer:
         labels = {"replica": options.replica_id} if options.replica_id else {}
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
+        self.metrics.show_step_path(speculator.step_path)
         self.runner = EngineRunner(self.engine, self._observe)
         grammars = self.engine.grammars
         self.grammar_pool = (
@@ -272,6 +273,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
             "replica": srv.options.replica_id,
             "sampling": "coupled" if srv.engine.config.coupled else "rejection",
             "deterministic": srv.speculator.options.deterministic,
+            "step": srv.speculator.step_path,
         }
 
     @app.get("/metrics")

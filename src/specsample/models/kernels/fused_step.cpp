@@ -339,6 +339,7 @@ class FusedStack : public torch::CustomClassHolder {
     at::parallel_for(0, batch * heads_, 1, [&](int64_t begin, int64_t end) {
       std::vector<const bf16*> keys;
       std::vector<float> scores;
+      std::vector<bf16> weights, zeros(hd, bf16(0.0f));
       for (int64_t task = begin; task < end; ++task) {
         const int64_t row = task / heads_, head = task % heads_, kv_head = head / groups;
         const int64_t offset = (1 + layer * num_slots + slot_of[row]) * row_stride + kv_head * max_len * hd;
@@ -371,22 +372,39 @@ class FusedStack : public torch::CustomClassHolder {
             _mm512_storeu_ps(scores.data() + c, chunk);
             best = _mm512_max_ps(best, chunk);
           }
+          // softmax weights rounded to bfloat16, in pairs of consecutive keys (a last odd key pairs with zero)
           const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
           __m512 total = _mm512_setzero_ps();
+          weights.resize((count + 31) / 32 * 32);
           for (int64_t c = 0; c < count; c += 16) {
             __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + c), top));
-            _mm512_storeu_ps(scores.data() + c, p);
-            total = _mm512_add_ps(total, p);
+            __m256bh rounded = _mm512_cvtneps_pbh(p);
+            std::memcpy(weights.data() + c, &rounded, 32);
+            total = _mm512_add_ps(total, _mm512_cvtpbh_ps(rounded));
           }
-          __m512 acc[16];
-          for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm512_setzero_ps();
-          for (int64_t t = 0; t < count; ++t) {
-            const __m512 p = _mm512_set1_ps(scores[t]);
-            const bf16* value = value_base + (keys[t] - key_base);
-            for (int64_t v = 0; v < vectors; ++v)
-              acc[v] = _mm512_fmadd_ps(p, specsample::load_bf16(value + 16 * v), acc[v]);
+          // out += p_t v_t + p_t+1 v_t+1 per pair of keys: their values interleaved dim by dim, one bfloat16 dot
+          // product per 16 dims; lane j of the low (high) half holds dim 8 (j / 4) + j % 4 (+ 4) of its 32 dims
+          __m512 low[8], high[8];
+          for (int64_t v = 0; v < hd / 32; ++v) low[v] = high[v] = _mm512_setzero_ps();
+          const uint32_t* pairs = reinterpret_cast<const uint32_t*>(weights.data());
+          for (int64_t t = 0; t < count; t += 2) {
+            const __m512i p = _mm512_set1_epi32(static_cast<int>(pairs[t / 2]));
+            const bf16* first = value_base + (keys[t] - key_base);
+            const bf16* second = t + 1 < count ? value_base + (keys[t + 1] - key_base) : zeros.data();
+            for (int64_t v = 0; v < hd / 32; ++v) {
+              __m512i a = _mm512_loadu_si512(first + 32 * v), b = _mm512_loadu_si512(second + 32 * v);
+              low[v] = specsample::dot(low[v], _mm512_unpacklo_epi16(a, b), p);
+              high[v] = specsample::dot(high[v], _mm512_unpackhi_epi16(a, b), p);
+            }
           }
           const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+          const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+          const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+          __m512 acc[16];
+          for (int64_t v = 0; v < hd / 32; ++v) {
+            acc[2 * v] = _mm512_permutex2var_ps(low[v], first_half, high[v]);
+            acc[2 * v + 1] = _mm512_permutex2var_ps(low[v], second_half, high[v]);
+          }
           bf16* dst = out + ((row * n + i) * heads_ + head) * hd;
           for (int64_t v = 0; v < vectors; ++v) specsample::store_bf16(dst + 16 * v, _mm512_mul_ps(acc[v], inverse));
         }
