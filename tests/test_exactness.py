@@ -26,6 +26,7 @@ from planner_driver import AlternatingTrees
 from stats_util import chi_square
 
 import specsample.verifier as verifier_module
+from specsample.models import row_kernels
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.config import TreeShape
@@ -63,7 +64,12 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))  # [V^3, 3]
     inputs = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
-        probs = warp_probs(target(inputs)[:, len(prompt) - 1 : -1], params)  # [V^3, 3, V]
+        if getattr(target, "fused", None) is not None:  # the fused step's own cached forward (a block, as verified)
+            cache = target.new_cache(len(seqs), inputs.shape[1])
+            logits = target.forward_cached(inputs, cache, torch.arange(len(seqs)))
+        else:
+            logits = target(inputs)
+        probs = warp_probs(logits[:, len(prompt) - 1 : -1], params)  # [V^3, 3, V]
     per_step = probs.cpu().gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
     return per_step.prod(dim=1).cpu().numpy()
 
@@ -483,4 +489,47 @@ def test_coupled_verifier_that_trusts_the_draft_fails(pair, monkeypatch) -> None
     checking it is the target's Gumbel-max token, must fail the same test."""
     monkeypatch.setattr(verifier_module, "verify_coupled", coupled_trusts_the_draft)
     results = _coupled_chi_squares(pair, "model_chain")
+    assert any(statistic > threshold for statistic, threshold in results), results
+
+
+@pytest.fixture(scope="module")
+def fused_pair():
+    """The target on the fused step (bfloat16, each forward's decoder layers in one native call; heads of 32) and the
+    float64 draft."""
+    if torch.device(DEVICE).type != "cpu" or not row_kernels.available():
+        pytest.skip("the fused step runs on CPUs with AVX512-BF16")
+    target = tiny_lm(VOCAB, seed=10, init_scale=0.2, num_heads=2, dtype=torch.bfloat16)
+    target.use_fused_step()
+    draft = tiny_lm(VOCAB, seed=20, init_scale=0.2, num_layers=1, dtype=torch.float64)
+    return target, draft
+
+
+def test_fused_step_is_exact(fused_pair) -> None:
+    target, draft = fused_pair
+    params = WARPS["temperature_0.7_top_k_5"]
+    statistic, threshold = chi_square(engine_counts(target, draft, params, gamma=2), exact_joint(target, params))
+    assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_broken_verifier_fails_on_the_fused_step(fused_pair, monkeypatch, broken: str) -> None:
+    target, draft = fused_pair
+    monkeypatch.setattr(verifier_module, "verify", BROKEN[broken])
+    params = WARPS["temperature_1"]
+    statistic, threshold = chi_square(engine_counts(target, draft, params, gamma=2), exact_joint(target, params))
+    assert statistic > threshold, f"{broken} was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+def test_fused_step_trees_are_exact(fused_pair) -> None:
+    """Token trees scored by the fused step's tree attention, alternating with chains, in a ragged batch."""
+    target, _ = fused_pair
+    for statistic, threshold in _feature_chi_squares(target, tree_drafter(fused_pair, "model"), AlternatingTrees(TREE)):
+        assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_tree_verifier_that_keeps_the_residual_fails_on_the_fused_step(fused_pair, monkeypatch) -> None:
+    import specsample.verify_tree as tree_module
+
+    monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
+    results = _feature_chi_squares(fused_pair[0], tree_drafter(fused_pair, "model"), FixedGamma(3, tree=TREE))
     assert any(statistic > threshold for statistic, threshold in results), results

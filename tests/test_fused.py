@@ -135,7 +135,9 @@ def test_a_block_scores_as_one_token_steps(kernel_path, kind: str) -> None:
 
 
 def test_a_tree_scores_each_path_as_its_chain(kernel_path) -> None:
-    """Bitwise: each token of a tree gets the logits the chain of its ancestors gives it."""
+    """Each token of a tree gets the logits the chain of its ancestors gives it: bitwise on AVX-512, where each query
+    attends over its own list of keys; to rounding on tiles, where the path's keys sit at other places in the
+    products than the chain's."""
     fused, plain = _pair("int4")
     generator = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 256, (1, 12), generator=generator)
@@ -145,7 +147,10 @@ def test_a_tree_scores_each_path_as_its_chain(kernel_path) -> None:
     _close(tree, _run(plain, [prompt[0]], tokens, parents)[0])
     for leaf, path in ((3, [0, 1, 3]), (4, [0, 1, 4]), (6, [0, 2, 5, 6])):
         chain, _ = _run(fused, [prompt[0]], tokens[:, path])
-        assert torch.equal(chain[0, -1], tree[0, leaf]), leaf
+        if kernel_path == "avx512":
+            assert torch.equal(chain[0, -1], tree[0, leaf]), leaf
+        else:
+            _close(tree[0, leaf], chain[0, -1])
 
 
 def test_bad_trees_are_refused() -> None:

@@ -124,7 +124,7 @@ def _register_fakes() -> None:
 
 def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether an int4 weight has the shapes our kernel reads (models/quant.pack_int4_ours)."""
-    return out_features % 64 == 0 and in_features % 32 == 0 and group_size % 16 == 0 and in_features % group_size == 0
+    return out_features % 64 == 0 and in_features % 32 == 0 and group_size % 32 == 0 and in_features % group_size == 0
 
 
 def int8_fits(out_features: int, in_features: int) -> bool:

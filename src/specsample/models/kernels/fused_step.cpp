@@ -85,7 +85,8 @@ class FusedStack : public torch::CustomClassHolder {
              double rope_scale, at::Tensor inv_freq, at::Tensor final_norm)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
         eps_(eps), rope_scale_(rope_scale) {
-    TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 256, "the fused step needs a head size that is a multiple of 32");
+    TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 128, "the fused step needs a head size that is a multiple of 32, "
+                "at most 128");
     TORCH_CHECK(hidden % 32 == 0 && intermediate % 32 == 0, "the fused step needs widths that are multiples of 32");
     TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
     inv_freq_ = inv_freq.to(at::kFloat).contiguous();
@@ -245,8 +246,12 @@ class FusedStack : public torch::CustomClassHolder {
           for (int64_t j = 0; j < head_dim_; ++j) out[j] = bf16(head[j]);
         }
       }
-      attend(l, num_slots, batch, n, max_len, slot_of, start_of, visible.data(), queries.data(), key_store,
-             value_store, attended.data());
+      if (specsample::amx_enabled())
+        attend_amx(l, num_slots, batch, n, max_len, slot_of, start_of, visible.data(), queries.data(), key_store,
+                   value_store, attended.data());
+      else
+        attend(l, num_slots, batch, n, max_len, slot_of, start_of, visible.data(), queries.data(), key_store,
+               value_store, attended.data());
       project_to(layer.o, attended.data(), m, sums.data(), [&](int64_t r, int64_t j, float v) {
         bf16& x_rj = residual[r * hidden_ + j];
         x_rj = bf16(static_cast<float>(x_rj) + v);
@@ -326,6 +331,212 @@ class FusedStack : public torch::CustomClassHolder {
         }
       });
       offset += w.n;
+    }
+  }
+
+  // Attention on AMX tiles, one task per (row, kv head, up to 16 of its query rows r = i * groups + g): scores
+  // S^T = K Q^T 16 keys at a time, a softmax per query row over every key of the row's cache (the keys it does not
+  // see weigh exactly 0), then O = P V 32 keys at a time. A key's score and a weight-0 key's term do not depend on
+  // the other queries or keys of the call, so a causal block scores each position bitwise as a one-token step does;
+  // a tree's token gets its path's chain result to rounding.
+  void attend_amx(int64_t layer, int64_t num_slots, int64_t batch, int64_t n, int64_t max_len, const int64_t* slot_of,
+                  const int64_t* start_of, const uint8_t* visible, const bf16* queries, const bf16* key_store,
+                  const bf16* value_store, bf16* out) const {
+    const int64_t groups = heads_ / kv_heads_, hd = head_dim_, steps = hd / 32;
+    const int64_t query_rows = groups * n, blocks = (query_rows + 15) / 16;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const int64_t row_stride = kv_heads_ * max_len * hd;
+    // several query blocks per kv head: the values interleaved once for all of them, [row][kv head][32 keys][tiles]
+    int64_t chunks = 0;
+    for (int64_t row = 0; row < batch; ++row) chunks = std::max(chunks, (start_of[row] + n + 31) / 32);
+    std::vector<bf16> interleaved;
+    if (blocks > 1) {
+      interleaved.resize(batch * kv_heads_ * chunks * (hd / 16) * 512);
+      at::parallel_for(0, batch * kv_heads_ * chunks, 1, [&](int64_t begin, int64_t end) {
+        alignas(64) bf16 padded[32 * 128];
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t row = task / (kv_heads_ * chunks), kv_head = (task / chunks) % kv_heads_, t0 = 32 * (task % chunks);
+          const int64_t total = start_of[row] + n;
+          if (t0 >= total) continue;
+          const bf16* values = value_store + (1 + layer * num_slots + slot_of[row]) * row_stride +
+                               kv_head * max_len * hd + t0 * hd;
+          if (t0 + 32 > total) {
+            std::memset(padded, 0, sizeof padded);
+            std::memcpy(padded, values, (total - t0) * hd * sizeof(bf16));
+            values = padded;
+          }
+          interleave_values(values, hd, 0, hd / 16, interleaved.data() + task * (hd / 16) * 512);
+        }
+      });
+    }
+    at::parallel_for(0, batch * kv_heads_ * blocks, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) bf16 query_pairs[4 * 16 * 32];  // B tiles of Q^T: [step][dim pair][query row][2]
+      alignas(64) float score_tile[16 * 16];
+      alignas(64) bf16 value_tiles[4 * 16 * 32];  // B tiles of V: [16 dims][key pair][dim][2]
+      alignas(64) bf16 padded[32 * 128];          // a last, partial chunk of keys or values, zero beyond the row
+      alignas(64) float sums_tile[4 * 16 * 16];
+      std::vector<float> scores;
+      std::vector<bf16> probs;
+      float inverse[16];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t row = task / (kv_heads_ * blocks), kv_head = (task / blocks) % kv_heads_;
+        const int64_t r0 = (task % blocks) * 16, rows = std::min<int64_t>(16, query_rows - r0);
+        const int64_t offset = (1 + layer * num_slots + slot_of[row]) * row_stride + kv_head * max_len * hd;
+        const bf16* key_base = key_store + offset;
+        const bf16* value_base = value_store + offset;
+        // the keys these queries see lie before the furthest one they see: the rest weigh 0 and are not read
+        const int64_t context = start_of[row];
+        int64_t total = context;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = (r0 + r) / groups;
+          for (int64_t j = n - 1; j >= 0; --j)
+            if (visible[(row * n + i) * n + j]) {
+              total = std::max(total, context + j + 1);
+              break;
+            }
+        }
+        const int64_t padded_total = (total + 31) / 32 * 32;
+        auto query = [&](int64_t r) {  // query row r0 + r: token i, head kv_head * groups + g
+          const int64_t i = (r0 + r) / groups, g = (r0 + r) % groups;
+          return ((row * n + i) * heads_ + kv_head * groups + g) * hd;
+        };
+        uint32_t* pairs = reinterpret_cast<uint32_t*>(query_pairs);
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint32_t* q = reinterpret_cast<const uint32_t*>(queries + query(r));
+          for (int64_t p = 0; p < hd / 2; ++p) pairs[(p / 16) * 256 + (p % 16) * rows + r] = q[p];
+        }
+        // scores, masked: -inf where the query does not see the key
+        scores.assign(rows * padded_total, -INFINITY);
+        specsample::TileConfig config;
+        config.rows[0] = 16, config.colsb[0] = rows * 4;  // S^T: 16 keys x rows
+        config.rows[1] = 16, config.colsb[1] = 64;        // K: 16 keys x 32 dims
+        for (int t = 2; t < 2 + steps; ++t) config.rows[t] = 16, config.colsb[t] = rows * 4;  // Q^T per 32 dims
+        _tile_loadconfig(&config);
+        for (int64_t step = 0; step < steps; ++step) load_tile(2 + step, query_pairs + step * 512, rows * 4);
+        for (int64_t t0 = 0; t0 < total; t0 += 16) {
+          const bf16* keys = key_base + t0 * hd;
+          if (t0 + 16 > total) {
+            std::memset(padded, 0, sizeof padded);
+            std::memcpy(padded, keys, (total - t0) * hd * sizeof(bf16));
+            keys = padded;
+          }
+          _tile_zero(0);
+          for (int64_t step = 0; step < steps; ++step) {
+            _tile_loadd(1, keys + 32 * step, hd * 2);
+            multiply_scores(2 + step);
+          }
+          _tile_stored(0, score_tile, 64);
+          const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+          for (int64_t r = 0; r < rows; ++r) {
+            const uint8_t* seen = visible + (row * n + (r0 + r) / groups) * n;
+            __mmask16 keep = t0 + 16 <= context ? 0xFFFF : 0;  // the keys t0 .. t0 + 15 this query sees
+            for (int64_t u = 0; u < 16 && t0 + u < total && t0 + 16 > context; ++u)
+              if (t0 + u < context || seen[t0 + u - context]) keep |= static_cast<__mmask16>(1u << u);
+            __m512 row_scores = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)), score_tile, 4);
+            _mm512_mask_storeu_ps(scores.data() + r * padded_total + t0, keep,
+                                  _mm512_mul_ps(row_scores, _mm512_set1_ps(scale)));
+          }
+        }
+        // weights rounded to bfloat16 per query row, summed as rounded
+        probs.assign(rows * padded_total, bf16(0.0f));
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* row_scores = scores.data() + r * padded_total;
+          __m512 best = _mm512_set1_ps(-INFINITY);
+          for (int64_t t = 0; t < padded_total; t += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row_scores + t));
+          const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t t = 0; t < padded_total; t += 16) {
+            __m256bh rounded = _mm512_cvtneps_pbh(exp512(_mm512_sub_ps(_mm512_loadu_ps(row_scores + t), top)));
+            std::memcpy(probs.data() + r * padded_total + t, &rounded, 32);
+            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
+          }
+          inverse[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        }
+        // O = P V, 64 dims (4 tiles) at a time
+        specsample::TileConfig pv;
+        for (int t = 0; t < 4; ++t) pv.rows[t] = rows, pv.colsb[t] = 64;  // O: rows x 16 dims
+        pv.rows[4] = rows, pv.colsb[4] = 64;                              // P: rows x 32 keys
+        pv.rows[5] = 16, pv.colsb[5] = 64;                                // V: 16 key pairs x 16 dims
+        _tile_loadconfig(&pv);
+        for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+          const int64_t tiles = std::min<int64_t>(4, (hd - d0) / 16);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t t0 = 0; t0 < total; t0 += 32) {
+            const bf16* tiles_here = value_tiles;
+            if (!interleaved.empty()) {
+              tiles_here = interleaved.data() + ((row * kv_heads_ + kv_head) * chunks + t0 / 32) * (hd / 16) * 512 +
+                           (d0 / 16) * 512;
+            } else {
+              const bf16* values = value_base + t0 * hd;
+              if (t0 + 32 > total) {
+                std::memset(padded, 0, sizeof padded);
+                std::memcpy(padded, values, (total - t0) * hd * sizeof(bf16));
+                values = padded;
+              }
+              interleave_values(values, hd, d0, tiles, value_tiles);
+            }
+            _tile_loadd(4, probs.data() + t0, padded_total * 2);
+            for (int64_t j = 0; j < tiles; ++j) {
+              _tile_loadd(5, tiles_here + j * 512, 64);
+              multiply_values(j);
+            }
+          }
+          _tile_stored(0, sums_tile, 64);
+          _tile_stored(1, sums_tile + 256, 64);
+          _tile_stored(2, sums_tile + 512, 64);
+          _tile_stored(3, sums_tile + 768, 64);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < tiles; ++j)
+              specsample::store_bf16(out + query(r) + d0 + 16 * j,
+                                     _mm512_mul_ps(_mm512_load_ps(sums_tile + j * 256 + r * 16),
+                                                   _mm512_set1_ps(inverse[r])));
+        }
+      }
+      _tile_release();
+    });
+  }
+
+  // `tiles` B tiles of 32 keys' values (rows 32 x hd from `values`), dims d0 .. d0 + 16 tiles: tile j row u holds key
+  // pair u's two values of dim d0 + 16 j + d interleaved, (v[2u][d], v[2u + 1][d]) for d = 0 .. 15
+  static void interleave_values(const bf16* values, int64_t hd, int64_t d0, int64_t tiles, bf16* dst) {
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t u = 0; u < 16; ++u)
+      for (int64_t h = 0; h < tiles / 2; ++h) {
+        __m512i a = _mm512_loadu_si512(values + 2 * u * hd + d0 + 32 * h);
+        __m512i b = _mm512_loadu_si512(values + (2 * u + 1) * hd + d0 + 32 * h);
+        __m512i low = _mm512_unpacklo_epi16(a, b), high = _mm512_unpackhi_epi16(a, b);
+        _mm512_storeu_si512(dst + (2 * h) * 512 + u * 32, _mm512_permutex2var_epi32(low, first_half, high));
+        _mm512_storeu_si512(dst + (2 * h + 1) * 512 + u * 32, _mm512_permutex2var_epi32(low, second_half, high));
+      }
+  }
+
+  // tile numbers are immediates: one case per tile the attention uses
+  static void load_tile(int64_t tile, const void* data, int64_t stride) {
+    switch (tile) {
+      case 2: _tile_loadd(2, data, stride); break;
+      case 3: _tile_loadd(3, data, stride); break;
+      case 4: _tile_loadd(4, data, stride); break;
+      default: _tile_loadd(5, data, stride); break;
+    }
+  }
+  static void multiply_scores(int64_t tile) {  // S^T (tile 0) += K (tile 1) x Q^T (tile `tile`)
+    switch (tile) {
+      case 2: _tile_dpbf16ps(0, 1, 2); break;
+      case 3: _tile_dpbf16ps(0, 1, 3); break;
+      case 4: _tile_dpbf16ps(0, 1, 4); break;
+      default: _tile_dpbf16ps(0, 1, 5); break;
+    }
+  }
+  static void multiply_values(int64_t tile) {  // O (tile `tile`) += P (tile 4) x V (tile 5)
+    switch (tile) {
+      case 0: _tile_dpbf16ps(0, 4, 5); break;
+      case 1: _tile_dpbf16ps(1, 4, 5); break;
+      case 2: _tile_dpbf16ps(2, 4, 5); break;
+      default: _tile_dpbf16ps(3, 4, 5); break;
     }
   }
 

@@ -145,58 +145,67 @@ inline void configure_tiles(int rows) {
   _tile_loadconfig(&config);
 }
 
-// acc [rows, 64] += s * (D - 136 X) + z * X over each group of one block of 64 outputs, for rows (<= 16, the tiles'
-// configured count) of x. `staging` holds two sets of 4 B tiles (2 x 4 x 16 x 32 bfloat16: one is decoded while the
-// other is read), `results` each group's 4 C tiles (groups x 4 x rows x 16 float32), scaled once the tiles are done.
-inline void int4_rows_amx(const bf16* x, int64_t k, const float* x_sums, int64_t groups, const uint32_t* codes,
-                          const uint32_t* scales_zeros, int64_t group, float* acc, int64_t rows, bf16* staging,
-                          float* results) {
+// acc [row_tiles * tile_rows, 64] += s * (D - 136 X) + z * X over each group of one block of 64 outputs, for x's rows in
+// tiles of `tile_rows` (the tiles' configured count). Each group's codes are decoded once, into B tiles in
+// `staging` (2 x group / 32 x 4 tiles of 16 x 32 bfloat16: alternate groups alternate halves, so one is decoded while
+// the other is read), and multiply every row tile; `results` holds a row tile's 4 C tiles (4 x 16 x 16 float32).
+inline void int4_block_amx(const bf16* x, int64_t k, const float* x_sums, int64_t groups, const uint32_t* codes,
+                           const uint32_t* scales_zeros, int64_t group, float* acc, int64_t tile_rows,
+                           int64_t row_tiles, bf16* staging, float* results) {
   const __m512i mask = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m512 offset = _mm512_set1_ps(-136.0f);
-  int64_t step = 0;
+  const int64_t steps = group / 32;
   for (int64_t g = 0; g < groups; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32, ++step) {
-      bf16* tiles = staging + (step % 2) * 2048;
+    bf16* tiles = staging + (g % 2) * steps * 2048;
+    for (int64_t step = 0; step < steps; ++step)
       for (int64_t quarter = 0; quarter < 4; ++quarter) {  // inputs k0 + 8 quarter .. + 7: B rows 4 quarter + t
-        const uint32_t* block = codes + (k0 / 8 + quarter) * 64;
+        const uint32_t* block = codes + ((g * group + 32 * step) / 8 + quarter) * 64;
         for (int line = 0; line < 4; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(block) + PREFETCH + 64 * line, _MM_HINT_T0);
         __m512i packed[4];
         for (int j = 0; j < 4; ++j) packed[j] = _mm512_loadu_si512(block + 16 * j);
         for (int t = 0; t < 4; ++t)
           for (int j = 0; j < 4; ++j)
-            _mm512_store_si512(tiles + j * 512 + (quarter * 4 + t) * 32,
+            _mm512_store_si512(tiles + step * 2048 + j * 512 + (quarter * 4 + t) * 32,
                                _mm512_ternarylogic_epi32(_mm512_srli_epi32(packed[j], 4 * t), mask, magic, 0xEA));
       }
-      _tile_loadd(4, x + k0, k * 2);
-      _tile_loadd(5, tiles, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, tiles + 512, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, tiles + 1024, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, tiles + 1536, 64);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-    _tile_stored(0, results, 64);
-    _tile_stored(1, results + rows * 16, 64);
-    _tile_stored(2, results + 2 * rows * 16, 64);
-    _tile_stored(3, results + 3 * rows * 16, 64);
-    for (int j = 0; j < 4; ++j) {
+    __m512 scale[4], zero[4];
+    for (int j = 0; j < 4; ++j) {  // each uint32 holds (s, z) of one output as two bfloat16
       __m512i pair = _mm512_loadu_si512(scales_zeros + g * 64 + 16 * j);
-      __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-      const float* tile = results + j * rows * 16;
-      for (int64_t r = 0; r < rows; ++r) {
-        __m512 total = _mm512_set1_ps(x_sums[groups * r + g]);
-        __m512 codes_sum = _mm512_fmadd_ps(total, offset, _mm512_load_ps(tile + r * 16));
-        __m512 a = _mm512_fmadd_ps(codes_sum, scale, _mm512_loadu_ps(acc + 64 * r + 16 * j));
-        _mm512_storeu_ps(acc + 64 * r + 16 * j, _mm512_fmadd_ps(total, zero, a));
+      scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      zero[j] = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+    }
+    for (int64_t tile = 0; tile < row_tiles; ++tile) {
+      const bf16* rows = x + tile * tile_rows * k;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t step = 0; step < steps; ++step) {
+        const bf16* b = tiles + step * 2048;
+        _tile_loadd(4, rows + g * group + 32 * step, k * 2);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, b + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, b + 1536, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, results, 64);
+      _tile_stored(1, results + 256, 64);
+      _tile_stored(2, results + 512, 64);
+      _tile_stored(3, results + 768, 64);
+      for (int64_t r = 0; r < tile_rows; ++r) {
+        const int64_t row = tile * tile_rows + r;
+        const __m512 total = _mm512_set1_ps(x_sums[groups * row + g]);
+        for (int j = 0; j < 4; ++j) {
+          __m512 codes_sum = _mm512_fmadd_ps(total, offset, _mm512_load_ps(results + j * 256 + r * 16));
+          __m512 a = _mm512_fmadd_ps(codes_sum, scale[j], _mm512_loadu_ps(acc + 64 * row + 16 * j));
+          _mm512_storeu_ps(acc + 64 * row + 16 * j, _mm512_fmadd_ps(total, zero[j], a));
+        }
       }
     }
   }
@@ -267,31 +276,47 @@ void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epi
   if (w.kind == Weight::INT4) {
     const int64_t group = w.group, groups = k / group;
     group_sums(x, m, k, group, scratch_sums);
-    const bool amx = amx_enabled();
+    if (amx_enabled()) {  // rows in tiles of up to 16: past 16, x padded with zero rows to whole tiles
+      const int64_t tile_rows = std::min<int64_t>(m, 16), row_tiles = (m + tile_rows - 1) / tile_rows;
+      std::vector<bf16> padded_x;
+      std::vector<float> padded_sums;
+      const bf16* rows = x;
+      const float* sums = scratch_sums;
+      if (row_tiles * tile_rows != m) {
+        padded_x.assign(row_tiles * tile_rows * k, bf16(0.0f));
+        std::memcpy(padded_x.data(), x, m * k * sizeof(bf16));
+        padded_sums.assign(row_tiles * tile_rows * groups, 0.0f);
+        std::memcpy(padded_sums.data(), scratch_sums, m * groups * sizeof(float));
+        rows = padded_x.data(), sums = padded_sums.data();
+      }
+      at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> acc(row_tiles * tile_rows * BLOCK_N);
+        std::vector<bf16> staging_buffer(2 * (group / 32) * 2048 + 32);
+        bf16* staging = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(staging_buffer.data()) + 63) & ~63);
+        alignas(64) float results[4 * 16 * 16];
+        configure_tiles(static_cast<int>(tile_rows));
+        for (int64_t block = begin; block < end; ++block) {
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          int4_block_amx(rows, k, sums, groups, w.int4_packed + block * (k / 8) * 64,
+                         w.int4_scales_zeros + block * groups * 64, group, acc.data(), tile_rows, row_tiles, staging,
+                         results);
+          for (int64_t r = 0; r < m; ++r) epilogue(r, block * BLOCK_N, BLOCK_N, acc.data() + r * BLOCK_N);
+        }
+        _tile_release();
+      });
+      return;
+    }
     at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(m * BLOCK_N);
-      alignas(64) bf16 staging[2 * 4 * 16 * 32];
-      std::vector<float> results_buffer(amx ? groups * 4 * 16 * 16 + 16 : 0);
-      float* results = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(results_buffer.data()) + 63) & ~63);
-      int configured = 0;  // the rows the tiles are configured for
       for (int64_t block = begin; block < end; ++block) {
         const uint32_t* codes = w.int4_packed + block * (k / 8) * 64;
         const uint32_t* scales_zeros = w.int4_scales_zeros + block * groups * 64;
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t r = 0; r < m; r += amx ? 16 : INT4_ROWS) {
-          if (amx) {
-            const int rows = static_cast<int>(std::min<int64_t>(16, m - r));
-            if (rows != configured) configure_tiles(configured = rows);
-            int4_rows_amx(x + r * k, k, scratch_sums + r * groups, groups, codes, scales_zeros, group,
-                          acc.data() + r * BLOCK_N, rows, staging, results);
-          } else {
-            int4_tile(x + r * k, k, scratch_sums + r * groups, groups, codes, scales_zeros, group,
-                      acc.data() + r * BLOCK_N, std::min(INT4_ROWS, m - r));
-          }
-        }
+        for (int64_t r = 0; r < m; r += INT4_ROWS)
+          int4_tile(x + r * k, k, scratch_sums + r * groups, groups, codes, scales_zeros, group,
+                    acc.data() + r * BLOCK_N, std::min(INT4_ROWS, m - r));
         for (int64_t r = 0; r < m; ++r) epilogue(r, block * BLOCK_N, BLOCK_N, acc.data() + r * BLOCK_N);
       }
-      if (configured) _tile_release();
     });
     return;
   }
@@ -371,7 +396,7 @@ void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epi
 inline void check_weight(const Weight& w) {
   TORCH_CHECK(w.k % 32 == 0, "a projection needs inputs in multiples of 32");
   if (w.kind == Weight::INT4) {
-    TORCH_CHECK(w.n % BLOCK_N == 0 && w.group % 16 == 0 && w.k % w.group == 0, "shapes do not match the int4 layout");
+    TORCH_CHECK(w.n % BLOCK_N == 0 && w.group % 32 == 0 && w.k % w.group == 0, "shapes do not match the int4 layout");
   } else {
     TORCH_CHECK(w.k % 32 == 0 && w.n % 16 == 0, "shapes do not match the int8/bfloat16 layout");
   }
