@@ -26,7 +26,6 @@ from planner_driver import AlternatingTrees
 from stats_util import chi_square
 
 import specsample.verifier as verifier_module
-from specsample.models import row_kernels
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.config import TreeShape
@@ -35,6 +34,7 @@ from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SuffixDrafter
+from specsample.models import row_kernels
 from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
 from specsample.planner.acceptance import Acceptance
 from specsample.planner.costs import CostModel
