@@ -27,7 +27,7 @@ log = logging.getLogger("specsample")
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = (KERNELS / "rows_mm.cpp", KERNELS / "fused_step.cpp")
-HEADERS = (KERNELS / "quant_core.h",)
+HEADERS = (KERNELS / "quant_core.h", KERNELS / "pool.h")
 FLAGS = [
     "-O3",
     "-mavx512f",

@@ -352,7 +352,7 @@ class FusedStack : public torch::CustomClassHolder {
     std::vector<bf16> interleaved;
     if (blocks > 1) {
       interleaved.resize(batch * kv_heads_ * chunks * (hd / 16) * 512);
-      at::parallel_for(0, batch * kv_heads_ * chunks, 1, [&](int64_t begin, int64_t end) {
+      specsample::parallel_for(0, batch * kv_heads_ * chunks, 1, [&](int64_t begin, int64_t end) {
         alignas(64) bf16 padded[32 * 128];
         for (int64_t task = begin; task < end; ++task) {
           const int64_t row = task / (kv_heads_ * chunks), kv_head = (task / chunks) % kv_heads_, t0 = 32 * (task % chunks);
@@ -369,7 +369,7 @@ class FusedStack : public torch::CustomClassHolder {
         }
       });
     }
-    at::parallel_for(0, batch * kv_heads_ * blocks, 1, [&](int64_t begin, int64_t end) {
+    specsample::parallel_for(0, batch * kv_heads_ * blocks, 1, [&](int64_t begin, int64_t end) {
       alignas(64) bf16 query_pairs[4 * 16 * 32];  // B tiles of Q^T: [step][dim pair][query row][2]
       alignas(64) float score_tile[16 * 16];
       alignas(64) bf16 value_tiles[4 * 16 * 32];  // B tiles of V: [16 dims][key pair][dim][2]
@@ -547,7 +547,7 @@ class FusedStack : public torch::CustomClassHolder {
     const int64_t groups = heads_ / kv_heads_, hd = head_dim_, vectors = hd / 16;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const int64_t row_stride = kv_heads_ * max_len * hd;
-    at::parallel_for(0, batch * heads_, 1, [&](int64_t begin, int64_t end) {
+    specsample::parallel_for(0, batch * heads_, 1, [&](int64_t begin, int64_t end) {
       std::vector<const bf16*> keys;
       std::vector<float> scores;
       std::vector<bf16> weights, zeros(hd, bf16(0.0f));

@@ -29,6 +29,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "pool.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -289,7 +291,7 @@ void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epi
         std::memcpy(padded_sums.data(), scratch_sums, m * groups * sizeof(float));
         rows = padded_x.data(), sums = padded_sums.data();
       }
-      at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+      parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> acc(row_tiles * tile_rows * BLOCK_N);
         std::vector<bf16> staging_buffer(2 * (group / 32) * 2048 + 32);
         bf16* staging = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(staging_buffer.data()) + 63) & ~63);
@@ -306,7 +308,7 @@ void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epi
       });
       return;
     }
-    at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(m * BLOCK_N);
       for (int64_t block = begin; block < end; ++block) {
         const uint32_t* codes = w.int4_packed + block * (k / 8) * 64;
@@ -325,7 +327,7 @@ void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epi
       const int64_t columns = std::min<int64_t>(16, m - r0);
       std::vector<bf16> x_pairs(k * columns);
       transpose_pairs(x, k, r0, columns, x_pairs.data());
-      at::parallel_for(0, n / 16, 4, [&](int64_t begin, int64_t end) {
+      parallel_for(0, n / 16, 4, [&](int64_t begin, int64_t end) {
         alignas(64) bf16 staging[2 * 16 * 32];
         alignas(64) float results[16 * 16];
         configure_weight_tiles(static_cast<int>(columns));
@@ -347,7 +349,7 @@ void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epi
     return;
   }
   // int8 and bfloat16: QUAD output rows of bfloat16 weights at a time, each row's dot products over k
-  at::parallel_for(0, n / QUAD, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n / QUAD, 16, [&](int64_t begin, int64_t end) {
     std::vector<bf16> converted(w.kind == Weight::INT8 ? QUAD * k : 0);
     for (int64_t quad = begin; quad < end; ++quad) {
       const int64_t n0 = quad * QUAD;
