@@ -1,5 +1,5 @@
-"""The server's token against `generate`'s: the same prompts decoded at batch 1 by a running `specsample serve` (streamed
-over HTTP, as a client sees it) and by the engine `generate` runs, in this process, prompt by prompt in turn.
+"""The server's token against `generate`'s: the same prompts decoded at batch 1 by a running `specsample serve`
+(streamed over HTTP, as a client sees it) and by the engine `generate` runs, in this process, prompt by prompt in turn.
 
 Both load the same options (the default target, plain decoding unless `--speculative`, temperature 0); the server
 gets `--max-batch-size 1`. TPOT is measured where each path's user sees it: from the first streamed token to the
