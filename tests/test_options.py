@@ -23,6 +23,7 @@ import specsample.speculator as speculator_module
 from specsample.bench.config import BENCH_ENGINE_DEFAULTS, BenchConfig
 from specsample.cli import BENCH_SETS, build_parser, main
 from specsample.drafters.ngram import NgramDrafter
+from specsample.models import row_kernels
 from specsample.options_cli import settings
 from specsample.planner import FixedGamma
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
@@ -228,16 +229,23 @@ def test_the_benchmark_refuses_what_it_sets() -> None:
     assert BenchConfig(gammas=("auto", 12)).engine_options.max_gamma == 12  # caches for the widest round
 
 
-def test_serve_compile_has_vllm_negation() -> None:
-    """Serving compiles by default; --enforce-eager (vLLM's name) turns compiling off and cannot be given with
-    --compile; the default yields to deterministic mode and the transformers runtime, which cannot compile."""
+def test_serve_compile_has_vllm_negation(monkeypatch) -> None:
+    """Serving compiles by default where the fused step will not run; --enforce-eager (vLLM's name) turns compiling
+    off and cannot be given with --compile; the default yields to deterministic mode and the transformers runtime,
+    which cannot compile."""
     serve = _subparser("serve")
     assert serve.parse_args(["--enforce-eager"]).compile is False
     assert serve.parse_args(["--compile"]).compile is True
     assert serve.parse_args([]).compile is None  # not named: serve's default
+    monkeypatch.setattr(row_kernels, "can_build", lambda: False)  # a CPU the fused step cannot run on
     assert serve_engine_options({"compile": None}).compile is SERVE_ENGINE_DEFAULTS.compile is True
     assert serve_engine_options({"compile": None, "deterministic": True}).compile is False
     assert serve_engine_options({"runtime": "hf"}).compile is False
+    monkeypatch.setattr(row_kernels, "can_build", lambda: True)
+    assert serve_engine_options({}).compile is False  # the fused step runs the steps: nothing to compile
+    assert serve_engine_options({"dtype": "float32"}).compile is True
+    assert serve_engine_options({"runtime": "ours"}).compile is True
+    assert serve_engine_options({"compile": True}).compile is True
     assert _silent(["serve", "--compile", "--enforce-eager"]) == 2
 
 

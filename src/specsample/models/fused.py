@@ -75,6 +75,18 @@ def unsupported(model: LlamaModel) -> str | None:
     return None
 
 
+def expected(device: str, dtype: str, runtime: str) -> bool:
+    """Whether models loaded with these settings will run the fused step on this machine, told before loading them
+    (a CPU with our kernels' instructions and a compiler, bfloat16 activations, our runtime): what decides whether a
+    server compiles by default (`server/options.py`)."""
+    return (
+        runtime in ("auto", "fused")
+        and torch.device(device).type == "cpu"
+        and dtype in ("auto", "bfloat16")
+        and row_kernels.can_build()
+    )
+
+
 def _add_projection(stack, which: int, projection: nn.Module) -> None:
     for part in _parts(projection):
         bias = part.bias if part.bias is not None else torch.empty(0)

@@ -51,6 +51,11 @@ def cpu_supports() -> bool:
     return set(REQUIRED_CPU_FLAGS) <= cpu_flags()
 
 
+def can_build() -> bool:
+    """Whether this machine can build (or has built) the kernels: the CPU's instructions and a C++ compiler."""
+    return cpu_supports() and shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def available() -> bool:
     """Whether `torch.ops.specsample_rows` is loaded in this process (building it on the first call)."""
     if "loaded" not in _state:

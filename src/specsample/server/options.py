@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specsample.config import SettingError
+from specsample.models import fused
 from specsample.options_cli import setting
 from specsample.speculator import EngineOptions
 
@@ -17,20 +18,26 @@ DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after
 
 # The engine options `specsample serve` and Ray replicas start from: EngineOptions' defaults but where serving
 # differs: a server decodes long enough for pad_rows auto's start-up measurement to pay, and compiles its decode
-# steps (as vLLM captures CUDA graphs) unless --enforce-eager (see serve_engine_options)
+# steps (as vLLM captures CUDA graphs) where the fused step does not run them, unless --enforce-eager (see
+# serve_engine_options)
 SERVE_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto", compile=True)
 
 
 def serve_engine_options(given: dict[str, Any]) -> EngineOptions:
     """The engine options a server runs with: `given` (the engine settings named on the command line or in
     deployment arguments, `compile` None or absent where not named) over SERVE_ENGINE_DEFAULTS. Compiling is the
-    default where it can run: not in deterministic mode, whose kernels it would change, nor on the transformers
-    runtime (`compile` named true with either is refused, by `EngineOptions`)."""
+    default where it can run and the fused step (models/fused.py, faster than a compiled step and ready at once)
+    will not: not in deterministic mode, whose kernels it would change, nor on the transformers runtime (`compile`
+    named true with either is refused, by `EngineOptions`)."""
     values = {name: value for name, value in given.items() if not (name == "compile" and value is None)}
     if "compile" not in values:
-        deterministic = values.get("deterministic", SERVE_ENGINE_DEFAULTS.deterministic)
-        runtime = values.get("runtime", SERVE_ENGINE_DEFAULTS.runtime)
-        values["compile"] = SERVE_ENGINE_DEFAULTS.compile and deterministic is not True and runtime != "hf"
+        options = replace(SERVE_ENGINE_DEFAULTS, **values, compile=False)
+        values["compile"] = (
+            SERVE_ENGINE_DEFAULTS.compile
+            and not options.deterministic
+            and options.runtime != "hf"
+            and not fused.expected(options.device, options.dtype, options.runtime)
+        )
     return replace(SERVE_ENGINE_DEFAULTS, **values)
 
 
