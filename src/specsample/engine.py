@@ -34,6 +34,7 @@ from specsample.drafters.base import (
 from specsample.grammar import GrammarCompiler
 from specsample.models import compile_events
 from specsample.models.base import CausalLM, FeatureLM, TreeLM, prefill_ragged
+from specsample.models.fused import torch_ops_alone
 from specsample.models.row_padding import score_padded
 from specsample.planner import FixedGamma, Planner
 from specsample.planner.base import BatchState, RoundPlan, RowState
@@ -187,9 +188,13 @@ class Engine:
         while self.has_work():
             yield self.step()
 
-    @torch.inference_mode()
     def step(self) -> RoundResult:
         """Run one round for every running request (admitting waiting ones first)."""
+        with torch_ops_alone(self.target):
+            return self._round()
+
+    @torch.inference_mode()
+    def _round(self) -> RoundResult:
         cancelled = self._cancel()
         compiled = compile_events.counts()  # what compiled models do this round
         start = self.clock()

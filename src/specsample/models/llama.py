@@ -432,6 +432,9 @@ class LlamaModel(nn.Module):
         the fused step cannot run this model (`fused.unsupported` says why). A compiled decode step, where there is
         one, still runs the forwards it takes; deterministic mode runs torch ops."""
         self.fused = FusedStep(self) if on else None
+        for layer in (self.lm_head, self._subset_layer):  # the output layer multiplies on the fused step's threads
+            if isinstance(layer, QuantLinear):
+                layer.pool = on
 
     @property
     def step_path(self) -> str:
@@ -509,6 +512,7 @@ class LlamaModel(nn.Module):
         assert self.output_subset is not None and isinstance(self.lm_head, QuantLinear)
         if self._subset_layer is None:
             self._subset_layer = self.lm_head.rows(self.output_subset)
+            self._subset_layer.pool = self.lm_head.pool
         return self._subset_layer
 
     def subset_weight(self) -> Tensor:

@@ -131,6 +131,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self._dequantized: Tensor | None = None  # non-CPU fallback, made on first use
         self._ours = False  # whether our row kernel multiplies on a CPU (`row_kernels`), set once the weights are held
+        self.pool = False  # our kernel splits its work over the fused step's threads (a fused model's output layer)
 
     def codes(self) -> Codes:
         raise NotImplementedError
@@ -241,7 +242,7 @@ class Int4Linear(QuantLinear):
     def _kernel(self, x: Tensor) -> Tensor:
         scales_zeros = self.scales_zeros.view(KERNEL_DTYPE)
         if self.uses_our_kernel():
-            return torch.ops.specsample_rows.int4_rows_mm(x, self.packed, self.group_size, scales_zeros)
+            return torch.ops.specsample_rows.int4_rows_mm(x, self.packed, self.group_size, scales_zeros, self.pool)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, scales_zeros)
 
     def codes(self) -> Int4Codes:
@@ -314,7 +315,7 @@ class Int8Linear(QuantLinear):
 
     def _kernel(self, x: Tensor) -> Tensor:
         if self.uses_our_kernel():
-            return torch.ops.specsample_rows.int8_rows_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE))
+            return torch.ops.specsample_rows.int8_rows_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE), self.pool)
         return torch.ops.aten._weight_int8pack_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE))
 
     def codes(self) -> Int8Codes:

@@ -87,6 +87,7 @@ def _load() -> bool:
         log.warning("int4/int8 layers use torch's slower kernels: building ours failed (%s)", error)
         return False
     _register_fakes()
+    torch.ops.specsample_rows.start_pool(torch.get_num_threads())
     set_amx(True)
     log.info("int4 layers multiply on %s", "AMX tiles" if _state["amx"] else "AVX-512")
     return True
@@ -117,10 +118,10 @@ def _digest() -> str:
 def _register_fakes() -> None:
     """Shapes of the ops for torch.compile (the compiled decode step calls them as opaque kernels)."""
 
-    def int4_fake(x, packed, group, scales_zeros):
+    def int4_fake(x, packed, group, scales_zeros, pool=False):
         return x.new_empty(x.shape[0], packed.shape[0] * 64)
 
-    def int8_fake(x, codes, scales):
+    def int8_fake(x, codes, scales, pool=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     torch.library.register_fake("specsample_rows::int4_rows_mm")(int4_fake)

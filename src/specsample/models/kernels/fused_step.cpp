@@ -329,7 +329,7 @@ class FusedStack : public torch::CustomClassHolder {
           const int64_t j = offset + j0 + i;
           take(r, j, bias ? values[i] + bias[j] : values[i]);
         }
-      });
+      }, true);
       offset += w.n;
     }
   }

@@ -1,5 +1,5 @@
-// The threads our kernels split their work over: the calling thread and persistent workers, one per extra thread
-// torch may use (at::get_num_threads() at first use).
+// The threads the fused step splits its work over: the calling thread and persistent workers, one per extra thread
+// torch used when the kernels loaded.
 //
 // Our kernels run ~150 parallel regions per token, a few tens of microseconds each. OpenMP keeps a separate team per
 // calling thread, and a team started from a thread OpenMP did not create (a server's engine thread) ran the same
@@ -26,19 +26,21 @@ namespace specsample {
 
 class Pool {
  public:
-  static Pool& get() {  // made once, never destroyed: its workers live as long as the process
-    static Pool* pool = new Pool(std::max(0, at::get_num_threads() - 1));
+  // made once (by `start`, else with torch's thread count at first use), never destroyed: its workers live as long
+  // as the process
+  static Pool& start(int threads) {
+    static Pool* pool = new Pool(std::max(0, threads - 1));
     return *pool;
   }
+  static Pool& get() { return start(at::get_num_threads()); }
 
   // f(chunk_begin, chunk_end) over [begin, end) split into contiguous chunks of at least `grain` items, one per
-  // participating thread (at most at::get_num_threads() of the caller)
+  // participating thread
   template <class F>
   void run(int64_t begin, int64_t end, int64_t grain, const F& f) {
     const int64_t range = end - begin;
     if (range <= 0) return;
-    const int64_t wanted = std::min<int64_t>({workers_ + 1, static_cast<int64_t>(at::get_num_threads()),
-                                              (range + grain - 1) / std::max<int64_t>(grain, 1)});
+    const int64_t wanted = std::min<int64_t>(workers_ + 1, (range + grain - 1) / std::max<int64_t>(grain, 1));
     std::unique_lock<std::mutex> region(dispatch_, std::try_to_lock);
     if (wanted <= 1 || inside_ || !region.owns_lock() || forked()) {
       f(begin, end);
@@ -71,7 +73,7 @@ class Pool {
   }
 
  private:
-  static constexpr int SPIN = 20000;  // pauses (~100 us) a worker waits for the next region before sleeping
+  static constexpr int SPIN = 2000;  // pauses (~10 us) a worker waits for the next region before sleeping
 
   explicit Pool(int workers) : workers_(workers) {
     for (int i = 0; i < workers; ++i) std::thread([this, i] { work(i + 1); }).detach();

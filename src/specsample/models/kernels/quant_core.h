@@ -270,10 +270,18 @@ inline void weight_rows_amx(const Weight& w, int64_t n0, const bf16* x_pairs, in
 }
 
 // y = x @ w^T for x [m, k] bfloat16: for every row r and tile of outputs [j0, j0 + width) (int4: 64 outputs, int8 and
-// bfloat16: 4) the epilogue is called as epilogue(r, j0, width, values) with the float32 results in natural order, from the thread that computed the tile.
+// bfloat16: 4) the epilogue is called as epilogue(r, j0, width, values) with the float32 results in natural order,
+// from the thread that computed the tile. `pool`: split the work over our pool (pool.h), else over torch's threads.
 // `scratch_sums` holds m * k / group floats (int4's group sums), computed here.
 template <class Epilogue>
-void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epilogue&& epilogue) {
+void project(const bf16* x, int64_t m, const Weight& w, float* scratch_sums, Epilogue&& epilogue, bool pool) {
+  // the fused step's products run on our pool; a single product among torch's ops, on torch's threads
+  auto parallel_for = [pool](int64_t begin, int64_t end, int64_t grain, const auto& f) {
+    if (pool)
+      specsample::parallel_for(begin, end, grain, f);
+    else
+      at::parallel_for(begin, end, grain, f);
+  };
   const int64_t k = w.k, n = w.n;
   if (w.kind == Weight::INT4) {
     const int64_t group = w.group, groups = k / group;
