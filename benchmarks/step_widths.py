@@ -4,7 +4,8 @@ rows.
 
 One model, the alias's default weights (int4 on a CPU). Every measurement times the paths alternately, call by call
 (the model's fused step switched off and on, the tiles switched on and off between calls, who goes first rotating),
-so a busy machine's drift hits all alike; `--repeats` calls each after a warm-up call, medians in ms. Tables:
+so a busy machine's drift hits all alike; `--repeats` calls each after a warm-up call, medians in ms; each call runs
+as the engine runs a round (`fused.torch_ops_alone`). Tables:
 
 - widths: one row, `--context` tokens cached, scoring n = 1 .. 16 tokens, and each cost over one token's;
 - contexts: the one-token step and a 5-token block after `--contexts` tokens;
@@ -28,6 +29,7 @@ import torch
 
 from specsample.bench.context import cpu_name
 from specsample.models import row_kernels
+from specsample.models.fused import torch_ops_alone
 from specsample.models.loader import load_model
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
@@ -52,7 +54,8 @@ def medians_ms(model, fused, paths, tokens: torch.Tensor, cache, slots: torch.Te
             path = paths[(rep + k) % len(paths)]
             set_path(model, fused, path)
             start = time.perf_counter()
-            model.forward_cached(tokens, cache, slots)
+            with torch_ops_alone(model):  # as the engine runs a round
+                model.forward_cached(tokens, cache, slots)
             if rep:
                 times[path].append(time.perf_counter() - start)
             cache.lengths[slots] = lengths
