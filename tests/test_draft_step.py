@@ -7,6 +7,7 @@ import torch
 from model_factory import draft_request
 
 from specsample import ModelDrafter, SamplingParams, tiny_lm
+from specsample.models import loader, row_kernels
 from specsample.models.convert import save_hf_folder
 from specsample.models.hf_names import export_hf_state_dict
 from specsample.models.layers import PACK_MIN_FLOAT32_ELEMENTS, prepack
@@ -85,8 +86,13 @@ def _draft_folder(tmp_path, hidden: int):
     return folder
 
 
-def test_a_narrow_draft_runs_in_float32_on_a_cpu_under_auto(tmp_path) -> None:
+def test_a_narrow_draft_runs_in_float32_on_a_cpu_under_auto(tmp_path, monkeypatch) -> None:
+    """On torch ops a narrow draft steps faster in float32; on the fused step it stays in bfloat16."""
     narrow = _draft_folder(tmp_path, SMALL_DRAFT_HIDDEN // 2)
+    if row_kernels.available():
+        on_fused = load_drafter(str(narrow), _target(), "auto").model
+        assert on_fused.dtype == torch.bfloat16 and on_fused.fused is not None
+    monkeypatch.setattr(loader, "unsupported_fused", lambda model: "a CPU without the fused step")
     assert load_drafter(str(narrow), _target(), "auto").model.dtype == torch.float32
     assert load_drafter(str(narrow), _target(), "bfloat16").model.dtype == torch.bfloat16  # asked for: kept
     wide = _draft_folder(tmp_path, SMALL_DRAFT_HIDDEN + 64)
