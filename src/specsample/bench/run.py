@@ -42,18 +42,21 @@ def run(
     results.update(environment=environment(bench), notes=bench.notes, status="running")
     recorder.save()
     failed = []
-    for name in config.suites:
-        try:
-            getattr(suites, name)(bench, results["suites"].setdefault(name, {}), recorder)
-        except KeyboardInterrupt:
-            results["status"] = f"interrupted in {name}"
+    try:
+        for name in config.suites:
+            try:
+                getattr(suites, name)(bench, results["suites"].setdefault(name, {}), recorder)
+            except KeyboardInterrupt:
+                results["status"] = f"interrupted in {name}"
+                recorder.save(plots=True)
+                raise
+            except Exception as exc:  # the other suites still run; this one keeps what it measured
+                results["suites"][name]["error"] = "".join(traceback.format_exception_only(exc)).strip()
+                failed.append(name)
+                say(f"suite {name} failed: {exc}")
             recorder.save(plots=True)
-            raise
-        except Exception as exc:  # the other suites still run; this one keeps what it measured
-            results["suites"][name]["error"] = "".join(traceback.format_exception_only(exc)).strip()
-            failed.append(name)
-            say(f"suite {name} failed: {exc}")
-        recorder.save(plots=True)
+    finally:
+        bench.close()
     results["status"] = "complete" if not failed else f"complete, failed: {', '.join(failed)}"
     recorder.save(plots=True)
     return results
