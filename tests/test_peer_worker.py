@@ -65,8 +65,10 @@ def test_a_peer_that_crashes_is_recorded_with_its_cause_and_the_suite_goes_on(fa
     assert "killed by SIGSEGV" in crash and "Segmentation fault" in crash and "fake_peer.py" in crash, crash
     assert "ValueError: the scores buffer is too small" in rows[3]["failed"]["llama.cpp"]
     assert peer.worker.pid != first and peer.worker.deaths == 1  # a new child after the crash, kept after the raise
-    report = "\n".join(compare_section({"systems": ["target-only", "llama.cpp"], "runs": {"0.0": rows}}))
+    systems = ["target-only", "llama.cpp", "llama.cpp-lookup"]  # the last ran on no prompt
+    report = "\n".join(compare_section({"systems": systems, "runs": {"0.0": rows}}))
     assert "| llama.cpp (ran 3 of 5) |" in report and "Failed runs (2;" in report
+    assert "| llama.cpp-lookup (ran 0 of 5) | – | – |" in report
     assert "| llama.cpp | 1 | qa | the llama.cpp worker died (killed by SIGSEGV" in report
     peer.close()
     assert peer.worker.pid is None
@@ -89,7 +91,7 @@ def test_without_llama_cpp_python_the_peer_is_skipped_with_the_install_command(m
     monkeypatch.setattr(llama_cpp.importlib.util, "find_spec", lambda name: None)
     peer, reason = llama_cpp.peer_or_reason(Path("model.gguf"), 100, frozenset(), lookup=True)
     assert peer is None and reason.startswith("llama.cpp-lookup skipped: llama-cpp-python is not installed")
-    assert "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" in reason
+    assert "-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" in reason
 
 
 def test_the_context_is_a_multiple_of_256_with_room_for_a_draft() -> None:
@@ -110,3 +112,4 @@ def test_death_causes() -> None:
     assert death_cause(-11, dump) == "killed by SIGSEGV, Segmentation fault, in _internals.py:312 decode"
     assert death_cause(1, "Traceback...\nImportError: libggml.so") == "exit code 1: ImportError: libggml.so"
     assert death_cause(-9, "") == "killed by SIGKILL"
+    assert death_cause(-11, "Fatal Python error: ") == "killed by SIGSEGV"  # a dump cut short by a second crash

@@ -26,9 +26,11 @@ LOOKUP_NGRAM = 2  # LlamaPromptLookupDecoding's max_ngram_size (its default)
 LOOKUP_TOKENS = 2  # ...and num_pred_tokens: 2, which its documentation recommends on a CPU (10 on a GPU)
 CONTEXT_MULTIPLE = 256  # llama.cpp pads n_ctx to a multiple of this (see llama_cpp_child.LlamaPeer)
 MAX_BATCH = 512  # prompt tokens llama.cpp evaluates per call
-# ggml's AMX kernels (built by GGML_NATIVE on a CPU with AMX) crash in batched decoding: built without them
+# ggml's AMX kernels, which GGML_NATIVE builds on a CPU with AMX, crash in batched decoding: the compiler is told to
+# leave AMX out (the GGML_AMX_* switches apply only where GGML_NATIVE is off)
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 INSTALL_HINT = (
-    'CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" '
+    f"CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'\" "
     "pip install --no-cache-dir 'specsample[llama]'"
 )
 CHILD = Path(__file__).with_name("llama_cpp_child.py")

@@ -96,7 +96,7 @@ def _pooled(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
     tpots = [r["tpot_p50"] for r in records if r["tpot_p50"] is not None]
     out: dict[str, Any] = {
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else (None if not records else 0.0),
         "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
         "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
         "tpot_ms": 1000 * statistics.median(tpots) if tpots else None,
@@ -172,8 +172,8 @@ def compare_section(store: dict[str, Any]) -> list[str]:
             pooled = _pooled(rows, name)
             accepted = pooled["mean_accepted_length"] - 1 if "mean_accepted_length" in pooled else None
             lines.append(
-                f"| {_ran(rows, name)} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name].get('overall'))} | "
-                f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                f"| {_ran(rows, name)} | {_fmt(pooled['tokens_per_s'], 1)} | {_interval(speed[name].get('overall'))} "
+                f"| {_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
                 f"{_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | {_fmt(pooled['tpot_ms'], 1)} |"
             )
         if store.get("compiled"):
@@ -234,6 +234,8 @@ def _ratio_lines(rows: list[dict[str, Any]], ours: list[str], references: list[s
         ran = [row for row in rows if reference in row["systems"]]
         if ran:
             between.update(bootstrap(_prompt_rows(ran), ratios(reference), LEVEL))
+    if not between:
+        return []
     lines = ["", "Speed ratios:", "", "| ratio | overall | " + " | ".join(cats) + " |", "|---" * (len(cats) + 2) + "|"]
     return lines + [
         f"| {key} | {_interval(cells.get('overall'))} | " + " | ".join(_interval(cells.get(c)) for c in cats) + " |"
@@ -466,8 +468,8 @@ def repeat_section(store: dict[str, Any]) -> list[str]:
         for name in names:
             pooled = _pooled(rows, name)
             lines.append(
-                f"| {_ran(rows, name)} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name].get('overall'))} | "
-                f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                f"| {_ran(rows, name)} | {_fmt(pooled['tokens_per_s'], 1)} | {_interval(speed[name].get('overall'))} "
+                f"| {_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
                 f"{_fmt(_draft_ms(rows, name), 3)} |"
             )
         cats = sorted(c for c in speed[BASELINE] if c != "overall")

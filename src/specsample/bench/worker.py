@@ -51,7 +51,7 @@ def death_cause(returncode: int, stderr: str) -> str:
         cause = f"exit code {returncode}"
     lines = [line.strip() for line in stderr.splitlines()]
     fatal = next((line for line in lines if line.startswith("Fatal Python error:")), None)
-    if fatal:
+    if fatal and fatal.removeprefix("Fatal Python error:").strip():  # cut short where two threads crashed at once
         cause += f", {fatal.removeprefix('Fatal Python error:').strip()}"
     if "(most recent call first):" in stderr:  # faulthandler's dump: the first frame listed is the innermost
         stack = stderr.split("(most recent call first):", 1)[1].splitlines()
@@ -177,10 +177,10 @@ class Worker:
         stderr = self._stderr.read()[-8192:].decode(errors="replace")
         self._stderr.close()
         self.deaths += 1
-        cause = f"the {self.name} worker died ({death_cause(returncode, stderr)})"
+        cause = death_cause(returncode, stderr)
         if self.deaths >= MAX_DEATHS:
-            self.given_up = f"not run: the {self.name} worker died {self.deaths} times, last {cause}"
-        raise PeerFailed(cause)
+            self.given_up = f"not run: the {self.name} worker died {self.deaths} times (last: {cause})"
+        raise PeerFailed(f"the {self.name} worker died ({cause})")
 
     def _close_pipes(self) -> None:
         for connection in (self._requests, self._replies):
@@ -195,6 +195,12 @@ def _serve(module_file: str, requests: Connection, replies: Connection) -> None:
     import importlib.util
 
     faulthandler.enable()  # a fatal signal prints the Python stack to stderr, which the parent reads
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported, not dumped
+    except (ImportError, ValueError, OSError):
+        pass
     spec = importlib.util.spec_from_file_location("specsample_peer", module_file)
     module = importlib.util.module_from_spec(spec)
     try:
