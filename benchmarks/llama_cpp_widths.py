@@ -5,7 +5,9 @@
 Two settings: logits of the last position only (`logits_all=False`, plain decoding's call) and of every position
 (`logits_all=True`, what verifying a draft needs: llama-cpp-python's own prompt-lookup decoding turns it on). Each
 call is rolled back after it (the cache truncated to the prefill), the widths run in an order rotating repeat by
-repeat, the first repeat is a warm-up; medians and minimums in ms, and each median over n = 1's.
+repeat, the first repeat is a warm-up; medians and minimums in ms, and each median over n = 1's. llama.cpp's threads
+meet at a barrier after every operation, so where other work shares the cores its times grow far more than the load:
+time on a quiet machine.
 
 Needs llama-cpp-python (docs/benchmarks.md says how to build it for the machine).
 
@@ -70,12 +72,15 @@ def main() -> None:
     parser.add_argument("--alias", default="smollm2-135m-instruct", help="the model alias whose GGUF file to time")
     parser.add_argument("--context", type=int, default=100, help="tokens cached before each call")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per width and setting")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
+    parser.add_argument("--threads", type=int, help="llama.cpp's threads (default: as many as torch uses, as in bench)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
 
     import llama_cpp
+    import torch
     from llama_cpp import Llama
+
+    args.threads = args.threads or torch.get_num_threads()
 
     if args.gguf:
         gguf = Path(args.gguf)

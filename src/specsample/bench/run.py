@@ -3,7 +3,8 @@
 Every system sees the same prompts, seeds and token budget, interleaved prompt by prompt (the order rotates) or,
 in the adaptive suite, round by round, so the machine's drift hits all alike. The baseline of every speedup is
 target-only decoding through our own engine. Results are written as they are measured: a run that is cut off
-or fails keeps everything it measured, in `results.json` and `results.md`.
+or fails keeps everything it measured, in `results.json` and `results.md`. A peer that fails on a prompt is recorded
+there with its cause, and the suite goes on.
 """
 
 from __future__ import annotations
