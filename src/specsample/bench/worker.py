@@ -158,13 +158,14 @@ class Worker:
 
     def _receive(self, timeout: float | None) -> tuple[str, Any]:
         """The child's next message, or PeerFailed (and the child's end) where it dies or exceeds `timeout`."""
-        waited = 0.0
+        waited, timed_out = 0.0, False
         while not self._replies.poll(0.2):
             if self._process.poll() is not None:
                 break
             waited += 0.2
             if timeout is not None and waited >= timeout:
                 self._process.kill()
+                timed_out = True
                 break
         try:
             return self._replies.recv()
@@ -177,7 +178,7 @@ class Worker:
         stderr = self._stderr.read()[-8192:].decode(errors="replace")
         self._stderr.close()
         self.deaths += 1
-        cause = death_cause(returncode, stderr)
+        cause = f"no answer in {timeout:.0f} s" if timed_out else death_cause(returncode, stderr)
         if self.deaths >= MAX_DEATHS:
             self.given_up = f"not run: the {self.name} worker died {self.deaths} times (last: {cause})"
         raise PeerFailed(f"the {self.name} worker died ({cause})")
