@@ -126,7 +126,7 @@ def main() -> None:
             for n, t in times.items()
         }
         del llm
-    print(f"{gguf.name}, {args.context} tokens cached, {args.threads} threads, {cpu_name()}")
+    print(f"{gguf.name}, {args.context} tokens cached, threads: {args.threads}, {cpu_name()}")
     print("| n | " + " | ".join(f"{s}: median ms (x n=1)" for s in results["widths"]) + " |")
     print("|---" * (1 + len(results["widths"])) + "|")
     for n in WIDTHS:

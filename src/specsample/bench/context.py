@@ -233,7 +233,8 @@ class Bench:
             self._say(reason)
             return []
         self.notes.append(
-            f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads, context "
+            f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} thread"
+            f"{'s' if peer.threads != 1 else ''}, context "
             f"{peer.n_ctx} tokens, in a process of its own" + (f", {peer.about}" if peer.about else "")
         )
         return [peer]
