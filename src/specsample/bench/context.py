@@ -233,10 +233,18 @@ class Bench:
             self._say(reason)
             return []
         self.notes.append(
-            f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads"
-            + (f", {peer.about}" if peer.about else "")
+            f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} thread"
+            f"{'s' if peer.threads != 1 else ''}, context "
+            f"{peer.n_ctx} tokens, in a process of its own" + (f", {peer.about}" if peer.about else "")
         )
         return [peer]
+
+    def close(self) -> None:
+        """End the peers' child processes."""
+        for peer in self.peers:
+            close = getattr(peer, "close", None)
+            if close is not None:
+                close()
 
 
 def environment(bench: Bench) -> dict[str, Any]:

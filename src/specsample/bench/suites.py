@@ -29,6 +29,7 @@ from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, record, run_lockstep, speed_line
+from specsample.bench.worker import PeerFailed
 from specsample.config import Grammar, SamplingParams
 from specsample.datasets import spec_bench_prompts
 from specsample.planner import FixedGamma, GammaController
@@ -43,15 +44,21 @@ def _interleaved(
     recorder: Recorder,
     label: str,
 ) -> None:
-    """Every system on each prompt in turn, the order rotating prompt by prompt; a row per prompt."""
+    """Every system on each prompt in turn, the order rotating prompt by prompt; a row per prompt. A peer that fails
+    on a prompt (`PeerFailed`) is left out of that row's systems and named with its cause in the row's `failed`."""
     progress = Progress(label, len(indices))
     for n, i in enumerate(indices):
         order = systems[n % len(systems) :] + systems[: n % len(systems)]  # no system always runs first
         prompt = bench.prompts[i]
         row = {"prompt": prompt.id, "category": prompt.category, "systems": {}}
         for system in order:
-            row["systems"][system.name] = record(system.run([bench.prompt_ids[i]], [bench.params(temperature, i)])[0])
-        row["systems"] = {s.name: row["systems"][s.name] for s in systems}
+            try:
+                row["systems"][system.name] = record(
+                    system.run([bench.prompt_ids[i]], [bench.params(temperature, i)])[0]
+                )
+            except PeerFailed as exc:  # recorded; the other systems and prompts still run
+                row.setdefault("failed", {})[system.name] = str(exc)
+        row["systems"] = {s.name: row["systems"][s.name] for s in systems if s.name in row["systems"]}
         rows.append(row)
         recorder.save()
         progress.step(speed_line(row))
