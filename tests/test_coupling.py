@@ -103,9 +103,10 @@ def coupled_server(tmp_path_factory):
     from live_server import LiveServer
     from model_factory import make_tokenizer, write_hf_model
 
+    from specsample.options import EngineOptions
     from specsample.server.app import SpecServer
     from specsample.server.options import ServerOptions
-    from specsample.speculator import EngineOptions, load
+    from specsample.speculator import load
 
     root = tmp_path_factory.mktemp("coupled")
     tokenizer = make_tokenizer()
@@ -122,7 +123,7 @@ def coupled_server(tmp_path_factory):
             deterministic=True,
         )
     )
-    server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=8, max_model_len=128)))
+    server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=8, max_seq_len=128)))
     yield server
     server.close()
 
@@ -181,7 +182,8 @@ def test_real_float32_seed_gives_the_same_tokens_at_any_gamma() -> None:
     decoding gives the same tokens (in bfloat16 this needs deterministic mode: docs/exactness.md)."""
     from dataclasses import replace
 
-    from specsample.speculator import EngineOptions, load
+    from specsample.options import EngineOptions
+    from specsample.speculator import load
 
     speculator = load(EngineOptions(dtype="float32", sampling="coupled"))
     tokenizer, model = speculator.pair.target.tokenizer, speculator.pair.target.model

@@ -27,11 +27,12 @@ import specsample.engine as engine_module
 import specsample.server.app as app_module
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.drafters.model import ModelDrafter
+from specsample.options import EngineOptions
 from specsample.planner import FixedGamma
 from specsample.sampling import sample, warp_probs
 from specsample.server.app import SpecServer, build_app
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
-from specsample.speculator import EngineOptions, load
+from specsample.speculator import load
 
 MODEL = "tiny"
 KEY, ADMIN = "inference-key", "admin-key"
@@ -179,7 +180,7 @@ def live(folders):
         admin_key=ADMIN,
         models_dir=str(folders["models"]),
         max_batch_size=8,
-        max_model_len=128,
+        max_seq_len=128,
         max_body_bytes=BODY_LIMIT,
     )
     server = LiveServer(SpecServer(speculator, options))
@@ -796,7 +797,7 @@ def test_generated_bad_bodies_get_no_5xx_and_leave_the_server_healthy(live) -> N
     """FUZZ_BODIES generated bodies (types, sizes, depths, Unicode, numbers at the edges, random schemas) through an
     in-process client: no 5xx, every error in the OpenAI shape, and a healthy server afterwards."""
     server = SpecServer(
-        live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128, grammar_workers=1)
+        live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_seq_len=128, grammar_workers=1)
     )
     app = build_app()
     app.state.server = server

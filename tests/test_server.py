@@ -17,11 +17,12 @@ from live_server import LiveServer, free_port
 from model_factory import make_tokenizer, write_hf_model
 from prometheus_client.parser import text_string_to_metric_families
 
+from specsample.options import EngineOptions
 from specsample.server.app import SpecServer, build_app
 from specsample.server.options import ServerOptions
 from specsample.server.protocol import TextAssembler
 from specsample.server.serve import FLUSH_SECONDS, DrainingServer
-from specsample.speculator import EngineOptions, load
+from specsample.speculator import load
 
 MODEL = "tiny"
 PROMPTS = [
@@ -60,7 +61,7 @@ def _server(folders, api_key=None, max_batch=8, **options) -> LiveServer:
                 api_key=api_key,
                 min_acceptance=0.7,
                 max_batch_size=max_batch,
-                max_model_len=128,
+                max_seq_len=128,
                 **options,
             ),
         )
@@ -338,7 +339,7 @@ def test_metrics_report_the_engines_shared_suffix_cache(folders, scope: str) -> 
     speculator = load(
         EngineOptions(target=str(folders["target"]), draft="suffix", dtype="float32", suffix_cache_scope=scope)
     )
-    server = SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=1, max_model_len=64))
+    server = SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=1, max_seq_len=64))
     server.engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, seed=0))
     output = [t for r in server.engine.stream() for u in r.rows for t in u.new_tokens]
     values = {
@@ -423,7 +424,7 @@ async def _stream_events(client: httpx.AsyncClient, body: dict) -> list[str]:
 def _draining(live, monkeypatch, timeout: float) -> _Draining:
     spec = SpecServer(
         live.server.speculator,
-        ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128, shutdown_timeout=timeout),
+        ServerOptions(model_name=MODEL, max_batch_size=8, max_seq_len=128, shutdown_timeout=timeout),
     )
     step = spec.engine.step
 
@@ -526,7 +527,7 @@ def bf16_servers(folders):
                         **extra,
                     )
                 ),
-                ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128),
+                ServerOptions(model_name=MODEL, max_batch_size=8, max_seq_len=128),
             )
         )
         for extra in ({}, {"deterministic": True})

@@ -237,6 +237,15 @@ class Drafter(Protocol):
         ...
 
 
+def check_vocabulary(draft_vocab_size: int | None, target_vocab_size: int) -> None:
+    """Refuse a draft whose vocabulary differs from the target's (None: a drafter that works with any)."""
+    if draft_vocab_size is not None and draft_vocab_size != target_vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({draft_vocab_size}) differs from target vocabulary ({target_vocab_size}); pick a "
+            "draft trained with the target's tokenizer, or draft by n-gram lookup (--draft ngram)"
+        )
+
+
 @runtime_checkable
 class BacklogScorer(Protocol):
     """A drafter that can score, teacher-forced, tokens the target committed without it (plain rounds): gamma auto

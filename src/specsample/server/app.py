@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from specsample.config import SettingError
+from specsample.drafters.base import check_vocabulary
 from specsample.drafters.routed import RoutedDrafter
 from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats
 from specsample.engine import RowUpdate
@@ -62,9 +63,9 @@ class SpecServer:
         self.speculator, self.options, self.tokenizer = speculator, options, target.tokenizer
         drafter = RoutedDrafter(speculator.drafter) if speculator.drafter is not None else None
         self.engine = speculator.engine(
-            options.max_batch_size, options.max_model_len, drafter=drafter, prefix_cache_rows=options.prefix_cache_rows
+            options.max_batch_size, options.max_seq_len, drafter=drafter, prefix_cache_rows=options.prefix_cache_rows
         )
-        self.draft_spec = speculator.draft_spec
+        self.draft = speculator.draft  # the draft in use (/admin/draft replaces it)
         labels = {"replica": options.replica_id} if options.replica_id else {}
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
@@ -268,7 +269,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
             "status": "ok",
             "running": srv.engine.num_running,
             "waiting": srv.engine.num_waiting,
-            "draft": srv.draft_spec,
+            "draft": srv.draft,
             "replica": srv.options.replica_id,
             "sampling": "coupled" if srv.engine.config.coupled else "rejection",
             "deterministic": srv.speculator.options.deterministic,
@@ -290,7 +291,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
                     "object": "model",
                     "created": srv.created,
                     "owned_by": "specsample",
-                    "max_model_len": srv.engine.max_len,
+                    "max_model_len": srv.engine.max_seq_len,
                 }
             ],
         }
@@ -308,18 +309,18 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
         srv: SpecServer = request.app.state.server
         try:
             body = _json(await request.body())
-            spec = body.get("draft") if isinstance(body, dict) and len(body) == 1 else None
-            if not isinstance(spec, str) or not spec:
+            draft = body.get("draft") if isinstance(body, dict) and len(body) == 1 else None
+            if not isinstance(draft, str) or not draft:
                 raise ProtocolError('give the new draft as {"draft": "SPEC"}', "draft")
-            drafter = await asyncio.to_thread(_load_allowed_draft, srv, spec)
+            drafter = await asyncio.to_thread(_load_allowed_draft, srv, draft)
             await asyncio.to_thread(srv.runner.replace_drafter, drafter)
         except ProtocolError as exc:
             return error_response(exc.status, str(exc), exc.param, exc.kind)
         except ValueError as exc:  # a server without a draft cannot swap one in
             return error_response(400, str(exc), "draft")
-        srv.draft_spec = spec
-        log.warning("draft replaced by %s: requests in flight finish on the previous draft", spec)
-        return {"status": "ok", "draft": spec}
+        srv.draft = draft
+        log.warning("draft replaced by %s: requests in flight finish on the previous draft", draft)
+        return {"status": "ok", "draft": draft}
 
     return app
 
@@ -330,31 +331,24 @@ UNUSABLE_DRAFT = (
 )
 
 
-def _load_allowed_draft(srv: SpecServer, spec: str):
-    """The drafter for an allowed draft spec: 'ngram', 'suffix', 'hybrid', a built-in alias or draft, or a folder or
+def _load_allowed_draft(srv: SpecServer, draft: str):
+    """The drafter for an allowed draft: 'ngram', 'suffix', 'hybrid', a built-in alias or draft, or a folder or
     .gguf file inside `--models-dir` given by its name there, each also as 'hybrid:NAME'. Anything else, and anything
     that does not load or does not fit the target, gets one message that says nothing about the filesystem (the
     reason is logged)."""
     refusal = ProtocolError(UNUSABLE_DRAFT.format(builtin=", ".join(sorted(_builtin_names()))), "draft")
-    resolved = _allowed_draft(spec, srv.options.models_dir)
+    resolved = _allowed_draft(draft, srv.options.models_dir)
     if resolved is None:
-        log.warning("draft %r refused: not a built-in draft nor in the models folder", spec)
+        log.warning("draft %r refused: not a built-in draft nor in the models folder", draft)
         raise refusal
     try:
         drafter = srv.speculator.pair.load_draft(resolved)
+        if drafter is None:
+            raise ValueError("it did not load")
+        check_vocabulary(drafter.vocab_size, srv.speculator.pair.target.model.vocab_size)
     except Exception as exc:  # noqa: BLE001 - whatever went wrong, the client learns only that the draft is unusable
-        log.warning("draft %r could not be loaded: %s", spec, exc)
+        log.warning("draft %r refused: %s", draft, exc)
         raise refusal from None
-    target_vocab = srv.speculator.pair.target.model.vocab_size
-    if drafter is None or (drafter.vocab_size is not None and drafter.vocab_size != target_vocab):
-        log.warning(
-            "draft %r refused: %s",
-            spec,
-            "it did not load"
-            if drafter is None
-            else f"its vocabulary ({drafter.vocab_size}) differs from the target's ({target_vocab})",
-        )
-        raise refusal
     return drafter
 
 
@@ -364,14 +358,14 @@ def _builtin_names() -> set[str]:
     return set(ALIASES) | set(shipped)
 
 
-def _allowed_draft(spec: str, models_dir: str | None) -> str | None:
-    """The spec to load for an allowed draft spec, else None."""
-    if spec in ("ngram", "suffix", "hybrid"):
-        return spec
-    if is_hybrid(spec):
-        model = _allowed_model(spec.partition(":")[2], models_dir)
+def _allowed_draft(draft: str, models_dir: str | None) -> str | None:
+    """What to load for an allowed draft, else None."""
+    if draft in ("ngram", "suffix", "hybrid"):
+        return draft
+    if is_hybrid(draft):
+        model = _allowed_model(draft.partition(":")[2], models_dir)
         return None if model is None else "hybrid:" + model
-    return _allowed_model(spec, models_dir)
+    return _allowed_model(draft, models_dir)
 
 
 def _allowed_model(name: str, models_dir: str | None) -> str | None:
@@ -521,7 +515,7 @@ async def _cancel_on_disconnect(srv: SpecServer, request: Request, choices: list
 
 
 def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
-    limit = srv.engine.max_len
+    limit = srv.engine.max_seq_len
     if chat:
         try:
             ids = srv.tokenizer.encode_messages(req.conversation())
