@@ -104,8 +104,8 @@ def coupled_server(tmp_path_factory):
     from model_factory import make_tokenizer, write_hf_model
 
     from specsample.options import EngineOptions
-    from specsample.server.app import SpecServer
     from specsample.server.options import ServerOptions
+    from specsample.server.state import SpecServer
     from specsample.speculator import load
 
     root = tmp_path_factory.mktemp("coupled")

@@ -23,8 +23,8 @@ from model_factory import make_tokenizer, write_hf_model
 
 import specsample.engine as engine_module
 from specsample.options import EngineOptions
-from specsample.server.app import SpecServer
 from specsample.server.options import ServerOptions
+from specsample.server.state import SpecServer
 from specsample.speculator import load
 
 pytestmark = pytest.mark.load

@@ -18,8 +18,8 @@ from model_factory import make_tokenizer, write_hf_model
 import specsample.bench.context as bench_context
 import specsample.models.compiled as compiled_module
 import specsample.pair as pair_module
-import specsample.server.app as server_app
 import specsample.server.serve as serve_module
+import specsample.server.state as server_state
 import specsample.speculator as speculator_module
 from specsample.bench.config import BENCH_ENGINE_DEFAULTS, BenchConfig
 from specsample.cli import BENCH_SETS, build_parser, main
@@ -131,7 +131,7 @@ class Entry:
 
         monkeypatch.setattr(speculator_module, "load", load)
         monkeypatch.setattr(bench_context, "load", load)
-        monkeypatch.setattr(server_app, "SpecServer", server)
+        monkeypatch.setattr(server_state, "SpecServer", server)
         monkeypatch.setattr(serve_module, "serve_http", server)  # never serves, whatever the entry point reaches
         command = self.name if self.name in ("generate", "bench") else "serve"
         words = [w for name, (value, text) in given.items() for w in _words(command, name, value, text)]

@@ -84,8 +84,8 @@ def _client(url: str, cls=openai.OpenAI):
 @pytest.fixture(scope="module")
 def single_process(folders):
     from specsample.options import EngineOptions
-    from specsample.server.app import SpecServer
     from specsample.server.options import ServerOptions
+    from specsample.server.state import SpecServer
     from specsample.speculator import load
 
     speculator = load(

@@ -18,10 +18,11 @@ from model_factory import make_tokenizer, write_hf_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from specsample.options import EngineOptions
-from specsample.server.app import SpecServer, build_app
+from specsample.server.app import build_app
 from specsample.server.options import ServerOptions
 from specsample.server.protocol import TextAssembler
 from specsample.server.serve import FLUSH_SECONDS, DrainingServer
+from specsample.server.state import SpecServer
 from specsample.speculator import load
 
 MODEL = "tiny"
@@ -164,21 +165,21 @@ def test_usage_stops_counting_at_the_stop_string() -> None:
     import asyncio
 
     from specsample.engine import RowUpdate
-    from specsample.server.app import _Choice
+    from specsample.server.responses import Choice
     from specsample.server.runner import RequestHandle
 
-    async def one_round() -> _Choice:
+    async def one_round() -> Choice:
         loop = asyncio.get_running_loop()
         handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
-        choice = _Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
+        choice = Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abSTxyz")), 6, 6, None))  # 7 tokens in one round
         assert await choice.next() == [("ab", "stop")]
         return choice
 
-    async def two_rounds(last_finish: str | None) -> _Choice:
+    async def two_rounds(last_finish: str | None) -> Choice:
         loop = asyncio.get_running_loop()
         handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
-        choice = _Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
+        choice = Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abS")), 2, 2, None))  # "S" held back
         assert await choice.next() == [("ab", None)]
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "Txy")), 2, 2, last_finish))

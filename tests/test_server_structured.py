@@ -16,8 +16,8 @@ from model_factory import make_tokenizer, write_hf_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from specsample.options import EngineOptions
-from specsample.server.app import SpecServer
 from specsample.server.options import ServerOptions
+from specsample.server.state import SpecServer
 from specsample.speculator import load
 
 MODEL = "tiny"

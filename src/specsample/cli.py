@@ -653,8 +653,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
-    from specsample.server.app import SpecServer
     from specsample.server.serve import serve_http
+    from specsample.server.state import SpecServer
     from specsample.speculator import load
 
     server = SpecServer(load(options, say=_say), serving)

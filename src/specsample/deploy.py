@@ -129,7 +129,7 @@ class SpecsampleReplica:
 
 def replica_server(args: dict[str, Any], replica_id: str | None):
     """A replica's server: its pair loaded from deployment arguments (`ReplicaSettings.as_args`)."""
-    from specsample.server.app import SpecServer
+    from specsample.server.state import SpecServer
     from specsample.speculator import load
 
     settings = ReplicaSettings.from_args(args)
