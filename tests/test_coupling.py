@@ -10,10 +10,10 @@ import torch
 
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.config import TreeShape
-from specsample.coupling import NoiseStream, position_gumbels
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.planner import FixedGamma, GammaController
+from specsample.verification.coupled import NoiseStream, position_gumbels
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 COMPANIONS = [[7, 7, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3], [30, 29]]
@@ -151,7 +151,7 @@ def test_choice_i_of_seed_s_is_seed_s_plus_i(coupled_server) -> None:
 
 
 def test_verify_coupled_accepts_exactly_the_targets_gumbel_max_tokens() -> None:
-    from specsample.coupling import DraftNoise, coupled_choices, verify_coupled
+    from specsample.verification.coupled import DraftNoise, coupled_choices, verify_coupled
 
     torch.manual_seed(0)
     target_probs = torch.softmax(torch.randn(3, 4, 50, dtype=torch.float64), dim=-1)  # [b, gamma + 1, vocab]
@@ -167,7 +167,7 @@ def test_verify_coupled_accepts_exactly_the_targets_gumbel_max_tokens() -> None:
 
 
 def test_verify_coupled_fails_only_the_row_without_a_distribution() -> None:
-    from specsample.coupling import DraftNoise, verify_coupled
+    from specsample.verification.coupled import DraftNoise, verify_coupled
 
     target_probs = torch.full((2, 2, 10), 0.1, dtype=torch.float64)
     target_probs[1, 0] = float("nan")

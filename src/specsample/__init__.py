@@ -26,7 +26,7 @@ from specsample.options import EngineOptions
 from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner, RoundPlan
 from specsample.speculator import Speculator, load
-from specsample.verify import Verdict, verify, verify_greedy
+from specsample.verification.chain import Verdict, verify, verify_greedy
 
 __all__ = [
     "CausalLM",

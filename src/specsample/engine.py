@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, SettingError, SpecConfig
-from specsample.coupling import DraftNoise, NoiseStream
 from specsample.drafters.base import (
     BacklogScorer,
     Drafter,
@@ -41,8 +40,10 @@ from specsample.planner.base import BatchState, RoundPlan, RowState
 from specsample.processors import RowProcessors, Shaper, token_logprobs
 from specsample.rounds import RoundResult, RoundStats, RowUpdate, TokenLogprob, round_outcome, round_stats
 from specsample.scheduler import Admission, Request, Scheduler
-from specsample.verifier import Verifier, block_parents
-from specsample.verify import Verdict
+from specsample.token_tree import block_parents
+from specsample.verification.chain import Verdict
+from specsample.verification.coupled import DraftNoise, NoiseStream
+from specsample.verification.verifier import Verifier
 
 __all__ = ["Engine", "RoundResult", "RoundStats", "RowUpdate", "TokenLogprob"]
 
@@ -54,8 +55,8 @@ class Engine:
 
     Requests may be added and cancelled between rounds from other threads; each keeps its own
     slot in the target's and the drafter's caches and its own seeded generator, so no request sees
-    another's tokens. With coupled sampling (`SpecConfig.coupled`, specsample.coupling) a seeded request gives
-    the tokens plain decoding with that seed gives, whatever the plan and the batch (up to the rounding of the
+    another's tokens. With coupled sampling (`SpecConfig.coupled`, specsample.verification.coupled) a seeded request
+    gives the tokens plain decoding with that seed gives, whatever the plan and the batch (up to the rounding of the
     target's logits, which deterministic mode removes: models/invariant.py).
     """
 
@@ -208,7 +209,7 @@ class Engine:
                 target_logits,
                 [r.slot for r in rows],
                 block,
-                None if proposal.parents is None else block_parents(proposal),
+                None if proposal.parents is None else block_parents(proposal.parents, proposal.num_drafted),
             )
         verdict, target_probs = self.verifier(
             block, proposal, target_logits, [r.params for r in rows], [r.generator for r in rows], self._noise(rows)
@@ -359,7 +360,8 @@ class Engine:
         tokens = block.to(self.target.device)
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         if proposal.parents is not None:  # a token tree per row: every node in the same forward
-            logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, block_parents(proposal))
+            parents = block_parents(proposal.parents, proposal.num_drafted)
+            logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, parents)
             return logits, hidden if self._wants_features() else None
         width = (
             self.config.target_widths[tokens.shape[1] - 1]
