@@ -30,7 +30,8 @@ from specsample.bench.context import cpu_name
 from specsample.bench.stats import bootstrap
 from specsample.config import SamplingParams
 from specsample.datasets import spec_bench_prompts
-from specsample.speculator import EngineOptions, load
+from specsample.options import EngineOptions
+from specsample.speculator import load
 
 
 def free_port() -> int:

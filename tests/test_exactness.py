@@ -25,7 +25,7 @@ from devices import DEVICE
 from planner_driver import AlternatingTrees
 from stats_util import chi_square
 
-import specsample.verifier as verifier_module
+import specsample.verification.verifier as verifier_module
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.config import TreeShape
@@ -432,7 +432,7 @@ def test_tree_drafting_is_exact(pair, kind: str) -> None:
 def test_tree_verifier_that_keeps_the_residual_fails(pair, monkeypatch) -> None:
     """A tree verifier that tries a node's next child against the residual from before the last rejection (no
     norm(max(0, p - q)) update) must fail the same test."""
-    import specsample.verify_tree as tree_module
+    import specsample.verification.tree as tree_module
 
     monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
     results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE))
@@ -477,7 +477,7 @@ def test_coupled_sampling_is_exact(pair, case: str) -> None:
 def test_coupled_noise_reused_at_every_position_fails(pair, monkeypatch) -> None:
     """Coupled sampling whose noise ignores the position (every position of a request reuses the same Gumbel noise):
     each token alone is still target-distributed, but the tokens of a sequence are no longer independent draws."""
-    from specsample.coupling import NoiseStream, position_gumbels
+    from specsample.verification.coupled import NoiseStream, position_gumbels
 
     monkeypatch.setattr(NoiseStream, "gumbel", lambda self, position: position_gumbels(self.seed, 0, self.vocab))
     results = _coupled_chi_squares(pair, "model_chain")
@@ -528,7 +528,7 @@ def test_fused_step_trees_are_exact(fused_pair) -> None:
 
 
 def test_tree_verifier_that_keeps_the_residual_fails_on_the_fused_step(fused_pair, monkeypatch) -> None:
-    import specsample.verify_tree as tree_module
+    import specsample.verification.tree as tree_module
 
     monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
     results = _feature_chi_squares(fused_pair[0], tree_drafter(fused_pair, "model"), FixedGamma(3, tree=TREE))

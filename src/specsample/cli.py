@@ -15,9 +15,9 @@ from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.metrics import StatsCollector
 from specsample.models.hub import FetchError
 from specsample.models.quant import QUANT_MODES
+from specsample.options import DEFAULT_TARGET, EngineOptions, check_device
 from specsample.options_cli import Flag, add_flags, flag_values
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
-from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device
 
 # serve's engine flags named as vLLM names them (the others: as `generate` names them)
 SERVE_FLAGS = {
@@ -424,12 +424,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 sys.stdout.write(decoder.push(update.new_tokens))
                 sys.stdout.flush()
     stats = collector.summary()
-    drafting = speculator.draft_spec != "none"
+    drafting = speculator.draft != "none"
     stats.update(
-        gamma=options.gamma if drafting else 0,
-        draft=speculator.draft_spec,
-        target=options.target,
-        step=speculator.step_path,
+        gamma=options.gamma if drafting else 0, draft=speculator.draft, target=options.target, step=speculator.step_path
     )
     if options.gamma == "auto" and drafting:
         stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
@@ -562,6 +559,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     """Evaluate a draft against a target and print the report as JSON."""
     from specsample.distill.evaluate import evaluate
     from specsample.distill.run import evaluation_table
+    from specsample.drafters.base import check_vocabulary
     from specsample.models.loader import load_model
 
     prompts = eval_prompt_set(args.prompts, args.num_prompts)
@@ -570,9 +568,15 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         from specsample.distill.eagle import evaluation_table as head_table
         from specsample.pair import load_drafter
 
-        dtype, quantize = args.dtype or "auto", args.quantize or "auto"
-        target = load_model(args.target, dtype=dtype, quantize=quantize, compile_decode=args.compile)
-        drafter = load_drafter(args.draft, target, dtype=dtype, compile_decode=args.compile)
+        options = EngineOptions(
+            target=args.target,
+            draft=args.draft,
+            dtype=args.dtype or "auto",
+            quantize=args.quantize or "auto",
+            compile=args.compile,
+        )
+        target = load_model(options.target, dtype=options.dtype, quantize=options.quantize, compile=options.compile)
+        drafter = load_drafter(options.draft, target, options)
         if drafter is None:
             raise CliError(f"draft {args.draft} could not be loaded")
         report = evaluate_head(
@@ -584,7 +588,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
             progress=sys.stderr.isatty(),
             measure_cost=not args.no_cost,
         )
-        report["target_weights"] = quantize
+        report["target_weights"] = options.quantize
         report["command"] = args.command_line
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
@@ -595,10 +599,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         raise CliError("--compile applies to a feature draft (its cost ratio compiled beside the target's)")
     target = load_model(args.target, dtype=args.dtype or "float32", quantize=args.quantize or "none")
     draft = load_model(args.draft, dtype=args.dtype or "float32")
-    if draft.model.vocab_size != target.model.vocab_size:
-        raise CliError(
-            f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary ({target.model.vocab_size})"
-        )
+    check_vocabulary(draft.model.vocab_size, target.model.vocab_size)
     report = evaluate(
         target.model,
         draft.model,
@@ -654,14 +655,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
-    from specsample.server.app import SpecServer
     from specsample.server.serve import serve_http
+    from specsample.server.state import SpecServer
     from specsample.speculator import load
 
     server = SpecServer(load(options, say=_say), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
-    _say(f"serving {options.target} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
+    _say(f"serving {options.target} (draft {server.draft}) on http://{args.host}:{args.port}/v1")
     serve_http(server, args.host, args.port)
 
 

@@ -30,12 +30,12 @@ WARM_UP = "Say OK."  # each system's first request, not timed (its few tokens en
 WARM_UP_TOKENS = 4
 
 
-def repeat_systems(bench: Bench, max_len: int) -> list[Ours]:
+def repeat_systems(bench: Bench, max_seq_len: int) -> list[Ours]:
     """Target-only and the lookups the repeat suite compares, each on an engine of its own kept for the stream."""
 
     def resident(name: str, drafter: Drafter | None) -> Ours:
         planner = GammaController(bench.config.engine.max_gamma)
-        engine = bench.speculator.engine(1, max_len, drafter=drafter, planner=planner)
+        engine = bench.speculator.engine(1, max_seq_len, drafter=drafter, planner=planner)
         return Resident(name, engine)
 
     systems = [resident("target-only", None)]
@@ -71,14 +71,14 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     if not tokenizer.has_chat_template:
         raise ValueError(f"{bench.config.engine.target} has no chat template: the repeat suite sends chats")
     stream = workload(bench.config.num_prompts)
-    max_len = context_needed(bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens, stream)
+    max_seq_len = context_needed(bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens, stream)
     store.update(
         requests=len(stream), kinds={k: sum(r.kind == k for r in stream) for k in KINDS}, runs={}, warm_up=WARM_UP
     )
     warm_up = tokenizer.encode(WARM_UP, chat=True)
     shuffle = random.Random(bench.config.seed)
     for temperature in bench.config.temperatures:
-        ours = repeat_systems(bench, max_len)
+        ours = repeat_systems(bench, max_seq_len)
         peers = [p for p in bench.peers if not isinstance(p, Ours)]
         store["systems"] = [s.name for s in ours + peers]
         for system in ours + peers:  # first-use costs (compiled graphs, allocations) land here, untimed

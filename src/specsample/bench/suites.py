@@ -229,8 +229,8 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     tokenizer = bench.speculator.pair.target.tokenizer
     prompts = [tokenizer.encode(text, chat=tokenizer.has_chat_template) for text in JSON_PROMPTS]
     grammar = Grammar.json_schema(RECORD_SCHEMA)
-    max_len = max(len(p) for p in prompts) + bench.config.max_new_tokens
-    ours, base = bench.ours(bench.config.gammas[0], max_len=max_len), bench.target_only(max_len)
+    max_seq_len = max(len(p) for p in prompts) + bench.config.max_new_tokens
+    ours, base = bench.ours(bench.config.gammas[0], max_seq_len=max_seq_len), bench.target_only(max_seq_len)
     systems = [(f"{s.name}{tag}", s, g) for s in (ours, base) for tag, g in (("", None), (" json_schema", grammar))]
     store.update(systems=[name for name, _, _ in systems], schema=RECORD_SCHEMA, runs={})
     for temperature in bench.config.temperatures:

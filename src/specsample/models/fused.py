@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +28,6 @@ from specsample.kv_cache import KVCache
 from specsample.models import row_kernels
 from specsample.models.layers import Linear, weight_version
 from specsample.models.quant import KERNEL_DTYPE, Int4Linear, Int8Linear, SplitLinear
-
-if TYPE_CHECKING:
-    from specsample.models.llama import LlamaModel
 
 INT4, INT8, BF16 = 0, 1, 2  # a projection part's kind, as fused_step.cpp reads it
 
@@ -53,7 +50,7 @@ def _part_problem(part: nn.Module) -> str | None:
     return f"a {type(part).__name__} projection"
 
 
-def unsupported(model: LlamaModel) -> str | None:
+def unsupported(model: Any) -> str | None:  # a LlamaModel (models/llama.py imports this module)
     """Why `model` cannot run the fused step on this machine, or None where it can."""
     config = model.config
     if model.device.type != "cpu":
@@ -120,7 +117,7 @@ class FusedStep:
     """A model's decoder stack as one native call over its current weights (build a new one after the weights
     change: `LlamaModel.use_fused_step` does)."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: Any) -> None:  # a LlamaModel
         problem = unsupported(model)
         if problem is not None:
             raise ValueError(f"the fused step cannot run this model: {problem}")

@@ -23,6 +23,7 @@ from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepac
 from specsample.models.quant import QuantLinear
 from specsample.models.rope import rope_inv_freq, rope_tables
 from specsample.models.sdpa import without_cudnn_attention
+from specsample.token_tree import tree_ancestors
 
 if TYPE_CHECKING:
     from specsample.models.compiled import CompiledDecode
@@ -158,25 +159,6 @@ class Block(nn.Module):
         x = x + self.o_proj(attn)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
-
-
-def tree_ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
-    """From `parents [b, n]` (token i's parent index, or -1), each token's ancestors and itself `[b, n, n]` (bool) and
-    its depth `[b, n]` (0 for a root). Parents come before their children."""
-    batch, n = parents.shape
-    ancestors = torch.zeros(batch, n, n, dtype=torch.bool)
-    depths = torch.zeros(batch, n, dtype=torch.long)
-    for i in range(n):
-        parent = parents[:, i]
-        if bool(((parent >= i) | (parent < -1)).any()):
-            raise ValueError(f"token {i}'s parent must come before it (or be -1), got {parent.tolist()}")
-        has = parent >= 0
-        rows = torch.nonzero(has).flatten()
-        if len(rows):
-            ancestors[rows, i] = ancestors[rows, parent[rows]]
-            depths[rows, i] = depths[rows, parent[rows]] + 1
-        ancestors[:, i, i] = True
-    return ancestors, depths
 
 
 def window_layers(config: LlamaConfig) -> frozenset[int]:

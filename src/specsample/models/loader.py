@@ -84,22 +84,22 @@ def load_model(
     device: str | torch.device = "cpu",
     runtime: str = "auto",
     progress: bool = True,
-    compile_decode: bool = False,
+    compile: bool = False,
     quantize: str = "auto",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LoadedModel:
     """Load `spec`: a built-in alias, a Hugging Face folder, a .gguf file or a Hugging Face Hub id.
 
     `quantize`: how the weights are held (`resolve_quantize`; by default a GGUF's quantized tensors run natively on a
-    CPU unless a float dtype is asked for); `group_size`: the inputs per scale of int4 weights quantized here.
-    `compile_decode` runs our runtime's one-token decode steps through `torch.compile`
+    CPU unless a float dtype is asked for); `quant_group`: the inputs per scale of int4 weights quantized here.
+    `compile` runs our runtime's one-token decode steps through `torch.compile`
     (`LlamaModel.compile_decode`), compiling before this returns; models on the transformers adapter
     cannot, and raise.
     """
-    check_mode(quantize, group_size)
+    check_mode(quantize, quant_group)
     device = torch.device(device)
     mode = resolve_quantize(quantize, dtype, device)
-    loaded = _load(spec, dtype, device, runtime, progress, mode, group_size)
+    loaded = _load(spec, dtype, device, runtime, progress, mode, quant_group)
     if isinstance(loaded.model, LlamaModel) and runtime in ("auto", "fused"):
         problem = unsupported_fused(loaded.model)
         if problem is None:
@@ -109,10 +109,10 @@ def load_model(
             raise ValueError(f"runtime 'fused' cannot run {spec}: {problem}; use runtime 'ours'")
         else:
             log.info("%s runs on torch ops, not the fused step: %s", spec, problem)
-    if compile_decode:
+    if compile:
         if not isinstance(loaded.model, LlamaModel):
             raise ValueError(
-                f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}: run "
+                f"compile needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}: run "
                 "it eagerly (without --compile; `specsample serve --enforce-eager`)"
             )
         loaded.model.compile_decode(warm_up=True)
@@ -126,7 +126,7 @@ def _load(
     runtime: str,
     progress: bool,
     quantize: str,
-    group_size: int,
+    quant_group: int,
 ) -> LoadedModel:
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
@@ -146,7 +146,7 @@ def _load(
                 device,
                 runtime,
                 quantize,
-                group_size,
+                quant_group,
                 Tokenizer.from_folder(folder),
             )
             loaded.default_draft, loaded.folder = default_draft, folder
@@ -159,7 +159,7 @@ def _load(
         path = Path(spec).expanduser()
         if path.suffix != ".gguf":
             raise ValueError(f"{spec} is a file but not a .gguf model; pass a .gguf file or a model folder")
-        return _load_gguf(path, spec, compute_dtype, device, runtime, quantize, group_size)
+        return _load_gguf(path, spec, compute_dtype, device, runtime, quantize, quant_group)
     elif _HUB_ID.match(spec):
         folder = _hub_folder(spec)
     else:
@@ -167,7 +167,7 @@ def _load(
             f"unknown model spec {spec!r}: not a built-in alias ({', '.join(ALIASES)}), an existing folder or "
             ".gguf file, or a Hugging Face Hub id (org/name)"
         )
-    loaded = load_folder(folder, compute_dtype, device, runtime, spec, quantize, group_size)
+    loaded = load_folder(folder, compute_dtype, device, runtime, spec, quantize, quant_group)
     loaded.default_draft = default_draft
     return loaded
 
@@ -179,7 +179,7 @@ def load_folder(
     runtime: str,
     spec: str,
     quantize: str = "none",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LoadedModel:
     """Load a Hugging Face folder with our runtime where it applies, else through transformers."""
     config_path = folder / "config.json"
@@ -188,7 +188,7 @@ def load_folder(
     hf_config = json.loads(config_path.read_text())
     tokenizer = _folder_tokenizer(folder)
     if _use_ours(hf_config.get("model_type"), runtime):
-        model = llama_from_folder(folder, hf_config, dtype, device, quantize, group_size)
+        model = llama_from_folder(folder, hf_config, dtype, device, quantize, quant_group)
         return LoadedModel(model, tokenizer, spec, "ours", folder=folder, quantize=_held(model, quantize))
     from transformers import AutoModelForCausalLM
 
@@ -212,7 +212,7 @@ def llama_from_folder(
     dtype: torch.dtype,
     device: torch.device,
     quantize: str = "none",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LlamaModel:
     """Our Llama-family runtime with the folder's safetensors weights."""
     from safetensors.torch import load_file
@@ -229,7 +229,7 @@ def llama_from_folder(
     tensors = {}
     for file in files:
         tensors.update(load_file(str(file)))
-    model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, group_size)
+    model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, quant_group)
     subset_file = folder / DRAFT_VOCAB_FILE
     if subset_file.exists():  # a draft with a reduced output vocabulary (FR-Spec)
         model.set_output_subset(json.loads(subset_file.read_text())["token_ids"])
@@ -242,11 +242,11 @@ def build_llama(
     dtype: torch.dtype,
     device: torch.device,
     quantize: str = "none",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LlamaModel:
     """Instantiate without random init (meta device), then load Hugging Face-named weights (float tensors, or codes
     of quantized GGUF tensors), holding them as `quantize` says (models/quant_model.py)."""
-    weights = plan_weights(tensors, quantize, config.tie_word_embeddings, group_size)
+    weights = plan_weights(tensors, quantize, config.tie_word_embeddings, quant_group)
     tensors.clear()  # the caller's copies go as soon as they are planned
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -270,7 +270,7 @@ def _load_gguf(
     device: torch.device,
     runtime: str,
     quantize: str,
-    group_size: int,
+    quant_group: int,
     tokenizer: Tokenizer | None = None,
 ) -> LoadedModel:
     from specsample.models.gguf_file import (
@@ -291,7 +291,7 @@ def _load_gguf(
         hf_config = hf_config_from_gguf(reader)
         tensors = dict(iter_hf_tensors(reader, hf_config, codes=quantize != "none"))
         del reader  # its memory map of the file goes with it
-        model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, group_size)
+        model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, quant_group)
         return LoadedModel(model, tokenizer, spec, "ours", gguf=path, quantize=_held(model, quantize))
     from transformers import AutoModelForCausalLM
 

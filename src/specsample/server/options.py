@@ -8,8 +8,8 @@ from typing import Any
 
 from specsample.config import SettingError
 from specsample.models import fused
+from specsample.options import EngineOptions
 from specsample.options_cli import setting
-from specsample.speculator import EngineOptions
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full context of text is a few tens of KiB
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample.json_schema's limits take < 1 s
@@ -51,7 +51,7 @@ class ServerOptions:
         None, help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)"
     )
     max_batch_size: int = setting(8, help="requests decoded together; more wait in line")
-    max_model_len: int = setting(2048, help="context length per request (prompt + output)")
+    max_seq_len: int = setting(2048, help="context length per request (prompt + output)", flag="--max-model-len")
     replica_id: str | None = None  # set under Ray Serve: labels metrics, tagged on responses
     extra_labels: dict[str, str] = field(default_factory=dict)
     admin_key: str | None = setting(
@@ -91,8 +91,8 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise SettingError("max_batch_size", f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
-        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2:
-            raise SettingError("max_model_len", f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise SettingError("max_seq_len", f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise SettingError("max_body_bytes", f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
         if (
