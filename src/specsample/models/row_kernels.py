@@ -7,7 +7,7 @@ and multiply every row from it with AVX-512 bfloat16 dot products; the kernel co
 the invariant (a row's result does not depend on the other rows of the call).
 
 They need a CPU with AVX512-BF16 and a C++ compiler. The first process to use them compiles them with
-`torch.utils.cpp_extension` (a few minutes on 2 cores) into torch's extension cache; later processes load the cached
+`torch.utils.cpp_extension` (about 30 s of CPU; a few minutes of a busy 2-core machine) into torch's extension cache; later processes load the cached
 library. Where either is missing, or the build fails, quantized layers use torch's kernels, and say so once.
 """
 
@@ -76,7 +76,7 @@ def _load() -> bool:
 
     name = f"specsample_kernels_{_digest()}"
     _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
-    log.info("loading the int4/int8 CPU kernels (built once per machine, a few minutes on 2 cores)")
+    log.info("loading the int4/int8 CPU kernels (built once per machine: about 30 s of CPU)")
     try:
         load(
             name=name,
