@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 from specsample.config import SettingError
 
@@ -131,7 +131,7 @@ def _default(f: Field) -> Any:
     return None if f.default_factory is MISSING else f.default_factory()
 
 
-def _add(group, cls: type, f: Field, spec: Setting, override: Flag, default: Any) -> str:
+def _add(group: argparse._ActionsContainer, cls: type, f: Field, spec: Setting, override: Flag, default: Any) -> str:
     """Add field `f`'s flag(s) to `group`; return the name errors about the field use."""
     kind = field_kind(cls, f.name)
     flag = override.flag or spec.flag
@@ -143,7 +143,7 @@ def _add(group, cls: type, f: Field, spec: Setting, override: Flag, default: Any
             flag,
             dest=f.name,
             default=default,
-            type=None if kind is str else kind,
+            type=None if kind is str else cast(Callable[[str], Any], kind),
             choices=spec.choices,
             metavar=metavar,
             help=_escape((override.help or spec.help) + shown),
@@ -170,7 +170,10 @@ def _add(group, cls: type, f: Field, spec: Setting, override: Flag, default: Any
             default=default,
             help=_escape(text + ("" if default else " (default)")),
         )
-    return flag or negation
+    name = flag or negation
+    if name is None:
+        raise ValueError(f"{cls.__name__}.{f.name} has neither a flag nor a negation")
+    return name
 
 
 def _escape(text: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def _speedups(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[
     """Each system's speed over target-only, per category and overall, with its interval, paired on the prompts it
     ran: all of them, or, for a peer that failed on some, the others (no cells where it ran on none)."""
 
-    def ratios(names: list[str]):
+    def ratios(names: list[str]) -> Callable[[dict[str, float]], dict[str, float]]:
         def statistic(speeds: dict[str, float]) -> dict[str, float]:
             base = speeds.get(BASELINE, 0.0)
             return {name: speeds.get(name, 0.0) / base if base else 0.0 for name in names}
@@ -223,7 +224,7 @@ def _ratio_lines(rows: list[dict[str, Any]], ours: list[str], references: list[s
     if not ours or not references:
         return []
 
-    def ratios(reference: str):
+    def ratios(reference: str) -> Callable[[dict[str, float]], dict[str, float]]:
         def statistic(speeds: dict[str, float]) -> dict[str, float]:
             return {f"{a} / {reference}": speeds[a] / speeds[reference] if speeds.get(reference) else 0.0 for a in ours}
 

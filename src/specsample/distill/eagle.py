@@ -43,10 +43,11 @@ from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.cpu import bf16_autocast
 from specsample.models.eagle_head import EagleHead, HeadConfig, default_feature_layers, load_head, save_head
-from specsample.models.llama import LlamaModel
-from specsample.models.loader import load_model
+from specsample.models.llama import LlamaConfig, LlamaModel
+from specsample.models.loader import LoadedModel, load_model
 from specsample.models.quant import QUANT_MODES
 from specsample.planner import FixedGamma
+from specsample.tokenizer import Tokenizer
 
 DATA_SOURCES = ("regenerate", "teacher")
 METRICS_EVERY = 10  # training steps between measurements of the head's acceptance on its batch
@@ -112,7 +113,7 @@ def _log(message: str) -> None:
 # ----- data ----------------------------------------------------------------------------------
 
 
-def collect(plan: HeadTraining, target, progress: bool) -> FeatureReader:
+def collect(plan: HeadTraining, target: LoadedModel, progress: bool) -> FeatureReader:
     """Stage 1: the feature store, filled to `plan.tokens` (unless training has begun: its data is then final)."""
     model = target.model
     layers = plan.feature_layers or default_feature_layers(len(model.layers))
@@ -270,7 +271,7 @@ class UnrolledAttention:
     drafts. Call `__call__` once per step, in order: step s attends over the keys of every step so far at once
     (fused attention with that mask; grouped-query heads read their shared keys without copies)."""
 
-    def __init__(self, config, batch: int, n: int, device: torch.device) -> None:
+    def __init__(self, config: LlamaConfig, batch: int, n: int, device: torch.device) -> None:
         self.rope_positions = torch.arange(n, device=device).unsqueeze(0).expand(batch, n)
         self.positions = self.rope_positions
         self.keys: list[torch.Tensor] = []  # per step [b, KVH, n, hd]
@@ -507,7 +508,9 @@ def train_head(
     return record
 
 
-def _save(path: Path, head: EagleHead, optimizer, batches: Batches, record: dict[str, Any]) -> None:
+def _save(
+    path: Path, head: EagleHead, optimizer: torch.optim.Optimizer, batches: Batches, record: dict[str, Any]
+) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(
         {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor, "record": record},
@@ -537,9 +540,9 @@ def eval_prompts(name: str, per_category: int) -> list[Prompt]:
 
 @torch.inference_mode()
 def evaluate_head(
-    target,
+    target: LlamaModel,
     drafter: EagleDrafter,
-    tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[Prompt],
     max_new_tokens: int,
     gamma: int = 3,
@@ -593,7 +596,7 @@ def _summary(collector: StatsCollector) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 128) -> dict[str, Any]:
+def cost_ratio(target: LlamaModel, drafter: EagleDrafter, repeats: int = 30, context: int = 128) -> dict[str, Any]:
     """Median seconds of the target's one-token step and of one draft step (the head's forward on one entry, its
     logits and a draw), batch 1, interleaved, each as the engine runs it (compiled where the target is); c = draft
     step / target step."""
@@ -755,7 +758,8 @@ def write_card(
         f"our engine at temperature {' or '.join(map(str, regen.temperatures))} (alternating by conversation), "
         f"up to {regen.max_new_tokens} tokens, under its chat template; the features recorded as it wrote them"
         if plan.data == "regenerate"
-        else f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
+        else f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run "
+        "through the target "
         f"teacher-forced (weights `--quantize {plan.quantize}`)"
     )
     lines = [

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -35,6 +36,10 @@ from specsample.distill.features import (
 from specsample.drafters.base import DraftRequest, Proposal
 from specsample.engine import Engine
 from specsample.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from specsample.models.llama import LlamaModel
+    from specsample.models.loader import LoadedModel
 
 
 @dataclass
@@ -118,7 +123,7 @@ class _Conversation:
 
 
 def regenerate_features(
-    model,
+    model: LlamaModel,
     tokenizer: Tokenizer,
     prompts: Iterable[Prompt],
     writer: FeatureWriter,
@@ -239,7 +244,7 @@ def _history(turns: Sequence[str], replies: Sequence[str]) -> list[dict[str, str
 
 
 def _sequence(
-    model,
+    model: LlamaModel,
     tokenizer: Tokenizer,
     conversation: _Conversation,
     tokens: list[int],
@@ -274,7 +279,7 @@ def regenerate_store(
     feature_layers: Sequence[int],
     max_len: int,
     max_tokens: int,
-    loaded=None,
+    loaded: LoadedModel | None = None,
     progress: bool = True,
 ) -> None:
     """Fill the feature store in `folder` with conversations the target writes (`regenerate_features`) from the
@@ -349,7 +354,7 @@ def _fill_shard(
     feature_layers: Sequence[int],
     max_len: int,
     max_tokens: int,
-    loaded=None,
+    loaded: LoadedModel | None = None,
     progress: bool = False,
 ) -> None:
     """One worker of `regenerate_store`: its shard of the conversations into `folder/shard-{shard}`."""

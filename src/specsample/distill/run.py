@@ -270,7 +270,8 @@ def write_model_card(
         "",
         "## Training",
         "",
-        f"{record['step']} steps, {record['tokens_seen']} scored tokens seen; settings: `{json.dumps(record['config'])}`",
+        f"{record['step']} steps, {record['tokens_seen']} scored tokens seen; "
+        f"settings: `{json.dumps(record['config'])}`",
         "",
         "![training curve](training_curve.png)",
         "",

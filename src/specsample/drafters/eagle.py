@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specsample.config import TreeShape
+from specsample.config import SamplingParams, TreeShape
 from specsample.drafters.base import DraftRequest, Proposal, best_tree, common_prefix, draw_chain
 from specsample.kv_cache import KVCache
 from specsample.models.eagle_head import EagleHead, is_head_folder, load_head
@@ -315,7 +315,9 @@ class EagleDrafter:
         return best_tree(tokens, parents, scores, budget)
 
     @torch.inference_mode()
-    def score_backlog(self, slots: Sequence[int], counts: Sequence[int], params) -> list[list[float]]:
+    def score_backlog(
+        self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
+    ) -> list[list[float]]:
         """Per row, the warped draft probability of each of its last `counts[i]` committed tokens that the head can
         predict from entries not yet fed (oldest first); the row's last entry stays unfed, for its next proposal."""
         out = []

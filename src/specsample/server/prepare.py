@@ -20,7 +20,14 @@ from fastapi import Request
 from specsample.config import Grammar, SettingError
 from specsample.server.disconnect import settle, until_disconnected
 from specsample.server.grammar_pool import CompileFailed, CompileTimeout
-from specsample.server.protocol import MAX_JSON_DEPTH, PARAM_NAMES, ProtocolError, validate_request
+from specsample.server.protocol import (
+    MAX_JSON_DEPTH,
+    PARAM_NAMES,
+    ChatRequest,
+    CompletionRequest,
+    ProtocolError,
+    validate_request,
+)
 from specsample.server.runner import RequestHandle
 from specsample.server.state import SpecServer
 
@@ -53,7 +60,7 @@ def prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[Any
     return req, prompt_ids, max_tokens
 
 
-def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
+def _prompt(srv: SpecServer, req: CompletionRequest | ChatRequest, chat: bool) -> tuple[list[int], int]:
     """The prompt's token ids and the request's max_tokens (a chat's default: the rest of the context)."""
     limit = srv.engine.max_seq_len
     if chat:
@@ -110,7 +117,7 @@ async def compile_grammar(srv: SpecServer, request: Request, grammar: Grammar) -
     return True
 
 
-def cache_scope(request: Request, req) -> str:
+def cache_scope(request: Request, req: CompletionRequest | ChatRequest) -> str:
     """Whose kept caches a request may reuse: those of requests that presented the same bearer token (API key) and
     the same `cache_salt`."""
     token = request.headers.get("authorization", "").encode("latin-1")
@@ -118,7 +125,9 @@ def cache_scope(request: Request, req) -> str:
     return hashlib.sha256(len(token).to_bytes(4, "big") + token + salt).hexdigest()
 
 
-def submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int, cache_scope: str) -> list[RequestHandle]:
+def submit(
+    srv: SpecServer, req: CompletionRequest | ChatRequest, prompt_ids: list[int], max_tokens: int, cache_scope: str
+) -> list[RequestHandle]:
     """The request's `n` choices submitted to the engine (seeds `seed`, `seed + 1`, ...); all or none."""
     handles = []
     gamma = req.num_speculative_tokens

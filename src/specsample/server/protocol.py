@@ -62,6 +62,7 @@ class ResponseFormat(BaseModel):
                 f"response_format of type {self.type} takes no json_schema", "response_format.json_schema"
             )
         if self.type == "json_schema":
+            assert self.json_schema is not None  # checked above
             try:  # a keyword the grammar cannot enforce, or a schema past the limits, is refused here
                 self._served = served_schema(self.json_schema.schema_)
             except SchemaError as exc:
@@ -76,6 +77,7 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return Grammar("json_object")
         if self.type == "json_schema":
+            assert self._served is not None  # set by validation
             return Grammar.json_schema(self._served)
         return None
 
@@ -161,7 +163,7 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             grammar=self.response_format.grammar() if self.response_format is not None else None,
             logprobs=self.top_logprobs_asked(),
         )

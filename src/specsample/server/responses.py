@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specsample.engine import RowUpdate
 from specsample.server.disconnect import settle, until_disconnected
-from specsample.server.protocol import TextAssembler
+from specsample.server.protocol import ChatRequest, CompletionRequest, TextAssembler
 from specsample.server.runner import RequestHandle
 from specsample.server.state import SpecServer
 
@@ -175,7 +175,12 @@ class Choice:
 
 
 async def respond(
-    srv: SpecServer, request: Request, req, handles: list[RequestHandle], prompt_tokens: int, chat: bool
+    srv: SpecServer,
+    request: Request,
+    req: CompletionRequest | ChatRequest,
+    handles: list[RequestHandle],
+    prompt_tokens: int,
+    chat: bool,
 ) -> Response:
     """The response to a submitted request (`handles`: its choices): a stream of server-sent events where it asked
     for one, else one body once every choice finished."""
