@@ -10,10 +10,9 @@ exactly as sampling from the target.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import specsample.planner.fallback as fallback
 from specsample.config import TreeShape
