@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Drafter, PrefixKeeper, common_prefix
+from specsample.drafters.base import Drafter, common_prefix, prefix_keeper
 from specsample.models.base import ModelCache
 from specsample.processors import RowProcessors
 from specsample.verification.coupled import NoiseStream
@@ -195,15 +195,16 @@ class Scheduler:
         the drafter can keep its own state too (a `PrefixKeeper`)."""
         if not requests:
             return
-        keeping = self.keep_rows > 0 and isinstance(self.drafter, PrefixKeeper)
+        keeper = prefix_keeper(self.drafter)
+        keeping = self.keep_rows > 0 and keeper is not None
         kept = [r for r in requests if keeping and r.request_id in keep]
         dropped = [r for r in requests if r not in kept]
         if dropped:
             slots = [r.slot for r in dropped]
             self.cache.reset(torch.tensor(slots, dtype=torch.long))
             self.drafter.release_rows(slots)
-        if kept:
-            self.drafter.park_rows([r.slot for r in kept])
+        if kept and keeper is not None:
+            keeper.park_rows([r.slot for r in kept])
             for request in kept:
                 tokens = request.prompt + request.output
                 held = min(int(self.cache.lengths[request.slot]), len(tokens))  # entries past an EOS cut are dropped

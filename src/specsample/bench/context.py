@@ -20,7 +20,7 @@ from specsample.bench.repeat_stream import context_needed, workload
 from specsample.bench.systems import HFGenerate, Ours, load_hf_peer
 from specsample.config import SamplingParams
 from specsample.drafters.base import Drafter
-from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.hybrid import HybridDrafter, Lookup
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SuffixDrafter
@@ -170,7 +170,7 @@ class Bench:
         model = self.draft_model()
         if model is None:
             return None
-        hybrids: dict[str, Callable[[], Drafter]] = {
+        hybrids: dict[str, Callable[[], Lookup]] = {
             "hybrid": SuffixDrafter,
             "hybrid-request": lambda: SuffixDrafter("request"),
             "hybrid-ngram": NgramDrafter,

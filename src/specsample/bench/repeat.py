@@ -150,10 +150,12 @@ def _cache_of(systems: list) -> dict[str, dict[str, int]]:
     """What each system's shared suffix cache held at the end of the stream."""
     from dataclasses import asdict
 
-    from specsample.drafters.suffix import SuffixCacheHolder
+    from specsample.drafters.suffix import suffix_cache_holder
 
-    return {
-        s.name: asdict(s.drafter.suffix_cache())
-        for s in systems
-        if isinstance(getattr(s, "drafter", None), SuffixCacheHolder) and s.drafter.suffix_cache() is not None
-    }
+    held = {}
+    for system in systems:
+        holder = suffix_cache_holder(system.drafter) if isinstance(system, Ours) and system.drafter else None
+        stats = holder.suffix_cache() if holder is not None else None
+        if stats is not None:
+            held[system.name] = asdict(stats)
+    return held

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
-from specsample.drafters.base import DraftRequest, Proposal, best_tree, draw_chain
+from specsample.drafters.base import Abilities, DraftRequest, Proposal, best_tree, draw_chain
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import warp_rows
 
@@ -84,6 +84,8 @@ class ModelDrafter:
     was accepted), then samples one token per step. With a `window` the cache holds only the
     window's view of the history: `_skipped[slot]` history tokens are left out after the sink.
     """
+
+    abilities = Abilities(scores_backlog=True, keeps_prefixes=True)
 
     def __init__(self, model: CausalLM, folder: Path | None = None, window: DraftWindow | None = None) -> None:
         self.model = model
