@@ -569,6 +569,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of drafts a round
         from specsample.distill.eagle import evaluate_head
         from specsample.distill.eagle import evaluation_table as head_table
+        from specsample.drafters.eagle import EagleDrafter
         from specsample.pair import load_drafter
 
         options = EngineOptions(
@@ -579,13 +580,15 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
             compile=args.compile,
         )
         target = load_model(options.target, dtype=options.dtype, quantize=options.quantize, compile=options.compile)
-        drafter = load_drafter(options.draft, target, options)
+        drafter = load_drafter(args.draft, target, options)
         if drafter is None:
             raise CliError(f"draft {args.draft} could not be loaded")
+        if not isinstance(drafter, EagleDrafter):
+            raise CliError(f"draft {args.draft} is not a feature draft")
         report = evaluate_head(
-            target.model,
+            target.llama(),
             drafter,
-            target.tokenizer,
+            target.text_tokenizer(),
             prompts,
             args.max_new_tokens,
             progress=sys.stderr.isatty(),
@@ -606,7 +609,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     report = evaluate(
         target.model,
         draft.model,
-        target.tokenizer,
+        target.text_tokenizer(),
         prompts,
         args.max_new_tokens,
         progress=sys.stderr.isatty(),

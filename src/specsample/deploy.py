@@ -79,7 +79,6 @@ class ReplicaSettings:
 def _hub() -> Any:  # a Ray actor handle
     import ray
 
-    @ray.remote(num_cpus=0)
     class MetricsHub:
         """Latest Prometheus text of every replica."""
 
@@ -93,13 +92,13 @@ def _hub() -> Any:  # a Ray actor handle
             now = time.time()
             return [text for seen, text in self.texts.values() if now - seen <= max_age]
 
-    return MetricsHub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
+    hub = ray.remote(num_cpus=0)(MetricsHub)
+    return hub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
 
 
-@serve.deployment(name="SpecsampleReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
-@serve.ingress()
-class SpecsampleReplica:
-    """One replica: loads the pair, runs its own engine thread, serves the shared FastAPI routes."""
+class ReplicaServer:
+    """One replica: loads the pair, runs its own engine thread, serves the shared FastAPI routes (deployed as
+    `SpecsampleReplica`)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         context = serve.get_replica_context()
@@ -130,6 +129,11 @@ class SpecsampleReplica:
 
         self.hub.push.remote(self.replica_id, self.server.metrics.render().decode())
         return merge_expositions(ray.get(self.hub.collect.remote(), timeout=10)).encode()
+
+
+SpecsampleReplica = serve.deployment(
+    name="SpecsampleReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64
+)(serve.ingress()(ReplicaServer))
 
 
 def replica_server(args: dict[str, Any], replica_id: str | None) -> SpecServer:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, cast
+from typing import Any
 
 from specsample.config import SettingError
 
@@ -138,12 +138,13 @@ def _add(group: argparse._ActionsContainer, cls: type, f: Field, spec: Setting, 
     if kind is not bool:
         flag = flag or "--" + f.name.replace("_", "-")
         shown = "" if default is None else f" (default: {default})"
+        converter: dict[str, Any] = {} if kind is str else {"type": kind}  # text stays text
         metavar = spec.metavar or (None if spec.choices else flag.lstrip("-").upper().replace("-", "_"))
         group.add_argument(
             flag,
             dest=f.name,
             default=default,
-            type=None if kind is str else cast(Callable[[str], Any], kind),
+            **converter,
             choices=spec.choices,
             metavar=metavar,
             help=_escape((override.help or spec.help) + shown),

@@ -171,7 +171,7 @@ def adaptive_systems(bench: Bench) -> list[Ours]:
     """Target-only, each fixed gamma, gamma auto, prompt lookup under gamma auto and (with a draft model) the hybrid,
     each with a drafter of its own; gamma auto keeps one planner across prompts, as a server does."""
     kind = "model" if bench.draft_model() is not None else "ngram"
-    fixed = sorted({g for g in bench.config.gammas if g != "auto"}) or list(range(1, 9))
+    fixed = sorted({g for g in bench.config.gammas if isinstance(g, int)}) or list(range(1, 9))
     systems = [bench.target_only()]
     systems += [bench.system(f"gamma={g}", bench.fresh(kind), functools.partial(FixedGamma, g)) for g in fixed]
     auto = lambda: GammaController(bench.config.max_gamma)  # noqa: E731

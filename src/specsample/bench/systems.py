@@ -213,7 +213,9 @@ def load_hf_peer(folder: str | Path, dtype: torch.dtype, device: str | torch.dev
     """The same weights through transformers (a peer for the comparison), on the device ours runs on."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    torch.nn.Module.to(model, device)  # in place (transformers' own `to` hides its signature from type checks)
+    return model.eval()
 
 
 STATS_KEPT = (

@@ -17,8 +17,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import operator
 import os
 import statistics
 import sys
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from tqdm import tqdm
 
 from specsample.config import SamplingParams, SpecConfig
@@ -115,7 +118,7 @@ def _log(message: str) -> None:
 
 def collect(plan: HeadTraining, target: LoadedModel, progress: bool) -> FeatureReader:
     """Stage 1: the feature store, filled to `plan.tokens` (unless training has begun: its data is then final)."""
-    model = target.model
+    model = target.llama()
     layers = plan.feature_layers or default_feature_layers(len(model.layers))
     store = plan.work / "features"
     started = (plan.work / "train" / "checkpoint.pt").exists()
@@ -146,7 +149,7 @@ def collect(plan: HeadTraining, target: LoadedModel, progress: bool) -> FeatureR
     )
     if writer.num_tokens < plan.tokens and not started:
         collect_features(
-            model, target.tokenizer, training_conversations(plan.prompts), writer, plan.tokens, progress=progress
+            model, target.text_tokenizer(), training_conversations(plan.prompts), writer, plan.tokens, progress=progress
         )
     return FeatureReader(store)
 
@@ -183,7 +186,9 @@ class Batches:
 
     def _group(self, lengths: list[int], order: list[int]) -> list[list[int]]:
         """Indices in `order`, sorted by length, cut into batches of up to `batch_tokens` padded tokens."""
-        batches, current, width = [], [], 0
+        batches: list[list[int]] = []
+        current: list[int] = []
+        width = 0
         for i in sorted(order, key=lambda i: lengths[i]):
             n = lengths[i]
             if current and (len(current) + 1) * max(width, n) > self.batch_tokens:
@@ -324,8 +329,10 @@ def head_loss(
     with torch.no_grad():
         log_p = torch.log_softmax((batch["final"][:, 1:][mask] @ frozen.out.T).float(), dim=-1)  # [M, K]
         p = log_p.exp()
-    attend = UnrolledAttention(head.layer_config, *embeddings.shape[:2], embeddings.device)
-    total, weights, out = 0.0, 0.0, {}
+    batch_size, length = embeddings.shape[:2]
+    attend = UnrolledAttention(head.layer_config, batch_size, length, embeddings.device)
+    terms: list[Tensor] = []  # each step's weighted loss
+    weights, out = 0.0, {}
     for step in range(1, unroll + 1):
         valid = mask.clone()
         valid[:, : step - 1] = False  # no (step - 1)-th draft before position step - 1
@@ -335,7 +342,8 @@ def head_loss(
         target = p[rows]
         cross = F.cross_entropy(logits, target)  # soft targets: one fused pass over the logits
         weight = step_decay ** (step - 1)
-        total, weights = total + weight * cross, weights + weight
+        terms.append(weight * cross)
+        weights += weight
         if metrics:
             with torch.no_grad():
                 log_q = torch.log_softmax(logits, dim=-1)
@@ -349,7 +357,7 @@ def head_loss(
                     }
                 )
         hidden = torch.cat([hidden[:, :1], outputs[:, :-1].to(hidden.dtype)], dim=1)  # entry t: output at t - 1
-    loss = total / weights
+    loss = functools.reduce(operator.add, terms) / weights
     out["loss"] = loss.item()
     return loss, out
 
@@ -659,9 +667,7 @@ def run_head(
     settings_path.write_text(json.dumps(_settings(plan), indent=2, sort_keys=True))
     torch.manual_seed(plan.seed)
     target = load_model(plan.target, device=plan.device, quantize=plan.quantize)
-    if not isinstance(target.model, LlamaModel) or target.tokenizer is None:
-        raise ValueError("a feature draft needs a Llama-family target (our runtime) with a tokenizer")
-    model = target.model
+    model, tokenizer = target.llama(), target.text_tokenizer()  # a feature draft reads a Llama target's features
     reader = collect(plan, target, progress)
     _log(
         f"data: {reader.index['sequences']} conversations, {reader.num_tokens} tokens "
@@ -688,7 +694,7 @@ def run_head(
     report = evaluate_head(
         model,
         drafter,
-        target.tokenizer,
+        tokenizer,
         eval_prompts(plan.eval_prompts, plan.eval_per_category),
         plan.eval_max_new_tokens,
         progress=progress,

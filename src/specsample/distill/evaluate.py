@@ -136,9 +136,9 @@ def evaluate(
         "max_new_tokens": max_new_tokens,
         "categories": {},
     }
-    for cat, values in per_cat.items():
-        result["categories"][cat] = {k: statistics.fmean(v) for k, v in values.items()} | {
-            "positions": len(values["agree"])
+    for cat, metrics in per_cat.items():
+        result["categories"][cat] = {k: statistics.fmean(v) for k, v in metrics.items()} | {
+            "positions": len(metrics["agree"])
         }
     if measure_cost:
         cost = cost_ratio(target, draft)

@@ -120,6 +120,8 @@ def target_features(
         None, None, torch.zeros(len(sequences), dtype=torch.long), width, model.config, model.groups, model.device
     )
     _, stacked = model.hidden_states(batch.to(model.device), attend)
+    if stacked is None:
+        raise RuntimeError("the target recorded no feature layers")
     features, final = split_features(model, stacked, feature_layers)
     return [(features[row, : len(seq)].cpu(), final[row, : len(seq)].cpu()) for row, seq in enumerate(sequences)]
 
@@ -358,6 +360,8 @@ def collect_features(
                 ids, reply = items[i]
                 sequences[i] = FeatureSequence(torch.tensor(ids), features, final, torch.tensor(reply), len(ids))
         before = writer.num_tokens
-        writer.append(sequences, [i for i, _ in chunk])
+        filled = [s for s in sequences if s is not None]
+        assert len(filled) == len(sequences)  # every item is in a batch
+        writer.append(filled, [i for i, _ in chunk])
         bar.update(min(writer.num_tokens, max_tokens) - min(before, max_tokens))
     bar.close()

@@ -41,6 +41,18 @@ class LoadedModel:
     gguf: Path | None = None  # the GGUF file the weights came from, if any
     quantize: str = "none"  # how the weights are held: none, auto (a GGUF's codes as stored), int8, int4
 
+    def text_tokenizer(self) -> Tokenizer:
+        """The tokenizer, for work that reads or writes text; ValueError where the model came without one."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.spec} has no tokenizer; this needs text")
+        return self.tokenizer
+
+    def llama(self) -> LlamaModel:
+        """The model on our Llama-family runtime (a feature draft reads its hidden states); ValueError elsewhere."""
+        if not isinstance(self.model, LlamaModel):
+            raise ValueError(f"{self.spec}: this needs a Llama-family target on our runtime, not {self.runtime}")
+        return self.model
+
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (measured faster there), else float32."""

@@ -111,13 +111,13 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     return app
 
 
-async def _serve(request: Request, schema: type, chat: bool) -> Response:
+async def _serve(request: Request, schema: type[CompletionRequest] | type[ChatRequest], chat: bool) -> Response:
     """A completion route: the request prepared, its grammar compiled, its choices submitted, then answered."""
     srv: SpecServer = request.app.state.server
     try:
         body = await request.body()
         # parsing, validating and tokenizing take time in proportion to the body: never on the event loop
-        req, prompt_ids, max_tokens = await asyncio.to_thread(prepare, srv, body, schema, chat)
+        req, prompt_ids, max_tokens = await asyncio.to_thread(prepare, srv, body, schema)
         grammar = req.response_format.grammar() if req.response_format is not None else None
         if grammar is not None and srv.grammar_pool is not None:
             if not await compile_grammar(srv, request, grammar):

@@ -44,14 +44,16 @@ def json_body(body: bytes) -> Any:
         raise ProtocolError(f"the request body nests too deeply; the limit is {MAX_JSON_DEPTH} levels") from None
 
 
-def prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[Any, list[int], int]:
+def prepare(
+    srv: SpecServer, body: bytes, schema: type[CompletionRequest] | type[ChatRequest]
+) -> tuple[CompletionRequest | ChatRequest, list[int], int]:
     """The validated request, its prompt's token ids and its max_tokens (raises `ProtocolError`)."""
     req = validate_request(schema, json_body(body))
     if req.model not in (None, srv.options.model_name):
         raise ProtocolError(
             f"The model `{req.model}` does not exist (this server serves `{srv.options.model_name}`)", "model", 404
         )
-    prompt_ids, max_tokens = _prompt(srv, req, chat)
+    prompt_ids, max_tokens = _prompt(srv, req)
     try:  # all but the grammar, which compiles in the grammar pool (compile_grammar)
         grammar = None if srv.grammar_pool is not None else req.sampling_params(max_tokens).grammar
         srv.engine.check_request(prompt_ids, dataclasses.replace(req.sampling_params(max_tokens), grammar=grammar))
@@ -60,10 +62,10 @@ def prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[Any
     return req, prompt_ids, max_tokens
 
 
-def _prompt(srv: SpecServer, req: CompletionRequest | ChatRequest, chat: bool) -> tuple[list[int], int]:
+def _prompt(srv: SpecServer, req: CompletionRequest | ChatRequest) -> tuple[list[int], int]:
     """The prompt's token ids and the request's max_tokens (a chat's default: the rest of the context)."""
     limit = srv.engine.max_seq_len
-    if chat:
+    if isinstance(req, ChatRequest):
         try:
             ids = srv.tokenizer.encode_messages(req.conversation())
         except ValueError as exc:
@@ -87,6 +89,8 @@ def _prompt(srv: SpecServer, req: CompletionRequest | ChatRequest, chat: bool) -
 async def compile_grammar(srv: SpecServer, request: Request, grammar: Grammar) -> bool:
     """Compile `grammar` in the server's grammar pool unless the client leaves first (False: it left, and the compile
     was stopped). Raises `ProtocolError` for a grammar refused or not compiled in time."""
+    if srv.grammar_pool is None:
+        raise ValueError("this server compiles grammars in the engine (it has no grammar pool)")
     compiling = asyncio.ensure_future(srv.grammar_pool.compile(grammar))
     watcher = asyncio.ensure_future(until_disconnected(request))
     try:

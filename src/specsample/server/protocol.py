@@ -8,7 +8,7 @@ rules (`SamplingParams`), so a request that validates can be sampled.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -151,6 +151,10 @@ class _Sampling(BaseModel):
         """How many alternatives to report per token (None: no logprobs)."""
         raise NotImplementedError
 
+    def stop_strings(self) -> list[str]:
+        """`stop` as validated: a list of strings."""
+        return self.stop if isinstance(self.stop, list) else []
+
     def sampling_params(self, max_new_tokens: int, seed: int | None = None) -> SamplingParams:
         """The engine's settings for this request (one choice, seeded with `seed`)."""
         return SamplingParams(
@@ -171,6 +175,7 @@ class _Sampling(BaseModel):
 
 # SamplingParams' field names that the API spells otherwise
 PARAM_NAMES = {"grammar": "response_format", "max_new_tokens": "max_tokens"}
+S = TypeVar("S", bound=_Sampling)  # a request schema
 
 
 class CompletionRequest(_Sampling):
@@ -234,7 +239,7 @@ class ChatRequest(_Sampling):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-def validate_request(schema: type[_Sampling], data: Any) -> _Sampling:
+def validate_request(schema: type[S], data: Any) -> S:
     """Validate a parsed JSON body against `schema`; raise `ProtocolError` naming the parameter at fault."""
     if not isinstance(data, dict):
         raise ProtocolError("request body must be a JSON object")

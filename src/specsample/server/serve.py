@@ -19,7 +19,7 @@ from specsample.server.state import SpecServer
 
 log = logging.getLogger("specsample.server")
 
-FLUSH_SECONDS = 2.0  # for ended requests to send their last bytes before the server closes
+FLUSH_SECONDS = 2  # for ended requests to send their last bytes before the server closes
 
 
 class DrainingServer(uvicorn.Server):
@@ -54,7 +54,7 @@ class DrainingServer(uvicorn.Server):
 
     def _start_drain(self) -> None:
         if self._drain is None:
-            self._drain = self._loop.create_task(self._drain_then_exit())
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())  # run in the loop
 
     async def _drain_then_exit(self) -> None:
         spec, loop = self.spec, asyncio.get_running_loop()
