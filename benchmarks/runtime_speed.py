@@ -356,7 +356,8 @@ def quantized_report(report: dict) -> list[str]:
         for name, m in memory.items():
             if name != "gguf_bytes":
                 lines.append(
-                    f"| {name} | {m['tensors'] / 1e6:.0f} | {m['after_load'] / 1e6:.0f} | {m['after_decode'] / 1e6:.0f} | "
+                    f"| {name} | {m['tensors'] / 1e6:.0f} | {m['after_load'] / 1e6:.0f} | "
+                    f"{m['after_decode'] / 1e6:.0f} | "
                     f"{m['kv_cache'] / 1e6:.1f} | {m['after_decode'] / (gguf + m['kv_cache']):.2f} |"
                 )
     return lines
@@ -513,7 +514,8 @@ def main() -> None:
         f"{report['machine']['threads']} threads), torch "
         f"{report['machine']['torch']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s, read bandwidth "
         f"{read_bw / 1e9:.1f} GB/s (medians of {args.repeats}); load average {load_before:.1f} before, "
-        f"{report['machine']['load_average_after']:.1f} after; prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, batch 1, greedy.",
+        f"{report['machine']['load_average_after']:.1f} after; prompt {len(prompt_ids)} tokens, "
+        f"{args.new_tokens} new tokens, batch 1, greedy.",
         "",
         "| system | ms/token (median) | tokens/s | weights read/token MB | effective GB/s | floor ms (copy) "
         "| ratio to floor | at read bandwidth ms | ratio to that | load + compile s |",

@@ -68,8 +68,8 @@ class WrappedDrafter:
         self.inner.commit(slots, committed)
 
     @property
-    def wants_features(self):  # a wrapped feature draft still reads the target's features
-        return getattr(self.inner, "wants_features", False)
+    def abilities(self):  # what the wrapped drafter declares (a feature draft still reads the target's features)
+        return self.inner.abilities
 
     def add_features(self, slots, features):
         self.inner.add_features(slots, features)

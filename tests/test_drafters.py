@@ -8,7 +8,7 @@ import torch
 from model_factory import draft_request
 
 from specsample import Engine, SamplingParams, SpecConfig
-from specsample.drafters.base import BacklogScorer, NoDrafter, Proposal, merge_proposals
+from specsample.drafters.base import NoDrafter, Proposal, merge_proposals
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
@@ -141,10 +141,14 @@ def test_after_scoring_the_draft_drafts_as_a_fresh_one(tiny_draft) -> None:
     assert torch.allclose(ours.probs, theirs.probs, atol=1e-9)
 
 
-def test_only_model_drafts_score() -> None:
-    assert isinstance(ModelDrafter.__new__(ModelDrafter), BacklogScorer)
-    assert not isinstance(NgramDrafter(), BacklogScorer)  # deterministic drafts: probes instead
-    assert isinstance(HybridDrafter.__new__(HybridDrafter), BacklogScorer)  # its model scores (lookups are apart)
+def test_drafters_declare_what_they_can_do(tiny_draft) -> None:
+    model = ModelDrafter(tiny_draft)
+    assert model.abilities.scores_backlog and not model.abilities.looks_up
+    assert not NgramDrafter().abilities.scores_backlog  # deterministic drafts: probes instead
+    hybrid = HybridDrafter(model)
+    assert hybrid.abilities.scores_backlog and hybrid.abilities.looks_up  # its model scores, its lookup offers
+    routed = RoutedDrafter(NgramDrafter())  # a wrapper states what the drafter it routes to declares
+    assert routed.abilities.looks_up and not routed.abilities.scores_backlog
 
 
 def _fed_alike(*drafters):

@@ -12,7 +12,6 @@ from model_factory import draft_request
 from planner_driver import UNLIMITED, accepted, batch, drafts, learn, lookups, untimed
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig
-from specsample.drafters.base import PromptLookup
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.routed import RoutedDrafter
@@ -177,7 +176,7 @@ def test_lookup_lengths_match_what_propose_takes() -> None:
     )
     assert proposal.num_drafted.tolist() == lengths and proposal.tokens[1, :3].tolist() == [7, 5, 6]
     routed = RoutedDrafter(ngram)
-    assert isinstance(routed, PromptLookup) and not isinstance(ModelDrafter.__new__(ModelDrafter), PromptLookup)
+    assert routed.abilities.looks_up and not ModelDrafter.abilities.looks_up
     assert routed.lookup_lengths([1, 0], [4, 2]) == [3, 2]
 
 

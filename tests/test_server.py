@@ -17,7 +17,10 @@ from live_server import LiveServer, free_port
 from model_factory import make_tokenizer, write_hf_model
 from prometheus_client.parser import text_string_to_metric_families
 
+from specsample.config import SamplingParams
+from specsample.drafters.suffix import SuffixDrafter
 from specsample.options import EngineOptions
+from specsample.planner.base import BatchState, RoundPlan
 from specsample.server.app import build_app
 from specsample.server.options import ServerOptions
 from specsample.server.protocol import TextAssembler
@@ -387,6 +390,46 @@ def test_api_key_and_draft_swap(folders) -> None:
         assert server.server.engine.drafter.generations <= 2
     finally:
         server.close()
+
+
+# ----- what gamma auto plans with: the abilities of the drafter the server routes to ----------------------------
+
+
+def _served_engine(folders, draft: str):
+    """The engine of a server (not started) with `draft` under gamma auto, and the batch states its planner sees."""
+    speculator = load(EngineOptions(target=str(folders["target"]), draft=draft, gamma="auto", dtype="float32"))
+    engine = SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=2, max_seq_len=128)).engine
+    seen: list[BatchState] = []
+    plan = engine.planner.plan
+
+    def recording(batch: BatchState) -> RoundPlan:
+        seen.append(batch)
+        return plan(batch)
+
+    engine.planner.plan = recording  # type: ignore[method-assign]
+    return engine, seen
+
+
+def _finish(engine, prompt: list[int]) -> None:
+    engine.add_request(prompt, SamplingParams(max_new_tokens=12, seed=0))
+    while engine.has_work():
+        engine.step()
+
+
+def test_serving_ngram_drafting_plans_lookups_not_a_draft_model(folders) -> None:
+    engine, seen = _served_engine(folders, "ngram")
+    _finish(engine, [5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    assert seen and all(b.offers_lookups and not b.can_score for b in seen)  # no draft model to score backlogs
+
+
+def test_a_swap_to_suffix_drafting_brings_its_abilities(folders) -> None:
+    engine, seen = _served_engine(folders, str(folders["draft"]))
+    _finish(engine, [5, 6, 7, 8, 5, 6])
+    assert all(b.can_score and not b.offers_lookups for b in seen)  # a draft model: backlogs, no lookups
+    engine.drafter.replace(SuffixDrafter())
+    seen.clear()
+    _finish(engine, [5, 6, 7, 8, 5, 6])
+    assert seen and all(b.offers_lookups and not b.can_score for b in seen)  # the same wrapper, the new drafter's
 
 
 # ----- shutdown: in flight requests drain until --shutdown-timeout, then end cleanly -----------------------------

@@ -8,8 +8,9 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.metrics import StatsCollector
@@ -20,6 +21,8 @@ from specsample.options_cli import Flag, add_flags, flag_values
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
 
 # serve's engine flags named as vLLM names them (the others: as `generate` names them)
+T = TypeVar("T")
+
 SERVE_FLAGS = {
     "target": Flag("--model"),
     "draft": Flag("--speculative-model"),
@@ -36,7 +39,7 @@ class CliError(Exception):
 class _Parser(argparse.ArgumentParser):
     """Bad flags are one line on stderr and exit status 2, like every other error of the command line."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -104,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _csv(kind):
+def _csv(kind: type) -> Callable[[str], tuple]:
     def parse(value: str) -> tuple:
         try:
             return tuple(v if (kind is int and v == "auto") else kind(v) for v in value.split(",") if v)
@@ -114,7 +117,7 @@ def _csv(kind):
     return parse
 
 
-def _add_bench_parser(sub) -> None:
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from specsample.bench.config import BENCH_ENGINE_DEFAULTS, COMPARE_CHOICES, DEFAULT_SUITES, SUITES
 
     bench = sub.add_parser("bench", help="speed, acceptance and losslessness, side by side with peers")
@@ -179,7 +182,7 @@ def _add_bench_parser(sub) -> None:
     bench.set_defaults(func=cmd_bench)
 
 
-def _add_serve_parser(sub) -> None:
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding (vLLM's flag names)")
     add_flags(serve, EngineOptions, defaults=SERVE_ENGINE_DEFAULTS, title="engine", flags=SERVE_FLAGS)
     serve.set_defaults(compile=None)  # neither --compile nor --enforce-eager: serve's default (serve_engine_options)
@@ -222,7 +225,7 @@ EAGLE_ONLY = (
 )  # ...and of --kind eagle
 
 
-def _add_distill_parsers(sub) -> None:
+def _add_distill_parsers(sub: argparse._SubParsersAction) -> None:
     dist = sub.add_parser(
         "distill",
         help="train a draft for a Llama-family target: a feature draft (EAGLE head, "
@@ -513,7 +516,7 @@ def _distill_model(args: argparse.Namespace) -> None:
     from specsample.distill.run import DistillPlan, run
     from specsample.distill.train import DraftShape, TrainConfig
 
-    def pick(value, default):
+    def pick(value: T | None, default: T) -> T:
         return default if value is None else value
 
     max_len = pick(args.max_len, 512)
@@ -566,6 +569,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of drafts a round
         from specsample.distill.eagle import evaluate_head
         from specsample.distill.eagle import evaluation_table as head_table
+        from specsample.drafters.eagle import EagleDrafter
         from specsample.pair import load_drafter
 
         options = EngineOptions(
@@ -576,13 +580,15 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
             compile=args.compile,
         )
         target = load_model(options.target, dtype=options.dtype, quantize=options.quantize, compile=options.compile)
-        drafter = load_drafter(options.draft, target, options)
+        drafter = load_drafter(args.draft, target, options)
         if drafter is None:
             raise CliError(f"draft {args.draft} could not be loaded")
+        if not isinstance(drafter, EagleDrafter):
+            raise CliError(f"draft {args.draft} is not a feature draft")
         report = evaluate_head(
-            target.model,
+            target.llama(),
             drafter,
-            target.tokenizer,
+            target.text_tokenizer(),
             prompts,
             args.max_new_tokens,
             progress=sys.stderr.isatty(),
@@ -603,7 +609,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     report = evaluate(
         target.model,
         draft.model,
-        target.tokenizer,
+        target.text_tokenizer(),
         prompts,
         args.max_new_tokens,
         progress=sys.stderr.isatty(),
@@ -701,7 +707,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     )
 
 
-def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving) -> None:
+def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving: ServerOptions) -> None:
     """The same API on Ray Serve: N replicas (or autoscaling), each with its own pair and batch."""
     try:
         import ray

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 # the smallest temperature above 0 (greedy): float32 logits divided by it stay finite up to |logit| 3.4e34, far
 # beyond any model's, so warping never overflows
@@ -62,7 +63,7 @@ class Grammar:
                 raise SettingError("grammar", "a JSON schema must be a JSON object")
 
     @classmethod
-    def json_schema(cls, schema: Mapping | str) -> Grammar:
+    def json_schema(cls, schema: Mapping | bool | str) -> Grammar:
         """A `json_schema` grammar from a schema given as a mapping or as JSON text. Key order is kept: the output
         writes an object's properties in the order the schema lists them."""
         return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
@@ -147,9 +148,10 @@ class SamplingParams:
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     """`logit_bias` as sorted (token, bias) pairs, checked: ids integers >= 0, each once, biases in [-100, 100]."""
-    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    # anything but a mapping or pairs raises TypeError or ValueError below
+    given = list(bias.items()) if isinstance(bias, Mapping) else cast(Iterable[tuple[Any, Any]], bias)
     try:
-        pairs = [(token, value) for token, value in pairs]
+        pairs = [(token, value) for token, value in given]
     except (TypeError, ValueError):
         raise SettingError("logit_bias", "logit_bias is a mapping or pairs of token id and bias") from None
     for token, value in pairs:

@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 
 def spec_bench_default() -> Path:
@@ -62,7 +63,7 @@ def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 22) -> Itera
             pos = end
 
 
-def _utf8_chunks(handle, size: int) -> Iterator[str]:
+def _utf8_chunks(handle: BinaryIO, size: int) -> Iterator[str]:
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -82,7 +83,8 @@ def sharegpt_prompts(path: Path | None = None, limit: int | None = None, skip: i
     for index, conv in enumerate(iter_sharegpt(path)):
         if index < skip:
             continue
-        turns, replies = [], []
+        turns: list[str] = []
+        replies: list[str] = []
         for message in conv.get("conversations", []):
             role, text = message.get("from"), message.get("value") or ""
             if role == "human" and len(turns) == len(replies):

@@ -17,13 +17,18 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
 from specsample.options import DEFAULT_TARGET, EngineOptions
 from specsample.options_cli import parse_text, settings
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from specsample.server.state import SpecServer
 
 log = logging.getLogger("specsample.deploy")
 HUB_NAME = "specsample-metrics-hub"
@@ -71,10 +76,9 @@ class ReplicaSettings:
         return cls(engine, ServerOptions(**server))
 
 
-def _hub():
+def _hub() -> Any:  # a Ray actor handle
     import ray
 
-    @ray.remote(num_cpus=0)
     class MetricsHub:
         """Latest Prometheus text of every replica."""
 
@@ -88,13 +92,13 @@ def _hub():
             now = time.time()
             return [text for seen, text in self.texts.values() if now - seen <= max_age]
 
-    return MetricsHub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
+    hub = ray.remote(num_cpus=0)(MetricsHub)
+    return hub.options(name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
 
 
-@serve.deployment(name="SpecsampleReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
-@serve.ingress()
-class SpecsampleReplica:
-    """One replica: loads the pair, runs its own engine thread, serves the shared FastAPI routes."""
+class ReplicaServer:
+    """One replica: loads the pair, runs its own engine thread, serves the shared FastAPI routes (deployed as
+    `SpecsampleReplica`)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         context = serve.get_replica_context()
@@ -105,7 +109,7 @@ class SpecsampleReplica:
         self._pusher = threading.Thread(target=self._push_metrics, daemon=True)
         self._pusher.start()
 
-    def __serve_build_asgi_app__(self):
+    def __serve_build_asgi_app__(self) -> FastAPI:
         from specsample.server.app import build_app
 
         return build_app(self.server)  # the very routes `specsample serve` runs
@@ -127,7 +131,12 @@ class SpecsampleReplica:
         return merge_expositions(ray.get(self.hub.collect.remote(), timeout=10)).encode()
 
 
-def replica_server(args: dict[str, Any], replica_id: str | None):
+SpecsampleReplica = serve.deployment(
+    name="SpecsampleReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64
+)(serve.ingress()(ReplicaServer))
+
+
+def replica_server(args: dict[str, Any], replica_id: str | None) -> SpecServer:
     """A replica's server: its pair loaded from deployment arguments (`ReplicaSettings.as_args`)."""
     from specsample.server.state import SpecServer
     from specsample.speculator import load
@@ -161,7 +170,7 @@ def deployment_options(
     return options
 
 
-def builder(args: dict[str, Any]):
+def builder(args: dict[str, Any]) -> serve.Application:
     """Serve application builder: `serve run specsample.deploy:builder model=... replicas=2`."""
     settings = ReplicaSettings.from_args(args)  # bad arguments fail here, before any replica starts
     options = deployment_options(

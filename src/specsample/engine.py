@@ -20,16 +20,16 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SettingError, SpecConfig
 from specsample.drafters.base import (
-    BacklogScorer,
     Drafter,
     DraftRequest,
     DraftRow,
-    FeatureDrafter,
     NoDrafter,
-    PromptLookup,
     Proposal,
     allocated,
+    backlog_scorer,
     check_vocabulary,
+    feature_drafter,
+    prompt_lookup,
 )
 from specsample.grammar import GrammarCompiler
 from specsample.models import compile_events
@@ -77,7 +77,7 @@ class Engine:
         a grammar are refused)."""
         drafter = NoDrafter() if drafter is None else drafter
         check_vocabulary(drafter.vocab_size, target.vocab_size)
-        if isinstance(drafter, FeatureDrafter) and drafter.wants_features and not isinstance(target, FeatureLM):
+        if drafter.abilities.reads_features and not isinstance(target, FeatureLM):
             raise ValueError(
                 f"the draft reads the target's hidden states, which the target's runtime "
                 f"({type(target).__name__}) does not return; use our Llama-family runtime"
@@ -94,7 +94,8 @@ class Engine:
         self.cache = target.new_cache(slots, self.max_seq_len + widest + 1)
         self.drafter = allocated(drafter, slots, self.max_seq_len + room + 2)
         self.scheduler = Scheduler(self.cache, self.drafter, config.max_batch_size, config.prefix_cache_rows)
-        self._abilities: tuple[Drafter | None, bool, bool, bool] = (None, False, False, False)  # see _abilities_of
+        # the target scores token trees where it can (checked once: a runtime protocol check inspects every member)
+        self._tree_target: TreeLM | None = target if isinstance(target, TreeLM) else None
 
     # ----- requests -------------------------------------------------------------------------
 
@@ -255,16 +256,17 @@ class Engine:
 
     def _batch_state(self, rows: list[Request]) -> BatchState:
         """What the planner sees of the running rows, with what prompt lookup offers each (it depends on the past
-        only) where the drafter looks up."""
-        can_score, can_look_up = self._abilities_of()[1:3]
+        only) where the drafter looks up; what the drafter can do as it declares it now (a server's may change)."""
+        abilities = self.drafter.abilities
+        lookup = prompt_lookup(self.drafter)
         lookups: dict[int, tuple[int, bool]] = {}
         chosen = [r for r in rows if r.speculative and r.gamma is None]
-        if can_look_up and chosen:
+        if lookup is not None and chosen:
             slots = [r.slot for r in chosen]
-            lengths = self.drafter.lookup_lengths(
+            lengths = lookup.lookup_lengths(
                 slots, [max(0, min(self.planner.max_gamma, r.remaining - 1)) for r in chosen]
             )
-            lookups = dict(zip(slots, zip(lengths, self.drafter.drafts_otherwise(slots))))
+            lookups = dict(zip(slots, zip(lengths, lookup.drafts_otherwise(slots))))
         states = tuple(
             RowState(
                 r.request_id,
@@ -277,33 +279,24 @@ class Engine:
             for r in rows
         )
         return BatchState(
-            states, can_score=can_score, offers_lookups=can_look_up, can_tree=isinstance(self.target, TreeLM)
+            states,
+            can_score=abilities.scores_backlog,
+            offers_lookups=abilities.looks_up,
+            can_tree=self._tree_target is not None,
         )
-
-    def _abilities_of(self) -> tuple[Drafter | None, bool, bool, bool]:
-        """The drafter, whether it scores backlogs, looks up prompts, reads the target's features: a runtime protocol
-        check inspects every member, a visible part of a plain round's own work, so it runs once per drafter (the
-        engine's drafter may be replaced)."""
-        if self._abilities[0] is not self.drafter:
-            self._abilities = (
-                self.drafter,
-                isinstance(self.drafter, BacklogScorer),
-                isinstance(self.drafter, PromptLookup),
-                isinstance(self.drafter, FeatureDrafter),
-            )
-        return self._abilities
 
     def _wants_features(self) -> bool:
         """Whether the drafter drafts from the target's hidden states."""
-        return self._abilities_of()[3] and self.drafter.wants_features
+        return self.drafter.abilities.reads_features
 
     def _score_backlogs(self, rows: list[Request], plan: RoundPlan) -> dict[int, tuple[float, ...]]:
         """The draft's probabilities of the tokens plain rounds committed, teacher-forced, for the rows the plan asks
         (the planner pairs them with the target's). Only the past is read, so sampling stays exact."""
         chosen = [i for i, r in enumerate(rows) if plan.rows[i].score_backlog > 0]
-        if not chosen or not self._abilities_of()[1]:
+        scorer = backlog_scorer(self.drafter)
+        if not chosen or scorer is None:
             return {}
-        scored = self.drafter.score_backlog(
+        scored = scorer.score_backlog(
             [rows[i].slot for i in chosen],
             [plan.rows[i].score_backlog for i in chosen],
             [rows[i].params for i in chosen],
@@ -365,8 +358,10 @@ class Engine:
         tokens = block.to(self.target.device)
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         if proposal.parents is not None:  # a token tree per row: every node in the same forward
+            if self._tree_target is None:
+                raise ValueError(f"the target's runtime ({type(self.target).__name__}) scores no token trees")
             parents = block_parents(proposal.parents, proposal.num_drafted)
-            logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, parents)
+            logits, hidden = self._tree_target.forward_cached_tree(tokens, self.cache, slots, parents)
             return logits, hidden if self._wants_features() else None
         width = (
             self.config.target_widths[tokens.shape[1] - 1]
@@ -401,11 +396,11 @@ class Engine:
         )  # [b, 3]
         if verdict.paths is not None:
             decided = torch.cat([decided, verdict.paths.to(device)], dim=1)  # [b, 3 + depth]
-        decided = decided.cpu().tolist()  # the round's one read back to the host
+        decided_rows: list[list[int]] = decided.cpu().tolist()  # the round's one read back to the host
         drafts = proposal.tokens.cpu().tolist()
         updates, kept, committed, target_lengths, paths = [], [], [], [], []
         for i, (row, (accepted, nxt, bad, *tree_path), drafted_row, n_drafted) in enumerate(
-            zip(rows, decided, drafts, proposal.num_drafted.tolist())
+            zip(rows, decided_rows, drafts, proposal.num_drafted.tolist())
         ):
             if bad:
                 log.error(
@@ -445,8 +440,9 @@ class Engine:
             return updates
         self.cache.truncate(torch.tensor(slots, dtype=torch.long), torch.tensor(target_lengths, dtype=torch.long))
         self.drafter.commit(slots, committed)
-        if features is not None:  # the pending token's position and each accepted draft's
-            self.drafter.add_features(
+        reader = feature_drafter(self.drafter)
+        if features is not None and reader is not None:  # the pending token's position and each accepted draft's
+            reader.add_features(
                 slots,
                 [
                     features[i, [0] + [1 + node for node in path]][: len(new)]
@@ -467,13 +463,17 @@ class Engine:
         requests = admission.requests
         slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
         try:
-            wants = self._wants_features()
+            reader = feature_drafter(self.drafter)
             features = prefill_ragged(
-                self.target, self.cache, slots, [r.prompt[n:-1] for r, n in zip(requests, admission.reused)], wants
+                self.target,
+                self.cache,
+                slots,
+                [r.prompt[n:-1] for r, n in zip(requests, admission.reused)],
+                reader is not None,
             )
             self.drafter.add_rows([r.slot for r in requests], [r.prompt for r in requests])
-            if wants:
-                self.drafter.add_features([r.slot for r in requests], features)
+            if reader is not None and features is not None:
+                reader.add_features([r.slot for r in requests], features)
         except Exception:  # e.g. out of memory on a long prompt: give the slots back, then report
             self.scheduler.unwind(admission)
             raise

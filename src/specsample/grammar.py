@@ -11,14 +11,20 @@ from __future__ import annotations
 import json
 import re
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from specsample.config import Grammar, SettingError
 from specsample.json_schema import SchemaError, served_schema
+
+if TYPE_CHECKING:
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
 
 COMPILED_KEPT = 64  # compiled grammars kept per compiler (least recently used dropped first)
 # the classes xgrammar (0.2) writes for a string's characters (in length-bounded strings, and in the others) admit
@@ -29,7 +35,7 @@ _STRING_CLASS = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # xgrammar's "[time] source.cc:line: " before a message
 
 
-def _xgrammar():
+def _xgrammar() -> types.ModuleType:
     try:
         import xgrammar
     except ImportError as exc:  # the 'grammar' extra
@@ -41,17 +47,19 @@ class GrammarCompiler:
     """Compiles grammars for one tokenizer (its vocabulary as the model sees it, and its end-of-sequence ids); keeps
     the last COMPILED_KEPT compiled grammars. Thread-safe: the server compiles off its event loop."""
 
-    def __init__(self, info, vocab_size: int) -> None:
+    def __init__(self, info: xgrammar.TokenizerInfo, vocab_size: int) -> None:
         self._xgr = _xgrammar()
         self._compiler = self._xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self._info = info
         self._token_bytes: list[bytes] | None = None  # each id's bytes, read from `info` on first use
         self.vocab_size = vocab_size
-        self._compiled: OrderedDict[Grammar, object] = OrderedDict()
+        self._compiled: OrderedDict[Grammar, xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
-    def from_tokenizer(cls, hf_tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> GrammarCompiler:
+    def from_tokenizer(
+        cls, hf_tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int]
+    ) -> GrammarCompiler:
         """For a Hugging Face tokenizer whose model has `vocab_size` outputs (ids past the tokenizer's are never
         allowed); a grammar ends on any of `stop_token_ids`."""
         xgr = _xgrammar()
@@ -72,7 +80,7 @@ class GrammarCompiler:
         """The tokenizer's description as xgrammar serializes it (what a compiling worker process starts from)."""
         return self._info.serialize_json()
 
-    def cached(self, grammar: Grammar):
+    def cached(self, grammar: Grammar) -> xgrammar.CompiledGrammar | None:
         """The compiled grammar if it is in the cache, else None."""
         with self._lock:
             if grammar in self._compiled:
@@ -84,7 +92,7 @@ class GrammarCompiler:
         """Cache `grammar` as compiled elsewhere (`compile_serialized` in another process)."""
         self._keep(grammar, self._xgr.CompiledGrammar.deserialize_json(serialized, self._info))
 
-    def compile(self, grammar: Grammar):
+    def compile(self, grammar: Grammar) -> xgrammar.CompiledGrammar:
         """The compiled grammar (from the cache when it was compiled lately); `SettingError` naming 'grammar' when
         the engine refuses it (a schema keyword it cannot enforce, a malformed pattern: specsample.json_schema)."""
         compiled = self.cached(grammar)
@@ -93,7 +101,7 @@ class GrammarCompiler:
             self._keep(grammar, compiled)
         return compiled
 
-    def _keep(self, grammar: Grammar, compiled) -> None:
+    def _keep(self, grammar: Grammar, compiled: xgrammar.CompiledGrammar) -> None:
         with self._lock:
             self._compiled[grammar] = compiled
             self._compiled.move_to_end(grammar)
@@ -123,7 +131,7 @@ def served_grammar(grammar: Grammar) -> Grammar:
         raise SettingError("grammar", f"the JSON schema cannot be enforced: {exc}") from None
 
 
-def compile_grammar(compiler, grammar: Grammar):
+def compile_grammar(compiler: xgrammar.GrammarCompiler, grammar: Grammar) -> xgrammar.CompiledGrammar:
     """`grammar` compiled by an xgrammar `GrammarCompiler`; `SettingError` naming 'grammar' for a grammar it refuses,
     with xgrammar's message (less its log prefix)."""
     xgr = _xgrammar()
@@ -152,7 +160,7 @@ class Matcher:
     """One request's position in its grammar: the committed tokens, and past them the drafts it was moved along
     (`follow`), which the next `follow` or `commit` rolls back as far as they differ."""
 
-    def __init__(self, xgr, compiled, vocab_size: int) -> None:
+    def __init__(self, xgr: types.ModuleType, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
         self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size

@@ -25,6 +25,7 @@ import json
 import re
 import re._constants as sre
 import re._parser as sre_parse
+from collections.abc import Iterable
 from typing import Any
 
 MAX_SCHEMA_BYTES = 65536  # the schema as compact JSON
@@ -211,7 +212,7 @@ class _Walk:
         kept = [v for v in values if types is None or any(_is_type(v, t) for t in types)]
         if not kept:
             name = "const" if "const" in keys else "enum"
-            raise SchemaError(f"{name}{_at(path)} admits no value: none is of type {' or '.join(types)}")
+            raise SchemaError(f"{name}{_at(path)} admits no value: none is of type {' or '.join(types or ())}")
         return {"enum": kept}
 
     def _strings(self, schema: dict, keys: set, path: str, out: dict[str, Any]) -> None:
@@ -326,7 +327,7 @@ def json_text_pattern(pattern: str, path: str = "") -> str:
         raise SchemaError(f"pattern{_at(path.rsplit('/', 1)[0])} is not a regular expression: {exc}") from None
     if parsed.state.flags & (re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE):
         raise SchemaError(f"pattern{_at(path.rsplit('/', 1)[0])}: inline flags such as (?i) are not supported")
-    items = list(parsed)
+    items = list(parsed.data)
     head = "^" if items and items[0] == (sre.AT, sre.AT_BEGINNING) else ""
     tail = "$" if items and items[-1] == (sre.AT, sre.AT_END) and len(items) > bool(head) else ""
     body = items[bool(head) : len(items) - bool(tail)]
@@ -415,7 +416,7 @@ def _class(items: list, path: str) -> list[tuple[int, int]]:
     return _minus(_SAFE, _minus(((0, MAX_CODE),), ranges))
 
 
-def _minus(ranges, removed) -> list[tuple[int, int]]:
+def _minus(ranges: Iterable[tuple[int, int]], removed: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sorted, merged `ranges` less the code points in `removed`."""
     out = []
     cuts = sorted(removed)

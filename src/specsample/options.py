@@ -232,7 +232,7 @@ class EngineOptions:
     @property
     def most_drafts(self) -> int:
         """The most drafts a chain may hold."""
-        return self.max_gamma if self.gamma == "auto" else self.gamma
+        return self.gamma if isinstance(self.gamma, int) else self.max_gamma  # an int, or "auto"
 
     @property
     def tree_shape(self) -> TreeShape | None:

@@ -131,19 +131,20 @@ def _default(f: Field) -> Any:
     return None if f.default_factory is MISSING else f.default_factory()
 
 
-def _add(group, cls: type, f: Field, spec: Setting, override: Flag, default: Any) -> str:
+def _add(group: argparse._ActionsContainer, cls: type, f: Field, spec: Setting, override: Flag, default: Any) -> str:
     """Add field `f`'s flag(s) to `group`; return the name errors about the field use."""
     kind = field_kind(cls, f.name)
     flag = override.flag or spec.flag
     if kind is not bool:
         flag = flag or "--" + f.name.replace("_", "-")
         shown = "" if default is None else f" (default: {default})"
+        converter: dict[str, Any] = {} if kind is str else {"type": kind}  # text stays text
         metavar = spec.metavar or (None if spec.choices else flag.lstrip("-").upper().replace("-", "_"))
         group.add_argument(
             flag,
             dest=f.name,
             default=default,
-            type=None if kind is str else kind,
+            **converter,
             choices=spec.choices,
             metavar=metavar,
             help=_escape((override.help or spec.help) + shown),
@@ -170,7 +171,10 @@ def _add(group, cls: type, f: Field, spec: Setting, override: Flag, default: Any
             default=default,
             help=_escape(text + ("" if default else " (default)")),
         )
-    return flag or negation
+    name = flag or negation
+    if name is None:
+        raise ValueError(f"{cls.__name__}.{f.name} has neither a flag nor a negation")
+    return name
 
 
 def _escape(text: str) -> str:

@@ -47,8 +47,9 @@ class Pair:
         if compiled is not None:
             compiled.warm_up(blocks=self.drafter is not None, batches=True)
         drafter = self.drafter.model if isinstance(self.drafter, HybridDrafter) else self.drafter
-        if isinstance(drafter, ModelDrafter) and getattr(drafter.model, "compiled", None) is not None:
-            drafter.model.compiled.warm_up(blocks=True, batches=True)
+        draft_compiled = getattr(drafter.model, "compiled", None) if isinstance(drafter, ModelDrafter) else None
+        if draft_compiled is not None:
+            draft_compiled.warm_up(blocks=True, batches=True)
         elif isinstance(drafter, EagleDrafter) and drafter.compiled is not None:
             drafter.compiled.warm_up(drafter.embed, batches=True)
 

@@ -88,7 +88,7 @@ class Shaper:
         out = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         device, dtype = out.device, out.dtype
         index = torch.tensor(rows, dtype=torch.long)
-        if self.counted:
+        if self.output_counts is not None:  # counted
             counts = self.output_counts[index]  # [n, vocab]: the output's, then each position's drafts before it
             drafted = [i for i, before in enumerate(drafts_before) for _ in before]
             if drafted:
@@ -148,7 +148,8 @@ class Shaper:
         out = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).clone()
         token_rows = tokens[chosen].cpu().tolist()
         parent_rows = None if parents is None else parents[chosen].cpu().tolist()
-        rows, drafts_before = [], []
+        rows: list[int] = []
+        drafts_before: list[list[int]] = []
         for k, i in enumerate(chosen):
             row_tokens = token_rows[k]
             rows += [self._index[slots[i]]] * len(row_tokens)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -11,6 +13,9 @@ from specsample.drafters.base import Proposal
 from specsample.planner.base import RoundEvidence, RoundOutcome, RoundPlan, RowOutcome
 from specsample.token_tree import block_parents, tree_depths
 from specsample.verification.chain import Verdict
+
+if TYPE_CHECKING:
+    from specsample.scheduler import Request
 
 
 @dataclass(frozen=True)
@@ -78,9 +83,10 @@ class RoundResult:
     finished_at: float  # time.perf_counter() when the round committed
 
 
-def _depths(proposal: Proposal) -> Tensor:
-    """`[b, nodes]` each proposal node's depth (1 for the pending token's children)."""
-    return tree_depths(block_parents(proposal.parents, proposal.num_drafted))[:, 1:]
+def _depths(parents: Tensor, num_drafted: Tensor) -> Tensor:
+    """`[b, nodes]` each node's depth in a proposal's trees (`parents [b, nodes]`; 1 for the pending token's
+    children)."""
+    return tree_depths(block_parents(parents, num_drafted))[:, 1:]
 
 
 def round_stats(
@@ -101,7 +107,7 @@ def round_stats(
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]; in a tree round, depths 1..
     drafted_at = (positions < num_drafted.unsqueeze(1)).sum(dim=0)
     if proposal.parents is not None and gamma > 0:  # rows whose tree reaches each depth
-        depths = _depths(proposal)
+        depths = _depths(proposal.parents, num_drafted)
         deepest = int(torch.where(positions < num_drafted.unsqueeze(1), depths, 0).max())
         positions = positions[:, :deepest]
         drafted_at = (
@@ -141,7 +147,7 @@ def round_stats(
 
 
 def round_outcome(
-    requests,
+    requests: Sequence[Request],
     updates: list[RowUpdate],
     proposal: Proposal,
     verdict: Verdict,

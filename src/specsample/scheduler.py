@@ -12,13 +12,14 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Drafter, PrefixKeeper, common_prefix
+from specsample.drafters.base import Drafter, common_prefix, prefix_keeper
+from specsample.models.base import ModelCache
 from specsample.processors import RowProcessors
 from specsample.verification.coupled import NoiseStream
 
@@ -87,7 +88,7 @@ class Admission:
 class Scheduler:
     """Slots for `max_running` running requests and up to `keep_rows` kept ones; see the module docstring."""
 
-    def __init__(self, cache, drafter: Drafter, max_running: int, keep_rows: int) -> None:
+    def __init__(self, cache: ModelCache, drafter: Drafter, max_running: int, keep_rows: int) -> None:
         self.cache, self.drafter = cache, drafter
         self.max_running, self.keep_rows = max_running, keep_rows
         self._free = list(range(max_running + keep_rows))
@@ -164,7 +165,7 @@ class Scheduler:
         the least recently kept row is forgotten for it (fresh rows are reset). The caller prefills them and calls
         `started`, or `unwind` if that fails."""
         with self._lock:
-            admitted = []
+            admitted: list[Request] = []
             while self._waiting and len(self._running) + len(admitted) < self.max_running:
                 admitted.append(self._waiting.popleft())
         if not admitted:
@@ -188,21 +189,22 @@ class Scheduler:
         with self._lock:
             self._free = sorted(self._free + slots)
 
-    def finish(self, requests: Sequence[Request], keep: set[str] = frozenset()) -> None:
+    def finish(self, requests: Sequence[Request], keep: Collection[str] = frozenset()) -> None:
         """Free finished or cancelled rows. Rows named in `keep` (requests that ended well) keep their caches for a
         later request sharing their prefix, the least recently finished forgotten beyond `keep_rows`; kept only where
         the drafter can keep its own state too (a `PrefixKeeper`)."""
         if not requests:
             return
-        keeping = self.keep_rows > 0 and isinstance(self.drafter, PrefixKeeper)
+        keeper = prefix_keeper(self.drafter)
+        keeping = self.keep_rows > 0 and keeper is not None
         kept = [r for r in requests if keeping and r.request_id in keep]
         dropped = [r for r in requests if r not in kept]
         if dropped:
             slots = [r.slot for r in dropped]
             self.cache.reset(torch.tensor(slots, dtype=torch.long))
             self.drafter.release_rows(slots)
-        if kept:
-            self.drafter.park_rows([r.slot for r in kept])
+        if kept and keeper is not None:
+            keeper.park_rows([r.slot for r in kept])
             for request in kept:
                 tokens = request.prompt + request.output
                 held = min(int(self.cache.lengths[request.slot]), len(tokens))  # entries past an EOS cut are dropped

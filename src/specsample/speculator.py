@@ -69,7 +69,7 @@ class Speculator:
     def planner(self) -> Planner:
         """A new planner: gamma auto (learning as it runs) or the fixed gamma."""
         gamma, tree = self.options.gamma, self.options.tree_shape
-        return GammaController(self.options.max_gamma, tree) if gamma == "auto" else FixedGamma(gamma, tree)
+        return FixedGamma(gamma, tree) if isinstance(gamma, int) else GammaController(self.options.max_gamma, tree)
 
     def spec_config(
         self, max_batch_size: int = 1, max_seq_len: int | None = None, prefix_cache_rows: int = 0

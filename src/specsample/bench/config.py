@@ -93,7 +93,7 @@ class BenchConfig:
     @property
     def max_gamma(self) -> int:
         """The widest round any system of the run drafts (gamma auto's bound, or the widest fixed gamma)."""
-        return max([self.engine.max_gamma] + [g for g in self.gammas if g != "auto"])
+        return max([self.engine.max_gamma] + [g for g in self.gammas if isinstance(g, int)])
 
     @property
     def engine_options(self) -> EngineOptions:

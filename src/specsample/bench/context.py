@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -19,12 +20,14 @@ from specsample.bench.repeat_stream import context_needed, workload
 from specsample.bench.systems import HFGenerate, Ours, load_hf_peer
 from specsample.config import SamplingParams
 from specsample.drafters.base import Drafter
-from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.hybrid import HybridDrafter, Lookup
 from specsample.drafters.model import ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SuffixDrafter
+from specsample.engine import Engine
 from specsample.planner import FixedGamma, GammaController, Planner
 from specsample.speculator import Speculator, load
+from specsample.tokenizer import Tokenizer
 
 
 class Progress:
@@ -77,6 +80,7 @@ class Bench:
         tokenizer = self.speculator.pair.target.tokenizer
         if tokenizer is None:
             raise ValueError(f"{config.engine.target} has no tokenizer; benchmarks need text prompts")
+        self.tokenizer: Tokenizer = tokenizer
         self.eos = tokenizer.eos_token_ids
         loaded = load_prompts(config.dataset, config.num_prompts)
         chat = tokenizer.has_chat_template and config.dataset != "humaneval"
@@ -121,7 +125,7 @@ class Bench:
         """One of ours: `drafter` (None: target-only) under planners from `make_planner`, for sequences of up to
         `max_seq_len` tokens (default: the run's prompts and --max-new-tokens)."""
 
-        def make_engine(batch: int, drafter: Drafter | None, planner: Planner):
+        def make_engine(batch: int, drafter: Drafter | None, planner: Planner) -> Engine:
             return self.speculator.engine(batch, max_seq_len or self.max_seq_len, drafter=drafter, planner=planner)
 
         return Ours(name, make_engine, drafter, make_planner, keep_planner)
@@ -136,10 +140,11 @@ class Bench:
         if self.speculator.drafter is None:
             raise ValueError(f"no draft for {self.config.engine.target}: pass --draft")
         shape = self.speculator.options.tree_shape if tree else None
-        if gamma == "auto":
-            make = lambda: GammaController(self.config.max_gamma, shape)  # noqa: E731
-        else:
-            make = lambda: FixedGamma(gamma, shape)  # noqa: E731
+        make: Callable[[], Planner] = (
+            functools.partial(FixedGamma, gamma, shape)
+            if isinstance(gamma, int)
+            else functools.partial(GammaController, self.config.max_gamma, shape)
+        )
         name = f"specsample gamma={gamma}" + (f" tree={shape}" if shape else "")
         return self.system(name, drafter or self.speculator.drafter, make, max_seq_len=max_seq_len)
 
@@ -155,13 +160,17 @@ class Bench:
         """A new drafter of `kind`: 'model', 'ngram', 'suffix' (global scope), 'suffix-request', 'hybrid' (with suffix
         drafting in global scope), 'hybrid-request' (...in request scope), 'hybrid-ngram' (with n-gram lookup); None
         where the pair has no draft model for it."""
-        lookups = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "suffix-request": lambda: SuffixDrafter("request")}
+        lookups: dict[str, Callable[[], Drafter]] = {
+            "ngram": NgramDrafter,
+            "suffix": SuffixDrafter,
+            "suffix-request": lambda: SuffixDrafter("request"),
+        }
         if kind in lookups:
             return lookups[kind]()
         model = self.draft_model()
         if model is None:
             return None
-        hybrids = {
+        hybrids: dict[str, Callable[[], Lookup]] = {
             "hybrid": SuffixDrafter,
             "hybrid-request": lambda: SuffixDrafter("request"),
             "hybrid-ngram": NgramDrafter,
@@ -228,9 +237,10 @@ class Bench:
         if gguf is None and target.spec in ALIASES:
             gguf = alias_gguf(target.spec)
         peer, reason = peer_or_reason(gguf, self.max_seq_len, self.eos, lookup=lookup)
-        if peer is None:
-            self.notes.append(reason)
-            self._say(reason)
+        if peer is None or gguf is None:
+            why = reason or "llama.cpp skipped: no GGUF file"
+            self.notes.append(why)
+            self._say(why)
             return []
         self.notes.append(
             f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} thread"

@@ -22,6 +22,7 @@ from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.repeat_stream import KINDS, Request, context_needed, workload
 from specsample.bench.systems import Ours, OursRun, record, speed_line
 from specsample.bench.worker import PeerFailed
+from specsample.config import SamplingParams
 from specsample.drafters.base import Drafter
 from specsample.engine import Engine
 from specsample.planner import GammaController
@@ -58,7 +59,7 @@ class Resident(Ours):
     def __init__(self, name: str, engine: Engine) -> None:
         self.name, self.drafter, self.engine, self.planner = name, engine.drafter, engine, engine.planner
 
-    def start(self, prompts: list[list[int]], params) -> OursRun:
+    def start(self, prompts: list[list[int]], params: list[SamplingParams]) -> OursRun:
         return OursRun(self.name, lambda: self.engine, prompts, params)
 
 
@@ -67,11 +68,11 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     every round), then the peers in a rotating order; fresh engines per temperature. `prompt_tokens` is
     target-only's prompt (a second turn's differs between systems by their first replies)."""
 
-    tokenizer = bench.speculator.pair.target.tokenizer
+    tokenizer = bench.tokenizer
     if not tokenizer.has_chat_template:
         raise ValueError(f"{bench.config.engine.target} has no chat template: the repeat suite sends chats")
     stream = workload(bench.config.num_prompts)
-    max_seq_len = context_needed(bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens, stream)
+    max_seq_len = context_needed(tokenizer, bench.config.max_new_tokens, stream)
     store.update(
         requests=len(stream), kinds={k: sum(r.kind == k for r in stream) for k in KINDS}, runs={}, warm_up=WARM_UP
     )
@@ -103,7 +104,7 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
                     named[peer.name] = peer.run([prompts[peer.name]], [params])[0]
                 except PeerFailed as exc:
                     failed[peer.name] = str(exc)
-            row = {
+            row: dict[str, Any] = {
                 "prompt": request.id,
                 "category": request.kind,
                 "prompt_tokens": len(prompts["target-only"]),
@@ -122,7 +123,9 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         store.setdefault("suffix_cache", {})[str(temperature)] = _cache_of(ours)
 
 
-def _lockstep(systems: list[Ours], prompts: dict[str, list[int]], params, shuffle: random.Random) -> dict:
+def _lockstep(
+    systems: list[Ours], prompts: dict[str, list[int]], params: SamplingParams, shuffle: random.Random
+) -> dict:
     """Each system's run of its own prompt, the systems taking turns round by round in an order drawn afresh every
     round (`run_lockstep`, with a prompt per system): name -> its record."""
     runs = {s.name: s.start([prompts[s.name]], [params]) for s in systems}
@@ -147,10 +150,12 @@ def _cache_of(systems: list) -> dict[str, dict[str, int]]:
     """What each system's shared suffix cache held at the end of the stream."""
     from dataclasses import asdict
 
-    from specsample.drafters.suffix import SuffixCacheHolder
+    from specsample.drafters.suffix import suffix_cache_holder
 
-    return {
-        s.name: asdict(s.drafter.suffix_cache())
-        for s in systems
-        if isinstance(getattr(s, "drafter", None), SuffixCacheHolder) and s.drafter.suffix_cache() is not None
-    }
+    held = {}
+    for system in systems:
+        holder = suffix_cache_holder(system.drafter) if isinstance(system, Ours) and system.drafter else None
+        stats = holder.suffix_cache() if holder is not None else None
+        if stats is not None:
+            held[system.name] = asdict(stats)
+    return held

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 
 from specsample.datasets import spec_bench_prompts
+from specsample.tokenizer import Tokenizer
 
 EXTRACTION_SCHEMA = {
     "type": "object",
@@ -89,7 +90,7 @@ def _lower_first(text: str) -> str:
     return text[:1].lower() + text[1:]
 
 
-def context_needed(tokenizer, budget: int, stream: list[Request]) -> int:
+def context_needed(tokenizer: Tokenizer, budget: int, stream: list[Request]) -> int:
     """Tokens the longest request of the stream may hold: its prompt, a first reply in its history (with the chat
     template's markers around it) and its own reply of up to `budget` tokens."""
     longest = 0

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specsample.bench.stats import acceptance_summary, bootstrap, predicted_speedup
+from specsample.bench.stats import Interval, acceptance_summary, bootstrap, predicted_speedup
 
 LEVEL = 0.9
 GOAL = 0.97  # gamma auto within 3% of the best fixed gamma, and never more than 3% slower than target-only
@@ -23,7 +24,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def _interval(cell: list[float] | None, digits: int = 2) -> str:
+def _interval(cell: Interval | None, digits: int = 2) -> str:
     if cell is None:
         return "–"
     point, low, high = cell
@@ -32,11 +33,25 @@ def _interval(cell: list[float] | None, digits: int = 2) -> str:
     return f"{point:.{digits}f} ({low:.{digits}f}–{high:.{digits}f})"
 
 
-def _verdict(cell: list[float]) -> str:
+def _verdict(cell: Interval) -> str:
     """Whether a ratio's interval clears the goal (met), misses it entirely (missed), or straddles it."""
-    if cell[1] is None:
+    _, low, high = cell
+    if low is None or high is None:
         return "one prompt: no interval"
-    return "met" if cell[1] >= GOAL else "missed" if cell[2] < GOAL else "within noise"
+    return "met" if low >= GOAL else "missed" if high < GOAL else "within noise"
+
+
+def _point(cell: Interval) -> float:
+    """An interval's point value (always there)."""
+    point = cell[0]
+    assert point is not None
+    return point
+
+
+def _errors(cell: Interval) -> tuple[float, float]:
+    """Distances from an interval's point down to its low end and up to its high end (0 where it has none)."""
+    point, low, high = _point(cell), cell[1], cell[2]
+    return (point - low, high - point) if low is not None and high is not None else (0.0, 0.0)
 
 
 def _prompt_rows(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, tuple[int, float]]]]:
@@ -45,11 +60,11 @@ def _prompt_rows(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, tuple[
     ]
 
 
-def _speedups(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, list[float]]]:
+def _speedups(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, Interval]]:
     """Each system's speed over target-only, per category and overall, with its interval, paired on the prompts it
     ran: all of them, or, for a peer that failed on some, the others (no cells where it ran on none)."""
 
-    def ratios(names: list[str]):
+    def ratios(names: list[str]) -> Callable[[dict[str, float]], dict[str, float]]:
         def statistic(speeds: dict[str, float]) -> dict[str, float]:
             base = speeds.get(BASELINE, 0.0)
             return {name: speeds.get(name, 0.0) / base if base else 0.0 for name in names}
@@ -223,13 +238,13 @@ def _ratio_lines(rows: list[dict[str, Any]], ours: list[str], references: list[s
     if not ours or not references:
         return []
 
-    def ratios(reference: str):
+    def ratios(reference: str) -> Callable[[dict[str, float]], dict[str, float]]:
         def statistic(speeds: dict[str, float]) -> dict[str, float]:
             return {f"{a} / {reference}": speeds[a] / speeds[reference] if speeds.get(reference) else 0.0 for a in ours}
 
         return statistic
 
-    between: dict[str, dict[str, list[float]]] = {}
+    between: dict[str, dict[str, Interval]] = {}
     for reference in references:
         ran = [row for row in rows if reference in row["systems"]]
         if ran:
@@ -309,7 +324,7 @@ def lossless_section(store: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def goal_intervals(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, list[float]]]:
+def goal_intervals(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, Interval]]:
     """Per category, each gamma auto policy's speed over the best fixed gamma (picked afresh in every resample, so
     picking the best of several noisy ones is part of the interval) and over target-only."""
     fixed = [n for n in systems if re.fullmatch(r"gamma=\d+", n)]
@@ -566,8 +581,8 @@ def _plots(results: dict[str, Any], out: Path) -> None:
             fig, ax = plt.subplots(figsize=(6, 4))
             ax.errorbar(
                 [g for g, _ in points],
-                [c[0] for _, c in points],
-                yerr=[[c[0] - c[1] for _, c in points], [c[2] - c[0] for _, c in points]],
+                [_point(c) for _, c in points],
+                yerr=[[_errors(c)[0] for _, c in points], [_errors(c)[1] for _, c in points]],
                 fmt="o-",
             )
             ax.axhline(1.0, color="black", linewidth=0.5)
@@ -593,11 +608,11 @@ def _plots(results: dict[str, Any], out: Path) -> None:
         ours = compare["systems"][1]
         fig, ax = plt.subplots(figsize=(8, 4))
         for i, (temperature, rows) in enumerate(runs.items()):
-            speed = _speedups(rows, compare["systems"])[ours]
-            cats = sorted(c for c in speed if c != "overall") + ["overall"]
+            ours_speed = _speedups(rows, compare["systems"])[ours]
+            cats = sorted(c for c in ours_speed if c != "overall") + ["overall"]
             ax.bar(
                 [j + 0.8 * i / len(runs) for j in range(len(cats))],
-                [speed[c][0] for c in cats],
+                [_point(ours_speed[c]) for c in cats],
                 width=0.8 / len(runs),
                 label=f"T={temperature}",
             )

@@ -12,6 +12,7 @@ from specsample.theory import expected_speedup
 __all__ = ["percentile", "two_sample_test", "predicted_speedup", "acceptance_summary", "bootstrap", "PromptRow"]
 
 PromptRow = tuple[str, dict[str, tuple[int, float]]]  # (category, {system: (tokens, seconds)}) of one prompt
+Interval = list[float | None]  # [point, low, high]; low and high None where one prompt gives no interval
 
 
 def _speeds(rows: Sequence[PromptRow]) -> dict[str, float]:
@@ -30,7 +31,7 @@ def bootstrap(
     level: float = 0.9,
     resamples: int = 1000,
     seed: int = 0,
-) -> dict[str, dict[str, list[float]]]:
+) -> dict[str, dict[str, Interval]]:
     """Paired bootstrap over prompts, per category and overall: `statistic(speeds)` (speeds: system -> tokens/s over
     the chosen prompts) at its point value and its `level` interval. Every system is paired on the same resampled
     prompts; prompts are resampled within their category (overall: every category at once, so its mix stays). A
@@ -54,7 +55,7 @@ def bootstrap(
         overall = [r for cat in cats for r in chosen[cat]] if stratified else [rng.choice(rows) for _ in rows]
         draws["overall"].append(statistic(_speeds(overall)))
     low, high = int((1 - level) / 2 * resamples), min(resamples - 1, int((1 + level) / 2 * resamples))
-    out: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    out: dict[str, dict[str, Interval]] = defaultdict(dict)
     for cat in [*cats, "overall"]:
         point = statistic(_speeds(rows if cat == "overall" else groups[cat]))
         single = cat != "overall" and len(groups[cat]) == 1

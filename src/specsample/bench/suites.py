@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import statistics
 import time
@@ -32,7 +33,9 @@ from specsample.bench.systems import Ours, record, run_lockstep, speed_line
 from specsample.bench.worker import PeerFailed
 from specsample.config import Grammar, SamplingParams
 from specsample.datasets import spec_bench_prompts
+from specsample.engine import Engine
 from specsample.planner import FixedGamma, GammaController
+from specsample.tokenizer import Tokenizer
 
 
 def _interleaved(
@@ -50,7 +53,7 @@ def _interleaved(
     for n, i in enumerate(indices):
         order = systems[n % len(systems) :] + systems[: n % len(systems)]  # no system always runs first
         prompt = bench.prompts[i]
-        row = {"prompt": prompt.id, "category": prompt.category, "systems": {}}
+        row: dict[str, Any] = {"prompt": prompt.id, "category": prompt.category, "systems": {}}
         for system in order:
             try:
                 row["systems"][system.name] = record(
@@ -168,9 +171,9 @@ def adaptive_systems(bench: Bench) -> list[Ours]:
     """Target-only, each fixed gamma, gamma auto, prompt lookup under gamma auto and (with a draft model) the hybrid,
     each with a drafter of its own; gamma auto keeps one planner across prompts, as a server does."""
     kind = "model" if bench.draft_model() is not None else "ngram"
-    fixed = sorted({g for g in bench.config.gammas if g != "auto"}) or list(range(1, 9))
+    fixed = sorted({g for g in bench.config.gammas if isinstance(g, int)}) or list(range(1, 9))
     systems = [bench.target_only()]
-    systems += [bench.system(f"gamma={g}", bench.fresh(kind), lambda g=g: FixedGamma(g)) for g in fixed]
+    systems += [bench.system(f"gamma={g}", bench.fresh(kind), functools.partial(FixedGamma, g)) for g in fixed]
     auto = lambda: GammaController(bench.config.max_gamma)  # noqa: E731
     systems.append(bench.system("gamma=auto", bench.fresh(kind), auto))
     if kind == "model":
@@ -226,7 +229,7 @@ JSON_PROMPTS = (
 def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """Ours (first --gamma) and target-only on JSON prompts, each with RECORD_SCHEMA's grammar and without, the
     four in an order rotating prompt by prompt, per temperature."""
-    tokenizer = bench.speculator.pair.target.tokenizer
+    tokenizer = bench.tokenizer
     prompts = [tokenizer.encode(text, chat=tokenizer.has_chat_template) for text in JSON_PROMPTS]
     grammar = Grammar.json_schema(RECORD_SCHEMA)
     max_seq_len = max(len(p) for p in prompts) + bench.config.max_new_tokens
@@ -237,7 +240,7 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         rows = store["runs"].setdefault(str(temperature), [])
         progress = Progress(f"structured T={temperature}", len(prompts))
         for i, prompt in enumerate(prompts):
-            row = {"prompt": i, "category": "json", "systems": {}}
+            row: dict[str, Any] = {"prompt": i, "category": "json", "systems": {}}
             for name, system, grammar_or_none in systems[i % len(systems) :] + systems[: i % len(systems)]:
                 params = SamplingParams(
                     temperature=temperature,
@@ -256,7 +259,7 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
 FOLLOW_UP = "Thank you. Now summarise your answer in one sentence."
 
 
-def history_message(tokenizer, tokens: int) -> str:
+def history_message(tokenizer: Tokenizer, tokens: int) -> str:
     """Spec-Bench questions joined until the chat-rendered message holds at least `tokens` tokens."""
     parts: list[str] = []
     for prompt in spec_bench_prompts():
@@ -266,11 +269,13 @@ def history_message(tokenizer, tokens: int) -> str:
     return "\n\n".join(parts)
 
 
-def _first_token(engine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int], dict[str, int]]:
+def _first_token(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int], dict[str, int]]:
     """Seconds from submission to the first committed token, the whole reply, and the admission's counters."""
     started = time.perf_counter()
     engine.add_request(prompt, params)
-    first, tokens, admission = None, [], {}
+    first: float | None = None
+    tokens: list[int] = []
+    admission: dict[str, int] = {}
     for result in engine.stream():
         if result.stats.admitted:
             admission = {"prefix_hits": result.stats.prefix_hits, "reused_tokens": result.stats.reused_tokens}
@@ -278,6 +283,8 @@ def _first_token(engine, prompt: list[int], params: SamplingParams) -> tuple[flo
             if update.new_tokens and first is None:
                 first = time.perf_counter() - started
             tokens.extend(update.new_tokens)
+    if first is None:
+        raise RuntimeError("the request finished without a token")
     return first, tokens, admission
 
 
@@ -285,7 +292,7 @@ def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """A first chat turn of --history-tokens answered greedily (--max-new-tokens), then the second turn (history,
     reply, a short follow-up) timed to its first token: on an engine keeping one finished row for reuse and on one
     keeping none, alternating which goes first, --prefix-reps times each."""
-    config, tokenizer = bench.config, bench.speculator.pair.target.tokenizer
+    config, tokenizer = bench.config, bench.tokenizer
     if not tokenizer.has_chat_template:
         raise ValueError(f"{config.engine.target} has no chat template: the prefix suite replays a chat")
     messages = [{"role": "user", "content": history_message(tokenizer, config.history_tokens)}]

@@ -6,6 +6,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -44,7 +45,12 @@ class Ours:
     costs and acceptance it measured), else every run starts a new one."""
 
     def __init__(
-        self, name: str, make_engine, drafter: Drafter | None, make_planner, keep_planner: bool = True
+        self,
+        name: str,
+        make_engine: Callable[[int, Drafter | None, Planner], Engine],
+        drafter: Drafter | None,
+        make_planner: Callable[[], Planner],
+        keep_planner: bool = True,
     ) -> None:
         self.name, self.drafter = name, drafter
         self._make_engine, self._make_planner = make_engine, make_planner
@@ -203,11 +209,13 @@ class HFGenerate:
         return RunRecord(tokens, wall, streamer.times[0] - started if streamer.times else None, gaps, {})
 
 
-def load_hf_peer(folder, dtype: torch.dtype, device: str | torch.device = "cpu") -> Any:
+def load_hf_peer(folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> Any:
     """The same weights through transformers (a peer for the comparison), on the device ours runs on."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    torch.nn.Module.to(model, device)  # in place (transformers' own `to` hides its signature from type checks)
+    return model.eval()
 
 
 STATS_KEPT = (

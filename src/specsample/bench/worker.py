@@ -94,6 +94,7 @@ class Worker:
             except PeerFailed as exc:
                 self.given_up = f"not run: restarting {self.name} failed ({exc})"
                 raise PeerFailed(self.given_up) from None
+        assert self._requests is not None  # a child runs
         try:
             self._requests.send(request)
         except OSError:
@@ -158,20 +159,22 @@ class Worker:
 
     def _receive(self, timeout: float | None) -> tuple[str, Any]:
         """The child's next message, or PeerFailed (and the child's end) where it dies or exceeds `timeout`."""
+        process, replies = self._process, self._replies
+        assert process is not None and replies is not None  # a child runs
         waited, timed_out = 0.0, False
-        while not self._replies.poll(0.2):
-            if self._process.poll() is not None:
+        while not replies.poll(0.2):
+            if process.poll() is not None:
                 break
             waited += 0.2
             if timeout is not None and waited >= timeout:
-                self._process.kill()
+                process.kill()
                 timed_out = True
                 break
         try:
-            return self._replies.recv()
+            return replies.recv()
         except (EOFError, OSError):
             pass
-        process, self._process = self._process, None
+        self._process = None
         returncode = process.wait()
         self._close_pipes()
         self._stderr.seek(0)
@@ -203,6 +206,8 @@ def _serve(module_file: str, requests: Connection, replies: Connection) -> None:
     except (ImportError, ValueError, OSError):
         pass
     spec = importlib.util.spec_from_file_location("specsample_peer", module_file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load a peer from {module_file}")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

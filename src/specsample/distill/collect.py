@@ -18,6 +18,7 @@ from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt
 from specsample.distill.data import DataWriter, Sequence_
 from specsample.engine import Engine
+from specsample.models.base import CausalLM, uncached_logits
 from specsample.tokenizer import Tokenizer
 
 
@@ -61,13 +62,13 @@ def _system_prefix_len(tokenizer: Tokenizer) -> int:
 
 
 @torch.inference_mode()
-def score(model, sequences: Sequence[Sequence[int]], top_k: int) -> list[Sequence_]:
+def score(model: CausalLM, sequences: Sequence[Sequence[int]], top_k: int) -> list[Sequence_]:
     """Teacher-force `sequences` (equal-ish lengths, one batch) and keep each position's top-k."""
     width = max(len(s) for s in sequences)
     batch = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
         batch[row, : len(seq)] = torch.tensor(seq)
-    logits = model(batch)  # [b, width, vocab]; right padding never affects earlier positions
+    logits = uncached_logits(model, batch)  # [b, width, vocab]; right padding never affects earlier positions
     out = []
     for row, seq in enumerate(sequences):
         logp = torch.log_softmax(logits[row, : len(seq)].float(), dim=-1)
@@ -90,7 +91,7 @@ def _batches(items: list[tuple[list[int], dict]], batch_tokens: int) -> Iterator
 
 
 def _score_items(
-    model, items: list[tuple[list[int], dict]], config: CollectConfig
+    model: CausalLM, items: list[tuple[list[int], dict]], config: CollectConfig
 ) -> tuple[list[Sequence_], list[dict]]:
     """Score (sequence, metadata) items in length-sorted batches; returns aligned sequences and metadata."""
     scored, metas = [], []
@@ -101,7 +102,7 @@ def _score_items(
 
 
 def collect_teacher_forced(
-    model,
+    model: CausalLM,
     tokenizer: Tokenizer,
     prompts: Sequence[Prompt],
     writer: DataWriter,
@@ -125,7 +126,7 @@ def collect_teacher_forced(
 
 
 def collect_on_policy(
-    model,
+    model: CausalLM,
     tokenizer: Tokenizer,
     prompts: Sequence[Prompt],
     writer: DataWriter,

@@ -17,8 +17,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import operator
 import os
 import statistics
 import sys
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from tqdm import tqdm
 
 from specsample.config import SamplingParams, SpecConfig
@@ -43,10 +46,11 @@ from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.cpu import bf16_autocast
 from specsample.models.eagle_head import EagleHead, HeadConfig, default_feature_layers, load_head, save_head
-from specsample.models.llama import LlamaModel
-from specsample.models.loader import load_model
+from specsample.models.llama import LlamaConfig, LlamaModel
+from specsample.models.loader import LoadedModel, load_model
 from specsample.models.quant import QUANT_MODES
 from specsample.planner import FixedGamma
+from specsample.tokenizer import Tokenizer
 
 DATA_SOURCES = ("regenerate", "teacher")
 METRICS_EVERY = 10  # training steps between measurements of the head's acceptance on its batch
@@ -112,9 +116,9 @@ def _log(message: str) -> None:
 # ----- data ----------------------------------------------------------------------------------
 
 
-def collect(plan: HeadTraining, target, progress: bool) -> FeatureReader:
+def collect(plan: HeadTraining, target: LoadedModel, progress: bool) -> FeatureReader:
     """Stage 1: the feature store, filled to `plan.tokens` (unless training has begun: its data is then final)."""
-    model = target.model
+    model = target.llama()
     layers = plan.feature_layers or default_feature_layers(len(model.layers))
     store = plan.work / "features"
     started = (plan.work / "train" / "checkpoint.pt").exists()
@@ -145,7 +149,7 @@ def collect(plan: HeadTraining, target, progress: bool) -> FeatureReader:
     )
     if writer.num_tokens < plan.tokens and not started:
         collect_features(
-            model, target.tokenizer, training_conversations(plan.prompts), writer, plan.tokens, progress=progress
+            model, target.text_tokenizer(), training_conversations(plan.prompts), writer, plan.tokens, progress=progress
         )
     return FeatureReader(store)
 
@@ -182,7 +186,9 @@ class Batches:
 
     def _group(self, lengths: list[int], order: list[int]) -> list[list[int]]:
         """Indices in `order`, sorted by length, cut into batches of up to `batch_tokens` padded tokens."""
-        batches, current, width = [], [], 0
+        batches: list[list[int]] = []
+        current: list[int] = []
+        width = 0
         for i in sorted(order, key=lambda i: lengths[i]):
             n = lengths[i]
             if current and (len(current) + 1) * max(width, n) > self.batch_tokens:
@@ -270,7 +276,7 @@ class UnrolledAttention:
     drafts. Call `__call__` once per step, in order: step s attends over the keys of every step so far at once
     (fused attention with that mask; grouped-query heads read their shared keys without copies)."""
 
-    def __init__(self, config, batch: int, n: int, device: torch.device) -> None:
+    def __init__(self, config: LlamaConfig, batch: int, n: int, device: torch.device) -> None:
         self.rope_positions = torch.arange(n, device=device).unsqueeze(0).expand(batch, n)
         self.positions = self.rope_positions
         self.keys: list[torch.Tensor] = []  # per step [b, KVH, n, hd]
@@ -323,8 +329,10 @@ def head_loss(
     with torch.no_grad():
         log_p = torch.log_softmax((batch["final"][:, 1:][mask] @ frozen.out.T).float(), dim=-1)  # [M, K]
         p = log_p.exp()
-    attend = UnrolledAttention(head.layer_config, *embeddings.shape[:2], embeddings.device)
-    total, weights, out = 0.0, 0.0, {}
+    batch_size, length = embeddings.shape[:2]
+    attend = UnrolledAttention(head.layer_config, batch_size, length, embeddings.device)
+    terms: list[Tensor] = []  # each step's weighted loss
+    weights, out = 0.0, {}
     for step in range(1, unroll + 1):
         valid = mask.clone()
         valid[:, : step - 1] = False  # no (step - 1)-th draft before position step - 1
@@ -334,7 +342,8 @@ def head_loss(
         target = p[rows]
         cross = F.cross_entropy(logits, target)  # soft targets: one fused pass over the logits
         weight = step_decay ** (step - 1)
-        total, weights = total + weight * cross, weights + weight
+        terms.append(weight * cross)
+        weights += weight
         if metrics:
             with torch.no_grad():
                 log_q = torch.log_softmax(logits, dim=-1)
@@ -348,7 +357,7 @@ def head_loss(
                     }
                 )
         hidden = torch.cat([hidden[:, :1], outputs[:, :-1].to(hidden.dtype)], dim=1)  # entry t: output at t - 1
-    loss = total / weights
+    loss = functools.reduce(operator.add, terms) / weights
     out["loss"] = loss.item()
     return loss, out
 
@@ -507,7 +516,9 @@ def train_head(
     return record
 
 
-def _save(path: Path, head: EagleHead, optimizer, batches: Batches, record: dict[str, Any]) -> None:
+def _save(
+    path: Path, head: EagleHead, optimizer: torch.optim.Optimizer, batches: Batches, record: dict[str, Any]
+) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(
         {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor, "record": record},
@@ -537,9 +548,9 @@ def eval_prompts(name: str, per_category: int) -> list[Prompt]:
 
 @torch.inference_mode()
 def evaluate_head(
-    target,
+    target: LlamaModel,
     drafter: EagleDrafter,
-    tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[Prompt],
     max_new_tokens: int,
     gamma: int = 3,
@@ -593,7 +604,7 @@ def _summary(collector: StatsCollector) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def cost_ratio(target, drafter: EagleDrafter, repeats: int = 30, context: int = 128) -> dict[str, Any]:
+def cost_ratio(target: LlamaModel, drafter: EagleDrafter, repeats: int = 30, context: int = 128) -> dict[str, Any]:
     """Median seconds of the target's one-token step and of one draft step (the head's forward on one entry, its
     logits and a draw), batch 1, interleaved, each as the engine runs it (compiled where the target is); c = draft
     step / target step."""
@@ -656,9 +667,7 @@ def run_head(
     settings_path.write_text(json.dumps(_settings(plan), indent=2, sort_keys=True))
     torch.manual_seed(plan.seed)
     target = load_model(plan.target, device=plan.device, quantize=plan.quantize)
-    if not isinstance(target.model, LlamaModel) or target.tokenizer is None:
-        raise ValueError("a feature draft needs a Llama-family target (our runtime) with a tokenizer")
-    model = target.model
+    model, tokenizer = target.llama(), target.text_tokenizer()  # a feature draft reads a Llama target's features
     reader = collect(plan, target, progress)
     _log(
         f"data: {reader.index['sequences']} conversations, {reader.num_tokens} tokens "
@@ -685,7 +694,7 @@ def run_head(
     report = evaluate_head(
         model,
         drafter,
-        target.tokenizer,
+        tokenizer,
         eval_prompts(plan.eval_prompts, plan.eval_per_category),
         plan.eval_max_new_tokens,
         progress=progress,
@@ -755,7 +764,8 @@ def write_card(
         f"our engine at temperature {' or '.join(map(str, regen.temperatures))} (alternating by conversation), "
         f"up to {regen.max_new_tokens} tokens, under its chat template; the features recorded as it wrote them"
         if plan.data == "regenerate"
-        else f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run through the target "
+        else f"{index['sequences']} conversations from `{portable_spec(plan.prompts)}` with their own replies, run "
+        "through the target "
         f"teacher-forced (weights `--quantize {plan.quantize}`)"
     )
     lines = [

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from specsample.config import SamplingParams, SpecConfig
 from specsample.datasets import Prompt
 from specsample.engine import Engine
+from specsample.models.base import CausalLM, uncached_logits
 from specsample.sampling import sample, warp_probs
 from specsample.theory import expected_speedup, optimal_gamma
 from specsample.tokenizer import Tokenizer
@@ -30,7 +31,7 @@ TEMPERATURES = (0.7, 1.0)
 
 
 def target_continuations(
-    target,
+    target: CausalLM,
     tokenizer: Tokenizer,
     prompts: Sequence[Prompt],
     max_new_tokens: int,
@@ -67,12 +68,14 @@ def target_continuations(
 
 
 @torch.inference_mode()
-def position_metrics(target, draft, prompt_ids: list[int], continuation: list[int]) -> dict[str, list[float]]:
+def position_metrics(
+    target: CausalLM, draft: CausalLM, prompt_ids: list[int], continuation: list[int]
+) -> dict[str, list[float]]:
     """Per continuation position: agreement and alpha at each temperature."""
     tokens = torch.tensor([prompt_ids + continuation])
     span = slice(len(prompt_ids) - 1, len(prompt_ids) + len(continuation) - 1)  # predicts each continuation token
-    p_logits = target(tokens)[0, span].float()
-    q_logits = draft(tokens)[0, span].float()
+    p_logits = uncached_logits(target, tokens)[0, span].float()
+    q_logits = uncached_logits(draft, tokens)[0, span].float()
     out = {"agree": (p_logits.argmax(-1) == q_logits.argmax(-1)).float().tolist()}
     for t in TEMPERATURES:
         params = SamplingParams(temperature=t)
@@ -82,10 +85,10 @@ def position_metrics(target, draft, prompt_ids: list[int], continuation: list[in
 
 
 @torch.inference_mode()
-def cost_ratio(target, draft, repeats: int = 30, context: int = 128) -> dict[str, float]:
+def cost_ratio(target: CausalLM, draft: CausalLM, repeats: int = 30, context: int = 128) -> dict[str, float]:
     """Median seconds of a target decode step and of a draft step (forward + sampling), batch 1."""
 
-    def steps(model, sampled: bool) -> list[float]:
+    def steps(model: CausalLM, sampled: bool) -> list[float]:
         cache = model.new_cache(1, context + repeats + 4)
         slot = torch.tensor([0])
         model.prefill(torch.randint(0, min(1000, model.vocab_size), (1, context)), cache, slot)
@@ -109,8 +112,8 @@ def cost_ratio(target, draft, repeats: int = 30, context: int = 128) -> dict[str
 
 
 def evaluate(
-    target,
-    draft,
+    target: CausalLM,
+    draft: CausalLM,
     tokenizer: Tokenizer,
     prompts: Sequence[Prompt],
     max_new_tokens: int = 64,
@@ -133,9 +136,9 @@ def evaluate(
         "max_new_tokens": max_new_tokens,
         "categories": {},
     }
-    for cat, values in per_cat.items():
-        result["categories"][cat] = {k: statistics.fmean(v) for k, v in values.items()} | {
-            "positions": len(values["agree"])
+    for cat, metrics in per_cat.items():
+        result["categories"][cat] = {k: statistics.fmean(v) for k, v in metrics.items()} | {
+            "positions": len(metrics["agree"])
         }
     if measure_cost:
         cost = cost_ratio(target, draft)

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -30,6 +30,9 @@ from tqdm import tqdm
 
 from specsample.datasets import Prompt
 from specsample.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from specsample.models.llama import LlamaModel
 
 FORMAT = "specsample-features/2"
 
@@ -89,7 +92,7 @@ def recording_layers(feature_layers: Sequence[int], num_layers: int) -> tuple[in
     return tuple(sorted(set(feature_layers) | {num_layers}))
 
 
-def split_features(model, stacked: Tensor, feature_layers: Sequence[int]) -> tuple[Tensor, Tensor]:
+def split_features(model: LlamaModel, stacked: Tensor, feature_layers: Sequence[int]) -> tuple[Tensor, Tensor]:
     """Features `[.., k * hidden]` taken at a model's `recording_layers` as the fused features of `feature_layers`
     `[.., len(feature_layers) * hidden]` and the final normed hidden states `[.., hidden]`."""
     recorded = recording_layers(feature_layers, len(model.layers))
@@ -102,7 +105,7 @@ def split_features(model, stacked: Tensor, feature_layers: Sequence[int]) -> tup
 
 @torch.inference_mode()
 def target_features(
-    model, sequences: Sequence[Sequence[int]], feature_layers: Sequence[int]
+    model: LlamaModel, sequences: Sequence[Sequence[int]], feature_layers: Sequence[int]
 ) -> list[tuple[Tensor, Tensor]]:
     """The target's fused features of `feature_layers` and final hidden states of each sequence, teacher-forced in one
     batch (right padding never reaches earlier positions of a causal model)."""
@@ -117,6 +120,8 @@ def target_features(
         None, None, torch.zeros(len(sequences), dtype=torch.long), width, model.config, model.groups, model.device
     )
     _, stacked = model.hidden_states(batch.to(model.device), attend)
+    if stacked is None:
+        raise RuntimeError("the target recorded no feature layers")
     features, final = split_features(model, stacked, feature_layers)
     return [(features[row, : len(seq)].cpu(), final[row, : len(seq)].cpu()) for row, seq in enumerate(sequences)]
 
@@ -316,7 +321,7 @@ def _length_batches(items: list[tuple[list[int], list[bool]]], batch_tokens: int
 
 
 def collect_features(
-    model,
+    model: LlamaModel,
     tokenizer: Tokenizer,
     prompts: Iterable[Prompt],
     writer: FeatureWriter,
@@ -355,6 +360,8 @@ def collect_features(
                 ids, reply = items[i]
                 sequences[i] = FeatureSequence(torch.tensor(ids), features, final, torch.tensor(reply), len(ids))
         before = writer.num_tokens
-        writer.append(sequences, [i for i, _ in chunk])
+        filled = [s for s in sequences if s is not None]
+        assert len(filled) == len(sequences)  # every item is in a batch
+        writer.append(filled, [i for i, _ in chunk])
         bar.update(min(writer.num_tokens, max_tokens) - min(before, max_tokens))
     bar.close()

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -32,9 +33,16 @@ from specsample.distill.features import (
     shard_folders,
     split_features,
 )
-from specsample.drafters.base import DraftRequest, Proposal
+from specsample.drafters.base import Abilities, DraftRequest, Proposal
 from specsample.engine import Engine
 from specsample.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from specsample.models.llama import LlamaModel
+    from specsample.models.loader import LoadedModel
+
+
+K = TypeVar("K")  # what a recorded request is known by
 
 
 @dataclass
@@ -43,20 +51,20 @@ class _Recorded:
     features: list[Tensor] = field(default_factory=list)  # [n, F + hidden] per call, in order
 
 
-class FeatureRecorder:
+class FeatureRecorder(Generic[K]):
     """A drafter that proposes nothing and keeps, per row, the committed tokens and the target's features of every
     position it commits; a finished row is handed to `on_finish(request_key, tokens, features)`. Rows are matched to
     requests in the order the engine admits them, which is the order they were added (`expect`)."""
 
     vocab_size = None
-    wants_features = True
+    abilities = Abilities(reads_features=True)
 
-    def __init__(self, on_finish: Callable[[object, list[int], Tensor], None]) -> None:
+    def __init__(self, on_finish: Callable[[K, list[int], Tensor], None]) -> None:
         self.on_finish = on_finish
-        self._expected: deque[object] = deque()
-        self._rows: dict[int, tuple[object, _Recorded]] = {}
+        self._expected: deque[K] = deque()
+        self._rows: dict[int, tuple[K, _Recorded]] = {}
 
-    def expect(self, key: object) -> None:
+    def expect(self, key: K) -> None:
         """The next request added to the engine is `key`'s."""
         self._expected.append(key)
 
@@ -118,7 +126,7 @@ class _Conversation:
 
 
 def regenerate_features(
-    model,
+    model: LlamaModel,
     tokenizer: Tokenizer,
     prompts: Iterable[Prompt],
     writer: FeatureWriter,
@@ -140,7 +148,9 @@ def regenerate_features(
     mine, workers = shard
     source = ((i, p) for i, p in enumerate(prompts) if i % workers == mine and i not in done)
     finished: list[tuple[_Conversation, list[int], Tensor]] = []
-    recorder = FeatureRecorder(lambda key, tokens, features: finished.append((key, tokens, features)))
+    recorder: FeatureRecorder[_Conversation] = FeatureRecorder(
+        lambda key, tokens, features: finished.append((key, tokens, features))
+    )
     engine = Engine(
         model,
         recorder,
@@ -239,7 +249,7 @@ def _history(turns: Sequence[str], replies: Sequence[str]) -> list[dict[str, str
 
 
 def _sequence(
-    model,
+    model: LlamaModel,
     tokenizer: Tokenizer,
     conversation: _Conversation,
     tokens: list[int],
@@ -274,7 +284,7 @@ def regenerate_store(
     feature_layers: Sequence[int],
     max_len: int,
     max_tokens: int,
-    loaded=None,
+    loaded: LoadedModel | None = None,
     progress: bool = True,
 ) -> None:
     """Fill the feature store in `folder` with conversations the target writes (`regenerate_features`) from the
@@ -349,7 +359,7 @@ def _fill_shard(
     feature_layers: Sequence[int],
     max_len: int,
     max_tokens: int,
-    loaded=None,
+    loaded: LoadedModel | None = None,
     progress: bool = False,
 ) -> None:
     """One worker of `regenerate_store`: its shard of the conversations into `folder/shard-{shard}`."""
@@ -359,7 +369,7 @@ def _fill_shard(
     if loaded is None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.workers))
         loaded = load_model(target, device=device, quantize=quantize)
-    model = loaded.model
+    model = loaded.llama()
     writer = FeatureWriter(
         Path(folder) / f"shard-{shard}",
         target,
@@ -374,7 +384,7 @@ def _fill_shard(
     )
     regenerate_features(
         model,
-        loaded.tokenizer,
+        loaded.text_tokenizer(),
         training_conversations(prompts),
         writer,
         plan,

@@ -80,9 +80,11 @@ def collect(plan: DistillPlan, target: LoadedModel, progress: bool) -> list[Data
         if not writer.index["complete"]:
             started = time.perf_counter()
             if kind == "teacher":
-                collect_teacher_forced(target.model, target.tokenizer, prompts, writer, plan.collect, progress)
+                collect_teacher_forced(target.model, target.text_tokenizer(), prompts, writer, plan.collect, progress)
             else:
-                collect_on_policy(target.model, target.tokenizer, prompts, writer, plan.collect, plan.seed, progress)
+                collect_on_policy(
+                    target.model, target.text_tokenizer(), prompts, writer, plan.collect, plan.seed, progress
+                )
             writer.finish()
             _log(
                 f"{kind}: {writer.num_sequences} sequences, {writer.num_tokens} tokens "
@@ -150,7 +152,12 @@ def run(
     export(draft, target, plan.out, stores, record, plan.collect.max_len)
     exported = load_model(str(plan.out), dtype="float32", device=plan.device)
     report = evaluate(
-        fp32_target, exported.model, target.tokenizer, _eval_prompts(plan), plan.eval_max_new_tokens, progress=progress
+        fp32_target,
+        exported.model,
+        target.text_tokenizer(),
+        _eval_prompts(plan),
+        plan.eval_max_new_tokens,
+        progress=progress,
     )
     (plan.out / "eval.json").write_text(json.dumps(report, indent=2))
     write_model_card(plan, stores, record, report, command)
@@ -186,7 +193,8 @@ def export(
     config = draft.config.to_hf()
     config["torch_dtype"] = "bfloat16"
     tensors = export_hf_state_dict(draft)
-    save_hf_folder(out, config, tensors, target.tokenizer.hf, target.tokenizer.eos_token_ids, dtype=torch.bfloat16)
+    tokenizer = target.text_tokenizer()
+    save_hf_folder(out, config, tensors, tokenizer.hf, tokenizer.eos_token_ids, dtype=torch.bfloat16)
     if draft.output_subset is not None and len(draft.output_subset) < draft.vocab_size:
         (out / DRAFT_VOCAB_FILE).write_text(
             json.dumps(
@@ -270,7 +278,8 @@ def write_model_card(
         "",
         "## Training",
         "",
-        f"{record['step']} steps, {record['tokens_seen']} scored tokens seen; settings: `{json.dumps(record['config'])}`",
+        f"{record['step']} steps, {record['tokens_seen']} scored tokens seen; "
+        f"settings: `{json.dumps(record['config'])}`",
         "",
         "![training curve](training_curve.png)",
         "",

@@ -123,7 +123,8 @@ class Batches:
         """Sequence ids of the next batch from `store` (whole sequences up to `batch_tokens`)."""
         if len(self.train[store]) == 0:
             raise ValueError(f"store {self.stores[store].folder} has no training sequences")
-        picked, tokens = [], 0
+        picked: list[int] = []
+        tokens = 0
         while True:
             epoch, pos = self.cursor[store]
             order = self._order(store, epoch)
@@ -314,7 +315,9 @@ def _pick_store(seed: int, step: int, mix: np.ndarray) -> int:
     return int(np.random.default_rng([seed, 7, step]).choice(len(mix), p=mix))
 
 
-def _save(path: Path, draft: LlamaModel, optimizer, batches: Batches, record: dict[str, Any]) -> None:
+def _save(
+    path: Path, draft: LlamaModel, optimizer: torch.optim.Optimizer, batches: Batches, record: dict[str, Any]
+) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(
         {"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor, "record": record},

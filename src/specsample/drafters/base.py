@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -202,6 +202,23 @@ def draw_chain(
     )
 
 
+@dataclass(frozen=True)
+class Abilities:
+    """What a drafter can do beyond proposing and following its rows, as it declares it (`Drafter.abilities`); each
+    ability promises the methods of its protocol below. The engine and gamma auto plan with these; a wrapper states
+    those of the drafters it routes to."""
+
+    scores_backlog: bool = False  # `BacklogScorer`: scores tokens committed without it (a draft model)
+    looks_up: bool = False  # `PromptLookup`: offers prompt-lookup continuations (n-gram, suffix, hybrid)
+    keeps_prefixes: bool = False  # `PrefixKeeper`: keeps a finished row's state for a request sharing its prefix
+    reads_features: bool = False  # `FeatureDrafter`: drafts from the target's hidden states (EAGLE)
+    holds_suffix_cache: bool = False  # `SuffixCacheHolder`: reports a shared suffix cache
+
+    def __or__(self, other: Abilities) -> Abilities:
+        """What either can do (drafters serving rows side by side)."""
+        return Abilities(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Proposes tokens for rows of a batch and follows what the verifier committed.
@@ -209,7 +226,15 @@ class Drafter(Protocol):
     Rows are identified by slot numbers the engine assigns; the drafter keeps its own state per slot.
     """
 
-    vocab_size: int | None  # vocabulary the drafter's probabilities range over; None = any
+    @property
+    def vocab_size(self) -> int | None:
+        """Vocabulary the drafter's probabilities range over; None = any."""
+        ...
+
+    @property
+    def abilities(self) -> Abilities:
+        """What it can do beyond the methods below (read afresh each round: a wrapper's may change)."""
+        ...
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         """Prepare state for `num_slots` rows of up to `max_len` tokens (called by the engine)."""
@@ -248,8 +273,7 @@ def check_vocabulary(draft_vocab_size: int | None, target_vocab_size: int) -> No
         )
 
 
-@runtime_checkable
-class BacklogScorer(Protocol):
+class BacklogScorer(Drafter, Protocol):
     """A drafter that can score, teacher-forced, tokens the target committed without it (plain rounds): gamma auto
     learns a request's acceptance in fallback from them instead of drafting."""
 
@@ -261,8 +285,7 @@ class BacklogScorer(Protocol):
         ...
 
 
-@runtime_checkable
-class PromptLookup(Protocol):
+class PromptLookup(Drafter, Protocol):
     """A drafter that proposes prompt-lookup continuations (an n-gram drafter, the hybrid): gamma auto sizes those
     rounds by the lookups' own acceptance and cost, apart from a draft model's, and runs them even where it keeps
     the model from drafting. A request's `source[i]` True sends row i to its lookup, False away from it."""
@@ -276,8 +299,7 @@ class PromptLookup(Protocol):
         ...
 
 
-@runtime_checkable
-class PrefixKeeper(Protocol):
+class PrefixKeeper(Drafter, Protocol):
     """A drafter that keeps a finished row's state when asked, so that the next `add_rows` of that slot reuses what
     the new prompt shares with the row's tokens (its cache of that prefix) instead of starting afresh."""
 
@@ -286,19 +308,35 @@ class PrefixKeeper(Protocol):
         ...
 
 
-@runtime_checkable
-class FeatureDrafter(Protocol):
-    """A drafter that drafts from the target's final hidden states (EAGLE): while `wants_features`, the engine hands
-    it the target's feature of every position it commits. Per row, after each call the drafter knows the features of
-    every committed token but the last (which the target scores next round)."""
-
-    @property
-    def wants_features(self) -> bool: ...
+class FeatureDrafter(Drafter, Protocol):
+    """A drafter that drafts from the target's final hidden states (EAGLE): the engine hands it the target's feature
+    of every position it commits. Per row, after each call the drafter knows the features of every committed token
+    but the last (which the target scores next round)."""
 
     def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
         """Per row, the target's final hidden states `[n, hidden]` of the next `n` committed positions (after
         `add_rows`: the prompt's tokens but the last; after `commit`: the pending token and the accepted drafts)."""
         ...
+
+
+def backlog_scorer(drafter: Drafter) -> BacklogScorer | None:
+    """`drafter` where it declares that it scores backlogs (`Abilities.scores_backlog`), else None."""
+    return cast(BacklogScorer, drafter) if drafter.abilities.scores_backlog else None
+
+
+def prompt_lookup(drafter: Drafter) -> PromptLookup | None:
+    """`drafter` where it declares prompt lookups (`Abilities.looks_up`), else None."""
+    return cast(PromptLookup, drafter) if drafter.abilities.looks_up else None
+
+
+def prefix_keeper(drafter: Drafter) -> PrefixKeeper | None:
+    """`drafter` where it declares that it keeps finished rows (`Abilities.keeps_prefixes`), else None."""
+    return cast(PrefixKeeper, drafter) if drafter.abilities.keeps_prefixes else None
+
+
+def feature_drafter(drafter: Drafter) -> FeatureDrafter | None:
+    """`drafter` where it declares that it reads the target's features (`Abilities.reads_features`), else None."""
+    return cast(FeatureDrafter, drafter) if drafter.abilities.reads_features else None
 
 
 def merge_proposals(parts: Sequence[tuple[Sequence[int], Proposal]], batch: int, gamma: int) -> Proposal:
@@ -427,6 +465,7 @@ class NoDrafter:
     round as one with."""
 
     vocab_size = None
+    abilities = Abilities(keeps_prefixes=True)
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         return None

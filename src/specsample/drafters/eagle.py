@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specsample.config import TreeShape
-from specsample.drafters.base import DraftRequest, Proposal, best_tree, common_prefix, draw_chain
+from specsample.config import SamplingParams, TreeShape
+from specsample.drafters.base import Abilities, DraftRequest, Proposal, best_tree, common_prefix, draw_chain
 from specsample.kv_cache import KVCache
 from specsample.models.eagle_head import EagleHead, is_head_folder, load_head
 from specsample.models.llama import LlamaModel
@@ -48,7 +48,7 @@ class EagleDrafter:
     """Drafts with an EAGLE-3 head on the target's fused features; the head's own output layer covers its draft
     vocabulary (`d2t`), the target's embedding is shared unless the head has its own."""
 
-    wants_features = True
+    abilities = Abilities(scores_backlog=True, keeps_prefixes=True, reads_features=True)
 
     def __init__(self, head: EagleHead, target: LlamaModel, folder: Path | None = None, compile: bool = False) -> None:
         """`compile`: run drafting steps through a compiled graph (as `--compile` runs the target's), compiled now."""
@@ -68,9 +68,16 @@ class EagleDrafter:
 
             self.compiled = CompiledHeadStep(self.head)
             self.compiled.warm_up(self.embed)
-        self.cache: KVCache | None = None
+        self._cache: KVCache | None = None
         self.rows: dict[int, _Row] = {}
         self._parked: dict[int, _Row] = {}
+
+    @property
+    def cache(self) -> KVCache:
+        """The head's cache, once `allocate` made it."""
+        if self._cache is None:
+            raise RuntimeError("the drafter has no cache yet: the engine allocates it")
+        return self._cache
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Token embeddings `[.., H]` (the head's own where it has them, else the target's)."""
@@ -80,7 +87,7 @@ class EagleDrafter:
     # ----- rows -----------------------------------------------------------------------------
 
     def allocate(self, num_slots: int, max_len: int) -> None:
-        self.cache = self.head.new_cache(num_slots, max_len)
+        self._cache = self.head.new_cache(num_slots, max_len)
         self.rows.clear()
         self._parked.clear()
 
@@ -91,7 +98,7 @@ class EagleDrafter:
         for slot, prompt in zip(slots, prompts):
             parked = self._parked.pop(slot, None)
             shared = 0 if parked is None else common_prefix(parked.history[: parked.known], prompt[:-1])
-            if shared:
+            if parked is not None and shared:
                 self.rows[slot] = _trimmed(parked, shared, list(prompt), self.cache, slot)
             else:
                 self.rows[slot] = _Row(history=list(prompt), pending=[])
@@ -315,10 +322,12 @@ class EagleDrafter:
         return best_tree(tokens, parents, scores, budget)
 
     @torch.inference_mode()
-    def score_backlog(self, slots: Sequence[int], counts: Sequence[int], params) -> list[list[float]]:
+    def score_backlog(
+        self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
+    ) -> list[list[float]]:
         """Per row, the warped draft probability of each of its last `counts[i]` committed tokens that the head can
         predict from entries not yet fed (oldest first); the row's last entry stays unfed, for its next proposal."""
-        out = []
+        out: list[list[float]] = []
         for slot, count, row_params in zip(slots, counts, params):
             row = self.rows[slot]
             usable = row.known - row.fed - 1  # entries whose prediction is a committed token

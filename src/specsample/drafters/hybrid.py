@@ -8,8 +8,17 @@ from typing import Protocol
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Drafter, DraftRequest, FeatureDrafter, PrefixKeeper, Proposal, merge_proposals
-from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter
+from specsample.drafters.base import (
+    Abilities,
+    Drafter,
+    DraftRequest,
+    Proposal,
+    backlog_scorer,
+    feature_drafter,
+    merge_proposals,
+    prefix_keeper,
+)
+from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter, suffix_cache_holder
 
 
 class Lookup(Drafter, Protocol):
@@ -44,6 +53,14 @@ class HybridDrafter:
         self.min_match, self.offer_match = min_match, offer_match
         self.vocab_size = model.vocab_size
 
+    @property
+    def abilities(self) -> Abilities:
+        """Lookups, and what its draft model declares besides (backlogs, features); it keeps prefixes whatever the
+        model does (a model that cannot lets its parked rows go)."""
+        own = Abilities(looks_up=True, keeps_prefixes=True, holds_suffix_cache=self.lookup.abilities.holds_suffix_cache)
+        model = self.model.abilities
+        return own | Abilities(scores_backlog=model.scores_backlog, reads_features=model.reads_features)
+
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.model.allocate(num_slots, max_len)
         self.lookup.allocate(num_slots, max_len)
@@ -58,8 +75,9 @@ class HybridDrafter:
 
     def park_rows(self, slots: Sequence[int]) -> None:
         """The model keeps its rows for reuse where it can (`PrefixKeeper`); lookups re-index at `add_rows`."""
-        if isinstance(self.model, PrefixKeeper):
-            self.model.park_rows(slots)
+        keeper = prefix_keeper(self.model)
+        if keeper is not None:
+            keeper.park_rows(slots)
         else:
             self.model.release_rows(slots)
         self.lookup.park_rows(slots)
@@ -106,23 +124,24 @@ class HybridDrafter:
 
     def suffix_cache(self) -> SuffixCacheStats | None:
         """What the lookup's shared cache holds (None without one)."""
-        return self.lookup.suffix_cache() if isinstance(self.lookup, SuffixDrafter) else None
-
-    @property
-    def wants_features(self) -> bool:
-        """Whether its draft model drafts from the target's hidden states (a feature draft)."""
-        return isinstance(self.model, FeatureDrafter) and self.model.wants_features
+        holder = suffix_cache_holder(self.lookup)
+        return holder.suffix_cache() if holder is not None else None
 
     def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
-        if self.wants_features:
-            self.model.add_features(slots, features)
+        reader = feature_drafter(self.model)
+        if reader is not None:
+            reader.add_features(slots, features)
 
     def score_backlog(
         self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
     ) -> list[list[float]]:
         """The draft model scores the tokens it missed (`ModelDrafter.score_backlog`): under gamma auto a
-        lookup round is not one of the model's, so its estimate in fallback comes from these as for a model."""
-        return self.model.score_backlog(slots, counts, params)
+        lookup round is not one of the model's, so its estimate in fallback comes from these as for a model. Only
+        where the model declares it (`abilities`)."""
+        scorer = backlog_scorer(self.model)
+        if scorer is None:
+            raise ValueError("the hybrid's draft model scores no backlogs")
+        return scorer.score_backlog(slots, counts, params)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         self.model.commit(slots, committed)

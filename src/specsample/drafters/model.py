@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specsample.config import SamplingParams
-from specsample.drafters.base import DraftRequest, Proposal, best_tree, draw_chain
+from specsample.config import SamplingParams, TreeShape
+from specsample.drafters.base import Abilities, DraftRequest, Proposal, best_tree, draw_chain
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import warp_rows
 
@@ -85,6 +85,8 @@ class ModelDrafter:
     window's view of the history: `_skipped[slot]` history tokens are left out after the sink.
     """
 
+    abilities = Abilities(scores_backlog=True, keeps_prefixes=True)
+
     def __init__(self, model: CausalLM, folder: Path | None = None, window: DraftWindow | None = None) -> None:
         self.model = model
         self.folder = folder  # where the draft was loaded from (peers like transformers can load it too)
@@ -92,8 +94,8 @@ class ModelDrafter:
         self.vocab_size = model.vocab_size
         # sample among the draft's own output tokens, scoring only the last fed position (checked once: a
         # runtime protocol check inspects every member)
-        self._last_only = isinstance(model, LastPositionLM)
-        self.cache: ModelCache | None = None
+        self._last_only: LastPositionLM | None = model if isinstance(model, LastPositionLM) else None
+        self._cache: ModelCache | None = None
         self.history: dict[int, list[int]] = {}
         self._drafted: dict[int, list[int]] = {}  # last round's drafts per slot, to find what stays valid
         self._skipped: dict[int, int] = {}  # history tokens per slot the window leaves out of the cache
@@ -101,12 +103,19 @@ class ModelDrafter:
     def allocate(self, num_slots: int, max_len: int) -> None:
         """(Re)allocate the draft cache; called by the engine that owns the slots. A window bounds a
         row's cache at its `limit` positions, however long the requests may be."""
-        self.cache = self.model.new_cache(
+        self._cache = self.model.new_cache(
             num_slots, max_len if self.window is None else min(max_len, self.window.limit)
         )
         self.history.clear()
         self._drafted.clear()
         self._skipped.clear()
+
+    @property
+    def cache(self) -> ModelCache:
+        """The draft's cache, once `allocate` made it."""
+        if self._cache is None:
+            raise RuntimeError("the drafter has no cache yet: the engine allocates it")
+        return self._cache
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Prefill each new row's prompt except its last token (the window's view of it, with one). A slot kept by
@@ -144,7 +153,9 @@ class ModelDrafter:
                 break
             shared += 1
         skipped = self._skipped[slot]
-        if skipped and shared <= self.window.sink + skipped:  # the cut would fall inside the skipped part
+        if (
+            skipped and self.window is not None and shared <= self.window.sink + skipped
+        ):  # the cut would fall inside the skipped part
             return 0
         if self.window is not None and len(prompt) - 1 - skipped > self.window.limit - 4:
             return 0  # the rest would pass the limit: a fresh window view instead
@@ -165,7 +176,7 @@ class ModelDrafter:
         """Draw up to `request.reach[i]` tokens per row through the shared draw loop (`draw_chain`: the confidence
         gate and the extension); with `request.tree`, a tree along the draft's greedy chain (`_propose_tree`)."""
         if request.tree is not None:
-            return self._propose_tree(request)
+            return self._propose_tree(request, request.tree)
         slots = request.slots
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self._catch_up(slots, request.width)
@@ -183,12 +194,12 @@ class ModelDrafter:
             self._drafted[slot] = proposal.tokens[row, :steps].tolist()  # drawn; all but the last were fed
         return proposal
 
-    def _propose_tree(self, request: DraftRequest) -> Proposal:
+    def _propose_tree(self, request: DraftRequest, shape: TreeShape) -> Proposal:
         """A tree per row along the draft's greedy chain (its spine, down to `tree.depth`): at each depth the draft's
         `tree.branch` most likely tokens, the first continuing the spine, the others leaves beside it; then the
         `reach[i]` nodes of highest cumulative draft probability, `drafts[i]` deep. Every node is deterministic given
         the past."""
-        slots, shape = request.slots, request.tree
+        slots = request.slots
         batch = len(slots)
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self._catch_up(slots, shape.depth)
@@ -206,8 +217,9 @@ class ModelDrafter:
             if request.shaper is not None:  # children chosen among what the processors leave, along the spine
                 logits = request.shaper.next_logits(logits, slots, fed, subset)
             top = torch.log_softmax(logits.float(), dim=-1).topk(min(shape.branch, logits.shape[-1]), dim=-1)
-            ids = top.indices if subset is None else subset[top.indices]
-            values, ids = top.values.tolist(), ids.tolist()
+            id_tensor = top.indices if subset is None else subset[top.indices]
+            values: list[list[float]] = top.values.tolist()
+            ids: list[list[int]] = id_tensor.tolist()
             for r in range(batch):
                 parent, base = spine[r], spine_score[r]
                 for rank, (value, token) in enumerate(zip(values[r], ids[r]) if depth < limit[r] else ()):
@@ -228,8 +240,9 @@ class ModelDrafter:
         """Feed `inputs [b, n]`; logits `[b, K]` at each row's position `last[i]`, and the token ids of the K
         columns (None: the whole vocabulary, in order). A model with an output subset (FR-Spec) scores only
         its K tokens and only the last position: sampling then reads K probabilities, not the vocabulary."""
-        if self._last_only:
-            return (self.model.forward_cached_last(inputs, self.cache, slot_tensor, last), self.model.output_subset)
+        if self._last_only is not None:
+            model = self._last_only
+            return model.forward_cached_last(inputs, self.cache, slot_tensor, last), model.output_subset
         logits = self.model.forward_cached(inputs, self.cache, slot_tensor)  # [b, n, vocab]
         return logits[torch.arange(inputs.shape[0], device=logits.device), last.to(logits.device)], None
 
@@ -259,6 +272,7 @@ class ModelDrafter:
         """Reset a row's cache to the window's view of history[:upto], leaving `room_after` positions free
         under the window's limit; where the window leaves too little room, its recent part shrinks to fit."""
         window = self.window
+        assert window is not None  # a row is rebuilt only to fit its window
         room = window.limit - window.sink - room_after  # recent tokens that leave room_after free
         if room < 1:
             raise ValueError(
@@ -279,7 +293,7 @@ class ModelDrafter:
         """Per row, the warped draft probability of each of its last `counts[i]` committed tokens that the
         cache has not fed yet, oldest first (one forward per row; the tokens before them are fed first).
         The row then lacks only its last token, as after a round with a rejection."""
-        out = []
+        out: list[list[float]] = []
         for slot, count, row_params in zip(slots, counts, params):
             history = self.history[slot]
             end = len(history) - 1  # history[start:end] predict history[start + 1:end + 1]

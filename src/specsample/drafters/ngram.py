@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specsample.drafters.base import DraftRequest, Proposal
+from specsample.config import TreeShape
+from specsample.drafters.base import Abilities, DraftRequest, Proposal
 
 BRANCH_MEMORY = 3  # older occurrences kept per n-gram, beside the most recent, for branched lookups
 
@@ -100,6 +101,7 @@ class NgramDrafter:
     """Drafts by prompt lookup over each row's prompt and output so far."""
 
     vocab_size = None  # proposes token ids from the context: works with any vocabulary
+    abilities = Abilities(looks_up=True, keeps_prefixes=True)
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -144,7 +146,7 @@ class NgramDrafter:
             "an n-gram draft has no confidence to extend by",
         )
         if request.tree is not None:
-            return self._propose_tree(request)
+            return self._propose_tree(request, request.tree)
         tokens = torch.zeros(len(request.slots), request.width, dtype=torch.long)
         counts = []
         for row, (slot, limit) in enumerate(zip(request.slots, request.reach)):
@@ -155,10 +157,9 @@ class NgramDrafter:
             counts.append(len(found))
         return Proposal(tokens=tokens, probs=None, num_drafted=torch.tensor(counts, dtype=torch.long))
 
-    def _propose_tree(self, request: DraftRequest) -> Proposal:
+    def _propose_tree(self, request: DraftRequest, shape: TreeShape) -> Proposal:
         """Per row the trie of up to `tree.branch` continuations, each `drafts[i]` tokens at most, `reach[i]` nodes at
         most."""
-        shape = request.tree
         width = max(request.width, 1)
         tokens = torch.zeros(len(request.slots), width, dtype=torch.long)
         parents = torch.full((len(request.slots), width), -1, dtype=torch.long)

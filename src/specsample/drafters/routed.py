@@ -6,24 +6,30 @@ after it use the new one. An old drafter is dropped (and its memory freed) once 
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 from torch import Tensor
 
 from specsample.config import SamplingParams
 from specsample.drafters.base import (
-    BacklogScorer,
+    Abilities,
     Drafter,
     DraftRequest,
-    FeatureDrafter,
-    PrefixKeeper,
-    PromptLookup,
     Proposal,
+    backlog_scorer,
+    feature_drafter,
     merge_proposals,
+    prefix_keeper,
+    prompt_lookup,
 )
-from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats, combined
+from specsample.drafters.suffix import SuffixCacheStats, combined, suffix_cache_holder
+
+D = TypeVar("D")  # a drafter seen through one of its abilities
+R = TypeVar("R")  # what that ability answers per row
 
 
 class RoutedDrafter:
@@ -33,6 +39,7 @@ class RoutedDrafter:
         self.current = drafter
         self.vocab_size = drafter.vocab_size
         self._owner: dict[int, Drafter] = {}
+        self._parked: set[int] = set()  # finished rows kept for reuse (`park_rows`): their drafter drafts no more
         self._size: tuple[int, int] | None = None
         self._lock = threading.Lock()
 
@@ -52,7 +59,21 @@ class RoutedDrafter:
     @property
     def generations(self) -> int:
         """Distinct drafters still serving rows (plus the current one)."""
-        return len({id(d) for d in self._owner.values()} | {id(self.current)})
+        return len(self._serving())
+
+    @property
+    def abilities(self) -> Abilities:
+        """What the drafters still serving rows (and the current one) declare between them, read afresh: a drafter
+        that replaced another brings its own, and the old one's go with its last row. It keeps prefixes whatever they
+        do (a drafter that cannot lets its parked rows go)."""
+        drafting = self._serving(parked=False)
+        return functools.reduce(operator.or_, (d.abilities for d in drafting), Abilities(keeps_prefixes=True))
+
+    def _serving(self, parked: bool = True) -> list[Drafter]:
+        """The drafters still serving rows (with `parked`, kept ones too) and the current one (a snapshot: other
+        threads read it too)."""
+        owners = [d for s, d in list(self._owner.items()) if parked or s not in self._parked]
+        return list(({id(d): d for d in owners} | {id(self.current): self.current}).values())
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self._size = (num_slots, max_len)
@@ -67,21 +88,25 @@ class RoutedDrafter:
         drafter.add_rows(slots, prompts)
         for slot in slots:
             self._owner[slot] = drafter
+            self._parked.discard(slot)
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for drafter, rows in self._groups(list(range(len(slots))), slots):
             drafter.release_rows([slots[i] for i in rows])
         for slot in slots:
             self._owner.pop(slot, None)
+            self._parked.discard(slot)
 
     def park_rows(self, slots: Sequence[int]) -> None:
         """Each row's drafter keeps it where it can (`PrefixKeeper`), else lets it go; the row stays its drafter's
         until it is reused or released."""
         for drafter, rows in self._groups(list(range(len(slots))), slots):
-            if isinstance(drafter, PrefixKeeper):
-                drafter.park_rows([slots[i] for i in rows])
+            keeper = prefix_keeper(drafter)
+            if keeper is not None:
+                keeper.park_rows([slots[i] for i in rows])
             else:
                 drafter.release_rows([slots[i] for i in rows])
+        self._parked.update(slots)
 
     def propose(self, request: DraftRequest) -> Proposal:
         groups = self._groups(list(range(len(request.slots))), request.slots)
@@ -94,7 +119,7 @@ class RoutedDrafter:
         """Each row's drafter's prompt lookup (0 for rows whose drafter has none)."""
         found = self._per_row(
             slots,
-            PromptLookup,
+            prompt_lookup,
             lambda drafter, rows: drafter.lookup_lengths([slots[i] for i in rows], [max_tokens[i] for i in rows]),
         )
         return [found.get(i, 0) for i in range(len(slots))]
@@ -102,27 +127,22 @@ class RoutedDrafter:
     def drafts_otherwise(self, slots: Sequence[int]) -> list[bool]:
         """Rows whose drafter has no lookup draft as always; others as their drafter says."""
         found = self._per_row(
-            slots, PromptLookup, lambda drafter, rows: drafter.drafts_otherwise([slots[i] for i in rows])
+            slots, prompt_lookup, lambda drafter, rows: drafter.drafts_otherwise([slots[i] for i in rows])
         )
         return [found.get(i, True) for i in range(len(slots))]
 
-    @property
-    def wants_features(self) -> bool:
-        """Whether any drafter still serving rows (or the current one) drafts from the target's hidden states."""
-        drafters = {id(d): d for d in self._owner.values()} | {id(self.current): self.current}
-        return any(isinstance(d, FeatureDrafter) and d.wants_features for d in drafters.values())
-
     def suffix_cache(self) -> SuffixCacheStats | None:
         """What the shared suffix caches of the drafters still serving rows (and the current one) hold together (read
-        from another thread: a snapshot of the owners first)."""
-        drafters = {id(d): d for d in list(self._owner.values())} | {id(self.current): self.current}
-        return combined(d.suffix_cache() for d in drafters.values() if isinstance(d, SuffixCacheHolder))
+        from another thread)."""
+        holders = [suffix_cache_holder(d) for d in self._serving()]
+        return combined(h.suffix_cache() for h in holders if h is not None)
 
     def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
         """Each row's features to its drafter, where that drafter reads them."""
         for drafter, rows in self._groups(list(range(len(slots))), slots):
-            if isinstance(drafter, FeatureDrafter) and drafter.wants_features:
-                drafter.add_features([slots[i] for i in rows], [features[i] for i in rows])
+            reader = feature_drafter(drafter)
+            if reader is not None:
+                reader.add_features([slots[i] for i in rows], [features[i] for i in rows])
 
     def score_backlog(
         self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
@@ -130,7 +150,7 @@ class RoutedDrafter:
         """Each row's drafter scores its backlog where it can (a model draft); other rows score nothing."""
         found = self._per_row(
             slots,
-            BacklogScorer,
+            backlog_scorer,
             lambda drafter, rows: drafter.score_backlog(
                 [slots[i] for i in rows], [counts[i] for i in rows], [params[i] for i in rows]
             ),
@@ -141,12 +161,16 @@ class RoutedDrafter:
         for drafter, rows in self._groups(list(range(len(slots))), slots):
             drafter.commit([slots[i] for i in rows], [committed[i] for i in rows])
 
-    def _per_row(self, slots: Sequence[int], kind: type, call: Callable[[Any, list[int]], list[Any]]) -> dict[int, Any]:
-        """`call(drafter, rows)` for each group of rows whose drafter is a `kind`, its answers by row index."""
-        found: dict[int, Any] = {}
+    def _per_row(
+        self, slots: Sequence[int], able: Callable[[Drafter], D | None], call: Callable[[D, list[int]], list[R]]
+    ) -> dict[int, R]:
+        """`call(drafter, rows)` for each group of rows whose drafter has the ability `able` sees it through (a view
+        such as `prompt_lookup`), its answers by row index."""
+        found: dict[int, R] = {}
         for drafter, rows in self._groups(list(range(len(slots))), slots):
-            if isinstance(drafter, kind):
-                found.update(zip(rows, call(drafter, rows)))
+            view = able(drafter)
+            if view is not None:
+                found.update(zip(rows, call(view, rows)))
         return found
 
     def _groups(self, rows: list[int], slots: Sequence[int]) -> list[tuple[Drafter, list[int]]]:

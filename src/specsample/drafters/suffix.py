@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast
 
 import torch
 
-from specsample.drafters.base import DraftRequest, Proposal
+from specsample.drafters.base import Abilities, Drafter, DraftRequest, Proposal
 from specsample.drafters.suffix_index import LEVELS, Draft, Occurrence, SuffixIndex, best_draft
 
 # what a row's drafts may come from: its own text, or recent requests' outputs too
@@ -43,13 +43,17 @@ class SuffixCacheStats:
     evicted: int  # requests' outputs dropped for room, since the engine started
 
 
-@runtime_checkable
-class SuffixCacheHolder(Protocol):
-    """A drafter that holds (or wraps one that holds) a shared suffix cache."""
+class SuffixCacheHolder(Drafter, Protocol):
+    """A drafter that holds (or wraps one that holds) a shared suffix cache (`Abilities.holds_suffix_cache`)."""
 
     def suffix_cache(self) -> SuffixCacheStats | None:
         """What its shared cache holds; None without one."""
         ...
+
+
+def suffix_cache_holder(drafter: Drafter) -> SuffixCacheHolder | None:
+    """`drafter` where it declares a shared suffix cache (`Abilities.holds_suffix_cache`), else None."""
+    return cast(SuffixCacheHolder, drafter) if drafter.abilities.holds_suffix_cache else None
 
 
 def combined(stats: Iterable[SuffixCacheStats | None]) -> SuffixCacheStats | None:
@@ -72,6 +76,7 @@ class SuffixDrafter:
     `capacity` bounds the shared cache in tokens."""
 
     vocab_size = None  # proposes token ids from committed text: works with any vocabulary
+    abilities = Abilities(looks_up=True, keeps_prefixes=True, holds_suffix_cache=True)
 
     def __init__(
         self,
@@ -159,7 +164,7 @@ class SuffixDrafter:
         asked = (nodes, depth, chain)
         if asked not in drafts:
             best = best_draft(own, own_found, nodes, depth, self.factor, self.offset, self.min_prob, chain)
-            if shared_found:
+            if shared_found and self.shared is not None:
                 shared = best_draft(
                     self.shared, shared_found, nodes, depth, self.factor, self.offset, self.min_prob, chain
                 )

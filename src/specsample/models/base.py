@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -23,8 +23,12 @@ class ModelCache(Protocol):
     def reset(self, slots: Tensor) -> None: ...
 
 
+C = TypeVar("C", bound=ModelCache)  # the kind of cache a model allocates, and the only kind it decodes into
+C_in = TypeVar("C_in", bound=ModelCache, contravariant=True)  # the same, where a protocol only takes one
+
+
 @runtime_checkable
-class CausalLM(Protocol):
+class CausalLM(Protocol[C]):
     """A causal language model that decodes into a cache with per-row lengths."""
 
     vocab_size: int  # size of the output distribution
@@ -33,11 +37,11 @@ class CausalLM(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def new_cache(self, num_slots: int, max_len: int) -> ModelCache:
+    def new_cache(self, num_slots: int, max_len: int) -> C:
         """Allocate decoding state for `num_slots` rows of up to `max_len` tokens."""
         ...
 
-    def forward_cached(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> Tensor:
+    def forward_cached(self, tokens: Tensor, cache: C, slots: Tensor) -> Tensor:
         """Append `tokens [b, n]` to rows `slots [b]` of `cache`; return logits `[b, n, vocab]`.
 
         Row i's tokens sit at positions `cache.lengths[slots[i]] + 0..n-1`; afterwards each row's
@@ -45,51 +49,59 @@ class CausalLM(Protocol):
         """
         ...
 
-    def prefill(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> None:
+    def prefill(self, tokens: Tensor, cache: C, slots: Tensor) -> None:
         """Like `forward_cached` but computes no logits (the prompt before the last token)."""
         ...
 
 
 @runtime_checkable
-class LastPositionLM(Protocol):
+class LastPositionLM(Protocol[C_in]):
     """A model that can score only each row's last new position, over its output subset (FR-Spec drafts):
     a drafter then samples among the K tokens the draft can emit instead of the whole vocabulary."""
 
     output_subset: Tensor | None  # [K] token ids the output layer covers; None: the whole vocabulary
 
-    def forward_cached_last(self, tokens: Tensor, cache: ModelCache, slots: Tensor, last: Tensor) -> Tensor:
+    def forward_cached_last(self, tokens: Tensor, cache: C_in, slots: Tensor, last: Tensor) -> Tensor:
         """Append `tokens [b, n]` as `forward_cached` does; logits `[b, K]` at position `last[i]` of row i."""
         ...
 
 
 @runtime_checkable
-class FeatureLM(Protocol):
+class FeatureLM(Protocol[C_in]):
     """A model that also returns, from the same forward, its features at each new position: its final hidden state
     (the vector its output layer reads), or hidden states of chosen layers concatenated (EAGLE-3): a feature draft
     drafts from them at no extra cost to the target."""
 
     feature_size: int  # the width of a position's features
 
-    def forward_cached_features(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_cached_features(self, tokens: Tensor, cache: C_in, slots: Tensor) -> tuple[Tensor, Tensor]:
         """`forward_cached`, and the features `[b, n, feature_size]` of the same positions."""
         ...
 
-    def prefill_features(self, tokens: Tensor, cache: ModelCache, slots: Tensor) -> Tensor:
+    def prefill_features(self, tokens: Tensor, cache: C_in, slots: Tensor) -> Tensor:
         """`prefill`, returning the features `[b, n, feature_size]` (no logits are computed)."""
         ...
 
 
 @runtime_checkable
-class TreeLM(Protocol):
+class TreeLM(Protocol[C_in]):
     """A model that scores a token tree per row in one forward (each token sees the context and its ancestors) and
     keeps one path of it in its cache."""
 
-    def forward_cached_tree(
-        self, tokens: Tensor, cache: ModelCache, slots: Tensor, parents: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def forward_cached_tree(self, tokens: Tensor, cache: C_in, slots: Tensor, parents: Tensor) -> tuple[Tensor, Tensor]:
         """Logits `[b, n, vocab]` and final hidden states `[b, n, hidden]` of a block whose token i hangs from
         `parents[:, i]` (-1 for the first); the cache holds the block in order until a path is kept."""
         ...
+
+
+class UncachedLM(Protocol):
+    def forward(self, tokens: Tensor) -> Tensor: ...
+
+
+def uncached_logits(model: CausalLM, tokens: Tensor) -> Tensor:
+    """Logits `[b, n, vocab]` of a causal forward over `tokens [b, n]` without a cache (scoring, training data):
+    every runtime's model has that forward as its `forward`."""
+    return cast(UncachedLM, model).forward(tokens)
 
 
 def pad_right(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -107,17 +119,26 @@ def prefill_ragged(
 ) -> list[Tensor] | None:
     """Prefill rows with sequences of different lengths (right-padded, then rolled back). With `features` (a
     `FeatureLM`), return each row's final hidden states `[len, hidden]` (empty for an empty sequence)."""
+    if features and not isinstance(model, FeatureLM):
+        raise TypeError(f"{type(model).__name__} returns no features")
+    feature_model = model if features and isinstance(model, FeatureLM) else None
     if not any(sequences):
-        return [torch.zeros(0, model.feature_size, device=model.device) for _ in sequences] if features else None
+        return (
+            None
+            if feature_model is None
+            else [torch.zeros(0, feature_model.feature_size, device=model.device) for _ in sequences]
+        )
     has_tokens = [i for i, s in enumerate(sequences) if s]
     rows = slots[torch.tensor(has_tokens)]
     inputs, last = pad_right([sequences[i] for i in has_tokens], model.device)
     start = cache.lengths[rows].clone()
-    hidden = model.prefill_features(inputs, cache, rows) if features else model.prefill(inputs, cache, rows)
-    cache.truncate(rows, start + last.cpu() + 1)
-    if not features:
+    if feature_model is None:
+        model.prefill(inputs, cache, rows)
+        cache.truncate(rows, start + last.cpu() + 1)
         return None
-    out = [torch.zeros(0, model.feature_size, dtype=hidden.dtype, device=hidden.device) for _ in sequences]
+    hidden = feature_model.prefill_features(inputs, cache, rows)
+    cache.truncate(rows, start + last.cpu() + 1)
+    out = [torch.zeros(0, feature_model.feature_size, dtype=hidden.dtype, device=hidden.device) for _ in sequences]
     for j, i in enumerate(has_tokens):
         out[i] = hidden[j, : len(sequences[i])]
     return out

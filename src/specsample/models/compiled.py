@@ -28,7 +28,9 @@ import os
 import time
 import types
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,14 +44,19 @@ from specsample.models.layers import apply_rope, weight_version
 from specsample.models.quant import QuantLinear, SplitLinear
 from specsample.models.rope import rope_tables
 
+if TYPE_CHECKING:
+    from specsample.models.eagle_head import EagleHead
+    from specsample.models.llama import LlamaModel, Projection
+
 log = logging.getLogger(__name__)
+T = TypeVar("T", Tensor, tuple[Tensor | None, ...])
 
 MAX_BLOCK = 16  # the most tokens per row a compiled call appends (a round's drafts and its pending token)
 
 # CPU: freeze the weights as constants, drop the Python wrapper between kernels, and let inductor time
 # its own packed C++ matrix-vector kernels against oneDNN's per weight shape (on a 2-core AVX512-BF16 CPU its
 # kernels read weights faster, kernel for kernel); its stderr tables are switched off
-CPU_INDUCTOR_CONFIG = {
+CPU_INDUCTOR_CONFIG: dict[str, object] = {
     "freezing": True,
     "cpp_wrapper": True,
     "max_autotune": True,
@@ -62,7 +69,7 @@ CPU_INDUCTOR_CONFIG = {
 # reads the cache up to a multiple of READ_BUCKET positions (entries past a row's length are masked, as always), rows
 # are gathered rather than read as views at a slot offset, and the cache's stores are static addresses written in
 # place (allocated once per engine)
-CUDA_INDUCTOR_CONFIG = {"triton.cudagraphs": True}
+CUDA_INDUCTOR_CONFIG: dict[str, object] = {"triton.cudagraphs": True}
 READ_BUCKET = 256
 # inductor's autotuner calls a deprecated storage API (torch 2.13); the warning is not the user's to act on
 warnings.filterwarnings(
@@ -75,7 +82,7 @@ class DecodeStep(nn.Module):
     `slots [b]`, and the model's feature layers' residual streams concatenated (`LlamaModel.set_feature_layers`;
     None where it has none)."""
 
-    def __init__(self, model: nn.Module) -> None:  # a LlamaModel
+    def __init__(self, model: LlamaModel) -> None:
         super().__init__()
         self.model = model
 
@@ -137,7 +144,7 @@ class DecodeStep(nn.Module):
         return m.norm(x), (torch.cat(taken, dim=-1) if taken else None)
 
 
-def project(layer: nn.Module, x: Tensor) -> Tensor:
+def project(layer: Projection, x: Tensor) -> Tensor:
     """A projection as inductor can lower it: F.linear on a float layer's plain weights (not its prepacked oneDNN path,
     which inductor cannot lower; with frozen weights it prepacks them itself), a quantized layer's kernel op."""
     if isinstance(layer, (QuantLinear, SplitLinear)):
@@ -152,11 +159,13 @@ class DecodeHead(nn.Module):
     rows), so freezing makes them constants that inductor packs for its generated matrix-vector kernel.
     """
 
-    def __init__(self, model: nn.Module) -> None:  # a LlamaModel
+    subset_ids: Tensor  # a buffer, where there is a subset
+
+    def __init__(self, model: LlamaModel) -> None:
         super().__init__()
         self.vocab_size = model.vocab_size
         self.subset = model.output_subset
-        self.quantized: nn.Module | None = None  # a quantized output layer (or its subset rows)
+        self.quantized: QuantLinear | None = None  # a quantized output layer (or its subset rows)
         if isinstance(model.lm_head, QuantLinear):
             self.quantized = model.lm_head if self.subset is None else model.subset_layer()
         else:
@@ -185,7 +194,7 @@ def _private_forward(module: nn.Module) -> nn.Module:
     return module
 
 
-def _total_version(tensors: list[Tensor]) -> int:
+def _total_version(tensors: Sequence[Tensor]) -> int:
     """Sum of version counters: they only grow, so the sum changes exactly when some tensor was written."""
     return sum(map(weight_version, tensors))
 
@@ -245,12 +254,12 @@ def read_positions(furthest: int, cache: KVCache, device: torch.device) -> Tenso
     return positions
 
 
-def inductor_config(device: torch.device) -> dict:
+def inductor_config(device: torch.device) -> dict[str, object]:
     """What inductor is patched with around a compiled call on `device` (CPU_INDUCTOR_CONFIG, CUDA_INDUCTOR_CONFIG)."""
     return {"cpu": CPU_INDUCTOR_CONFIG, "cuda": CUDA_INDUCTOR_CONFIG}.get(device.type, {})
 
 
-def replayed(outputs):
+def replayed(outputs: T) -> T:
     """`outputs` of a compiled call, copied out of the CUDA graph's buffers, which its next replay overwrites (on a
     CPU as they are)."""
     if isinstance(outputs, Tensor):
@@ -275,11 +284,12 @@ class CompiledDecode:
     rows elsewhere (gathered); and a float output layer for the same batch and block kinds. `warm_up` compiles what a
     caller will run before it serves; `shapes` are the kinds compiled so far."""
 
-    def __init__(self, model: nn.Module) -> None:  # a LlamaModel
+    def __init__(self, model: LlamaModel) -> None:
         keep_artefacts_in_cache()
         self.model = model
         self.step = torch.compile(_private_forward(DecodeStep(model).eval()), fullgraph=True, backend=_inductor)
-        self.head: tuple[Tensor | None, nn.Module] | None = None  # (output subset it was built for, compiled head)
+        # (the output subset it was built for, the compiled head)
+        self.head: tuple[Tensor | None, Callable[[Tensor], Tensor]] | None = None
         # set around each call, not as torch.compile options: freezing given as an option was not applied
         # (measured: 32 vs 19 ms per step on SmolLM2-135M bf16)
         self.inductor_config = inductor_config(model.device)
@@ -377,7 +387,7 @@ class HeadStep(nn.Module):
     entry of a drawn token read with the head's output before it, appended at `positions [b]`; its output `[b, 1, H]`
     and logits over the draft vocabulary `[b, K]`."""
 
-    def __init__(self, head: nn.Module) -> None:  # an EagleHead
+    def __init__(self, head: EagleHead) -> None:
         super().__init__()
         self.head = head
 
@@ -420,14 +430,14 @@ class CompiledHeadStep:
     """A compiled `HeadStep` for one head: what a drafting step runs where the target runs compiled (a graph for batch
     1 and one for batches of 2+ rows)."""
 
-    def __init__(self, head: nn.Module) -> None:  # an EagleHead
+    def __init__(self, head: EagleHead) -> None:
         keep_artefacts_in_cache()
         self.head = head
         self.step = torch.compile(_private_forward(HeadStep(head).eval()), fullgraph=True, backend=_inductor)
         self.inductor_config = inductor_config(head.device)
         self.batches: set[bool] = set()  # (batch 1) compiled
 
-    def warm_up(self, embed, batches: bool = False) -> None:
+    def warm_up(self, embed: Callable[[Tensor], Tensor], batches: bool = False) -> None:
         """Compile the step now for batch 1 (and with `batches` for 2+ rows) on a throwaway cache (`embed`: the token
         embedding the drafter uses)."""
         cache = self.head.new_cache(2, 8)

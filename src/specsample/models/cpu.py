@@ -26,7 +26,7 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def bf16_autocast(device: torch.device | str):
+def bf16_autocast(device: torch.device | str) -> torch.autocast:
     """bf16 mixed precision where the hardware runs it natively (a CUDA GPU with bf16, an AVX512-BF16/AMX CPU; 2x
     faster training steps measured on an AVX512-BF16 CPU); float32 elsewhere. Weights stay as they are."""
     device = torch.device(device)

@@ -209,6 +209,8 @@ class HeadConfig:
 class EagleHead(nn.Module):
     """One EAGLE-3 decoder layer with its projection of the fused features, final norm and output layer."""
 
+    d2t: Tensor  # a buffer: draft id -> target id - draft id
+
     def __init__(self, config: HeadConfig, own_embedding: bool = False) -> None:
         super().__init__()
         self.config = config

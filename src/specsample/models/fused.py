@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -27,12 +27,15 @@ from torch import Tensor, nn
 from specsample.kv_cache import KVCache
 from specsample.models import row_kernels
 from specsample.models.layers import Linear, weight_version
-from specsample.models.quant import KERNEL_DTYPE, Int4Linear, Int8Linear, SplitLinear
+from specsample.models.quant import KERNEL_DTYPE, Int4Linear, Int8Linear, QuantLinear, SplitLinear
+
+if TYPE_CHECKING:
+    from specsample.models.llama import Projection
 
 INT4, INT8, BF16 = 0, 1, 2  # a projection part's kind, as fused_step.cpp reads it
 
 
-def _parts(projection: nn.Module) -> list[nn.Module]:
+def _parts(projection: Projection) -> list[Linear | QuantLinear]:
     return list(projection.parts) if isinstance(projection, SplitLinear) else [projection]
 
 
@@ -102,7 +105,7 @@ def torch_ops_alone(model: object) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _add_projection(stack, which: int, projection: nn.Module) -> None:
+def _add_projection(stack: Any, which: int, projection: Projection) -> None:
     for part in _parts(projection):
         bias = part.bias if part.bias is not None else torch.empty(0)
         if isinstance(part, Int4Linear):

@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from specsample.models.quant import Int4Codes, Int8Codes, quantize_int8
+from specsample.models.quant import Codes, Int4Codes, Int8Codes, quantize_int8
 
 QK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block and per Q4_K group
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -87,7 +88,12 @@ def q8_0_codes(tensor: Any) -> Int8Codes:
     return Int8Codes(requantized.reshape(codes.shape[0], -1), row_scales)
 
 
-_READERS = {"Q4_0": q4_0_codes, "Q4_1": q4_1_codes, "Q4_K": q4_k_codes, "Q8_0": q8_0_codes}
+_READERS: dict[str, Callable[[Any], Codes]] = {
+    "Q4_0": q4_0_codes,
+    "Q4_1": q4_1_codes,
+    "Q4_K": q4_k_codes,
+    "Q8_0": q8_0_codes,
+}
 
 
 def tensor_codes(tensor: Any) -> Int4Codes | Int8Codes:

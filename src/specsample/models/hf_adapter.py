@@ -83,7 +83,9 @@ class HFCausalLM:
         """`forward_cached`, and the final hidden states `[b, n, hidden]` (transformers' last hidden state, the
         output of the final norm)."""
         with without_cudnn_attention(self.cudnn_attention):
-            return self._forward_rows(tokens, cache, slots, features=True)
+            logits, hidden = self._forward_rows(tokens, cache, slots, features=True)
+        assert hidden is not None  # asked for
+        return logits, hidden
 
     def _forward_rows(
         self, tokens: Tensor, cache: HFCache, slots: Tensor, features: bool = False

@@ -7,8 +7,9 @@ fewer, larger matmuls matter on CPU, where decode is bound by reading the weight
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from specsample.models.fused import FusedStep
 from specsample.models.fused import unsupported as unsupported_fused
 from specsample.models.invariant import FIXED_ROWS, QueryGroups, exact_attention
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
-from specsample.models.quant import QuantLinear
+from specsample.models.quant import Int8Linear, QuantEmbedding, QuantLinear, SplitLinear
 from specsample.models.rope import rope_inv_freq, rope_tables
 from specsample.models.sdpa import without_cudnn_attention
 from specsample.token_tree import tree_ancestors
@@ -136,6 +137,9 @@ class LlamaConfig:
         return out
 
 
+Projection = Linear | QuantLinear | SplitLinear  # a decoder layer's projection, float or quantized
+
+
 class Block(nn.Module):
     """One decoder layer: attention with GQA and RoPE, then a SwiGLU MLP."""
 
@@ -144,11 +148,11 @@ class Block(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.qkv = Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.qkv: Projection = Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.o_proj: Projection = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up: Projection = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down: Projection = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attend: Attention) -> Tensor:
         batch, n, _ = x.shape
@@ -272,7 +276,7 @@ class Attention:
         assert self.cache is not None
         key_cache, value_cache = self.cache.keys[self.layer], self.cache.values[self.layer]
         n = k.shape[2]
-        if self.start is not None:
+        if self.start is not None and self.row_range is not None:
             lo, hi = self.row_range
             key_cache[lo:hi, :, self.start : self.start + n] = k
             value_cache[lo:hi, :, self.start : self.start + n] = v
@@ -300,16 +304,17 @@ class LlamaModel(nn.Module):
                 f"num_heads ({config.num_heads}) must be a multiple of num_kv_heads ({config.num_kv_heads})"
             )
         self.groups = config.num_heads // config.num_kv_heads
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.embed: nn.Embedding | QuantEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        # registered as a ModuleList, used as the sequence of Blocks it holds
+        self.layers = cast(Sequence[Block], nn.ModuleList(Block(config) for _ in range(config.num_layers)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: Linear | QuantLinear = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.output_subset: Tensor | None = None
         self._subset_weight: Tensor | None = None  # inference copy of the subset's output rows
         self._subset_packed: Tensor | None = None
-        self._subset_layer: nn.Module | None = None  # a quantized output layer's subset rows
+        self._subset_layer: Int8Linear | None = None  # a quantized output layer's subset rows
         self._subset_version = -1
         inv_freq, scale = rope_inv_freq(config)
         self._inv_freq = inv_freq.float()  # not a buffer: must stay float32 when weights go bf16
@@ -333,7 +338,9 @@ class LlamaModel(nn.Module):
         packed."""
         return all([m.pack() for m in self.modules() if isinstance(m, Linear)])
 
-    def _apply(self, fn, recurse=True):  # moving or casting the weights invalidates packed copies
+    def _apply(
+        self, fn: Callable[[Tensor], Tensor], recurse: bool = True
+    ) -> LlamaModel:  # moving or casting the weights invalidates packed copies
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed = None
@@ -388,7 +395,7 @@ class LlamaModel(nn.Module):
         """Whether `layer` attends through the sliding window."""
         return layer in self.window_layers
 
-    def compile_decode(self, warm_up: bool = False, blocks: bool = False, batches: bool = False) -> None:
+    def compile_decode(self, warm_up: bool = False, blocks: bool = False, batches: bool = False) -> CompiledDecode:
         """Run one-token decode steps and blocks of up to 16 tokens per row (verification) through `torch.compile`
         from now on (inference only).
 
@@ -396,7 +403,7 @@ class LlamaModel(nn.Module):
         (the one-token step, with `blocks` the block too, with `batches` both for batches of 2+ rows too); later
         calls run faster than eager
         (docs/runtime.md). Weights are frozen into the compiled code: an in-place weight update makes the next call
-        recompile.
+        recompile. Returns the compiled step (also `self.compiled`).
         """
         from specsample.models.compiled import CompiledDecode
 
@@ -404,9 +411,10 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 "a compiled decode step cannot run in deterministic mode (its kernels differ from the eager forward's)"
             )
-        self.compiled = CompiledDecode(self)
+        self.compiled = compiled = CompiledDecode(self)
         if warm_up:
-            self.compiled.warm_up(blocks, batches)
+            compiled.warm_up(blocks, batches)
+        return compiled
 
     def use_fused_step(self, on: bool = True) -> None:
         """Run cached forwards (prefill, decode steps, verification blocks and trees) through the fused step
@@ -489,9 +497,9 @@ class LlamaModel(nn.Module):
             return F.linear(hidden, self.lm_head.weight[self.output_subset])
         return linear(hidden, self.subset_weight(), None, self._subset_packed)
 
-    def subset_layer(self) -> QuantLinear:
+    def subset_layer(self) -> Int8Linear:
         """A quantized output layer's rows of the output subset, gathered once."""
-        assert self.output_subset is not None and isinstance(self.lm_head, QuantLinear)
+        assert self.output_subset is not None and isinstance(self.lm_head, Int8Linear)
         if self._subset_layer is None:
             self._subset_layer = self.lm_head.rows(self.output_subset)
             self._subset_layer.pool = self.lm_head.pool
@@ -520,7 +528,7 @@ class LlamaModel(nn.Module):
         """Append `tokens [b, n]` to rows `slots` of `cache` and return logits `[b, n, vocab]`."""
         hidden, _, compiled = self._append(tokens, cache, slots)
         # the compiled output layer only where the compiled step ran: other shapes would compile it again
-        return self.compiled.logits(hidden) if compiled else self.logits(hidden)
+        return compiled.logits(hidden) if compiled is not None else self.logits(hidden)
 
     @torch.inference_mode()
     def forward_cached_last(self, tokens: Tensor, cache: KVCache, slots: Tensor, last: Tensor) -> Tensor:
@@ -529,8 +537,8 @@ class LlamaModel(nn.Module):
         vocabulary: what a drafter samples from, without computing or copying the rest."""
         hidden, _, compiled = self._append(tokens, cache, slots)
         hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]  # [b, hidden]
-        if compiled:  # the compiled output layer, as forward_cached: the same numbers either way
-            logits = self.compiled.logits(hidden.unsqueeze(1))[:, 0]  # [b, vocab]
+        if compiled is not None:  # the compiled output layer, as forward_cached: the same numbers either way
+            logits = compiled.logits(hidden.unsqueeze(1))[:, 0]  # [b, vocab]
             return logits if self.output_subset is None else logits[:, self.output_subset]
         return self.lm_head(hidden) if self.output_subset is None else self.subset_logits(hidden)
 
@@ -539,7 +547,7 @@ class LlamaModel(nn.Module):
         """`forward_cached`, and the features `[b, n, hidden_size]` of the same positions (the final hidden states
         the logits come from, or the feature layers': `set_feature_layers`)."""
         hidden, features, compiled = self._append(tokens, cache, slots)
-        return (self.compiled.logits(hidden) if compiled else self.logits(hidden)), features
+        return (compiled.logits(hidden) if compiled is not None else self.logits(hidden)), features
 
     @torch.inference_mode()
     def forward_cached_tree(
@@ -571,22 +579,19 @@ class LlamaModel(nn.Module):
 
     def _append(
         self, tokens: Tensor, cache: KVCache, slots: Tensor, parents: Tensor | None = None, compiled_ok: bool = True
-    ) -> tuple[Tensor, Tensor, bool]:
+    ) -> tuple[Tensor, Tensor, CompiledDecode | None]:
         """Final hidden states `[b, n, hidden]` after appending `tokens` (a causal block, or a tree per row: see
-        `Attention`), the features of the same positions (`forward_cached_features`), and whether the compiled step
-        ran (where there is one and `compiled_ok`: not for prefill)."""
+        `Attention`), the features of the same positions (`forward_cached_features`), and the compiled step where it
+        ran (where there is one and `compiled_ok`: not for prefill), else None."""
         n = tokens.shape[1]
         starts = cache.reserve(slots, n)
-        compiled = (
-            compiled_ok
-            and parents is None
-            and self.compiled is not None
-            and self.compiled.applies(tokens, cache, slots)
-        )
-        if compiled:
-            if self.compiled.stale():
-                self.compile_decode()
-            hidden, features = self.compiled(tokens.to(self.device), cache, slots, starts)
+        compiled = self.compiled if compiled_ok and parents is None else None
+        if compiled is not None and not compiled.applies(tokens, cache, slots):
+            compiled = None
+        if compiled is not None:
+            if compiled.stale():
+                compiled = self.compile_decode()
+            hidden, features = compiled(tokens.to(self.device), cache, slots, starts)
         elif self.fused is not None and not self.deterministic:
             if self.fused.stale():
                 self.use_fused_step()

@@ -41,6 +41,18 @@ class LoadedModel:
     gguf: Path | None = None  # the GGUF file the weights came from, if any
     quantize: str = "none"  # how the weights are held: none, auto (a GGUF's codes as stored), int8, int4
 
+    def text_tokenizer(self) -> Tokenizer:
+        """The tokenizer, for work that reads or writes text; ValueError where the model came without one."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.spec} has no tokenizer; this needs text")
+        return self.tokenizer
+
+    def llama(self) -> LlamaModel:
+        """The model on our Llama-family runtime (a feature draft reads its hidden states); ValueError elsewhere."""
+        if not isinstance(self.model, LlamaModel):
+            raise ValueError(f"{self.spec}: this needs a Llama-family target on our runtime, not {self.runtime}")
+        return self.model
+
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' -> bfloat16 on CUDA and on CPUs with native bf16 (measured faster there), else float32."""
@@ -151,8 +163,8 @@ def _load(
             )
             loaded.default_draft, loaded.folder = default_draft, folder
             return loaded
-    elif builtin_draft(spec) is not None:
-        folder = builtin_draft(spec)
+    elif (builtin := builtin_draft(spec)) is not None:
+        folder = builtin
     elif Path(spec).expanduser().is_dir():
         folder = Path(spec).expanduser()
     elif Path(spec).expanduser().is_file():
@@ -194,7 +206,8 @@ def load_folder(
 
     from specsample.models.hf_adapter import HFCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    torch.nn.Module.to(hf_model, device)  # in place (transformers' own `to` hides its signature from type checks)
     return LoadedModel(HFCausalLM(hf_model), tokenizer, spec, "hf", folder=folder)
 
 
@@ -226,7 +239,7 @@ def llama_from_folder(
             files = [f for f in files if not f.name.startswith("consolidated")] or files
     if not files:
         raise ValueError(f"{folder} has no .safetensors weights")
-    tensors = {}
+    tensors: dict[str, torch.Tensor | Codes] = {}
     for file in files:
         tensors.update(load_file(str(file)))
     model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, quant_group)
@@ -253,10 +266,10 @@ def build_llama(
     model = model.to_empty(device="cpu")
     floats = install_quantized(model, weights)
     weights.clear()
-    if config.tie_word_embeddings and not isinstance(model.lm_head, torch.nn.Linear):
-        floats.pop("lm_head.weight", None)
-    elif config.tie_word_embeddings:
+    if config.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):
         model.lm_head.weight = model.embed.weight
+    elif config.tie_word_embeddings:
+        floats.pop("lm_head.weight", None)
     load_hf_state_dict(model, {k: v.float() for k, v in floats.items()})
     model = model.to(device=device, dtype=dtype).eval()
     model.pack_for_cpu()
@@ -297,7 +310,8 @@ def _load_gguf(
 
     from specsample.models.hf_adapter import HFCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    torch.nn.Module.to(hf_model, device)  # in place (transformers' own `to` hides its signature from type checks)
     return LoadedModel(HFCausalLM(hf_model), tokenizer, spec, "hf", gguf=path)
 
 

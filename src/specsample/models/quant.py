@@ -20,7 +20,9 @@ dtype, made once per device and kept (`dequantized`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -68,18 +70,17 @@ Codes = Int4Codes | Int8Codes
 def concat_codes(parts: list[Codes]) -> Codes | None:
     """Codes of the weights `parts` stacked along their output rows (a fused projection), or None where they differ in
     kind or group size (the projection then runs its parts one after the other)."""
-    first = parts[0]
-    if isinstance(first, Int4Codes) and all(
-        isinstance(p, Int4Codes) and p.group_size == first.group_size for p in parts
-    ):
+    int4 = [p for p in parts if isinstance(p, Int4Codes)]
+    if len(int4) == len(parts) and all(p.group_size == int4[0].group_size for p in int4):
         return Int4Codes(
-            torch.cat([p.codes for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            torch.cat([p.zeros for p in parts]),
-            first.group_size,
+            torch.cat([p.codes for p in int4]),
+            torch.cat([p.scales for p in int4]),
+            torch.cat([p.zeros for p in int4]),
+            int4[0].group_size,
         )
-    if isinstance(first, Int8Codes) and all(isinstance(p, Int8Codes) for p in parts):
-        return Int8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+    int8 = [p for p in parts if isinstance(p, Int8Codes)]
+    if len(int8) == len(parts):
+        return Int8Codes(torch.cat([p.codes for p in int8]), torch.cat([p.scales for p in int8]))
     return None
 
 
@@ -174,7 +175,9 @@ class QuantLinear(nn.Module):
         """Whether this layer multiplies with our row kernel (`row_kernels`) on a CPU, else with torch's."""
         return self._ours
 
-    def _apply(self, fn, recurse=True):  # a device move re-packs; the cached dequantized copy is dropped
+    def _apply(
+        self, fn: Callable[[Tensor], Tensor], recurse: bool = True
+    ) -> QuantLinear:  # a device move re-packs; the cached dequantized copy is dropped
         self._dequantized = None
         return super()._apply(fn, recurse)
 
@@ -193,7 +196,7 @@ def pack_int4_ours(codes: Int4Codes) -> tuple[Tensor, Tensor]:
     `[out / 64, in / group, 64, 2]` bfloat16."""
     out, width = codes.codes.shape
     q = codes.codes.cpu().to(torch.int64).view(out // 64, 64, width // 8, 8)
-    lanes = sum(q[..., j] << (4 * t) for t, j in enumerate(NIBBLE_INPUTS))  # [out / 64, 64, in / 8]
+    lanes = torch.stack([q[..., j] << (4 * t) for t, j in enumerate(NIBBLE_INPUTS)]).sum(0)  # [out / 64, 64, in / 8]
     lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)  # the uint32's bits
     scales_zeros = torch.stack([codes.scales, codes.zeros], dim=-1).cpu()  # [out, groups, 2]
     scales_zeros = scales_zeros.view(out // 64, 64, -1, 2).transpose(1, 2)
@@ -214,6 +217,9 @@ def unpack_int4_ours(packed: Tensor, scales_zeros: Tensor, group_size: int) -> I
 class Int4Linear(QuantLinear):
     """int4 codes and bfloat16 scales and zeros per group: in our kernels' layout where they multiply (`row_kernels`),
     else in the layout of torch's CPU kernel."""
+
+    packed: Tensor
+    scales_zeros: Tensor  # int16, the bfloat16 values' bits
 
     def __init__(self, codes: Int4Codes, bias: Tensor | None = None) -> None:
         out, width = codes.codes.shape
@@ -265,7 +271,7 @@ def _unpack(packed: Tensor, out: int, width: int, block: int | None) -> Tensor:
     every block where `block` is None) holds rows n and n + 1 in byte n / 2."""
     full = 0 if block is None else out // block * block
     parts = []
-    if full:
+    if block is not None and full:
         blocks = packed[:full].reshape(full // block, width, block // 2)
         rows = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [blocks, width, block]
         parts.append(rows.transpose(1, 2).reshape(full, width))
@@ -301,6 +307,9 @@ def packing_block() -> int | None:
 
 class Int8Linear(QuantLinear):
     """int8 codes `[out, in]` and one bfloat16 scale per output row."""
+
+    codes_: Tensor
+    scales: Tensor  # int16, the bfloat16 values' bits
 
     def __init__(self, codes: Int8Codes, bias: Tensor | None = None) -> None:
         out, width = codes.codes.shape
@@ -340,9 +349,10 @@ class Int8Linear(QuantLinear):
 class SplitLinear(nn.Module):
     """A fused projection whose parts are stored in different layouts: each part multiplies, the outputs are joined."""
 
-    def __init__(self, parts: list[nn.Module]) -> None:
+    def __init__(self, parts: Sequence[QuantLinear]) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(parts)
+        # registered as a ModuleList, used as the sequence of layers it holds
+        self.parts = cast(Sequence[QuantLinear], nn.ModuleList(parts))
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
 
@@ -355,6 +365,8 @@ class SplitLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """An embedding read from an int8 layer's rows (a tied output layer, or a table of its own)."""
+
+    dtype_marker: Tensor
 
     def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
         super().__init__()

@@ -14,8 +14,15 @@ Quantized layers are made on the CPU, where their kernels run; elsewhere they mu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from specsample.models.layers import Linear
+    from specsample.models.llama import LlamaModel, Projection
 
 from specsample.models.quant import (
     DEFAULT_INT4_GROUP,
@@ -24,7 +31,9 @@ from specsample.models.quant import (
     Codes,
     Int4Codes,
     Int8Codes,
+    Int8Linear,
     QuantEmbedding,
+    QuantLinear,
     SplitLinear,
     concat_codes,
     linear_module,
@@ -83,41 +92,46 @@ def plan_weights(
     return out
 
 
-def install_quantized(model: torch.nn.Module, weights: dict[str, Tensor | Codes]) -> dict[str, Tensor]:
+def install_quantized(model: LlamaModel, weights: dict[str, Tensor | Codes]) -> dict[str, Tensor]:
     """Put quantized layers into `model` (a LlamaModel on the CPU) for the coded weights, taking their biases along;
     return the float tensors left for `load_hf_state_dict`."""
     floats = {k: v for k, v in weights.items() if not isinstance(v, (Int4Codes, Int8Codes))}
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         for ours, parts in PROJECTIONS.items():
-            codes = [weights.get(f"{prefix}{part}.weight") for part in parts]
-            if not any(isinstance(c, (Int4Codes, Int8Codes)) for c in codes):
+            weight_parts = [weights.get(f"{prefix}{part}.weight") for part in parts]
+            codes = [c for c in weight_parts if isinstance(c, (Int4Codes, Int8Codes))]
+            if not codes:
                 continue
-            if not all(isinstance(c, (Int4Codes, Int8Codes)) for c in codes):
+            if len(codes) < len(parts):
                 raise ValueError(f"layer {i}: {ours} mixes float and quantized weights")
             biases = [floats.pop(f"{prefix}{part}.bias", None) for part in parts]
-            bias = None if all(b is None for b in biases) else torch.cat(biases)
-            setattr(layer, ours, _projection(codes, bias))
+            present = [b for b in biases if b is not None]
+            if 0 < len(present) < len(parts):
+                raise ValueError(f"layer {i}: {ours} has a bias on some of its parts only")
+            setattr(layer, ours, _projection(codes, torch.cat(present) if present else None))
     tied = model.config.tie_word_embeddings
     output = weights.get(EMBEDDING if tied else OUTPUT)
     if isinstance(output, Int8Codes):
-        model.lm_head = linear_module(output)
+        head = Int8Linear(output)
+        model.lm_head = head
         if tied:
-            model.embed = QuantEmbedding(model.lm_head, model.norm.weight.dtype)
+            model.embed = QuantEmbedding(head, model.norm.weight.dtype)
     return floats
 
 
-def _projection(codes: list[Codes], bias: Tensor | None) -> torch.nn.Module:
+def _projection(codes: list[Codes], bias: Tensor | None) -> QuantLinear | SplitLinear:
     """One layer for a fused projection's parts; where their layouts differ, one per run of alike parts."""
-    runs: list[list[Codes]] = []
+    runs: list[Codes] = []  # each run of alike parts, joined
     for part in codes:
-        if runs and concat_codes([runs[-1][0], part]) is not None:
-            runs[-1].append(part)
+        joined = concat_codes([runs[-1], part]) if runs else None
+        if joined is not None:
+            runs[-1] = joined
         else:
-            runs.append([part])
-    sizes = [sum(c.codes.shape[0] for c in run) for run in runs]
-    biases = bias.split(sizes) if bias is not None else [None] * len(runs)
-    layers = [linear_module(concat_codes(run), b) for run, b in zip(runs, biases)]
+            runs.append(part)
+    sizes = [run.codes.shape[0] for run in runs]
+    biases: Sequence[Tensor | None] = bias.split(sizes) if bias is not None else [None] * len(runs)
+    layers = [linear_module(run, b) for run, b in zip(runs, biases)]
     return layers[0] if len(layers) == 1 else SplitLinear(layers)
 
 
@@ -128,7 +142,7 @@ def is_quantized(model: torch.nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in model.modules())
 
 
-def quantize_model(model: torch.nn.Module, mode: str, group_size: int = DEFAULT_INT4_GROUP) -> torch.nn.Module:
+def quantize_model(model: LlamaModel, mode: str, group_size: int = DEFAULT_INT4_GROUP) -> LlamaModel:
     """Quantize a float LlamaModel's layers in place as `load_model(..., quantize=mode)` would ('int8' or 'int4'),
     and return it."""
     from specsample.models.hf_names import export_hf_state_dict
@@ -147,23 +161,19 @@ def quantize_model(model: torch.nn.Module, mode: str, group_size: int = DEFAULT_
     return model.to(device)
 
 
-def dequantized_model(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def dequantized_model(model: LlamaModel, dtype: torch.dtype = torch.float32) -> LlamaModel:
     """A float copy of a quantized LlamaModel computing with the same weights (each layer's codes dequantized) in
     `dtype`: the reference its accuracy is stated against."""
     import copy
 
-    from specsample.models.layers import Linear
-    from specsample.models.quant import QuantLinear
-
-    def floated(layer: torch.nn.Module) -> torch.nn.Module:
+    def floated(layer: Projection) -> Linear:
         if isinstance(layer, SplitLinear):
             parts = [floated(p) for p in layer.parts]
-            weight = torch.cat([p.weight for p in parts])
-            biases = [p.bias for p in parts]
-            bias = None if all(b is None for b in biases) else torch.cat(biases)
-            return _float_linear(weight, bias, Linear)
+            weight = torch.cat(tuple(p.weight for p in parts))
+            biases = [p.bias for p in parts if p.bias is not None]
+            return _float_linear(weight, torch.cat(tuple(biases)) if biases else None)
         if isinstance(layer, QuantLinear):
-            return _float_linear(layer.codes().dequantize(), layer.bias, Linear)
+            return _float_linear(layer.codes().dequantize(), layer.bias)
         return layer
 
     copied = copy.deepcopy(model).cpu()
@@ -180,8 +190,10 @@ def dequantized_model(model: torch.nn.Module, dtype: torch.dtype = torch.float32
     return copied.to(dtype=dtype).eval()
 
 
-def _float_linear(weight: Tensor, bias: Tensor | None, kind: type) -> torch.nn.Module:
-    layer = kind(weight.shape[1], weight.shape[0], bias=bias is not None)
+def _float_linear(weight: Tensor, bias: Tensor | None) -> Linear:
+    from specsample.models.layers import Linear
+
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:

@@ -51,8 +51,8 @@ def _yarn_inv_freq(config: Any, scaling: dict[str, Any], factor: float) -> tuple
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = math.floor(correction_dim(beta_fast))
-    high = math.ceil(correction_dim(beta_slow))
+    low: float = math.floor(correction_dim(beta_fast))
+    high: float = math.ceil(correction_dim(beta_slow))
     if scaling.get("truncate", True) is False:
         low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     low, high = max(low, 0), min(high, dim - 1)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from specsample.models.cpu import cpu_flags
 
@@ -136,10 +137,10 @@ def _digest() -> str:
 def _register_fakes() -> None:
     """Shapes of the ops for torch.compile (the compiled decode step calls them as opaque kernels)."""
 
-    def int4_fake(x, packed, group, scales_zeros, pool=False):
+    def int4_fake(x: Tensor, packed: Tensor, group: int, scales_zeros: Tensor, pool: bool = False) -> Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * 64)
 
-    def int8_fake(x, codes, scales, pool=False):
+    def int8_fake(x: Tensor, codes: Tensor, scales: Tensor, pool: bool = False) -> Tensor:
         return x.new_empty(x.shape[0], codes.shape[0])
 
     torch.library.register_fake("specsample_rows::int4_rows_mm")(int4_fake)

@@ -17,11 +17,12 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from specsample.models.base import CausalLM, ModelCache
+from specsample.models.base import CausalLM, FeatureLM, ModelCache
 
 log = logging.getLogger("specsample")
 
@@ -39,7 +40,7 @@ def score_padded(
     if width > scored:
         tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, width - scored)], dim=1)
     if features:
-        logits, hidden = model.forward_cached_features(tokens, cache, slots)
+        logits, hidden = cast(FeatureLM, model).forward_cached_features(tokens, cache, slots)
         return logits[:, :scored], hidden[:, :scored]
     return model.forward_cached(tokens, cache, slots)[:, :scored], None
 
@@ -65,8 +66,9 @@ def measure_target_widths(
 ) -> tuple[int, ...]:
     """Time one row's forward over 1..`max_tokens` new tokens after `context` cached ones (interleaved,
     after a warm-up pass) and return the width to score each count at (`fastest_widths`). A count is
-    padded only where the medians of both halves of the repeats pick the same width (on a shared machine one pass can cross the 3% bar by noise). Takes
-    ~`repeats` x `max_tokens` forwards (about 2 s for the default 135M target at gamma 8 on a 2-core CPU).
+    padded only where the medians of both halves of the repeats pick the same width (on a shared machine one pass can
+    cross the 3% bar by noise). Takes ~`repeats` x `max_tokens` forwards (about 2 s for the default 135M target at
+    gamma 8 on a 2-core CPU).
     Applies to batches of one row, where it was measured: pass it as `SpecConfig(target_widths=...)`."""
     if repeats < 2:
         raise ValueError(f"repeats must be >= 2 (two halves must agree), got {repeats}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import specsample.planner.fallback as fallback
 from specsample.config import TreeShape
@@ -115,12 +116,13 @@ class GammaController:
         size = len(batch)
         rows = [RowPlan(drafts=d, reach=d) for d in (fixed_drafts(r, self.max_gamma) for r in batch.rows)]
         chosen = [i for i, r in enumerate(batch.rows) if r.chosen]
-        facts = {}
+        facts: dict[str, bool] = {}
         if chosen:
             chosen_rows, facts = self._choose([batch.rows[i] for i in chosen], batch, size)
             for i, row_plan in zip(chosen, chosen_rows):
                 rows[i] = row_plan
-        thresholds, extension = (), None
+        thresholds: Sequence[float] = ()
+        extension: Extension | None = None
         if max((r.drafts for r in rows), default=0) > 0:
             thresholds, extension = self._gate(size, facts.get("exploring", False))
         tree = self._tree(batch, rows, chosen, size) if chosen and self.trees and batch.can_tree else None
@@ -136,7 +138,7 @@ class GammaController:
                 else r
                 for r, state in zip(rows, batch.rows)
             ]
-            thresholds, extension = [], None
+            thresholds, extension = (), None
         if extension is not None:
             rows = [
                 RowPlan(
@@ -207,7 +209,7 @@ class GammaController:
         self.tree_tries[key] = self.tree_tries.get(key, 0) + 1
         return choice
 
-    def _choose(self, rows: list[RowState], batch: BatchState, size: int) -> tuple[list[RowPlan], dict]:
+    def _choose(self, rows: list[RowState], batch: BatchState, size: int) -> tuple[list[RowPlan], dict[str, bool]]:
         """Plans for the rows gamma auto chooses for (see `plan`), and the round's facts for learning."""
         self.round += 1
         self.acceptance.age_pools()

@@ -7,7 +7,11 @@ over SPIKE times its running mean counts as SPIKE times it, and round lengths ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+T = TypeVar("T")
 
 SETTLE = 3  # timings each mean starts from as their median; no request falls back on costs timed fewer times
 SPIKE = 1.5  # a round timed over 1.5x its running mean counts as 1.5x (the OS stalls single rounds by 2x and more)
@@ -43,7 +47,14 @@ class Ewma:
             self.value = sorted(self.first)[(len(self.first) - 1) // 2]  # the lower of two middles
             return
         weight = max(weight, 1.0 / self.count)
-        self.value = (1 - weight) * self.value + weight * x
+        self.value = (1 - weight) * self.mean + weight * x
+
+    @property
+    def mean(self) -> float:
+        """The value, where one was added (what a caller reads once it knows that)."""
+        if self.value is None:
+            raise ValueError("nothing was averaged yet")
+        return self.value
 
 
 def settled() -> Ewma:
@@ -69,7 +80,7 @@ class RoundCosts:
             return  # a clock that did not move says nothing about cost
         if new_batch and drafts in self.relative:
             self.pace = settled()
-            self.pace.add(seconds / self.relative[drafts].value)
+            self.pace.add(seconds / self.relative[drafts].mean)
             return
         seeding = self.pace.value is None
         if seeding:
@@ -81,10 +92,10 @@ class RoundCosts:
         self.last[drafts] = self.rounds
         cost = self.relative.setdefault(drafts, settled())
         cost.add(
-            seconds / self.pace.value, weight=min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT), spike=RELATIVE_SPIKE
+            seconds / self.pace.mean, weight=min(1 - RELATIVE_DECAY**elapsed, RELATIVE_WEIGHT), spike=RELATIVE_SPIKE
         )
         if not seeding:  # counted twice, the first round would be the median of three
-            self.pace.add(seconds / cost.value, spike=RELATIVE_SPIKE)
+            self.pace.add(seconds / cost.mean, spike=RELATIVE_SPIKE)
 
     def count(self, drafts: int) -> int:
         return self.relative[drafts].count if drafts in self.relative else 0
@@ -97,7 +108,7 @@ class RoundCosts:
         """A round of `drafts` over a plain round, once `min_rounds` such rounds and a plain one were timed."""
         if self.count(drafts) < min_rounds or self.count(0) < 1:
             return None
-        return self.relative[drafts].value / max(self.relative[0].value, 1e-12)
+        return self.relative[drafts].mean / max(self.relative[0].mean, 1e-12)
 
 
 def closest(sizes: list[int], batch_size: int) -> int | None:
@@ -137,10 +148,10 @@ class CostModel:
 
     # ----- prices ---------------------------------------------------------------------------
 
-    def _memoised(self, key: tuple, compute):
+    def _memoised(self, key: tuple, compute: Callable[[], T]) -> T:
         if key not in self._memo:
             self._memo[key] = compute()
-        return self._memo[key]
+        return cast(T, self._memo[key])
 
     def nearest(self, batch_size: int) -> int | None:
         """The batch size nearest `batch_size` where drafting rounds were timed."""
@@ -163,18 +174,20 @@ class CostModel:
         if nearest is None:
             return PRIOR_COST_RATIO
         plain = self.plain_round.get(nearest)
-        base = plain.value if plain is not None else self.target_step[nearest].value
-        return self.draft_step[nearest].value / max(base, 1e-9)
+        base = plain.mean if plain is not None else self.target_step[nearest].mean
+        return self.draft_step[nearest].mean / max(base, 1e-9)
 
     def overhead(self, batch_size: int) -> float:
         """k: what a drafting round costs beyond a plain round and its draft steps, whatever its gamma (scoring and
         verifying more tokens), over a plain round's time; 0 until a plain round was timed. With c it prices round
         lengths not timed yet: a single c from whole rounds would charge this fixed part to every draft."""
         nearest = self.nearest(batch_size)
+        if nearest is None:
+            return 0.0
         plain, extra = self.plain_round.get(nearest), self.extra.get(nearest)
         if plain is None or extra is None:
             return 0.0
-        return max(extra.value, 0.0) / max(plain.value, 1e-9)
+        return max(extra.mean, 0.0) / max(plain.mean, 1e-9)
 
     def round_cost(self, batch_size: int, drafts: int) -> float:
         """A round of `drafts` drafts in plain rounds' time: measured once COST_MIN_ROUNDS such rounds were timed at
@@ -216,7 +229,7 @@ class CostModel:
         """What a backlog scoring adds to a plain round, in plain rounds, at the nearest batch size where one was
         timed; c (one draft step) before."""
         nearest = closest([b for b, e in self.scoring.items() if e.value is not None], batch_size)
-        return self.cost_ratio(batch_size) if nearest is None else self.scoring[nearest].value
+        return self.cost_ratio(batch_size) if nearest is None else self.scoring[nearest].mean
 
     def one_more_draft(self, batch_size: int, drafts: int) -> float:
         """R(drafts + 1) - R(drafts) from the timings once both lengths were timed GATE_MIN_ROUNDS times, else c."""
@@ -295,7 +308,7 @@ class CostModel:
         if kind.scoring:
             plain = self.plain_round.get(batch_size)
             if drafts == 0 and plain is not None:
-                self.scoring.setdefault(batch_size, settled()).add(max(total / plain.value - 1.0, 0.0), spike=SPIKE)
+                self.scoring.setdefault(batch_size, settled()).add(max(total / plain.mean - 1.0, 0.0), spike=SPIKE)
             return
         if drafts == 0:
             self.plain_round.setdefault(batch_size, settled()).add(total, spike=SPIKE)
@@ -312,5 +325,5 @@ class CostModel:
         self.target_step.setdefault(batch_size, settled()).add(target_seconds, spike=SPIKE)
         plain = self.plain_round.get(batch_size)
         if plain is not None:
-            extra = total - plain.value - drafts * step.value
+            extra = total - plain.mean - drafts * step.mean
             self.extra.setdefault(batch_size, settled()).add(extra, weight=0.1)

@@ -42,7 +42,7 @@ class TreeYields:
         """Predicted tokens per round of `shape` for the request (see the module docstring)."""
         own = self.own.get(request_id, {}).get(shape.nodes)
         if own is not None and own.count >= POOLED_MIN_ROUNDS:
-            return own.value
+            return own.mean
         pooled = self.pooled.get(shape.nodes)
         if pooled is not None and pooled.value is not None:
             return pooled.value

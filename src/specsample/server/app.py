@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,7 +35,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     """The FastAPI app. With `server`, its lifespan starts and stops that server's engine thread."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if server is not None:
             app.state.server = server
             server.start()
@@ -82,15 +83,15 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: Request) -> Response:
         return await _serve(request, CompletionRequest, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_completions(request: Request) -> Response:
         return await _serve(request, ChatRequest, chat=True)
 
-    @app.post("/admin/draft")
-    async def replace_draft(request: Request):
+    @app.post("/admin/draft", response_model=None)
+    async def replace_draft(request: Request) -> Response | dict[str, Any]:
         srv: SpecServer = request.app.state.server
         try:
             body = json_body(await request.body())
@@ -110,13 +111,13 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
     return app
 
 
-async def _serve(request: Request, schema: type, chat: bool) -> Response:
+async def _serve(request: Request, schema: type[CompletionRequest] | type[ChatRequest], chat: bool) -> Response:
     """A completion route: the request prepared, its grammar compiled, its choices submitted, then answered."""
     srv: SpecServer = request.app.state.server
     try:
         body = await request.body()
         # parsing, validating and tokenizing take time in proportion to the body: never on the event loop
-        req, prompt_ids, max_tokens = await asyncio.to_thread(prepare, srv, body, schema, chat)
+        req, prompt_ids, max_tokens = await asyncio.to_thread(prepare, srv, body, schema)
         grammar = req.response_format.grammar() if req.response_format is not None else None
         if grammar is not None and srv.grammar_pool is not None:
             if not await compile_grammar(srv, request, grammar):

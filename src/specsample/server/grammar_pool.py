@@ -131,8 +131,8 @@ class GrammarPool:
         self._busy.add(worker)  # from its start: close() kills it
         try:
             async with asyncio.timeout(WORKER_START_TIMEOUT):
-                process.stdin.write(struct.pack(">I", len(self._tokenizer)) + self._tokenizer)
-                await process.stdin.drain()
+                worker.stdin.write(struct.pack(">I", len(self._tokenizer)) + self._tokenizer)
+                await worker.stdin.drain()
                 ready = json.loads(await worker.answer())
         except BaseException:
             worker.kill()
@@ -160,17 +160,19 @@ class GrammarPool:
 
 class _Worker:
     def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
+        if process.stdin is None or process.stdout is None:
+            raise ValueError("a grammar worker needs pipes to its stdin and stdout")
+        self.process, self.stdin, self.stdout = process, process.stdin, process.stdout
 
     async def ask(self, request: dict) -> bytes:
-        self.process.stdin.write(frame(request))
-        await self.process.stdin.drain()
+        self.stdin.write(frame(request))
+        await self.stdin.drain()
         return await self.answer()
 
     async def answer(self) -> bytes:
         """The next frame's JSON, unparsed."""
-        (size,) = struct.unpack(">I", await self.process.stdout.readexactly(4))
-        return await self.process.stdout.readexactly(size)
+        (size,) = struct.unpack(">I", await self.stdout.readexactly(4))
+        return await self.stdout.readexactly(size)
 
     def kill(self) -> None:
         """Kill the process and close its pipes (in the loop that started it: asyncio's transport is not
@@ -180,7 +182,8 @@ class _Worker:
                 self.process.kill()
             except ProcessLookupError:
                 pass
-        self.process._transport.close()  # its pipes now, not when collected after the loop has closed
+        # its pipes now, not when collected after the loop has closed (asyncio's Process has no public call for it)
+        self.process._transport.close()  # type: ignore[attr-defined]
 
     @property
     def returncode(self) -> int | None:

@@ -13,20 +13,29 @@ Compiled models: graphs compiled after start-up (recompiles) and cached forwards
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from specsample.drafters.suffix import SuffixCacheStats
 from specsample.engine import RoundResult
 
 log = logging.getLogger("specsample.server")
+M = TypeVar("M", bound=MetricWrapperBase)
 NO_SUFFIX_CACHE = SuffixCacheStats(0, 0, 0, 0, 0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _stat(read: Callable[[], SuffixCacheStats | None], name: str) -> float:
+    """Field `name` of what `read()` says a suffix cache holds (0 without one)."""
+    return float(getattr(read() or NO_SUFFIX_CACHE, name))
 
 
 class ServerMetrics:
@@ -140,9 +149,9 @@ class ServerMetrics:
             (self.suffix_capacity, "capacity"),
             (self.suffix_evicted, "evicted"),
         ):
-            self._l(gauge).set_function(lambda name=name: getattr(read() or NO_SUFFIX_CACHE, name))
+            self._l(gauge).set_function(functools.partial(_stat, read, name))
 
-    def _l(self, metric, **extra):
+    def _l(self, metric: M, **extra: str) -> M:
         return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
 
     def observe_round(self, result: RoundResult, running: int, waiting: int) -> None:

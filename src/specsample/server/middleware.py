@@ -5,9 +5,11 @@ body is within `max_body_bytes`. Replies to the request are tagged with the repl
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specsample.server.options import ServerOptions
 from specsample.server.responses import error_response
@@ -28,10 +30,10 @@ class Gate:
     Pure ASGI (not a BaseHTTPMiddleware) so the routes read the client's own receive channel: a request notices its
     client hanging up while it waits for the engine."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -42,7 +44,7 @@ class Gate:
         options = srv.options
         started = False
 
-        async def tagged_send(message) -> None:
+        async def tagged_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
@@ -64,11 +66,13 @@ class Gate:
         finally:
             srv.active -= counted
 
-    async def _limited(self, scope, receive, send, limit: int, started) -> None:
+    async def _limited(
+        self, scope: Scope, receive: Receive, send: Send, limit: int, started: Callable[[], bool]
+    ) -> None:
         """The app, with the request body cut off past `limit` bytes (413 if no response started)."""
         received = 0
 
-        async def limited_receive():
+        async def limited_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -86,7 +90,7 @@ class Gate:
             pass
 
 
-def _refusal(options: ServerOptions, scope) -> Response | None:
+def _refusal(options: ServerOptions, scope: Scope) -> Response | None:
     """The answer to a request its keys or declared size do not allow, else None."""
     path = scope["path"]
     if path == "/admin" or path.startswith("/admin/"):
@@ -120,14 +124,14 @@ def _refusal(options: ServerOptions, scope) -> Response | None:
     return None
 
 
-def _header(scope, name: bytes) -> bytes | None:
+def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key.lower() == name:
             return value
     return None
 
 
-def _bearer_matches(scope, key: str) -> bool:
+def _bearer_matches(scope: Scope, key: str) -> bool:
     """Whether the request carries `Authorization: Bearer KEY`, compared as bytes in constant time (any bytes a
     client sends compare; none raise)."""
     header = _header(scope, b"authorization") or b""

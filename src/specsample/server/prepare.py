@@ -20,7 +20,14 @@ from fastapi import Request
 from specsample.config import Grammar, SettingError
 from specsample.server.disconnect import settle, until_disconnected
 from specsample.server.grammar_pool import CompileFailed, CompileTimeout
-from specsample.server.protocol import MAX_JSON_DEPTH, PARAM_NAMES, ProtocolError, validate_request
+from specsample.server.protocol import (
+    MAX_JSON_DEPTH,
+    PARAM_NAMES,
+    ChatRequest,
+    CompletionRequest,
+    ProtocolError,
+    validate_request,
+)
 from specsample.server.runner import RequestHandle
 from specsample.server.state import SpecServer
 
@@ -37,14 +44,16 @@ def json_body(body: bytes) -> Any:
         raise ProtocolError(f"the request body nests too deeply; the limit is {MAX_JSON_DEPTH} levels") from None
 
 
-def prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[Any, list[int], int]:
+def prepare(
+    srv: SpecServer, body: bytes, schema: type[CompletionRequest] | type[ChatRequest]
+) -> tuple[CompletionRequest | ChatRequest, list[int], int]:
     """The validated request, its prompt's token ids and its max_tokens (raises `ProtocolError`)."""
     req = validate_request(schema, json_body(body))
     if req.model not in (None, srv.options.model_name):
         raise ProtocolError(
             f"The model `{req.model}` does not exist (this server serves `{srv.options.model_name}`)", "model", 404
         )
-    prompt_ids, max_tokens = _prompt(srv, req, chat)
+    prompt_ids, max_tokens = _prompt(srv, req)
     try:  # all but the grammar, which compiles in the grammar pool (compile_grammar)
         grammar = None if srv.grammar_pool is not None else req.sampling_params(max_tokens).grammar
         srv.engine.check_request(prompt_ids, dataclasses.replace(req.sampling_params(max_tokens), grammar=grammar))
@@ -53,10 +62,10 @@ def prepare(srv: SpecServer, body: bytes, schema: type, chat: bool) -> tuple[Any
     return req, prompt_ids, max_tokens
 
 
-def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
+def _prompt(srv: SpecServer, req: CompletionRequest | ChatRequest) -> tuple[list[int], int]:
     """The prompt's token ids and the request's max_tokens (a chat's default: the rest of the context)."""
     limit = srv.engine.max_seq_len
-    if chat:
+    if isinstance(req, ChatRequest):
         try:
             ids = srv.tokenizer.encode_messages(req.conversation())
         except ValueError as exc:
@@ -80,6 +89,8 @@ def _prompt(srv: SpecServer, req, chat: bool) -> tuple[list[int], int]:
 async def compile_grammar(srv: SpecServer, request: Request, grammar: Grammar) -> bool:
     """Compile `grammar` in the server's grammar pool unless the client leaves first (False: it left, and the compile
     was stopped). Raises `ProtocolError` for a grammar refused or not compiled in time."""
+    if srv.grammar_pool is None:
+        raise ValueError("this server compiles grammars in the engine (it has no grammar pool)")
     compiling = asyncio.ensure_future(srv.grammar_pool.compile(grammar))
     watcher = asyncio.ensure_future(until_disconnected(request))
     try:
@@ -110,7 +121,7 @@ async def compile_grammar(srv: SpecServer, request: Request, grammar: Grammar) -
     return True
 
 
-def cache_scope(request: Request, req) -> str:
+def cache_scope(request: Request, req: CompletionRequest | ChatRequest) -> str:
     """Whose kept caches a request may reuse: those of requests that presented the same bearer token (API key) and
     the same `cache_salt`."""
     token = request.headers.get("authorization", "").encode("latin-1")
@@ -118,7 +129,9 @@ def cache_scope(request: Request, req) -> str:
     return hashlib.sha256(len(token).to_bytes(4, "big") + token + salt).hexdigest()
 
 
-def submit(srv: SpecServer, req, prompt_ids: list[int], max_tokens: int, cache_scope: str) -> list[RequestHandle]:
+def submit(
+    srv: SpecServer, req: CompletionRequest | ChatRequest, prompt_ids: list[int], max_tokens: int, cache_scope: str
+) -> list[RequestHandle]:
     """The request's `n` choices submitted to the engine (seeds `seed`, `seed + 1`, ...); all or none."""
     handles = []
     gamma = req.num_speculative_tokens

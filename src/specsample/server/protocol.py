@@ -8,7 +8,7 @@ rules (`SamplingParams`), so a request that validates can be sampled.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -62,6 +62,7 @@ class ResponseFormat(BaseModel):
                 f"response_format of type {self.type} takes no json_schema", "response_format.json_schema"
             )
         if self.type == "json_schema":
+            assert self.json_schema is not None  # checked above
             try:  # a keyword the grammar cannot enforce, or a schema past the limits, is refused here
                 self._served = served_schema(self.json_schema.schema_)
             except SchemaError as exc:
@@ -76,6 +77,7 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return Grammar("json_object")
         if self.type == "json_schema":
+            assert self._served is not None  # set by validation
             return Grammar.json_schema(self._served)
         return None
 
@@ -149,6 +151,10 @@ class _Sampling(BaseModel):
         """How many alternatives to report per token (None: no logprobs)."""
         raise NotImplementedError
 
+    def stop_strings(self) -> list[str]:
+        """`stop` as validated: a list of strings."""
+        return self.stop if isinstance(self.stop, list) else []
+
     def sampling_params(self, max_new_tokens: int, seed: int | None = None) -> SamplingParams:
         """The engine's settings for this request (one choice, seeded with `seed`)."""
         return SamplingParams(
@@ -161,7 +167,7 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             grammar=self.response_format.grammar() if self.response_format is not None else None,
             logprobs=self.top_logprobs_asked(),
         )
@@ -169,6 +175,7 @@ class _Sampling(BaseModel):
 
 # SamplingParams' field names that the API spells otherwise
 PARAM_NAMES = {"grammar": "response_format", "max_new_tokens": "max_tokens"}
+S = TypeVar("S", bound=_Sampling)  # a request schema
 
 
 class CompletionRequest(_Sampling):
@@ -232,7 +239,7 @@ class ChatRequest(_Sampling):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-def validate_request(schema: type[_Sampling], data: Any) -> _Sampling:
+def validate_request(schema: type[S], data: Any) -> S:
     """Validate a parsed JSON body against `schema`; raise `ProtocolError` naming the parameter at fault."""
     if not isinstance(data, dict):
         raise ProtocolError("request body must be a JSON object")

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specsample.engine import RowUpdate
 from specsample.server.disconnect import settle, until_disconnected
-from specsample.server.protocol import TextAssembler
+from specsample.server.protocol import ChatRequest, CompletionRequest, TextAssembler
 from specsample.server.runner import RequestHandle
 from specsample.server.state import SpecServer
 
@@ -175,12 +175,17 @@ class Choice:
 
 
 async def respond(
-    srv: SpecServer, request: Request, req, handles: list[RequestHandle], prompt_tokens: int, chat: bool
+    srv: SpecServer,
+    request: Request,
+    req: CompletionRequest | ChatRequest,
+    handles: list[RequestHandle],
+    prompt_tokens: int,
+    chat: bool,
 ) -> Response:
     """The response to a submitted request (`handles`: its choices): a stream of server-sent events where it asked
     for one, else one body once every choice finished."""
     request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-    choices = [Choice(i, h, TextAssembler(srv.tokenizer.stream(), req.stop)) for i, h in enumerate(handles)]
+    choices = [Choice(i, h, TextAssembler(srv.tokenizer.stream(), req.stop_strings())) for i, h in enumerate(handles)]
     logprobs = LogprobFormat(srv, chat) if req.top_logprobs_asked() is not None else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -270,9 +275,11 @@ async def _stream(
                         return
                     new = choice.logprobs[choice.sent_logprobs :] if logprobs is not None else []
                     if text or finish or new:  # each chunk carries the logprobs of the tokens it adds
-                        rendered = logprobs.render(new, offset=choice.text_offset) if logprobs is not None else None
+                        rendered = None
+                        if logprobs is not None:
+                            rendered = logprobs.render(new, offset=choice.text_offset)
+                            choice.text_offset += sum(len(logprobs.text(e.token)) for e in new)
                         choice.sent_logprobs += len(new)
-                        choice.text_offset += sum(len(logprobs.text(e.token)) for e in new) if new else 0
                         piece = shape.choice(choice.index, text, finish, rendered, stream=True)
                         yield _sse(shape.body([piece], stream=True))
                 if not choice.done:
@@ -309,7 +316,8 @@ async def _complete(
     work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
     watcher = asyncio.ensure_future(until_disconnected(request))
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        waiting: set[asyncio.Future[Any]] = {work, watcher}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client hung up: _finish cancels its choices
             work.cancel()
             work.add_done_callback(settle)

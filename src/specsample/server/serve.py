@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from types import FrameType
 
 import uvicorn
 
@@ -17,7 +19,7 @@ from specsample.server.state import SpecServer
 
 log = logging.getLogger("specsample.server")
 
-FLUSH_SECONDS = 2.0  # for ended requests to send their last bytes before the server closes
+FLUSH_SECONDS = 2  # for ended requests to send their last bytes before the server closes
 
 
 class DrainingServer(uvicorn.Server):
@@ -32,7 +34,7 @@ class DrainingServer(uvicorn.Server):
         self._signals = 0
         self._hurry = False
 
-    async def serve(self, sockets=None) -> None:
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         if self.spec.grammar_pool is not None:  # the first structured request then waits for no process start
             warming = self._loop.create_task(self.spec.grammar_pool.warm())
@@ -40,7 +42,7 @@ class DrainingServer(uvicorn.Server):
         if self.spec.grammar_pool is not None:
             warming.cancel()
 
-    def handle_exit(self, sig: int, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # not recorded as uvicorn records signals: it would raise the signal again once shut down (exit status != 0)
         self._signals += 1
         if self._loop is None:
@@ -52,7 +54,7 @@ class DrainingServer(uvicorn.Server):
 
     def _start_drain(self) -> None:
         if self._drain is None:
-            self._drain = self._loop.create_task(self._drain_then_exit())
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit())  # run in the loop
 
     async def _drain_then_exit(self) -> None:
         spec, loop = self.spec, asyncio.get_running_loop()

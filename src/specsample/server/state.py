@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from specsample.drafters.routed import RoutedDrafter
-from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats
+from specsample.drafters.suffix import SuffixCacheStats, suffix_cache_holder
 from specsample.rounds import RoundResult
 from specsample.server.grammar_pool import GrammarPool
 from specsample.server.metrics import ServerMetrics
@@ -48,8 +48,8 @@ class SpecServer:
 
     def _suffix_cache(self) -> SuffixCacheStats | None:
         """What the engine's drafters' shared suffix caches hold (None without one)."""
-        drafter = self.engine.drafter
-        return drafter.suffix_cache() if isinstance(drafter, SuffixCacheHolder) else None
+        holder = suffix_cache_holder(self.engine.drafter)
+        return holder.suffix_cache() if holder is not None else None
 
     def _observe(self, result: RoundResult) -> None:
         self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)

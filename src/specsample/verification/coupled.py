@@ -9,7 +9,8 @@ same noise; the verifier takes the target's token at each position and accepts a
 
 So the output at every position is exactly what plain decoding with that seed gives, whatever drafts were proposed
 (how many, from which drafter, chains or trees, gated or extended), whatever else shares the batch: a seeded request
-reproduces under any plan. Verification is greedy verification of the noised log-probabilities. The price is acceptance: a draft is accepted with probability
+reproduces under any plan. Verification is greedy verification of the noised log-probabilities. The price is
+acceptance: a draft is accepted with probability
 sum_x P(both argmaxes are x) = sum_x 1 / sum_y max(p(y) / p(x), q(y) / q(x)), below modified rejection sampling's
 sum_x min(p(x), q(x)) (docs/exactness.md gives both, measured on the shipped pair).
 """

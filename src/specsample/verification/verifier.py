@@ -38,7 +38,7 @@ class Verifier:
     ) -> tuple[Verdict, Tensor | None]:
         """The verdict, and the warped target probabilities it sampled from (None: every row greedy)."""
         if proposal.parents is not None:
-            return self._tree(block, proposal, target_logits, params, generators, noise)
+            return self._tree(block, proposal, proposal.parents, target_logits, params, generators, noise)
         num_drafted = proposal.num_drafted  # on the host, as the proposal holds it
         if all(p.greedy for p in params):
             return verify_greedy(proposal.tokens, target_logits, num_drafted), None
@@ -51,6 +51,7 @@ class Verifier:
         self,
         block: Tensor,
         proposal: Proposal,
+        tree: Tensor,  # proposal.parents
         target_logits: Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
@@ -58,7 +59,7 @@ class Verifier:
     ) -> tuple[Verdict, Tensor | None]:
         """A tree round's verdict (multi-candidate rejection sampling over each row's tree, or its coupled or greedy
         walk), and the warped target probabilities (None: every row greedy)."""
-        parents, sizes = block_parents(proposal.parents, proposal.num_drafted), proposal.num_drafted + 1
+        parents, sizes = block_parents(tree, proposal.num_drafted), proposal.num_drafted + 1
         if all(p.greedy for p in params):
             found, target_probs = verify_tree_greedy(block, parents, sizes, target_logits), None
         else:
