@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 from specsample.drafters.base import Drafter
 from specsample.drafters.eagle import EagleDrafter, is_head_folder, load_head_drafter
 from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.medusa import MedusaDrafter, is_medusa_folder, load_medusa_drafter
 from specsample.drafters.model import WINDOW_MODES, DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SCOPES, SuffixDrafter
@@ -120,12 +121,20 @@ def load_drafter(
         if model is None:  # the model failed to load (already logged): keep suffix drafting at least
             log.warning("hybrid drafting continues with suffix drafting only")
             return SuffixDrafter(suffix_scope)
-        if not isinstance(model, (ModelDrafter, EagleDrafter)):
+        if not isinstance(model, (ModelDrafter, EagleDrafter, MedusaDrafter)):
             raise ValueError(f"hybrid drafting needs a draft model or a feature draft, got {model_spec!r}")
         return HybridDrafter(model, SuffixDrafter(suffix_scope))
     if spec.startswith(SELF_DRAFT):
         return _self_draft(spec, target, dtype, device, compile_decode, group_size)
     head = builtin_draft(spec) or (Path(spec) if Path(spec).is_dir() else None)
+    if head is not None and is_medusa_folder(head):
+        if not isinstance(target.model, LlamaModel):
+            raise ValueError(f"{spec} holds Medusa heads: they need the target on our Llama-family runtime")
+        try:
+            return load_medusa_drafter(head, target.model)
+        except (OSError, RuntimeError, MemoryError, SafetensorError) as exc:
+            log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", spec, exc)
+            return None
     if head is not None and is_head_folder(head):
         if not isinstance(target.model, LlamaModel):
             raise ValueError(
