@@ -305,7 +305,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path) -> None:
         assert torch.equal(resumed.state_dict()[name], value), name
 
 
-def test_distill_writes_heads_that_generate_drafts_with(tmp_path) -> None:
+def test_distill_writes_heads_that_generate_drafts_with(tmp_path, capsys) -> None:
     from specsample.cli import main
 
     folder = write_hf_model(tmp_path / "target", tokenizer=make_tokenizer(), max_position_embeddings=128)
@@ -331,7 +331,11 @@ def test_distill_writes_heads_that_generate_drafts_with(tmp_path) -> None:
     assert main([*refused, "--layout", "medusa"]) == 2  # FasterDecoding's layout: whole-vocabulary layers only
     run = ["generate", "the quick brown fox", "--target", str(folder), "--temperature", "0", "--max-new-tokens", "6"]
     run += ["--dtype", "float32", "--json"]
-    assert main([*run, "--draft", str(out), "--tree", "6x2x2"]) == 0
-    assert main([*run, "--draft", f"hybrid:{out}"]) == 0
+    trees = {}
+    for draft, tree in ((str(out), "auto"), (str(out), "off"), (f"hybrid:{out}", "6x2x2")):
+        capsys.readouterr()
+        assert main([*run, "--draft", draft, "--tree", tree, "--gamma", "3"]) == 0
+        trees[tree] = json.loads(capsys.readouterr().out)["stats"]["tree_row_rounds"]
+    assert trees["auto"] > 0 and trees["off"] == 0 and trees["6x2x2"] > 0  # auto: the heads' own tree
     wide = write_hf_model(tmp_path / "wide", tokenizer=make_tokenizer(), hidden_size=32, max_position_embeddings=128)
     assert main(["generate", "hi", "--target", str(wide), "--draft", str(out), "--max-new-tokens", "2"]) == 2

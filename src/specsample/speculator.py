@@ -64,10 +64,10 @@ def parse_device(spec: str | torch.device) -> torch.device:
 
 
 def parse_tree(value: str) -> TreeShape | None:
-    """`--tree`: 'off' (None) or NODES[xBRANCHxDEPTH] (`TreeShape.parse`)."""
+    """`--tree`: 'auto' or 'off' (None: no tree of its own) or NODES[xBRANCHxDEPTH] (`TreeShape.parse`)."""
     if not isinstance(value, str):
-        raise SettingError("tree", f"tree must be 'off' or NODES[xBRANCHxDEPTH], got {value!r}")
-    return None if value.strip().lower() == "off" else TreeShape.parse(value.strip())
+        raise SettingError("tree", f"tree must be 'auto', 'off' or NODES[xBRANCHxDEPTH], got {value!r}")
+    return None if value.strip().lower() in ("auto", "off") else TreeShape.parse(value.strip())
 
 
 def check_device(spec: str | torch.device) -> None:
@@ -113,8 +113,9 @@ class EngineOptions:
     )
     max_gamma: int = setting(8, help="upper bound for gamma auto")
     tree: str = setting(
-        "off",
-        help="token trees, scored in one target forward and verified exactly: off (chains) or "
+        "auto",
+        help="token trees, scored in one target forward and verified exactly: auto (the drafter's own: "
+        "Medusa heads' candidate tree, chains for the other drafters), off (chains) or "
         "NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, "
         "6 deep). With gamma auto the largest tree it may draft, only where trees measure "
         "faster than chains; with a fixed gamma that tree every round. Needs our "
@@ -274,7 +275,7 @@ class EngineOptions:
 
     @property
     def tree_shape(self) -> TreeShape | None:
-        """The tree `tree` names (None: off)."""
+        """The tree `tree` names (None: off, or auto: see `Speculator.tree`)."""
         return parse_tree(self.tree)
 
 
@@ -309,9 +310,18 @@ class Speculator:
         """The draft in use ('none' without one)."""
         return self.pair.draft_spec if self.pair.drafter is not None else "none"
 
+    @property
+    def tree(self) -> TreeShape | None:
+        """The largest tree a round may draft: the one `tree` names, or under 'auto' the drafter's own (its `tree`,
+        where it declares one and the target scores trees); None: chains."""
+        if self.options.tree.strip().lower() != "auto":
+            return self.options.tree_shape
+        own = getattr(self.pair.drafter, "tree", None)
+        return own if isinstance(own, TreeShape) and isinstance(self.pair.target.model, TreeLM) else None
+
     def planner(self) -> Planner:
         """A new planner: gamma auto (learning as it runs) or the fixed gamma."""
-        gamma, tree = self.options.gamma, self.options.tree_shape
+        gamma, tree = self.options.gamma, self.tree
         return GammaController(self.options.max_gamma, tree) if gamma == "auto" else FixedGamma(gamma, tree)
 
     def spec_config(

@@ -135,7 +135,7 @@ class Bench:
         """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto; with `tree`, with --tree's trees."""
         if self.speculator.drafter is None:
             raise ValueError(f"no draft for {self.config.engine.target}: pass --draft")
-        shape = self.speculator.options.tree_shape if tree else None
+        shape = self.speculator.tree if tree else None
         if gamma == "auto":
             make = lambda: GammaController(self.config.max_gamma, shape)  # noqa: E731
         else:

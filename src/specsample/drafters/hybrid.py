@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from specsample.config import SamplingParams
+from specsample.config import SamplingParams, TreeShape
 from specsample.drafters.base import Drafter, DraftRequest, FeatureDrafter, PrefixKeeper, Proposal, merge_proposals
 from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter
 
@@ -112,6 +112,11 @@ class HybridDrafter:
     def wants_features(self) -> bool:
         """Whether its draft model drafts from the target's hidden states (a feature draft)."""
         return isinstance(self.model, FeatureDrafter) and self.model.wants_features
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The token tree its draft model drafts by preference (Medusa heads'), None: chains."""
+        return getattr(self.model, "tree", None)
 
     def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
         if self.wants_features:

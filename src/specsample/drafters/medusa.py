@@ -44,6 +44,9 @@ class _Row:
         return self.known >= 0 and self.known == len(self.history) - 2
 
 
+TREE_NODES, TREE_BRANCH = 16, 4  # the candidate tree Medusa heads draft by preference (`--tree auto`)
+
+
 class MedusaDrafter:
     """Drafts with Medusa heads on the target's final hidden states (a chain, or Medusa's candidate tree)."""
 
@@ -60,6 +63,8 @@ class MedusaDrafter:
         target.set_feature_layers(None)  # the final normed hidden states
         if target.device.type == "cpu":
             self.heads.pack_for_cpu()
+        # the tree rounds draft by preference: 16 nodes, the heads' top 4 a node, as deep as the heads reach
+        self.tree = TreeShape(TREE_NODES, TREE_BRANCH, min(heads.config.num_heads, TREE_NODES))
         self.states: Tensor | None = None  # [slots, H] each row's target state
         self.rows: dict[int, _Row] = {}
         self._parked: dict[int, _Row] = {}
