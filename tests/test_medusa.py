@@ -337,5 +337,8 @@ def test_distill_writes_heads_that_generate_drafts_with(tmp_path, capsys) -> Non
         assert main([*run, "--draft", draft, "--tree", tree, "--gamma", "3"]) == 0
         trees[tree] = json.loads(capsys.readouterr().out)["stats"]["tree_row_rounds"]
     assert trees["auto"] > 0 and trees["off"] == 0 and trees["6x2x2"] > 0  # auto: the heads' own tree
+    evaluated = ["eval-draft", "--target", str(folder), "--draft", str(out), "--prompts", str(prompts)]
+    assert main([*evaluated, "--num-prompts", "2", "--max-new-tokens", "4", "--no-cost", "--dtype", "float32"]) == 0
+    assert "tokens_per_round" in capsys.readouterr().out
     wide = write_hf_model(tmp_path / "wide", tokenizer=make_tokenizer(), hidden_size=32, max_position_embeddings=128)
     assert main(["generate", "hi", "--target", str(wide), "--draft", str(out), "--max-new-tokens", "2"]) == 2

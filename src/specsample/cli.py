@@ -630,6 +630,9 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     from specsample.models.loader import load_model
 
     prompts = eval_prompt_set(args.prompts, args.num_prompts)
+    if _is_medusa(args.draft):  # Medusa heads: measured through the engine, their candidate tree every round
+        _eval_medusa(args, prompts)
+        return
     if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of drafts a round
         from specsample.distill.eagle import evaluate_head
         from specsample.distill.eagle import evaluation_table as head_table
@@ -673,6 +676,44 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         progress=sys.stderr.isatty(),
         measure_cost=not args.no_cost,
     )
+    report["command"] = args.command_line
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    print("\n".join(evaluation_table(report)), file=sys.stderr)
+
+
+def _is_medusa(spec: str) -> bool:
+    """Whether a draft spec names Medusa heads (a shipped folder or one in a published Medusa layout)."""
+    from specsample.models.hub import builtin_draft
+    from specsample.models.medusa_head import is_medusa_folder
+
+    return is_medusa_folder(builtin_draft(spec) or Path(spec))
+
+
+def _eval_medusa(args: argparse.Namespace, prompts) -> None:
+    from specsample.distill.medusa import evaluate_medusa, evaluation_table
+    from specsample.drafters.medusa import MedusaDrafter
+    from specsample.models.loader import load_model
+    from specsample.pair import load_drafter
+
+    if args.compile:
+        raise CliError("--compile does not apply to Medusa heads (their proposal runs eagerly)")
+    dtype, quantize = args.dtype or "auto", args.quantize or "auto"
+    target = load_model(args.target, dtype=dtype, quantize=quantize)
+    drafter = load_drafter(args.draft, target, dtype=dtype)
+    if not isinstance(drafter, MedusaDrafter):
+        raise CliError(f"draft {args.draft} could not be loaded")
+    report = evaluate_medusa(
+        target.model,
+        drafter,
+        target.tokenizer,
+        prompts,
+        args.max_new_tokens,
+        progress=sys.stderr.isatty(),
+        measure_cost=not args.no_cost,
+    )
+    report["target_weights"] = quantize
     report["command"] = args.command_line
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
