@@ -259,7 +259,7 @@ def _add_distill_parsers(sub) -> None:
     dist.add_argument(
         "--batch-tokens", type=int, default=None, help="tokens per step (eagle 16384, medusa 8192, model 8192)"
     )
-    dist.add_argument("--lr", type=float, default=None, help="peak learning rate (eagle and medusa 1e-3, model 3e-3)")
+    dist.add_argument("--lr", type=float, default=None, help="peak learning rate (eagle 1e-3, medusa 4e-3, model 3e-3)")
     dist.add_argument(
         "--max-len", type=int, default=None, help="tokens per conversation (eagle 1536, medusa 1024, model 512)"
     )

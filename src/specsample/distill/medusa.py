@@ -67,7 +67,7 @@ class MedusaTraining:
     head_decay: float = 0.8  # head k's loss weighs head_decay ** k (Medusa's lambda_k)
     epochs: float = 1.0
     batch_tokens: int = 8192
-    lr: float = 1e-3
+    lr: float = 4e-3
     min_lr_ratio: float = 0.05
     warmup: int = 50
     weight_decay: float = 0.0
