@@ -19,7 +19,9 @@ from specsample.config import TreeShape
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.medusa import MedusaDrafter, load_medusa_drafter, medusa_tree
 from specsample.models.base import prefill_ragged
+from specsample.models.loader import LoadedModel
 from specsample.models.medusa_head import MedusaConfig, MedusaHeads, is_medusa_folder, load_medusa, save_medusa
+from specsample.pair import load_drafter
 from specsample.planner import FixedGamma, GammaController
 
 VOCAB = 48
@@ -124,6 +126,8 @@ def test_published_heads_draft_as_the_same_weights_in_memory(layout, tmp_path) -
     (_faster_layout if layout == "medusa" else _vllm_layout)(heads, folder)
     assert is_medusa_folder(folder) and not is_medusa_folder(tmp_path)
     loaded = load_medusa_drafter(folder, target).heads
+    from_spec = load_drafter(str(folder), LoadedModel(target, None, "tiny", "ours"), dtype="float32")
+    assert isinstance(from_spec, MedusaDrafter)  # what --draft FOLDER loads
     for tree in (TREE, None):
         assert _same(
             _fresh_proposal(loaded, target, PROMPTS[0], tree), _fresh_proposal(heads, target, PROMPTS[0], tree)
