@@ -47,7 +47,6 @@ from specsample.models.quant import QUANT_MODES
 from specsample.planner import FixedGamma
 
 METRICS_EVERY = 10  # training steps between measurements of the heads' acceptance on their batch
-EVAL_TREE = TreeShape(16, 4, 4)  # the tree the evaluation drafts: 16 nodes, up to 4 children a node, 4 deep
 
 
 @dataclass(frozen=True)
@@ -372,12 +371,14 @@ def evaluate_medusa(
     tokenizer,
     prompts: list[Prompt],
     max_new_tokens: int,
-    tree: TreeShape = EVAL_TREE,
+    tree: TreeShape | None = None,
     progress: bool = True,
     measure_cost: bool = True,
 ) -> dict[str, Any]:
-    """Through the real engine, Medusa's candidate tree of `tree` every round at temperature 0 and 0.7: per category
-    the tokens per target forward and the acceptance by depth; and the heads' cost against a target step."""
+    """Through the real engine, Medusa's candidate tree of `tree` (default: the heads' own, `MedusaDrafter.tree`)
+    every round at temperature 0 and 0.7: per category the tokens per target forward; and the heads' cost against a
+    target step."""
+    tree = tree or drafter.tree
     report: dict[str, Any] = {
         "prompts": len(prompts),
         "tree": {"nodes": tree.nodes, "branch": tree.branch, "depth": tree.depth},
