@@ -18,6 +18,7 @@ in tests/test_exactness.py).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import TreeShape
-from specsample.drafters.base import DraftRequest, Proposal, best_tree, common_prefix, draw_chain
+from specsample.drafters.base import DraftRequest, Proposal, common_prefix, draw_chain
 from specsample.models.llama import LlamaModel
 from specsample.models.medusa_head import MedusaHeads, is_medusa_folder, load_medusa
 
@@ -60,7 +61,9 @@ class MedusaDrafter:
         self.vocab_size = target.vocab_size
         # [K'] the target's id of each draft id (None: the whole vocabulary in order)
         self.output_subset = None if heads.whole_vocabulary else self.heads.token_map
+        self._subset_ids = None if self.output_subset is None else self.output_subset.tolist()  # read per tree node
         target.set_feature_layers(None)  # the final normed hidden states
+        self.heads.fuse()
         if target.device.type == "cpu":
             self.heads.pack_for_cpu()
         # the tree rounds draft by preference: 16 nodes, the heads' top 4 a node, as deep as the heads reach
@@ -163,22 +166,30 @@ class MedusaDrafter:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         top = log_probs.topk(min(shape.branch, width), dim=-1)  # [b, K, branch]
         values, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()
-        ids = self.output_subset.cpu().tolist() if self.output_subset is not None else None
-        tokens, parents, scores, budget = [], [], [], []
+        ids = self._subset_ids
+        trees = []
         for r in range(batch):
             depth = min(shape.depth, depths[r], heads) if ready[r] else 0
-            nodes = min(shape.nodes, reach[r]) if depth else 0
-            row_tokens, row_parents, row_scores = [], [], []
-            for path, parent, score in medusa_tree(values[r][:depth], nodes):
-                index = indices[r][len(path) - 1][path[-1]]
-                row_tokens.append(ids[index] if ids is not None else index)
-                row_parents.append(parent)
-                row_scores.append(score)
-            tokens.append(row_tokens)
-            parents.append(row_parents)
-            scores.append(row_scores)
-            budget.append(len(row_tokens))
-        return best_tree(tokens, parents, scores, budget)
+            trees.append(medusa_tree(values[r][:depth], min(shape.nodes, reach[r]) if depth else 0))
+        # best first: every node comes after its parent, as a proposal's parents must
+        width = max(1, max(len(t) for t in trees))
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        parents = torch.full((batch, width), -1, dtype=torch.long)
+        confidence = torch.zeros(batch, width)
+        for r, tree in enumerate(trees):
+            if not tree:
+                continue
+            index = [indices[r][len(path) - 1][path[-1]] for path, _, _ in tree]
+            tokens[r, : len(tree)] = torch.tensor([ids[i] for i in index] if ids is not None else index)
+            parents[r, : len(tree)] = torch.tensor([parent for _, parent, _ in tree])
+            confidence[r, : len(tree)] = torch.tensor([math.exp(score) for _, _, score in tree])
+        return Proposal(
+            tokens=tokens,
+            probs=None,
+            num_drafted=torch.tensor([len(t) for t in trees], dtype=torch.long),
+            confidence=confidence,
+            parents=parents,
+        )
 
 
 def medusa_tree(log_probs: Sequence[Sequence[float]], budget: int) -> list[tuple[tuple[int, ...], int, float]]:

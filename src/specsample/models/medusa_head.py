@@ -85,6 +85,7 @@ class MedusaHeads(nn.Module):
             Linear(c.hidden_size, c.draft_vocab_size, bias=False) for _ in range(1 if c.shared_output else c.num_heads)
         )
         self.register_buffer("token_map", torch.arange(c.draft_vocab_size))  # [K'] the target's id of each draft id
+        self._fused: tuple[Linear, ...] = ()  # every head's first block in one layer (`fuse`), for inference
 
     @property
     def device(self) -> torch.device:
@@ -114,7 +115,14 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Every head's vector `[.., K, H]` from the target's final hidden states `[.., H]`."""
-        return torch.stack([self.head_vector(k, hidden) for k in range(self.config.num_heads)], dim=-2)
+        if not self._fused or torch.is_grad_enabled():
+            return torch.stack([self.head_vector(k, hidden) for k in range(self.config.num_heads)], dim=-2)
+        # every head's first block reads the same vector: one product for all of them
+        x = hidden.to(self.dtype).unsqueeze(-2)  # [.., 1, H]
+        x = x + F.silu(self._fused[0](hidden.to(self.dtype)).unflatten(-1, (self.config.num_heads, -1)))  # [.., K, H]
+        for layer in range(1, self.config.num_layers):
+            x = torch.stack([v + F.silu(self.blocks[k][layer](v)) for k, v in enumerate(x.unbind(-2))], dim=-2)
+        return x
 
     def logits(self, vectors: Tensor) -> Tensor:
         """Logits `[.., K, K']` over the draft vocabulary from the heads' vectors `[.., K, H]`."""
@@ -122,8 +130,24 @@ class MedusaHeads(nn.Module):
             return self.outputs[0](vectors)
         return torch.stack([self.head_logits(k, vectors[..., k, :]) for k in range(self.config.num_heads)], dim=-2)
 
+    def fuse(self) -> None:
+        """Stack every head's first residual block into one layer `[K * H, H]` for inference (the heads read the same
+        vector there); the weights stay where they are, so training and export are unchanged. A later change of the
+        weights needs another call."""
+        c = self.config
+        if not c.num_layers:
+            return
+        first = [blocks[0] for blocks in self.blocks]
+        fused = Linear(c.hidden_size, c.num_heads * c.hidden_size, bias=c.bias).to(self.device, self.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([b.weight for b in first]))
+            if c.bias:
+                fused.bias.copy_(torch.cat([b.bias for b in first]))
+        fused.requires_grad_(False)
+        self._fused = (fused,)  # held outside the module's parameters: not in its state dict
+
     def pack_for_cpu(self) -> None:
-        for module in self.modules():
+        for module in [*self.modules(), *self._fused]:
             if isinstance(module, Linear):
                 module.pack()
 
