@@ -112,7 +112,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, load average before {load_before[0]:.1f}",
         "target": speculator.options.target,
-        "draft": speculator.draft_spec,
+        "draft": speculator.draft,
         "dtype": str(model.dtype),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

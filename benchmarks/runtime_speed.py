@@ -55,6 +55,7 @@ from specsample.models.hub import ALIASES, alias_gguf
 from specsample.models.loader import load_model
 from specsample.models.quant import QuantLinear
 from specsample.models.quant_model import dequantized_model
+from specsample.options import EngineOptions
 from specsample.pair import load_drafter
 from specsample.planner import FixedGamma
 
@@ -222,7 +223,7 @@ def accuracy(model, prompts: list[list[int]], new_tokens: int) -> dict:
 def self_draft(spec: str, prompts: list[list[int]], new_tokens: int, gamma: int) -> dict:
     """A bfloat16 target drafted by its own int4 weights, T 0, against plain decoding, interleaved per prompt."""
     target = load_model(spec, dtype=torch.bfloat16)
-    drafter = load_drafter("self:int4", target, dtype=torch.bfloat16)
+    drafter = load_drafter("self:int4", target, EngineOptions(target=spec, dtype="bfloat16"))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
     config = SpecConfig()
     generate(
@@ -414,7 +415,7 @@ def main() -> None:
         systems[f"ours {name}"] = (ours_ms_per_token, loaded.model, weight_bytes_per_token(loaded.model))
         if args.compiled:
             start = time.perf_counter()
-            compiled = load_model(args.model, dtype=dtype, device=device, compile_decode=True)
+            compiled = load_model(args.model, dtype=dtype, device=device, compile=True)
             compile_s[f"ours compiled {name}"] = time.perf_counter() - start  # load + one-time compile
             systems[f"ours compiled {name}"] = (
                 ours_ms_per_token,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specsample.sampling import sample
-from specsample.verify import Verdict, verify
+from specsample.verification.chain import Verdict, verify
 
 
 def residual_as_target(draft_tokens, draft_probs, target_probs, generators, num_drafted=None) -> Verdict:
@@ -34,7 +34,7 @@ BROKEN = {"residual_as_target": residual_as_target, "bonus_off_by_one": bonus_of
 def coupled_trusts_the_draft(draft_tokens, target_probs, noise, num_drafted=None) -> Verdict:
     """Coupled verification that accepts each draft because it is the draft's own Gumbel-max token with the shared
     noise (which every draft is), instead of checking it is the target's: the next token is the target's."""
-    from specsample.coupling import coupled_choices
+    from specsample.verification.coupled import coupled_choices
 
     batch, gamma = draft_tokens.shape
     drafted = torch.full((batch,), gamma, dtype=torch.long) if num_drafted is None else num_drafted.cpu()

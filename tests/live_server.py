@@ -9,7 +9,8 @@ import time
 import openai
 import uvicorn
 
-from specsample.server.app import SpecServer, build_app
+from specsample.server.app import build_app
+from specsample.server.state import SpecServer
 
 
 def free_port() -> int:

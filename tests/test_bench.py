@@ -383,7 +383,7 @@ def test_repeat_suite_streams_through_one_engine_per_system(tiny_pair_files, tmp
     turn's prompt holds its first turn and target-only's reply; the global suffix cache holds every request."""
     from specsample.bench.config import BenchConfig
     from specsample.bench.run import run
-    from specsample.speculator import EngineOptions
+    from specsample.options import EngineOptions
 
     target, draft, questions = tiny_pair_files
     config = BenchConfig(
@@ -471,7 +471,7 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
     from specsample.bench import suites
     from specsample.bench.config import BenchConfig
     from specsample.bench.run import run
-    from specsample.speculator import EngineOptions
+    from specsample.options import EngineOptions
 
     target, draft, questions = tiny_pair_files
     calls = {"n": 0}

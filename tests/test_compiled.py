@@ -172,8 +172,8 @@ def test_compile_needs_our_runtime(tmp_path) -> None:
     from specsample.models.loader import load_model
 
     folder = write_hf_model(tmp_path / "gemma", "gemma3")
-    with pytest.raises(ValueError, match="compile_decode needs our Llama-family runtime"):
-        load_model(str(folder), compile_decode=True)
+    with pytest.raises(ValueError, match="compile needs our Llama-family runtime"):
+        load_model(str(folder), compile=True)
 
 
 def test_tiny_lm_unaffected() -> None:

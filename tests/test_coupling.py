@@ -10,10 +10,10 @@ import torch
 
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.config import TreeShape
-from specsample.coupling import NoiseStream, position_gumbels
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.planner import FixedGamma, GammaController
+from specsample.verification.coupled import NoiseStream, position_gumbels
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 COMPANIONS = [[7, 7, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3], [30, 29]]
@@ -103,9 +103,10 @@ def coupled_server(tmp_path_factory):
     from live_server import LiveServer
     from model_factory import make_tokenizer, write_hf_model
 
-    from specsample.server.app import SpecServer
+    from specsample.options import EngineOptions
     from specsample.server.options import ServerOptions
-    from specsample.speculator import EngineOptions, load
+    from specsample.server.state import SpecServer
+    from specsample.speculator import load
 
     root = tmp_path_factory.mktemp("coupled")
     tokenizer = make_tokenizer()
@@ -122,7 +123,7 @@ def coupled_server(tmp_path_factory):
             deterministic=True,
         )
     )
-    server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=8, max_model_len=128)))
+    server = LiveServer(SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=8, max_seq_len=128)))
     yield server
     server.close()
 
@@ -150,7 +151,7 @@ def test_choice_i_of_seed_s_is_seed_s_plus_i(coupled_server) -> None:
 
 
 def test_verify_coupled_accepts_exactly_the_targets_gumbel_max_tokens() -> None:
-    from specsample.coupling import DraftNoise, coupled_choices, verify_coupled
+    from specsample.verification.coupled import DraftNoise, coupled_choices, verify_coupled
 
     torch.manual_seed(0)
     target_probs = torch.softmax(torch.randn(3, 4, 50, dtype=torch.float64), dim=-1)  # [b, gamma + 1, vocab]
@@ -166,7 +167,7 @@ def test_verify_coupled_accepts_exactly_the_targets_gumbel_max_tokens() -> None:
 
 
 def test_verify_coupled_fails_only_the_row_without_a_distribution() -> None:
-    from specsample.coupling import DraftNoise, verify_coupled
+    from specsample.verification.coupled import DraftNoise, verify_coupled
 
     target_probs = torch.full((2, 2, 10), 0.1, dtype=torch.float64)
     target_probs[1, 0] = float("nan")
@@ -181,7 +182,8 @@ def test_real_float32_seed_gives_the_same_tokens_at_any_gamma() -> None:
     decoding gives the same tokens (in bfloat16 this needs deterministic mode: docs/exactness.md)."""
     from dataclasses import replace
 
-    from specsample.speculator import EngineOptions, load
+    from specsample.options import EngineOptions
+    from specsample.speculator import load
 
     speculator = load(EngineOptions(dtype="float32", sampling="coupled"))
     tokenizer, model = speculator.pair.target.tokenizer, speculator.pair.target.model

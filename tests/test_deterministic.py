@@ -12,8 +12,9 @@ from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.config import SettingError
 from specsample.models.invariant import check_invariance
 from specsample.models.tiny import tiny_lm
+from specsample.options import EngineOptions
 from specsample.planner import FixedGamma, GammaController
-from specsample.speculator import EngineOptions, make_deterministic
+from specsample.speculator import make_deterministic
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [400, 401, 2], [7] * 12, [123, 45, 67, 89, 10, 111, 213, 314, 415]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24)

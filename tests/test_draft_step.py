@@ -7,10 +7,12 @@ import torch
 from model_factory import draft_request
 
 from specsample import ModelDrafter, SamplingParams, tiny_lm
+from specsample.models import loader, row_kernels
 from specsample.models.convert import save_hf_folder
 from specsample.models.hf_names import export_hf_state_dict
 from specsample.models.layers import PACK_MIN_FLOAT32_ELEMENTS, prepack
 from specsample.models.loader import LoadedModel, resolve_dtype
+from specsample.options import EngineOptions
 from specsample.pair import SMALL_DRAFT_HIDDEN, load_drafter
 
 SUBSET = [0, 3, 4, 9, 10, 17, 21, 30]  # sorted: sampling over it draws what sampling over the vocabulary draws
@@ -85,12 +87,19 @@ def _draft_folder(tmp_path, hidden: int):
     return folder
 
 
-def test_a_narrow_draft_runs_in_float32_on_a_cpu_under_auto(tmp_path) -> None:
+def test_a_narrow_draft_runs_in_float32_on_a_cpu_under_auto(tmp_path, monkeypatch) -> None:
+    """On torch ops a narrow draft steps faster in float32; on the fused step it stays in bfloat16."""
     narrow = _draft_folder(tmp_path, SMALL_DRAFT_HIDDEN // 2)
-    assert load_drafter(str(narrow), _target(), "auto").model.dtype == torch.float32
-    assert load_drafter(str(narrow), _target(), "bfloat16").model.dtype == torch.bfloat16  # asked for: kept
+    if row_kernels.available():
+        on_fused = load_drafter(str(narrow), _target(), EngineOptions(dtype="auto")).model
+        assert on_fused.dtype == torch.bfloat16 and on_fused.fused is not None
+    monkeypatch.setattr(loader, "unsupported_fused", lambda model: "a CPU without the fused step")
+    assert load_drafter(str(narrow), _target(), EngineOptions(dtype="auto")).model.dtype == torch.float32
+    bfloat16 = EngineOptions(dtype="bfloat16")
+    assert load_drafter(str(narrow), _target(), bfloat16).model.dtype == torch.bfloat16  # asked for: kept
     wide = _draft_folder(tmp_path, SMALL_DRAFT_HIDDEN + 64)
-    assert load_drafter(str(wide), _target(), "auto").model.dtype == resolve_dtype("auto", torch.device("cpu"))
+    auto = resolve_dtype("auto", torch.device("cpu"))
+    assert load_drafter(str(wide), _target(), EngineOptions(dtype="auto")).model.dtype == auto
 
 
 def test_a_model_built_under_inference_mode_packs_and_decodes() -> None:

@@ -4,6 +4,7 @@ context, and re-windows a row before its cache passes `limit` positions; the out
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -152,6 +153,7 @@ def test_load_drafter_reads_the_window_beside_the_weights(tmp_path) -> None:
     from model_factory import make_tokenizer, write_hf_model
 
     from specsample.models.loader import load_model
+    from specsample.options import EngineOptions
     from specsample.pair import load_drafter
 
     tokenizer = make_tokenizer()
@@ -161,25 +163,26 @@ def test_load_drafter_reads_the_window_beside_the_weights(tmp_path) -> None:
     (folder / "draft_window.json").write_text(json.dumps({"sink": 4, "recent": 16, "limit": 64}))
     saved = DraftWindow(sink=4, recent=16, limit=64)
     assert load_drafter(str(folder), target).window == saved
-    assert load_drafter(str(folder), target, window="off").window is None
+    assert load_drafter(str(folder), target, EngineOptions(draft_window="off")).window is None
     assert load_drafter(f"hybrid:{folder}", target).model.window == saved
-    assert load_drafter(str(folder), target, window=DraftWindow(sink=0, recent=8, limit=32)).window.recent == 8
-    with pytest.raises(ValueError, match="draft window must be one of"):
-        load_drafter(str(folder), target, window="on")
+    with pytest.raises(ValueError, match="draft_window must be one of"):
+        EngineOptions(draft_window="on")
 
 
 def test_a_swapped_draft_loads_like_the_first(tmp_path) -> None:
     """The server's /admin/draft loads the new draft with the pair's dtype, device and window mode."""
     from model_factory import make_tokenizer, write_hf_model
 
+    from specsample.options import EngineOptions
     from specsample.pair import load_pair
 
     tokenizer = make_tokenizer()
     target = write_hf_model(tmp_path / "t", "llama", tokenizer=tokenizer)
     folder = write_hf_model(tmp_path / "d", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
     DraftWindow(sink=4, recent=16, limit=64).save(folder, "a test")
-    pair = load_pair(str(target), str(folder), dtype="float32", draft_window="off")
+    options = EngineOptions(target=str(target), draft=str(folder), dtype="float32")
+    pair = load_pair(replace(options, draft_window="off"))
     assert pair.drafter.window is None
     swapped = pair.load_draft(str(folder))
     assert swapped.window is None and swapped.model.dtype == torch.float32
-    assert load_pair(str(target), str(folder), dtype="float32").load_draft(str(folder)).window is not None
+    assert load_pair(options).load_draft(str(folder)).window is not None

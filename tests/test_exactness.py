@@ -26,7 +26,7 @@ from devices import DEVICE
 from planner_driver import AlternatingTrees
 from stats_util import chi_square
 
-import specsample.verifier as verifier_module
+import specsample.verification.verifier as verifier_module
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.api import as_drafter
 from specsample.config import TreeShape
@@ -35,6 +35,7 @@ from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SuffixDrafter
+from specsample.models import row_kernels
 from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
 from specsample.planner.acceptance import Acceptance
 from specsample.planner.costs import CostModel
@@ -64,7 +65,12 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> n
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))  # [V^3, 3]
     inputs = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
-        probs = warp_probs(target(inputs)[:, len(prompt) - 1 : -1], params)  # [V^3, 3, V]
+        if getattr(target, "fused", None) is not None:  # the fused step's own cached forward (a block, as verified)
+            cache = target.new_cache(len(seqs), inputs.shape[1])
+            logits = target.forward_cached(inputs, cache, torch.arange(len(seqs)))
+        else:
+            logits = target(inputs)
+        probs = warp_probs(logits[:, len(prompt) - 1 : -1], params)  # [V^3, 3, V]
     per_step = probs.cpu().gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [V^3, 3]
     return per_step.prod(dim=1).cpu().numpy()
 
@@ -471,7 +477,7 @@ def test_tree_drafting_is_exact(pair, kind: str) -> None:
 def test_tree_verifier_that_keeps_the_residual_fails(pair, monkeypatch) -> None:
     """A tree verifier that tries a node's next child against the residual from before the last rejection (no
     norm(max(0, p - q)) update) must fail the same test."""
-    import specsample.verify_tree as tree_module
+    import specsample.verification.tree as tree_module
 
     monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
     results = _feature_chi_squares(pair[0], tree_drafter(pair, "model"), FixedGamma(3, tree=TREE))
@@ -516,7 +522,7 @@ def test_coupled_sampling_is_exact(pair, case: str) -> None:
 def test_coupled_noise_reused_at_every_position_fails(pair, monkeypatch) -> None:
     """Coupled sampling whose noise ignores the position (every position of a request reuses the same Gumbel noise):
     each token alone is still target-distributed, but the tokens of a sequence are no longer independent draws."""
-    from specsample.coupling import NoiseStream, position_gumbels
+    from specsample.verification.coupled import NoiseStream, position_gumbels
 
     monkeypatch.setattr(NoiseStream, "gumbel", lambda self, position: position_gumbels(self.seed, 0, self.vocab))
     results = _coupled_chi_squares(pair, "model_chain")
@@ -528,4 +534,58 @@ def test_coupled_verifier_that_trusts_the_draft_fails(pair, monkeypatch) -> None
     checking it is the target's Gumbel-max token, must fail the same test."""
     monkeypatch.setattr(verifier_module, "verify_coupled", coupled_trusts_the_draft)
     results = _coupled_chi_squares(pair, "model_chain")
+    assert any(statistic > threshold for statistic, threshold in results), results
+
+
+@pytest.fixture(scope="module")
+def fused_pair():
+    """The target on the fused step (bfloat16, each forward's decoder layers in one native call; heads of 32) and the
+    float64 draft."""
+    if torch.device(DEVICE).type != "cpu" or not row_kernels.available():
+        pytest.skip("the fused step runs on CPUs with AVX512-BF16")
+    target = tiny_lm(VOCAB, seed=10, init_scale=0.2, num_heads=2, dtype=torch.bfloat16)
+    target.use_fused_step()
+    draft = tiny_lm(VOCAB, seed=20, init_scale=0.2, num_layers=1, dtype=torch.float64)
+    return target, draft
+
+
+def test_fused_step_is_exact(fused_pair) -> None:
+    target, draft = fused_pair
+    params = WARPS["temperature_0.7_top_k_5"]
+    statistic, threshold = chi_square(engine_counts(target, draft, params, gamma=2), exact_joint(target, params))
+    assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_broken_verifier_fails_on_the_fused_step(fused_pair, monkeypatch, broken: str) -> None:
+    target, draft = fused_pair
+    monkeypatch.setattr(verifier_module, "verify", BROKEN[broken])
+    params = WARPS["temperature_1"]
+    statistic, threshold = chi_square(engine_counts(target, draft, params, gamma=2), exact_joint(target, params))
+    assert statistic > threshold, f"{broken} was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+@pytest.mark.parametrize("kind", ["model", "medusa"])
+def test_fused_step_trees_are_exact(fused_pair, kind: str) -> None:
+    """Token trees scored by the fused step's tree attention, alternating with chains, in a ragged batch: a draft
+    model's, and Medusa heads' reading the fused step's final hidden states."""
+    target, _ = fused_pair
+    for statistic, threshold in _feature_chi_squares(target, tree_drafter(fused_pair, kind), AlternatingTrees(TREE)):
+        assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_broken_medusa_tree_fails_on_the_fused_step(fused_pair) -> None:
+    """Medusa's tree reporting its heads' distributions as if its nodes were drawn from them fails on the fused step
+    too."""
+    target, _ = fused_pair
+    drafter = MedusaTreeReportsHeadProbs(medusa_draft(target, None))
+    results = _feature_chi_squares(target, drafter, FixedGamma(3, tree=TREE))
+    assert any(statistic > threshold for statistic, threshold in results), results
+
+
+def test_tree_verifier_that_keeps_the_residual_fails_on_the_fused_step(fused_pair, monkeypatch) -> None:
+    import specsample.verification.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
+    results = _feature_chi_squares(fused_pair[0], tree_drafter(fused_pair, "model"), FixedGamma(3, tree=TREE))
     assert any(statistic > threshold for statistic, threshold in results), results

@@ -24,14 +24,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_cli import run_cli
 
 import specsample.engine as engine_module
-import specsample.server.app as app_module
+import specsample.server.drafts as drafts_module
 from specsample import Engine, SamplingParams, SpecConfig
 from specsample.drafters.model import ModelDrafter
+from specsample.options import EngineOptions
 from specsample.planner import FixedGamma
 from specsample.sampling import sample, warp_probs
-from specsample.server.app import SpecServer, build_app
+from specsample.server.app import build_app
 from specsample.server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
-from specsample.speculator import EngineOptions, load
+from specsample.server.state import SpecServer
+from specsample.speculator import load
 
 MODEL = "tiny"
 KEY, ADMIN = "inference-key", "admin-key"
@@ -179,7 +181,7 @@ def live(folders):
         admin_key=ADMIN,
         models_dir=str(folders["models"]),
         max_batch_size=8,
-        max_model_len=128,
+        max_seq_len=128,
         max_body_bytes=BODY_LIMIT,
     )
     server = LiveServer(SpecServer(speculator, options))
@@ -554,7 +556,7 @@ def test_admin_draft_loads_only_allowed_drafts_and_reveals_no_paths(live, folder
         response = _swap(live, spec)
         assert response.status_code == 200, response.text
     fetched = []  # an alias not in the cache is refused, never downloaded
-    monkeypatch.setattr(app_module, "alias_cached", lambda name: False)
+    monkeypatch.setattr(drafts_module, "alias_cached", lambda name: False)
     monkeypatch.setattr(live.server.speculator.pair, "load_draft", lambda spec: fetched.append(spec))
     assert _swap(live, "gemma3-270m").status_code == 400 and not fetched
     assert _swap(live, "gemma3-270m", body_extra={"other": 1}).status_code == 400
@@ -796,7 +798,7 @@ def test_generated_bad_bodies_get_no_5xx_and_leave_the_server_healthy(live) -> N
     """FUZZ_BODIES generated bodies (types, sizes, depths, Unicode, numbers at the edges, random schemas) through an
     in-process client: no 5xx, every error in the OpenAI shape, and a healthy server afterwards."""
     server = SpecServer(
-        live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128, grammar_workers=1)
+        live.server.speculator, ServerOptions(model_name=MODEL, max_batch_size=8, max_seq_len=128, grammar_workers=1)
     )
     app = build_app()
     app.state.server = server

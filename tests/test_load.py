@@ -22,9 +22,10 @@ from live_server import LiveServer
 from model_factory import make_tokenizer, write_hf_model
 
 import specsample.engine as engine_module
-from specsample.server.app import SpecServer
+from specsample.options import EngineOptions
 from specsample.server.options import ServerOptions
-from specsample.speculator import EngineOptions, load
+from specsample.server.state import SpecServer
+from specsample.speculator import load
 
 pytestmark = pytest.mark.load
 
@@ -80,7 +81,7 @@ def live(tmp_path_factory):
     draft = write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
     speculator = load(EngineOptions(target=str(target), draft=str(draft), gamma="auto", max_gamma=4, dtype="float32"))
     server = LiveServer(
-        SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY, max_model_len=128))
+        SpecServer(speculator, ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY, max_seq_len=128))
     )
     yield server
     server.close()
@@ -202,7 +203,7 @@ def big_vocab(tmp_path_factory):
     server = LiveServer(
         SpecServer(
             speculator,
-            ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY, max_model_len=128, grammar_compile_timeout=60),
+            ServerOptions(model_name="tiny", max_batch_size=CONCURRENCY, max_seq_len=128, grammar_compile_timeout=60),
         )
     )
     yield server

@@ -268,7 +268,9 @@ def test_the_summary_line_says_what_gamma_auto_did() -> None:
         "tokens_per_round": 2.0,
         "gamma": "auto (mean 2.0)",
         "draft": "hybrid",
+        "step": "fused-amx",
     }
     assert "lookup rounds" not in summary_line(stats)
+    assert summary_line(stats).endswith("| step fused-amx]")
     line = summary_line({**stats, "lookup_row_rounds": 4, "fallback_row_rounds": 2})
     assert "4 lookup rounds, 2 without drafting" in line

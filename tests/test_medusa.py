@@ -14,7 +14,7 @@ import torch
 from model_factory import draft_request, make_tokenizer, write_hf_model
 from safetensors.torch import save_file
 
-from specsample import Engine, SamplingParams, SpecConfig, generate, tiny_lm
+from specsample import Engine, EngineOptions, SamplingParams, SpecConfig, generate, tiny_lm
 from specsample.config import TreeShape
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.medusa import MedusaDrafter, load_medusa_drafter, medusa_tree
@@ -126,7 +126,7 @@ def test_published_heads_draft_as_the_same_weights_in_memory(layout, tmp_path) -
     (_faster_layout if layout == "medusa" else _vllm_layout)(heads, folder)
     assert is_medusa_folder(folder) and not is_medusa_folder(tmp_path)
     loaded = load_medusa_drafter(folder, target).heads
-    from_spec = load_drafter(str(folder), LoadedModel(target, None, "tiny", "ours"), dtype="float32")
+    from_spec = load_drafter(str(folder), LoadedModel(target, None, "tiny", "ours"), EngineOptions(dtype="float32"))
     assert isinstance(from_spec, MedusaDrafter)  # what --draft FOLDER loads
     for tree in (TREE, None):
         assert _same(

@@ -17,16 +17,20 @@ from model_factory import make_tokenizer, write_hf_model
 
 import specsample.bench.context as bench_context
 import specsample.models.compiled as compiled_module
-import specsample.server.app as server_app
+import specsample.pair as pair_module
 import specsample.server.serve as serve_module
+import specsample.server.state as server_state
 import specsample.speculator as speculator_module
 from specsample.bench.config import BENCH_ENGINE_DEFAULTS, BenchConfig
 from specsample.cli import BENCH_SETS, build_parser, main
 from specsample.drafters.ngram import NgramDrafter
+from specsample.models import row_kernels
+from specsample.models.loader import LoadedModel
+from specsample.models.tiny import tiny_lm
+from specsample.options import EngineOptions
 from specsample.options_cli import settings
 from specsample.planner import FixedGamma
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
-from specsample.speculator import EngineOptions
 
 # for each field, values other than a default, as (value, the text a Serve config YAML gives); an entry point takes
 # the first that differs from its own default
@@ -55,7 +59,7 @@ SERVER_VALUES = {
     "api_key": ("key-1", "key-1"),
     "min_acceptance": (0.5, "0.5"),
     "max_batch_size": (3, "3"),
-    "max_model_len": (512, "512"),
+    "max_seq_len": (512, "512"),
     "admin_key": ("key-2", "key-2"),
     "models_dir": ("MODELS_DIR", "MODELS_DIR"),  # a folder of the test's
     "max_body_bytes": (4096, "4096"),
@@ -65,7 +69,8 @@ SERVER_VALUES = {
     "grammar_workers": (3, "3"),
     "shutdown_timeout": (1.5, "1.5"),
 }
-RAY_NAMES = {"target": "model", "model_name": "served_model_name"}  # as deploy/serve_config.yaml names them
+# as deploy/serve_config.yaml names them
+RAY_NAMES = {"target": "model", "model_name": "served_model_name", "max_seq_len": "max_model_len"}
 
 
 class Built(Exception):
@@ -127,7 +132,7 @@ class Entry:
 
         monkeypatch.setattr(speculator_module, "load", load)
         monkeypatch.setattr(bench_context, "load", load)
-        monkeypatch.setattr(server_app, "SpecServer", server)
+        monkeypatch.setattr(server_state, "SpecServer", server)
         monkeypatch.setattr(serve_module, "serve_http", server)  # never serves, whatever the entry point reaches
         command = self.name if self.name in ("generate", "bench") else "serve"
         words = [w for name, (value, text) in given.items() for w in _words(command, name, value, text)]
@@ -219,6 +224,38 @@ def test_every_server_option_reaches_the_server(entry, monkeypatch, tmp_path) ->
     assert served.model_name == "/models/t"  # the served name defaults to the model's
 
 
+def test_the_pair_loads_each_model_as_the_options_say(monkeypatch) -> None:
+    """`load_pair` takes the options whole and hands each model's loading the options' own values: the target's
+    layout, then a draft model's (its own quantization, the shared int4 group size, dtype, device and compiling)."""
+    calls: list[tuple[str, dict]] = []
+
+    def load_model(spec, **kwargs):
+        calls.append((spec, kwargs))
+        if len(calls) == 2:
+            raise Built
+        return LoadedModel(tiny_lm(32), None, spec, "ours")
+
+    monkeypatch.setattr(pair_module, "load_model", load_model)
+    options = EngineOptions(
+        target="/the/target",
+        draft="/the/draft",
+        dtype="float32",
+        device="cpu",
+        runtime="ours",
+        compile=True,
+        quantize="int8",
+        quant_group=64,
+        draft_quantize="int4",
+    )
+    with pytest.raises(Built):
+        pair_module.load_pair(options)
+    loads = {"dtype": "float32", "device": "cpu", "compile": True, "quant_group": 64}
+    assert calls == [
+        ("/the/target", loads | {"runtime": "ours", "quantize": "int8"}),
+        ("/the/draft", loads | {"quantize": "int4"}),
+    ]
+
+
 def test_the_benchmark_refuses_what_it_sets() -> None:
     assert not set(BENCH_SETS) & set(_subparser("bench").parse_args([]).flags)  # no engine flag for them
     with pytest.raises(ValueError, match="the benchmark sets each system's gamma"):
@@ -228,16 +265,23 @@ def test_the_benchmark_refuses_what_it_sets() -> None:
     assert BenchConfig(gammas=("auto", 12)).engine_options.max_gamma == 12  # caches for the widest round
 
 
-def test_serve_compile_has_vllm_negation() -> None:
-    """Serving compiles by default; --enforce-eager (vLLM's name) turns compiling off and cannot be given with
-    --compile; the default yields to deterministic mode and the transformers runtime, which cannot compile."""
+def test_serve_compile_has_vllm_negation(monkeypatch) -> None:
+    """Serving compiles by default where the fused step will not run; --enforce-eager (vLLM's name) turns compiling
+    off and cannot be given with --compile; the default yields to deterministic mode and the transformers runtime,
+    which cannot compile."""
     serve = _subparser("serve")
     assert serve.parse_args(["--enforce-eager"]).compile is False
     assert serve.parse_args(["--compile"]).compile is True
     assert serve.parse_args([]).compile is None  # not named: serve's default
+    monkeypatch.setattr(row_kernels, "can_build", lambda: False)  # a CPU the fused step cannot run on
     assert serve_engine_options({"compile": None}).compile is SERVE_ENGINE_DEFAULTS.compile is True
     assert serve_engine_options({"compile": None, "deterministic": True}).compile is False
     assert serve_engine_options({"runtime": "hf"}).compile is False
+    monkeypatch.setattr(row_kernels, "can_build", lambda: True)
+    assert serve_engine_options({}).compile is False  # the fused step runs the steps: nothing to compile
+    assert serve_engine_options({"dtype": "float32"}).compile is True
+    assert serve_engine_options({"runtime": "ours"}).compile is True
+    assert serve_engine_options({"compile": True}).compile is True
     assert _silent(["serve", "--compile", "--enforce-eager"]) == 2
 
 

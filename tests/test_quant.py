@@ -258,7 +258,7 @@ def test_quantized_layers_refuse_training() -> None:
 
 
 def test_settings_are_checked() -> None:
-    from specsample.speculator import EngineOptions
+    from specsample.options import EngineOptions
 
     for name, value in (("quantize", "int3"), ("draft_quantize", "fp8"), ("quant_group", 48)):
         with pytest.raises(SettingError) as raised:
@@ -270,11 +270,12 @@ def test_settings_are_checked() -> None:
 
 def test_self_draft_is_the_target_quantized(gguf_models) -> None:
     from specsample.drafters.model import ModelDrafter
+    from specsample.options import EngineOptions
     from specsample.pair import load_drafter
 
     folder = gguf_models[0]
     target = load_model(str(folder), dtype="float32")
-    drafter = load_drafter("self:int4", target, dtype="float32")
+    drafter = load_drafter("self:int4", target, EngineOptions(dtype="float32"))
     assert isinstance(drafter, ModelDrafter) and isinstance(drafter.model.layers[0].qkv, Int4Linear)
     assert drafter.model is not target.model
     with pytest.raises(ValueError, match="self-draft"):

@@ -83,14 +83,15 @@ def _client(url: str, cls=openai.OpenAI):
 
 @pytest.fixture(scope="module")
 def single_process(folders):
-    from specsample.server.app import SpecServer
+    from specsample.options import EngineOptions
     from specsample.server.options import ServerOptions
-    from specsample.speculator import EngineOptions, load
+    from specsample.server.state import SpecServer
+    from specsample.speculator import load
 
     speculator = load(
         EngineOptions(target=str(folders["target"]), draft=str(folders["draft"]), gamma=4, dtype="float32")
     )
-    server = LiveServer(SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=4, max_model_len=256)))
+    server = LiveServer(SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=4, max_seq_len=256)))
     yield server
     server.close()
 

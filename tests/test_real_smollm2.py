@@ -66,10 +66,11 @@ def test_default_draft_is_hybrid_with_the_shipped_draft(smollm2) -> None:
     from specsample.drafters.hybrid import HybridDrafter
     from specsample.drafters.suffix import SuffixDrafter
     from specsample.models.hub import SMOLLM2_DRAFT, builtin_draft
-    from specsample.pair import load_drafter, resolve_draft_spec
+    from specsample.options import EngineOptions
+    from specsample.pair import load_drafter, resolve_draft
 
-    assert resolve_draft_spec(smollm2, None) == "hybrid"
-    drafter = load_drafter("hybrid", smollm2, device=DEVICE)
+    assert resolve_draft(smollm2, None) == "hybrid"
+    drafter = load_drafter("hybrid", smollm2, EngineOptions(device=DEVICE))
     assert isinstance(drafter, HybridDrafter) and drafter.model.folder == builtin_draft(SMOLLM2_DRAFT)
-    assert isinstance(drafter.lookup, SuffixDrafter) and drafter.lookup.scope == "global"
+    assert isinstance(drafter.lookup, SuffixDrafter) and drafter.lookup.suffix_cache_scope == "global"
     assert isinstance(drafter.model, ModelDrafter)

@@ -17,11 +17,13 @@ from live_server import LiveServer, free_port
 from model_factory import make_tokenizer, write_hf_model
 from prometheus_client.parser import text_string_to_metric_families
 
-from specsample.server.app import SpecServer, build_app
+from specsample.options import EngineOptions
+from specsample.server.app import build_app
 from specsample.server.options import ServerOptions
 from specsample.server.protocol import TextAssembler
 from specsample.server.serve import FLUSH_SECONDS, DrainingServer
-from specsample.speculator import EngineOptions, load
+from specsample.server.state import SpecServer
+from specsample.speculator import load
 
 MODEL = "tiny"
 PROMPTS = [
@@ -60,7 +62,7 @@ def _server(folders, api_key=None, max_batch=8, **options) -> LiveServer:
                 api_key=api_key,
                 min_acceptance=0.7,
                 max_batch_size=max_batch,
-                max_model_len=128,
+                max_seq_len=128,
                 **options,
             ),
         )
@@ -163,21 +165,21 @@ def test_usage_stops_counting_at_the_stop_string() -> None:
     import asyncio
 
     from specsample.engine import RowUpdate
-    from specsample.server.app import _Choice
+    from specsample.server.responses import Choice
     from specsample.server.runner import RequestHandle
 
-    async def one_round() -> _Choice:
+    async def one_round() -> Choice:
         loop = asyncio.get_running_loop()
         handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
-        choice = _Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
+        choice = Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abSTxyz")), 6, 6, None))  # 7 tokens in one round
         assert await choice.next() == [("ab", "stop")]
         return choice
 
-    async def two_rounds(last_finish: str | None) -> _Choice:
+    async def two_rounds(last_finish: str | None) -> Choice:
         loop = asyncio.get_running_loop()
         handle = RequestHandle("r", prompt_tokens=3, queue=asyncio.Queue(), loop=loop)
-        choice = _Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
+        choice = Choice(0, handle, TextAssembler(CharDecoder(), ["ST"]))
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "abS")), 2, 2, None))  # "S" held back
         assert await choice.next() == [("ab", None)]
         handle.queue.put_nowait(RowUpdate("r", tuple(map(ord, "Txy")), 2, 2, last_finish))
@@ -338,7 +340,7 @@ def test_metrics_report_the_engines_shared_suffix_cache(folders, scope: str) -> 
     speculator = load(
         EngineOptions(target=str(folders["target"]), draft="suffix", dtype="float32", suffix_cache_scope=scope)
     )
-    server = SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=1, max_model_len=64))
+    server = SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=1, max_seq_len=64))
     server.engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, seed=0))
     output = [t for r in server.engine.stream() for u in r.rows for t in u.new_tokens]
     values = {
@@ -423,7 +425,7 @@ async def _stream_events(client: httpx.AsyncClient, body: dict) -> list[str]:
 def _draining(live, monkeypatch, timeout: float) -> _Draining:
     spec = SpecServer(
         live.server.speculator,
-        ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128, shutdown_timeout=timeout),
+        ServerOptions(model_name=MODEL, max_batch_size=8, max_seq_len=128, shutdown_timeout=timeout),
     )
     step = spec.engine.step
 
@@ -526,7 +528,7 @@ def bf16_servers(folders):
                         **extra,
                     )
                 ),
-                ServerOptions(model_name=MODEL, max_batch_size=8, max_model_len=128),
+                ServerOptions(model_name=MODEL, max_batch_size=8, max_seq_len=128),
             )
         )
         for extra in ({}, {"deterministic": True})

@@ -15,9 +15,10 @@ from live_server import LiveServer
 from model_factory import make_tokenizer, write_hf_model
 from prometheus_client.parser import text_string_to_metric_families
 
-from specsample.server.app import SpecServer
+from specsample.options import EngineOptions
 from specsample.server.options import ServerOptions
-from specsample.speculator import EngineOptions, load
+from specsample.server.state import SpecServer
+from specsample.speculator import load
 
 MODEL = "tiny"
 SCHEMA = {
@@ -37,9 +38,7 @@ def live(tmp_path_factory):
     draft = write_hf_model(root / "draft", "llama", tokenizer=tokenizer, seed=3, num_hidden_layers=1)
     speculator = load(EngineOptions(target=str(target), draft=f"hybrid:{draft}", gamma=3, dtype="float32"))
     server = LiveServer(
-        SpecServer(
-            speculator, ServerOptions(model_name=MODEL, max_batch_size=4, max_model_len=256, prefix_cache_rows=2)
-        )
+        SpecServer(speculator, ServerOptions(model_name=MODEL, max_batch_size=4, max_seq_len=256, prefix_cache_rows=2))
     )
     yield server
     server.close()

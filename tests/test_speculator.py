@@ -51,10 +51,10 @@ def test_gamma_given_as_text_is_parsed() -> None:
 def test_engines_follow_the_options(folders) -> None:
     target, draft = folders
     auto = load(EngineOptions(target=str(target), draft=f"hybrid:{draft}", max_gamma=5, dtype="float32"))
-    assert isinstance(auto.drafter, HybridDrafter) and auto.draft_spec == f"hybrid:{draft}"
+    assert isinstance(auto.drafter, HybridDrafter) and auto.draft == f"hybrid:{draft}"
     engine = auto.engine(max_batch_size=3, max_seq_len=64)
     assert isinstance(engine.planner, GammaController) and engine.planner.max_gamma == 5
-    assert engine.config.max_batch_size == 3 and engine.max_len == 64 and engine.planner.most_drafts == 5
+    assert engine.config.max_batch_size == 3 and engine.max_seq_len == 64 and engine.planner.most_drafts == 5
     assert auto.engine().planner is not engine.planner  # each engine learns afresh unless given a planner
     assert auto.engine(planner=engine.planner).planner is engine.planner
     plain = auto.engine(drafter=None)
@@ -66,7 +66,7 @@ def test_engines_follow_the_options(folders) -> None:
     with pytest.raises(ValueError, match="drafter must be"):
         fixed.engine(drafter="ngram")
     none = load(EngineOptions(target=str(target), speculative=False))
-    assert none.drafter is None and none.draft_spec == "none" and not none.spec_config().speculative
+    assert none.drafter is None and none.draft == "none" and not none.spec_config().speculative
 
 
 def test_trees_reach_the_planner_and_the_caches_or_are_refused(folders) -> None:

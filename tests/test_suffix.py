@@ -270,7 +270,7 @@ def test_the_scope_is_a_checked_setting() -> None:
     """(Ray replicas get it too: tests/test_ray.py.)"""
     from specsample.cli import build_parser
     from specsample.config import SettingError
-    from specsample.speculator import EngineOptions
+    from specsample.options import EngineOptions
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).suffix_cache_scope == "global"

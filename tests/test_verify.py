@@ -9,7 +9,7 @@ from broken import residual_as_target
 from stats_util import chi_square
 
 from specsample.sampling import sample
-from specsample.verify import verify, verify_greedy
+from specsample.verification.chain import verify, verify_greedy
 
 VOCAB = 10
 SAMPLES = 200_000
@@ -153,7 +153,7 @@ def _acceptance_rate_check(target: torch.Tensor, draft: torch.Tensor, beta: floa
 def test_acceptance_probabilities_are_verify_acceptance_rates(case: str) -> None:
     """beta = sum min(target, draft) is the rate at which verify accepts a draft drawn from the draft; a beta
     computed from the wrong pair (the draft against itself: always 1) must fail the same check."""
-    from specsample.verify import acceptance_probabilities
+    from specsample.verification.chain import acceptance_probabilities
 
     target, draft = _cases()[case]
     beta = acceptance_probabilities(torch.zeros(1, 1, dtype=torch.long), draft.view(1, 1, -1), target.view(1, 1, -1))[
@@ -171,7 +171,7 @@ def test_acceptance_probabilities_are_verify_acceptance_rates(case: str) -> None
 
 
 def test_acceptance_probability_of_a_deterministic_draft_is_the_targets_probability_of_it() -> None:
-    from specsample.verify import acceptance_probabilities
+    from specsample.verification.chain import acceptance_probabilities
 
     target = _dist([1, 2, 3, 4]).view(1, 1, -1).expand(2, 3, -1)  # [2, gamma + 1 = 3, 4]
     tokens = torch.tensor([[3, 0], [1, 2]])
@@ -184,7 +184,7 @@ def test_acceptance_probabilities_take_cpu_draft_tokens_with_target_probs_on_the
     (n-gram) path gathered with a CPU index and raised (`SPECSAMPLE_TEST_DEVICE=cuda` exercises that)."""
     from devices import DEVICE
 
-    from specsample.verify import acceptance_probabilities
+    from specsample.verification.chain import acceptance_probabilities
 
     target = _dist([1, 2, 3, 4]).view(1, 1, -1).expand(1, 2, -1).to(DEVICE)  # [1, gamma + 1 = 2, 4]
     tokens = torch.tensor([[3]])  # [1, gamma = 1], on the CPU as a drafter makes it

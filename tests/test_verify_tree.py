@@ -10,8 +10,8 @@ import pytest
 import torch
 from stats_util import chi_square
 
-import specsample.verify_tree as tree_module
-from specsample.verify_tree import rejected_residual, verify_tree, verify_tree_greedy
+import specsample.verification.tree as tree_module
+from specsample.verification.tree import rejected_residual, verify_tree, verify_tree_greedy
 
 VOCAB = 5
 SAMPLES = 8_000
@@ -55,8 +55,8 @@ def _run(p, q, stochastic: bool, verifier=verify_tree, seed: int = 0) -> np.ndar
             target[:, i] = p[tokens[:, i]]
         gens = [torch.Generator().manual_seed(seed * 10**6 + start + r) for r in range(batch)]
         verdict = verifier(tokens, parents, torch.full((batch,), 7), probs if stochastic else None, target, gens)
-        for row, path in enumerate(verdict.paths):
-            out = [int(tokens[row, i]) for i in path] + [int(verdict.next_token[row])]
+        for row, path in enumerate(verdict.paths.tolist()):  # the tree's nodes are block indices 1..
+            out = [int(tokens[row, 1 + i]) for i in path if i >= 0] + [int(verdict.next_token[row])]
             if len(out) < 2:  # the first token was drawn from the residual: the second from the target after it
                 out.append(int(torch.multinomial(p[out[0]], 1, generator=draw)))
             counts[out[0] * VOCAB + out[1]] += 1
@@ -107,11 +107,12 @@ def test_greedy_follows_the_targets_argmax() -> None:
     tokens = torch.tensor([[7, 3, 4, 1, 2, 0]])
     parents = torch.tensor([[-1, 0, 0, 2, 2, 3]])
     logits = torch.full((1, 6, 8), -1.0)
-    logits[0, 0, 4] = 1.0  # after the pending token: 4 (node 2; node 1 holds 3)
-    logits[0, 2, 1] = 1.0  # after 4: 1 (node 3)
+    logits[0, 0, 4] = 1.0  # after the pending token: 4 (block index 2; index 1 holds 3)
+    logits[0, 2, 1] = 1.0  # after 4: 1 (block index 3)
     logits[0, 3, 6] = 1.0  # after 1: 6, which no child holds
     verdict = verify_tree_greedy(tokens, parents, torch.tensor([6]), logits)
-    assert verdict.paths == ((2, 3),) and verdict.next_token.tolist() == [6]
+    assert verdict.paths.tolist() == [[1, 2, -1]]  # block indices 2 and 3: the tree's nodes 1 and 2
+    assert verdict.next_token.tolist() == [6]
     assert verdict.num_accepted.tolist() == [2]
 
 

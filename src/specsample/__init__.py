@@ -22,10 +22,11 @@ from specsample.engine import Engine, RoundResult, RoundStats, RowUpdate
 from specsample.models.base import CausalLM
 from specsample.models.loader import load_model
 from specsample.models.tiny import tiny_lm
+from specsample.options import EngineOptions
 from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner, RoundPlan
-from specsample.speculator import EngineOptions, Speculator, load
-from specsample.verify import Verdict, verify, verify_greedy
+from specsample.speculator import Speculator, load
+from specsample.verification.chain import Verdict, verify, verify_greedy
 
 __all__ = [
     "CausalLM",

@@ -15,9 +15,9 @@ from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.metrics import StatsCollector
 from specsample.models.hub import FetchError
 from specsample.models.quant import QUANT_MODES
+from specsample.options import DEFAULT_TARGET, EngineOptions, check_device
 from specsample.options_cli import Flag, add_flags, flag_values
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
-from specsample.speculator import DEFAULT_TARGET, EngineOptions, check_device
 
 # serve's engine flags named as vLLM names them (the others: as `generate` names them)
 SERVE_FLAGS = {
@@ -457,8 +457,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 sys.stdout.write(decoder.push(update.new_tokens))
                 sys.stdout.flush()
     stats = collector.summary()
-    drafting = speculator.draft_spec != "none"
-    stats.update(gamma=options.gamma if drafting else 0, draft=speculator.draft_spec, target=options.target)
+    drafting = speculator.draft != "none"
+    stats.update(
+        gamma=options.gamma if drafting else 0, draft=speculator.draft, target=options.target, step=speculator.step_path
+    )
     if options.gamma == "auto" and drafting:
         stats["gamma"] = f"auto (mean {stats['gamma_mean']:.1f})"
     if args.json:
@@ -627,6 +629,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     """Evaluate a draft against a target and print the report as JSON."""
     from specsample.distill.evaluate import evaluate
     from specsample.distill.run import evaluation_table
+    from specsample.drafters.base import check_vocabulary
     from specsample.models.loader import load_model
 
     prompts = eval_prompt_set(args.prompts, args.num_prompts)
@@ -638,9 +641,15 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         from specsample.distill.eagle import evaluation_table as head_table
         from specsample.pair import load_drafter
 
-        dtype, quantize = args.dtype or "auto", args.quantize or "auto"
-        target = load_model(args.target, dtype=dtype, quantize=quantize, compile_decode=args.compile)
-        drafter = load_drafter(args.draft, target, dtype=dtype, compile_decode=args.compile)
+        options = EngineOptions(
+            target=args.target,
+            draft=args.draft,
+            dtype=args.dtype or "auto",
+            quantize=args.quantize or "auto",
+            compile=args.compile,
+        )
+        target = load_model(options.target, dtype=options.dtype, quantize=options.quantize, compile=options.compile)
+        drafter = load_drafter(options.draft, target, options)
         if drafter is None:
             raise CliError(f"draft {args.draft} could not be loaded")
         report = evaluate_head(
@@ -652,7 +661,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
             progress=sys.stderr.isatty(),
             measure_cost=not args.no_cost,
         )
-        report["target_weights"] = quantize
+        report["target_weights"] = options.quantize
         report["command"] = args.command_line
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
@@ -663,10 +672,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         raise CliError("--compile applies to a feature draft (its cost ratio compiled beside the target's)")
     target = load_model(args.target, dtype=args.dtype or "float32", quantize=args.quantize or "none")
     draft = load_model(args.draft, dtype=args.dtype or "float32")
-    if draft.model.vocab_size != target.model.vocab_size:
-        raise CliError(
-            f"draft vocabulary ({draft.model.vocab_size}) differs from target vocabulary ({target.model.vocab_size})"
-        )
+    check_vocabulary(draft.model.vocab_size, target.model.vocab_size)
     report = evaluate(
         target.model,
         draft.model,
@@ -699,9 +705,11 @@ def _eval_medusa(args: argparse.Namespace, prompts) -> None:
 
     if args.compile:
         raise CliError("--compile does not apply to Medusa heads (their proposal runs eagerly)")
-    dtype, quantize = args.dtype or "auto", args.quantize or "auto"
-    target = load_model(args.target, dtype=dtype, quantize=quantize)
-    drafter = load_drafter(args.draft, target, dtype=dtype)
+    options = EngineOptions(
+        target=args.target, draft=args.draft, dtype=args.dtype or "auto", quantize=args.quantize or "auto"
+    )
+    target = load_model(options.target, dtype=options.dtype, quantize=options.quantize)
+    drafter = load_drafter(options.draft, target, options)
     if not isinstance(drafter, MedusaDrafter):
         raise CliError(f"draft {args.draft} could not be loaded")
     report = evaluate_medusa(
@@ -713,7 +721,7 @@ def _eval_medusa(args: argparse.Namespace, prompts) -> None:
         progress=sys.stderr.isatty(),
         measure_cost=not args.no_cost,
     )
-    report["target_weights"] = quantize
+    report["target_weights"] = options.quantize
     report["command"] = args.command_line
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
@@ -760,14 +768,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
-    from specsample.server.app import SpecServer
     from specsample.server.serve import serve_http
+    from specsample.server.state import SpecServer
     from specsample.speculator import load
 
     server = SpecServer(load(options, say=_say), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
-    _say(f"serving {options.target} (draft {server.draft_spec}) on http://{args.host}:{args.port}/v1")
+    _say(f"serving {options.target} (draft {server.draft}) on http://{args.host}:{args.port}/v1")
     serve_http(server, args.host, args.port)
 
 
@@ -843,7 +851,7 @@ def summary_line(stats: dict) -> str:
         f"TTFT {1000 * stats['ttft_seconds']:.0f} ms | TPOT {1000 * stats['tpot_seconds']:.1f} ms | "
         f"acceptance {stats['acceptance_rate']:.2f} | {stats['accepted_per_round']:.2f} accepted/round | "
         f"{stats['tokens_per_round']:.2f} tokens/round | "
-        f"gamma {stats['gamma']} | draft {stats['draft']}{_controller_rounds(stats)}]"
+        f"gamma {stats['gamma']} | draft {stats['draft']}{_controller_rounds(stats)} | step {stats['step']}]"
     )
 
 

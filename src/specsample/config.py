@@ -212,9 +212,10 @@ class SpecConfig:
     # tokens the target scores per round at batch 1 for 1, 2, ... tokens asked (extra positions are padding,
     # never read; counts past the table are scored as asked): from row_padding.measure_target_widths
     target_widths: tuple[int, ...] = ()
-    # coupled sampling (specsample.coupling): each output position's token is the Gumbel-max of the target with noise
-    # keyed by (seed, position), shared with the draft, so a seeded request gives the same tokens whatever the plan and
-    # the batch; False: modified rejection sampling (accepts more often; a seed reproduces only under the same plan)
+    # coupled sampling (specsample.verification.coupled): each output position's token is the Gumbel-max of the
+    # target with noise keyed by (seed, position), shared with the draft, so a seeded request gives the same tokens
+    # whatever the plan and the batch; False: modified rejection sampling (accepts more often; a seed reproduces only
+    # under the same plan)
     coupled: bool = False
     # rows of finished requests whose caches are kept (least recently finished dropped first) for a request sharing
     # their prefix, such as the next turn of a chat: it prefills only what follows the shared part; 0: none kept

@@ -21,14 +21,15 @@ from typing import Any
 
 from ray import serve
 
+from specsample.options import DEFAULT_TARGET, EngineOptions
 from specsample.options_cli import parse_text, settings
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
-from specsample.speculator import DEFAULT_TARGET, EngineOptions
 
 log = logging.getLogger("specsample.deploy")
 HUB_NAME = "specsample-metrics-hub"
 HUB_NAMESPACE = "specsample"
-RAY_NAMES = {"target": "model", "model_name": "served_model_name"}  # arguments named unlike their fields
+# arguments named unlike their fields: as vLLM names them, like serve's flags
+RAY_NAMES = {"target": "model", "model_name": "served_model_name", "max_seq_len": "max_model_len"}
 PLACEMENT = ("replicas", "autoscale", "num_cpus", "num_gpus")  # the builder's, not a replica's
 
 
@@ -128,7 +129,7 @@ class SpecsampleReplica:
 
 def replica_server(args: dict[str, Any], replica_id: str | None):
     """A replica's server: its pair loaded from deployment arguments (`ReplicaSettings.as_args`)."""
-    from specsample.server.app import SpecServer
+    from specsample.server.state import SpecServer
     from specsample.speculator import load
 
     settings = ReplicaSettings.from_args(args)

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, SettingError, SpecConfig
-from specsample.coupling import DraftNoise, NoiseStream
 from specsample.drafters.base import (
     BacklogScorer,
     Drafter,
@@ -30,18 +29,22 @@ from specsample.drafters.base import (
     PromptLookup,
     Proposal,
     allocated,
+    check_vocabulary,
 )
 from specsample.grammar import GrammarCompiler
 from specsample.models import compile_events
 from specsample.models.base import CausalLM, FeatureLM, TreeLM, prefill_ragged
+from specsample.models.fused import torch_ops_alone
 from specsample.models.row_padding import score_padded
 from specsample.planner import FixedGamma, Planner
 from specsample.planner.base import BatchState, RoundPlan, RowState
 from specsample.processors import RowProcessors, Shaper, token_logprobs
 from specsample.rounds import RoundResult, RoundStats, RowUpdate, TokenLogprob, round_outcome, round_stats
 from specsample.scheduler import Admission, Request, Scheduler
-from specsample.verifier import Verifier, block_parents
-from specsample.verify import Verdict
+from specsample.token_tree import block_parents
+from specsample.verification.chain import Verdict
+from specsample.verification.coupled import DraftNoise, NoiseStream
+from specsample.verification.verifier import Verifier
 
 __all__ = ["Engine", "RoundResult", "RoundStats", "RowUpdate", "TokenLogprob"]
 
@@ -53,8 +56,8 @@ class Engine:
 
     Requests may be added and cancelled between rounds from other threads; each keeps its own
     slot in the target's and the drafter's caches and its own seeded generator, so no request sees
-    another's tokens. With coupled sampling (`SpecConfig.coupled`, specsample.coupling) a seeded request gives
-    the tokens plain decoding with that seed gives, whatever the plan and the batch (up to the rounding of the
+    another's tokens. With coupled sampling (`SpecConfig.coupled`, specsample.verification.coupled) a seeded request
+    gives the tokens plain decoding with that seed gives, whatever the plan and the batch (up to the rounding of the
     target's logits, which deterministic mode removes: models/invariant.py).
     """
 
@@ -73,12 +76,7 @@ class Engine:
         learns costs from. `grammars` compiles the requests' grammars for the target's tokenizer (None: requests with
         a grammar are refused)."""
         drafter = NoDrafter() if drafter is None else drafter
-        if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"draft vocabulary ({drafter.vocab_size}) differs from target vocabulary "
-                f"({target.vocab_size}); pick a draft trained with the target's tokenizer, or use an "
-                "n-gram drafter"
-            )
+        check_vocabulary(drafter.vocab_size, target.vocab_size)
         if isinstance(drafter, FeatureDrafter) and drafter.wants_features and not isinstance(target, FeatureLM):
             raise ValueError(
                 f"the draft reads the target's hidden states, which the target's runtime "
@@ -88,13 +86,13 @@ class Engine:
         self.target, self.config, self.clock, self.grammars = target, config, clock, grammars
         self.verifier = Verifier(config.coupled)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.max_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
+        self.max_seq_len = min(config.max_seq_len or target.max_seq_len, target.max_seq_len)
         room = self.planner.most_drafts  # the most drafts a round holds per row
-        # slack past max_len: padded positions of a round may be written (never read) beyond it
+        # slack past max_seq_len: padded positions of a round may be written (never read) beyond it
         widest = max(room + 1, max(config.target_widths, default=0))
         slots = config.max_batch_size + config.prefix_cache_rows  # running rows, and finished ones kept for reuse
-        self.cache = target.new_cache(slots, self.max_len + widest + 1)
-        self.drafter = allocated(drafter, slots, self.max_len + room + 2)
+        self.cache = target.new_cache(slots, self.max_seq_len + widest + 1)
+        self.drafter = allocated(drafter, slots, self.max_seq_len + room + 2)
         self.scheduler = Scheduler(self.cache, self.drafter, config.max_batch_size, config.prefix_cache_rows)
         self._abilities: tuple[Drafter | None, bool, bool, bool] = (None, False, False, False)  # see _abilities_of
 
@@ -138,10 +136,10 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
-        if len(prompt) + params.max_new_tokens > self.max_len:
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context window ({self.max_len} tokens)"
+                f"context window ({self.max_seq_len} tokens)"
             )
         if gamma is not None and not 1 <= gamma <= self.planner.max_gamma:
             raise ValueError(f"gamma must be in 1..{self.planner.max_gamma} (the engine's maximum), got {gamma}")
@@ -187,9 +185,13 @@ class Engine:
         while self.has_work():
             yield self.step()
 
-    @torch.inference_mode()
     def step(self) -> RoundResult:
         """Run one round for every running request (admitting waiting ones first)."""
+        with torch_ops_alone(self.target):
+            return self._round()
+
+    @torch.inference_mode()
+    def _round(self) -> RoundResult:
         cancelled = self._cancel()
         compiled = compile_events.counts()  # what compiled models do this round
         start = self.clock()
@@ -212,7 +214,7 @@ class Engine:
                 target_logits,
                 [r.slot for r in rows],
                 block,
-                None if proposal.parents is None else block_parents(proposal),
+                None if proposal.parents is None else block_parents(proposal.parents, proposal.num_drafted),
             )
         verdict, target_probs = self.verifier(
             block, proposal, target_logits, [r.params for r in rows], [r.generator for r in rows], self._noise(rows)
@@ -363,7 +365,8 @@ class Engine:
         tokens = block.to(self.target.device)
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         if proposal.parents is not None:  # a token tree per row: every node in the same forward
-            logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, block_parents(proposal))
+            parents = block_parents(proposal.parents, proposal.num_drafted)
+            logits, hidden = self.target.forward_cached_tree(tokens, self.cache, slots, parents)
             return logits, hidden if self._wants_features() else None
         width = (
             self.config.target_widths[tokens.shape[1] - 1]

@@ -149,40 +149,41 @@ def _message(exc: Exception) -> str:
 
 
 class Matcher:
-    """One request's position in its grammar: the committed tokens, and past them a path of drafts it was moved along
-    (`follow`), which the next `follow` or `commit` rolls back as far as it differs."""
+    """One request's position in its grammar: the committed tokens, and past them the drafts it was moved along
+    (`follow`), which the next `follow` or `commit` rolls back as far as they differ."""
 
     def __init__(self, xgr, compiled, vocab_size: int) -> None:
         self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
-        self._path: list[int] = []  # tokens accepted past the committed ones
+        self._followed: list[int] = []  # tokens accepted past the committed ones
         self._words = (vocab_size + 31) // 32
 
-    def follow(self, path: Sequence[int]) -> bool:
-        """Move to the committed tokens followed by `path`; False (left at the longest allowed prefix) when the
-        grammar disallows a token of it."""
+    def follow(self, drafts: Sequence[int]) -> bool:
+        """Move to the committed tokens followed by `drafts`; False (left at the longest allowed prefix) when the
+        grammar disallows a token of them."""
         common = 0
-        for had, want in zip(self._path, path):
+        for had, want in zip(self._followed, drafts):
             if had != want:
                 break
             common += 1
-        if len(self._path) > common:
-            self._matcher.rollback(len(self._path) - common)
-            del self._path[common:]
-        for token in path[common:]:
+        if len(self._followed) > common:
+            self._matcher.rollback(len(self._followed) - common)
+            del self._followed[common:]
+        for token in drafts[common:]:
             if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
                 return False
-            self._path.append(int(token))
+            self._followed.append(int(token))
         return True
 
-    def allowed(self, paths: Sequence[Sequence[int]]) -> Tensor:
-        """`[len(paths), vocab]` bool: the tokens the grammar allows after each path. A path the grammar does not
-        allow, or that ended the grammar, allows every token: no token after it is ever committed (the verifier
-        rejects the disallowed token, the engine stops at the end), and a distribution there must stay usable."""
-        bitmask = torch.full((len(paths), self._words), -1, dtype=torch.int32)
-        for i, path in enumerate(paths):
-            if self.follow(path) and not self._matcher.is_terminated():
+    def allowed(self, drafts_before: Sequence[Sequence[int]]) -> Tensor:
+        """`[len(drafts_before), vocab]` bool: the tokens the grammar allows after each sequence of drafts. Drafts the
+        grammar does not allow, or that ended the grammar, allow every token: no token after them is ever committed
+        (the verifier rejects the disallowed token, the engine stops at the end), and a distribution there must stay
+        usable."""
+        bitmask = torch.full((len(drafts_before), self._words), -1, dtype=torch.int32)
+        for i, drafts in enumerate(drafts_before):
+            if self.follow(drafts) and not self._matcher.is_terminated():
                 self._matcher.fill_next_token_bitmask(bitmask, i)
         return unpack_bitmask(bitmask, self.vocab_size)
 
@@ -190,13 +191,13 @@ class Matcher:
         """Make `tokens` committed (drafts followed past them are rolled back first); False if the grammar disallows
         one of them."""
         ok = self.follow(tokens)
-        self._path = []
+        self._followed = []
         return ok
 
     @property
     def ended(self) -> bool:
         """Whether the committed tokens ended the grammar (accepted an end-of-sequence token)."""
-        return not self._path and self._matcher.is_terminated()
+        return not self._followed and self._matcher.is_terminated()
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

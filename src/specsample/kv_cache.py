@@ -73,14 +73,14 @@ class KVCache(RowLengths):
             )
         return starts
 
-    def keep_path(self, slot: int, start: int, path: list[int]) -> None:
-        """Keep, of a block appended at `start` in row `slot`, the entries at block indices `path` (increasing),
-        moved to `start`, `start + 1`, ...; the row's length becomes `start + len(path)`. Each entry moves down or
-        stays, so the moves never overwrite one still to be read."""
-        for i, index in enumerate(path):
+    def keep_path(self, slot: int, start: int, indices: list[int]) -> None:
+        """Keep, of a block appended at `start` in row `slot`, the entries at block `indices` (increasing: the pending
+        token's and an accepted path's), moved to `start`, `start + 1`, ...; the row's length becomes
+        `start + len(indices)`. Each entry moves down or stays, so the moves never overwrite one still to be read."""
+        for i, index in enumerate(indices):
             if index < i:
-                raise ValueError(f"path {path} must be increasing block indices")
+                raise ValueError(f"block indices {indices} must be increasing")
             if index != i:
                 self.key_store[:, slot, :, start + i] = self.key_store[:, slot, :, start + index]
                 self.value_store[:, slot, :, start + i] = self.value_store[:, slot, :, start + index]
-        self.lengths[slot] = start + len(path)
+        self.lengths[slot] = start + len(indices)

@@ -70,6 +70,20 @@ def settings(cls: type) -> dict[str, Setting]:
     return {f.name: f.metadata[SETTING] for f in fields(cls) if SETTING in f.metadata}
 
 
+def check_choices(record: object) -> None:
+    """Raise `SettingError` for the first field of `record` whose value is not one of its setting's `choices` (None
+    passes where the field's type allows it): what a record with choices checks in its `__post_init__`."""
+    cls = type(record)
+    hints = typing.get_type_hints(cls)
+    for name, spec in settings(cls).items():
+        value = getattr(record, name)
+        if spec.choices is None or value in spec.choices:
+            continue
+        if value is None and type(None) in typing.get_args(hints[name]):
+            continue
+        raise SettingError(name, f"{name} must be one of {', '.join(map(str, spec.choices))}, got {value!r}")
+
+
 def field_kind(cls: type, name: str) -> type:
     """What text given for field `name` is read as: its type without None; a union of several (`int | str`) stays
     text, for the record to parse."""

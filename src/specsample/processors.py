@@ -1,11 +1,11 @@
 """Logits processors: penalties, logit bias and a grammar mask, applied alike to the draft's and the target's logits.
 
 A processed distribution at a position is a function of the tokens before it: the prompt, the committed output
-and, inside a round, the drafts on the path to that position. The drafter processes its logits at each draft step
-with the drafts it drew before it, the target each scored position with the drafts before it, through the same
-`Shaper`; the verifier then sees processed q and p, and the output follows the processed target exactly (the
-rejection rule holds for any pair of distributions given the past). The state a row carries between rounds, its
-token counts and its grammar matcher, moves only on commit.
+and, inside a round, the drafts before that position (in a tree: its ancestors). The drafter processes its logits at
+each draft step with the drafts it drew before it, the target each scored position with the drafts before it,
+through the same `Shaper`; the verifier then sees processed q and p, and the output follows the processed target
+exactly (the rejection rule holds for any pair of distributions given the past). The state a row carries between
+rounds, its token counts and its grammar matcher, moves only on commit.
 
 Order on the logits (vLLM's definitions): repetition penalty (a seen token's positive logit divided by it, a
 negative one multiplied, over prompt and output), frequency and presence penalties (over the output), logit bias,
@@ -82,17 +82,17 @@ class Shaper:
         self.matchers = {i: r.matcher for i, r in enumerate(states) if r.matcher is not None}
         self.vocab_size = vocab
 
-    def _apply(self, logits: Tensor, rows: list[int], paths: Sequence[Sequence[int]]) -> Tensor:
-        """Processed `logits [n, vocab]`: position i of stacked row `rows[i]`, after its committed tokens and
-        `paths[i]`."""
+    def _apply(self, logits: Tensor, rows: list[int], drafts_before: Sequence[Sequence[int]]) -> Tensor:
+        """Processed `logits [n, vocab]`: position i of stacked row `rows[i]`, after its committed tokens and the
+        drafts `drafts_before[i]`."""
         out = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         device, dtype = out.device, out.dtype
         index = torch.tensor(rows, dtype=torch.long)
         if self.counted:
-            counts = self.output_counts[index]  # [n, vocab]: the output's, then each path's drafts
-            drafted = [i for i, path in enumerate(paths) for _ in path]
+            counts = self.output_counts[index]  # [n, vocab]: the output's, then each position's drafts before it
+            drafted = [i for i, before in enumerate(drafts_before) for _ in before]
             if drafted:
-                tokens = torch.tensor([t for path in paths for t in path], dtype=torch.long)
+                tokens = torch.tensor([t for before in drafts_before for t in before], dtype=torch.long)
                 counts.index_put_(
                     (torch.tensor(drafted), tokens), torch.ones(len(drafted), dtype=counts.dtype), accumulate=True
                 )
@@ -112,15 +112,19 @@ class Shaper:
                 if row in self.matchers:
                     at.setdefault(row, []).append(i)
             for row, positions in at.items():
-                allowed[positions] = self.matchers[row].allowed([paths[i] for i in positions])
+                allowed[positions] = self.matchers[row].allowed([drafts_before[i] for i in positions])
             out = out.masked_fill(~allowed.to(device), float("-inf"))
         return out
 
     def next_logits(
-        self, logits: Tensor, slots: Sequence[int], paths: Sequence[Sequence[int]], columns: Tensor | None = None
+        self,
+        logits: Tensor,
+        slots: Sequence[int],
+        drafts_before: Sequence[Sequence[int]],
+        columns: Tensor | None = None,
     ) -> Tensor:
-        """Processed `logits [m, K]`: row i belongs to slot `slots[i]` and follows its committed tokens and
-        `paths[i]`; `columns [K]`: the token id of each column (None: the vocabulary in order)."""
+        """Processed `logits [m, K]`: row i belongs to slot `slots[i]` and follows its committed tokens and the drafts
+        `drafts_before[i]`; `columns [K]`: the token id of each column (None: the vocabulary in order)."""
         chosen = [i for i, slot in enumerate(slots) if slot in self._index]
         if not chosen:
             return logits
@@ -130,40 +134,40 @@ class Shaper:
             full = torch.full((len(chosen), self.vocab_size), float("-inf"), dtype=out.dtype, device=out.device)
             full[:, columns.to(out.device)] = picked
             picked = full
-        shaped = self._apply(picked, [self._index[slots[i]] for i in chosen], [paths[i] for i in chosen])
+        shaped = self._apply(picked, [self._index[slots[i]] for i in chosen], [drafts_before[i] for i in chosen])
         out[chosen] = shaped if columns is None else shaped[:, columns.to(out.device)]
         return out
 
     def block_logits(self, logits: Tensor, slots: Sequence[int], tokens: Tensor, parents: Tensor | None) -> Tensor:
         """Processed target logits `[b, n, vocab]` of a scored block: `tokens [b, n]` the pending token then the
-        drafts, `parents [b, n]` each block index's parent (None: a chain). Position j follows the drafts on the path
-        to block index j (the pending token is committed already)."""
+        drafts, `parents [b, n]` each block index's parent (None: a chain). The logits at block index j follow the
+        drafts up to it: in a tree, its ancestors and itself (the pending token is committed already)."""
         chosen = [i for i, slot in enumerate(slots) if slot in self._index]
         if not chosen:
             return logits
         out = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).clone()
         token_rows = tokens[chosen].cpu().tolist()
         parent_rows = None if parents is None else parents[chosen].cpu().tolist()
-        rows, paths = [], []
+        rows, drafts_before = [], []
         for k, i in enumerate(chosen):
             row_tokens = token_rows[k]
             rows += [self._index[slots[i]]] * len(row_tokens)
-            paths += (
+            drafts_before += (
                 [row_tokens[1 : j + 1] for j in range(len(row_tokens))]
                 if parent_rows is None
-                else _tree_paths(row_tokens, parent_rows[k])
+                else _tree_drafts_before(row_tokens, parent_rows[k])
             )
         width = out.shape[1]
-        out[chosen] = self._apply(out[chosen].flatten(0, 1), rows, paths).view(len(chosen), width, -1)
+        out[chosen] = self._apply(out[chosen].flatten(0, 1), rows, drafts_before).view(len(chosen), width, -1)
         return out
 
 
-def _tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
-    """Per block index, the tokens on the path to it after the pending token (parents come before children)."""
-    paths: list[list[int]] = [[]]
+def _tree_drafts_before(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Per block index, the drafts from the pending token's child down to it (parents come before children)."""
+    before: list[list[int]] = [[]]
     for j in range(1, len(tokens)):
-        paths.append(paths[parents[j]] + [tokens[j]])
-    return paths
+        before.append(before[parents[j]] + [tokens[j]])
+    return before
 
 
 def token_logprobs(

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from specsample.drafters.base import Proposal
 from specsample.planner.base import RoundEvidence, RoundOutcome, RoundPlan, RowOutcome
-from specsample.verifier import block_parents
-from specsample.verify import Verdict
+from specsample.token_tree import block_parents, tree_depths
+from specsample.verification.chain import Verdict
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,7 @@ class RoundResult:
 
 def _depths(proposal: Proposal) -> Tensor:
     """`[b, nodes]` each proposal node's depth (1 for the pending token's children)."""
-    from specsample.models.llama import tree_ancestors
-
-    return tree_ancestors(block_parents(proposal))[1][:, 1:]
+    return tree_depths(block_parents(proposal.parents, proposal.num_drafted))[:, 1:]
 
 
 def round_stats(

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specsample.config import SamplingParams
-from specsample.coupling import NoiseStream
 from specsample.drafters.base import Drafter, PrefixKeeper, common_prefix
 from specsample.processors import RowProcessors
+from specsample.verification.coupled import NoiseStream
 
 MIN_REUSED = 16  # a kept row is taken over by a request sharing at least this many leading tokens with it
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spec_bench_prompts
-from specsample.speculator import EngineOptions
+from specsample.options import EngineOptions
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp", "llama.cpp-lookup", "hybrid-ngram")
 SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "repeat")

@@ -89,10 +89,10 @@ class Bench:
             self.notes.append(f"{len(loaded) - len(kept)} prompts longer than the context window were skipped")
         self.prompts = [p for p, _ in kept]
         self.prompt_ids = [ids for _, ids in kept]
-        self.max_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens
+        self.max_seq_len = max(len(i) for i in self.prompt_ids) + config.max_new_tokens
         if "repeat" in config.suites:  # peers hold the repeat suite's longest request too
-            self.max_len = max(
-                self.max_len, context_needed(tokenizer, config.max_new_tokens, workload(config.num_prompts))
+            self.max_seq_len = max(
+                self.max_seq_len, context_needed(tokenizer, config.max_new_tokens, workload(config.num_prompts))
             )
         if self.speculator.target_widths:
             self.notes.append(
@@ -116,21 +116,21 @@ class Bench:
         drafter: Drafter | None,
         make_planner: Callable[[], Planner],
         keep_planner: bool = True,
-        max_len: int | None = None,
+        max_seq_len: int | None = None,
     ) -> Ours:
         """One of ours: `drafter` (None: target-only) under planners from `make_planner`, for sequences of up to
-        `max_len` tokens (default: the run's prompts and --max-new-tokens)."""
+        `max_seq_len` tokens (default: the run's prompts and --max-new-tokens)."""
 
         def make_engine(batch: int, drafter: Drafter | None, planner: Planner):
-            return self.speculator.engine(batch, max_len or self.max_len, drafter=drafter, planner=planner)
+            return self.speculator.engine(batch, max_seq_len or self.max_seq_len, drafter=drafter, planner=planner)
 
         return Ours(name, make_engine, drafter, make_planner, keep_planner)
 
-    def target_only(self, max_len: int | None = None) -> Ours:
-        return self.system("target-only", None, lambda: FixedGamma(1), max_len=max_len)
+    def target_only(self, max_seq_len: int | None = None) -> Ours:
+        return self.system("target-only", None, lambda: FixedGamma(1), max_seq_len=max_seq_len)
 
     def ours(
-        self, gamma: int | str, drafter: Drafter | None = None, tree: bool = False, max_len: int | None = None
+        self, gamma: int | str, drafter: Drafter | None = None, tree: bool = False, max_seq_len: int | None = None
     ) -> Ours:
         """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto; with `tree`, with --tree's trees."""
         if self.speculator.drafter is None:
@@ -141,7 +141,7 @@ class Bench:
         else:
             make = lambda: FixedGamma(gamma, shape)  # noqa: E731
         name = f"specsample gamma={gamma}" + (f" tree={shape}" if shape else "")
-        return self.system(name, drafter or self.speculator.drafter, make, max_len=max_len)
+        return self.system(name, drafter or self.speculator.drafter, make, max_seq_len=max_seq_len)
 
     def draft_model(self) -> ModelDrafter | None:
         """A new drafter on the loaded draft model (its own cache), or None without one."""
@@ -210,7 +210,7 @@ class Bench:
                 )
             else:
                 self.notes.append(
-                    f"hf-assisted skipped: the draft ({self.speculator.draft_spec}) is not a model "
+                    f"hf-assisted skipped: the draft ({self.speculator.draft}) is not a model "
                     "folder transformers can load"
                 )
         if "hf-lookup" in self.config.compare:
@@ -227,16 +227,24 @@ class Bench:
         gguf = target.gguf
         if gguf is None and target.spec in ALIASES:
             gguf = alias_gguf(target.spec)
-        peer, reason = peer_or_reason(gguf, self.max_len, self.eos, lookup=lookup)
+        peer, reason = peer_or_reason(gguf, self.max_seq_len, self.eos, lookup=lookup)
         if peer is None:
             self.notes.append(reason)
             self._say(reason)
             return []
         self.notes.append(
-            f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} threads"
-            + (f", {peer.about}" if peer.about else "")
+            f"{peer.name}: llama-cpp-python {peer.version} on {gguf.name}, {peer.threads} thread"
+            f"{'s' if peer.threads != 1 else ''}, context "
+            f"{peer.n_ctx} tokens, in a process of its own" + (f", {peer.about}" if peer.about else "")
         )
         return [peer]
+
+    def close(self) -> None:
+        """End the peers' child processes."""
+        for peer in self.peers:
+            close = getattr(peer, "close", None)
+            if close is not None:
+                close()
 
 
 def environment(bench: Bench) -> dict[str, Any]:
@@ -253,7 +261,7 @@ def environment(bench: Bench) -> dict[str, Any]:
         "device": str(device),
         "dtype": str(getattr(model, "dtype", "unknown")).removeprefix("torch."),
         "target": bench.config.engine.target,
-        "draft": bench.speculator.draft_spec,
+        "draft": bench.speculator.draft,
         "weights": bench.speculator.pair.target.quantize,
     }
     if device.type == "cuda":

@@ -8,7 +8,8 @@ a server; each first decodes WARM_UP untimed. Then each request is decoded by ev
 by round in an order drawn afresh every round, each on its own clock (as `run_lockstep`), then the peers one after
 another in an order rotating request by request. A second turn's history holds the first reply the system itself
 sent, as a client sends back what it received (at temperature 0 the same text for every system, up to the rounding
-of bfloat16 scores).
+of bfloat16 scores; an empty reply where a peer failed on the first turn). A peer's failure on a request is recorded
+in that row's `failed`, with its cause, and the stream goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.repeat_stream import KINDS, Request, context_needed, workload
 from specsample.bench.systems import Ours, OursRun, record, speed_line
+from specsample.bench.worker import PeerFailed
 from specsample.drafters.base import Drafter
 from specsample.engine import Engine
 from specsample.planner import GammaController
@@ -28,12 +30,12 @@ WARM_UP = "Say OK."  # each system's first request, not timed (its few tokens en
 WARM_UP_TOKENS = 4
 
 
-def repeat_systems(bench: Bench, max_len: int) -> list[Ours]:
+def repeat_systems(bench: Bench, max_seq_len: int) -> list[Ours]:
     """Target-only and the lookups the repeat suite compares, each on an engine of its own kept for the stream."""
 
     def resident(name: str, drafter: Drafter | None) -> Ours:
         planner = GammaController(bench.config.engine.max_gamma)
-        engine = bench.speculator.engine(1, max_len, drafter=drafter, planner=planner)
+        engine = bench.speculator.engine(1, max_seq_len, drafter=drafter, planner=planner)
         return Resident(name, engine)
 
     systems = [resident("target-only", None)]
@@ -69,18 +71,21 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     if not tokenizer.has_chat_template:
         raise ValueError(f"{bench.config.engine.target} has no chat template: the repeat suite sends chats")
     stream = workload(bench.config.num_prompts)
-    max_len = context_needed(bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens, stream)
+    max_seq_len = context_needed(bench.speculator.pair.target.tokenizer, bench.config.max_new_tokens, stream)
     store.update(
         requests=len(stream), kinds={k: sum(r.kind == k for r in stream) for k in KINDS}, runs={}, warm_up=WARM_UP
     )
     warm_up = tokenizer.encode(WARM_UP, chat=True)
     shuffle = random.Random(bench.config.seed)
     for temperature in bench.config.temperatures:
-        ours = repeat_systems(bench, max_len)
+        ours = repeat_systems(bench, max_seq_len)
         peers = [p for p in bench.peers if not isinstance(p, Ours)]
         store["systems"] = [s.name for s in ours + peers]
         for system in ours + peers:  # first-use costs (compiled graphs, allocations) land here, untimed
-            system.run([warm_up], [bench.params(temperature, 10**6, WARM_UP_TOKENS)])
+            try:
+                system.run([warm_up], [bench.params(temperature, 10**6, WARM_UP_TOKENS)])
+            except PeerFailed as exc:
+                store.setdefault("warm_up_failed", {}).setdefault(str(temperature), {})[system.name] = str(exc)
         rows = store["runs"].setdefault(str(temperature), [])
         replies: dict[str, dict[int, list[int]]] = {s.name: {} for s in ours + peers}  # system -> request -> reply
         progress = Progress(f"repeat T={temperature}", len(stream))
@@ -92,8 +97,12 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
             params = bench.params(temperature, i)
             turn = i % max(len(peers), 1)
             named = _lockstep(ours, prompts, params, shuffle)
+            failed = {}
             for peer in peers[turn:] + peers[:turn]:
-                named[peer.name] = peer.run([prompts[peer.name]], [params])[0]
+                try:
+                    named[peer.name] = peer.run([prompts[peer.name]], [params])[0]
+                except PeerFailed as exc:
+                    failed[peer.name] = str(exc)
             row = {
                 "prompt": request.id,
                 "category": request.kind,
@@ -101,8 +110,11 @@ def repeat(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
                 "systems": {},
             }
             for name in store["systems"]:
-                replies[name][i] = named[name].tokens
-                row["systems"][name] = record(named[name])
+                replies[name][i] = named[name].tokens if name in named else []  # a failed peer sent nothing
+                if name in named:
+                    row["systems"][name] = record(named[name])
+            if failed:
+                row["failed"] = failed
             rows.append(row)
             recorder.save()
             progress.step(speed_line(row))

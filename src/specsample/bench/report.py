@@ -46,13 +46,47 @@ def _prompt_rows(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, tuple[
 
 
 def _speedups(rows: list[dict[str, Any]], systems: list[str]) -> dict[str, dict[str, list[float]]]:
-    """Each system's speed over target-only, per category and overall, with its interval."""
+    """Each system's speed over target-only, per category and overall, with its interval, paired on the prompts it
+    ran: all of them, or, for a peer that failed on some, the others (no cells where it ran on none)."""
 
-    def ratios(speeds: dict[str, float]) -> dict[str, float]:
-        base = speeds.get(BASELINE, 0.0)
-        return {name: speeds.get(name, 0.0) / base if base else 0.0 for name in systems}
+    def ratios(names: list[str]):
+        def statistic(speeds: dict[str, float]) -> dict[str, float]:
+            base = speeds.get(BASELINE, 0.0)
+            return {name: speeds.get(name, 0.0) / base if base else 0.0 for name in names}
 
-    return bootstrap(_prompt_rows(rows), ratios, LEVEL)
+        return statistic
+
+    complete = [name for name in systems if all(name in row["systems"] for row in rows)]
+    out = bootstrap(_prompt_rows(rows), ratios(complete), LEVEL)
+    for name in systems:
+        if name not in complete:
+            ran = [row for row in rows if name in row["systems"]]
+            out[name] = bootstrap(_prompt_rows(ran), ratios([name]), LEVEL)[name] if ran else {}
+    return out
+
+
+def _ran(rows: list[dict[str, Any]], name: str) -> str:
+    """A system's name, and on how many of the prompts it ran where it failed on some."""
+    count = sum(name in row["systems"] for row in rows)
+    return name if count == len(rows) else f"{name} (ran {count} of {len(rows)})"
+
+
+def _failure_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """A table of the runs that failed (a peer that crashed or raised on a prompt), with their causes."""
+    failed = [(name, row, why) for row in rows for name, why in row.get("failed", {}).items()]
+    if not failed:
+        return []
+    lines = [
+        "",
+        f"Failed runs ({len(failed)}; each is left out of its system's figures, whose speedups pair the prompts it "
+        "ran):",
+        "",
+        "| system | prompt | category | cause |",
+        "|---|---|---|---|",
+    ]
+    return lines + [
+        f"| {name} | {row['prompt']} | {row['category']} | {why.replace('|', '/')} |" for name, row, why in failed
+    ]
 
 
 def _pooled(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -62,7 +96,7 @@ def _pooled(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     ttfts = [r["ttft"] for r in records if r["ttft"] is not None]
     tpots = [r["tpot_p50"] for r in records if r["tpot_p50"] is not None]
     out: dict[str, Any] = {
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else (None if not records else 0.0),
         "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
         "ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
         "tpot_ms": 1000 * statistics.median(tpots) if tpots else None,
@@ -138,8 +172,8 @@ def compare_section(store: dict[str, Any]) -> list[str]:
             pooled = _pooled(rows, name)
             accepted = pooled["mean_accepted_length"] - 1 if "mean_accepted_length" in pooled else None
             lines.append(
-                f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
-                f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                f"| {_ran(rows, name)} | {_fmt(pooled['tokens_per_s'], 1)} | {_interval(speed[name].get('overall'))} "
+                f"| {_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
                 f"{_fmt(accepted)} | {_fmt(pooled['ttft_ms'], 0)} | {_fmt(pooled['tpot_ms'], 1)} |"
             )
         if store.get("compiled"):
@@ -153,7 +187,7 @@ def compare_section(store: dict[str, Any]) -> list[str]:
             "| category | " + " | ".join(others) + " |",
             "|---" * (len(others) + 1) + "|",
         ]
-        lines += [f"| {c} | " + " | ".join(_interval(speed[n][c]) for n in others) + " |" for c in cats]
+        lines += [f"| {c} | " + " | ".join(_interval(speed[n].get(c)) for n in others) + " |" for c in cats]
         for name in others:
             by_category = {c: _tree_use([r for r in rows if r["category"] == c], name) for c in cats}
             if any(by_category.values()):
@@ -171,6 +205,7 @@ def compare_section(store: dict[str, Any]) -> list[str]:
             [n for n in COMPARE_REFERENCES if n in systems],
             cats,
         )
+        lines += _failure_lines(rows)
         for name in others:
             per_pos = _pooled(rows, name).get("acceptance_per_position")
             if per_pos:
@@ -183,17 +218,27 @@ COMPARE_REFERENCES = ("hybrid, n-gram lookup gamma=auto", "llama.cpp", "llama.cp
 
 
 def _ratio_lines(rows: list[dict[str, Any]], ours: list[str], references: list[str], cats: list[str]) -> list[str]:
-    """A table of each of `ours` over each reference system, overall and per category (paired bootstrap)."""
+    """A table of each of `ours` over each reference system, overall and per category (paired bootstrap over the
+    prompts the reference ran)."""
     if not ours or not references:
         return []
 
-    def ratios(speeds: dict[str, float]) -> dict[str, float]:
-        return {f"{a} / {b}": speeds[a] / speeds[b] if speeds.get(b) else 0.0 for a in ours for b in references}
+    def ratios(reference: str):
+        def statistic(speeds: dict[str, float]) -> dict[str, float]:
+            return {f"{a} / {reference}": speeds[a] / speeds[reference] if speeds.get(reference) else 0.0 for a in ours}
 
-    between = bootstrap(_prompt_rows(rows), ratios, LEVEL)
+        return statistic
+
+    between: dict[str, dict[str, list[float]]] = {}
+    for reference in references:
+        ran = [row for row in rows if reference in row["systems"]]
+        if ran:
+            between.update(bootstrap(_prompt_rows(ran), ratios(reference), LEVEL))
+    if not between:
+        return []
     lines = ["", "Speed ratios:", "", "| ratio | overall | " + " | ".join(cats) + " |", "|---" * (len(cats) + 2) + "|"]
     return lines + [
-        f"| {key} | {_interval(cells['overall'])} | " + " | ".join(_interval(cells[c]) for c in cats) + " |"
+        f"| {key} | {_interval(cells.get('overall'))} | " + " | ".join(_interval(cells.get(c)) for c in cats) + " |"
         for key, cells in between.items()
     ]
 
@@ -412,7 +457,7 @@ def repeat_section(store: dict[str, Any]) -> list[str]:
     for temperature, rows in store.get("runs", {}).items():
         if not rows:
             continue
-        names = [n for n in systems if all(n in row["systems"] for row in rows)]
+        names = [n for n in systems if any(n in row["systems"] for row in rows)]
         speed = _speedups(rows, names)
         lines += [
             f"### Temperature {temperature} ({len(rows)} requests)",
@@ -423,8 +468,8 @@ def repeat_section(store: dict[str, Any]) -> list[str]:
         for name in names:
             pooled = _pooled(rows, name)
             lines.append(
-                f"| {name} | {pooled['tokens_per_s']:.1f} | {_interval(speed[name]['overall'])} | "
-                f"{_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
+                f"| {_ran(rows, name)} | {_fmt(pooled['tokens_per_s'], 1)} | {_interval(speed[name].get('overall'))} "
+                f"| {_fmt(pooled['tokens_per_forward'])} | {_fmt(pooled.get('acceptance_rate'))} | "
                 f"{_fmt(_draft_ms(rows, name), 3)} |"
             )
         cats = sorted(c for c in speed[BASELINE] if c != "overall")
@@ -436,9 +481,12 @@ def repeat_section(store: dict[str, Any]) -> list[str]:
             "| kind | " + " | ".join(others) + " |",
             "|---" * (len(others) + 1) + "|",
         ]
-        lines += [f"| {c} | " + " | ".join(_interval(speed[n][c]) for n in others) + " |" for c in cats]
+        lines += [f"| {c} | " + " | ".join(_interval(speed[n].get(c)) for n in others) + " |" for c in cats]
         references = [r for r in REPEAT_REFERENCES if r in names]
         lines += _ratio_lines(rows, [n for n in others if "suffix (global)" in n], references, cats)
+        lines += _failure_lines(rows)
+        for name, why in store.get("warm_up_failed", {}).get(temperature, {}).items():
+            lines += ["", f"`{name}` failed on its untimed warm-up request: {why}"]
         cache = store.get("suffix_cache", {}).get(temperature, {})
         for name, held in cache.items():
             lines += [
@@ -484,8 +532,8 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> Non
         weights = f"{held} weights, " if held else ""
         compiled = ", compiled one-token steps" if cfg["engine"]["compile"] else ""
         lines += [
-            f"Target `{env['target']}` ({weights}{env['dtype']} compute{compiled}), draft `{env['draft']}`; dataset `{cfg['dataset']}`, "
-            f"{cfg['max_new_tokens']} new tokens. Machine: {machine}.",
+            f"Target `{env['target']}` ({weights}{env['dtype']} compute{compiled}), draft `{env['draft']}`; "
+            f"dataset `{cfg['dataset']}`, {cfg['max_new_tokens']} new tokens. Machine: {machine}.",
             "",
         ]
     for note in results.get("notes", []):

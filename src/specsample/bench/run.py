@@ -3,7 +3,8 @@
 Every system sees the same prompts, seeds and token budget, interleaved prompt by prompt (the order rotates) or,
 in the adaptive suite, round by round, so the machine's drift hits all alike. The baseline of every speedup is
 target-only decoding through our own engine. Results are written as they are measured: a run that is cut off
-or fails keeps everything it measured, in `results.json` and `results.md`.
+or fails keeps everything it measured, in `results.json` and `results.md`. A peer that fails on a prompt is recorded
+there with its cause, and the suite goes on.
 """
 
 from __future__ import annotations
@@ -42,18 +43,21 @@ def run(
     results.update(environment=environment(bench), notes=bench.notes, status="running")
     recorder.save()
     failed = []
-    for name in config.suites:
-        try:
-            getattr(suites, name)(bench, results["suites"].setdefault(name, {}), recorder)
-        except KeyboardInterrupt:
-            results["status"] = f"interrupted in {name}"
+    try:
+        for name in config.suites:
+            try:
+                getattr(suites, name)(bench, results["suites"].setdefault(name, {}), recorder)
+            except KeyboardInterrupt:
+                results["status"] = f"interrupted in {name}"
+                recorder.save(plots=True)
+                raise
+            except Exception as exc:  # the other suites still run; this one keeps what it measured
+                results["suites"][name]["error"] = "".join(traceback.format_exception_only(exc)).strip()
+                failed.append(name)
+                say(f"suite {name} failed: {exc}")
             recorder.save(plots=True)
-            raise
-        except Exception as exc:  # the other suites still run; this one keeps what it measured
-            results["suites"][name]["error"] = "".join(traceback.format_exception_only(exc)).strip()
-            failed.append(name)
-            say(f"suite {name} failed: {exc}")
-        recorder.save(plots=True)
+    finally:
+        bench.close()
     results["status"] = "complete" if not failed else f"complete, failed: {', '.join(failed)}"
     recorder.save(plots=True)
     return results

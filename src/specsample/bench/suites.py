@@ -29,6 +29,7 @@ from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, record, run_lockstep, speed_line
+from specsample.bench.worker import PeerFailed
 from specsample.config import Grammar, SamplingParams
 from specsample.datasets import spec_bench_prompts
 from specsample.planner import FixedGamma, GammaController
@@ -43,15 +44,21 @@ def _interleaved(
     recorder: Recorder,
     label: str,
 ) -> None:
-    """Every system on each prompt in turn, the order rotating prompt by prompt; a row per prompt."""
+    """Every system on each prompt in turn, the order rotating prompt by prompt; a row per prompt. A peer that fails
+    on a prompt (`PeerFailed`) is left out of that row's systems and named with its cause in the row's `failed`."""
     progress = Progress(label, len(indices))
     for n, i in enumerate(indices):
         order = systems[n % len(systems) :] + systems[: n % len(systems)]  # no system always runs first
         prompt = bench.prompts[i]
         row = {"prompt": prompt.id, "category": prompt.category, "systems": {}}
         for system in order:
-            row["systems"][system.name] = record(system.run([bench.prompt_ids[i]], [bench.params(temperature, i)])[0])
-        row["systems"] = {s.name: row["systems"][s.name] for s in systems}
+            try:
+                row["systems"][system.name] = record(
+                    system.run([bench.prompt_ids[i]], [bench.params(temperature, i)])[0]
+                )
+            except PeerFailed as exc:  # recorded; the other systems and prompts still run
+                row.setdefault("failed", {})[system.name] = str(exc)
+        row["systems"] = {s.name: row["systems"][s.name] for s in systems if s.name in row["systems"]}
         rows.append(row)
         recorder.save()
         progress.step(speed_line(row))
@@ -222,8 +229,8 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     tokenizer = bench.speculator.pair.target.tokenizer
     prompts = [tokenizer.encode(text, chat=tokenizer.has_chat_template) for text in JSON_PROMPTS]
     grammar = Grammar.json_schema(RECORD_SCHEMA)
-    max_len = max(len(p) for p in prompts) + bench.config.max_new_tokens
-    ours, base = bench.ours(bench.config.gammas[0], max_len=max_len), bench.target_only(max_len)
+    max_seq_len = max(len(p) for p in prompts) + bench.config.max_new_tokens
+    ours, base = bench.ours(bench.config.gammas[0], max_seq_len=max_seq_len), bench.target_only(max_seq_len)
     systems = [(f"{s.name}{tag}", s, g) for s in (ours, base) for tag, g in (("", None), (" json_schema", grammar))]
     store.update(systems=[name for name, _, _ in systems], schema=RECORD_SCHEMA, runs={})
     for temperature in bench.config.temperatures:

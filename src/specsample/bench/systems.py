@@ -246,7 +246,7 @@ def record(run: RunRecord) -> dict[str, Any]:
 
 
 def speed_line(row: dict[str, Any]) -> str:
-    """A progress line: each system's tokens per second on one prompt."""
-    return f"{row['category']} {row['prompt']}: " + ", ".join(
-        f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0
-    )
+    """A progress line: each system's tokens per second on one prompt, and the peers that failed on it."""
+    parts = [f"{name} {r['tokens'] / r['seconds']:.1f} tok/s" for name, r in row["systems"].items() if r["seconds"] > 0]
+    parts += [f"{name} FAILED: {why}" for name, why in row.get("failed", {}).items()]
+    return f"{row['category']} {row['prompt']}: " + ", ".join(parts)

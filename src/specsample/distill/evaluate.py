@@ -24,7 +24,7 @@ from specsample.engine import Engine
 from specsample.sampling import sample, warp_probs
 from specsample.theory import expected_speedup, optimal_gamma
 from specsample.tokenizer import Tokenizer
-from specsample.verify import acceptance_probabilities
+from specsample.verification.chain import acceptance_probabilities
 
 TEMPERATURES = (0.7, 1.0)
 

@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
-from specsample.coupling import DraftNoise, gumbel_argmax
 from specsample.planner.base import Extension
 from specsample.processors import Shaper
 from specsample.sampling import sample, warp_rows
+from specsample.token_tree import tree_depths
+from specsample.verification.coupled import DraftNoise, gumbel_argmax
 
 log = logging.getLogger("specsample.engine")
 
@@ -62,7 +63,8 @@ class DraftRequest:
     # the rows' processors (penalties, logit bias, grammar): a drafter that draws from a distribution processes its
     # logits at each step with the tokens it drew before it in the round (`Shaper.next_logits`); None: none
     shaper: Shaper | None = None
-    coupled: bool = False  # draws are Gumbel-max with each row's noise (specsample.coupling), not from generators
+    # draws are Gumbel-max with each row's noise (specsample.verification.coupled), not from generators
+    coupled: bool = False
     # rows sent to their lookup (source True) may propose a token tree of up to their reach in nodes where their
     # continuations branch (the target scores trees); False: chains, unless `tree`
     lookup_trees: bool = False
@@ -150,13 +152,13 @@ def draw_chain(
     drafted = [0] * batch
     tokens, probs, confidence = [], [], []
     drawn: list[list[float]] = [[] for _ in range(batch)]  # per row, its confidence in each token it drew
-    paths: list[list[int]] = [[] for _ in range(batch)]  # per row, the tokens it drew this round
+    drawn_tokens: list[list[int]] = [[] for _ in range(batch)]  # per row, the tokens it drew this round
     for step in range(width):
         active = [drafted[r] == step and step < limits[r] for r in range(batch)]
         if not any(active):
             break
         if request.shaper is not None:  # processed as the target's position will be: with the drafts before it
-            logits = request.shaper.next_logits(logits, request.slots, paths, subset)
+            logits = request.shaper.next_logits(logits, request.slots, drawn_tokens, subset)
         step_probs = warp_rows(logits, params)  # [b, K]; tokens outside the subset have probability 0
         index = draw_drafts(step_probs, request, step, active, subset)  # [b]; inactive rows draw nothing
         own = torch.softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [b]
@@ -169,7 +171,7 @@ def draw_chain(
         for r in range(batch):
             if active[r]:
                 if token_list is not None:
-                    paths[r].append(token_list[r])
+                    drawn_tokens[r].append(token_list[r])
                 drafted[r] = step + 1
                 drawn[r].append(own_list[r])
                 if step + 1 < planned[r]:
@@ -235,6 +237,15 @@ class Drafter(Protocol):
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         """Append the tokens the engine committed this round to each row (accepted + next token)."""
         ...
+
+
+def check_vocabulary(draft_vocab_size: int | None, target_vocab_size: int) -> None:
+    """Refuse a draft whose vocabulary differs from the target's (None: a drafter that works with any)."""
+    if draft_vocab_size is not None and draft_vocab_size != target_vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({draft_vocab_size}) differs from target vocabulary ({target_vocab_size}); pick a "
+            "draft trained with the target's tokenizer, or draft by n-gram lookup (--draft ngram)"
+        )
 
 
 @runtime_checkable
@@ -368,15 +379,12 @@ def best_tree(
     out_parents = torch.full((batch, width), -1, dtype=torch.long)
     confidence = torch.zeros(batch, width)
     counts = []
+    longest = max((len(row) for row in parents), default=0)
+    padded = torch.tensor([row + [-1] * (longest - len(row)) for row in parents], dtype=torch.long)
+    depths = tree_depths(padded.view(batch, longest)).tolist()
     for r in range(batch):
         kept = sorted(range(len(tokens[r])), key=lambda n: -scores[r][n])[: budget[r]]
-        depth = {}
-        for node in sorted(kept, key=lambda n: scores[r][n], reverse=True):
-            chain, ancestor = 0, parents[r][node]
-            while ancestor >= 0:
-                chain, ancestor = chain + 1, parents[r][ancestor]
-            depth[node] = chain
-        order = sorted(kept, key=lambda n: (depth[n], -scores[r][n]))  # parents before children, best first
+        order = sorted(kept, key=lambda n: (depths[r][n], -scores[r][n]))  # parents before children, best first
         index = {node: i for i, node in enumerate(order)}
         for i, node in enumerate(order):
             out_tokens[r, i] = tokens[r][node]

@@ -244,7 +244,7 @@ class EagleDrafter:
         so the verifier tests it with the target's probability alone. A row's tree holds at most `reach[i]` nodes
         (0 where it cannot draft), `depths[i]` deep. The expanded nodes' entries sit in the head's cache after the
         true ones, each seeing the true entries and its ancestors; the commit rolls them back. With `shaper`, each
-        frontier node's children are chosen among what the processors leave after its path."""
+        frontier node's children are chosen among what the processors leave after the drafts down to it."""
         batch, device = len(slots), self.target.device
         budget = [min(shape.nodes, r) if ok else 0 for r, ok in zip(reach, ready)]
         limit = [min(shape.depth, d) if b else 0 for d, b in zip(depths, budget)]
@@ -263,7 +263,7 @@ class EagleDrafter:
                 logits = shaper.next_logits(
                     logits,
                     [slots[r] for r in range(batch) for _ in range(width)],
-                    [_path(tokens[r], parents[r], node) for r in range(batch) for node in frontier[r]],
+                    [_drafts_to(tokens[r], parents[r], node) for r in range(batch) for node in frontier[r]],
                     self.output_subset,
                 )
             log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -360,13 +360,13 @@ def _trimmed(row: _Row, keep: int, history: list[int], cache: KVCache, slot: int
     return _Row(history=history, pending=[] if pending is None or not len(pending) else [pending], fed=fed, reused=True)
 
 
-def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
-    """The tokens from the pending token's first child down to `node` (-1, the pending token, and -2, padding: [])."""
-    path = []
+def _drafts_to(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from the pending token's child down to `node` (-1, the pending token, and -2, padding: [])."""
+    drafts = []
     while node >= 0:
-        path.append(tokens[node])
+        drafts.append(tokens[node])
         node = parents[node]
-    return path[::-1]
+    return drafts[::-1]
 
 
 def load_head_drafter(folder: str | Path, target: LlamaModel, compile: bool = False) -> EagleDrafter:

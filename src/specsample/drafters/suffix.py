@@ -1,9 +1,9 @@
 """Suffix drafting (SuffixDecoding, Oliaro et al. 2024, arXiv:2411.04975): drafts from where the text continued
 before, in the request itself and in what recent requests wrote, with no model.
 
-Per row, a `SuffixIndex` over its prompt and output; with scope "global", one more shared by every row of the
-drafter's engine over the outputs of recent requests (each led in by the last LEAD_IN tokens of its prompt, so a
-reply's first tokens can be matched), at most `capacity` tokens, the oldest requests dropped first. Both grow as
+Per row, a `SuffixIndex` over its prompt and output; with `suffix_cache_scope` "global", one more shared by every
+row of the drafter's engine over the outputs of recent requests (each led in by the last LEAD_IN tokens of its prompt,
+so a reply's first tokens can be matched), at most `capacity` tokens, the oldest requests dropped first. Both grow as
 tokens commit. Each round a row asks both for a draft (`suffix_index.best_draft`) and takes the one of higher score
 (its own on ties): a token tree of frequent continuations whose size follows the match length and the
 continuations' frequencies; a chain (the path of most frequent children) where the round drafts chains.
@@ -23,7 +23,8 @@ import torch
 from specsample.drafters.base import DraftRequest, Proposal
 from specsample.drafters.suffix_index import LEVELS, Draft, Occurrence, SuffixIndex, best_draft
 
-SCOPES = ("request", "global")  # what a row's drafts may come from: its own text, or recent requests' outputs too
+# what a row's drafts may come from: its own text, or recent requests' outputs too
+SUFFIX_CACHE_SCOPES = ("request", "global")
 SHARED_TOKENS = 65536  # tokens the shared cache holds by default (about 28 MiB: docs/results/suffix_cost)
 LEAD_IN = 8  # prompt tokens kept before each output in the shared cache, to match a reply's first tokens
 SPEC_FACTOR = 1.0  # a match of m tokens drafts up to SPEC_FACTOR x m + SPEC_OFFSET tokens...
@@ -66,30 +67,32 @@ def _own(tokens: Sequence[int]) -> SuffixIndex:
 
 
 class SuffixDrafter:
-    """Drafts token trees (or chains) from suffix matches in each row's own text and, with scope "global", in recent
-    requests' outputs (see the module docstring). `factor`, `offset` and `min_prob` size a draft; `capacity` bounds
-    the shared cache in tokens."""
+    """Drafts token trees (or chains) from suffix matches in each row's own text and, with `suffix_cache_scope`
+    "global", in recent requests' outputs (see the module docstring). `factor`, `offset` and `min_prob` size a draft;
+    `capacity` bounds the shared cache in tokens."""
 
     vocab_size = None  # proposes token ids from committed text: works with any vocabulary
 
     def __init__(
         self,
-        scope: str = "global",
+        suffix_cache_scope: str = "global",
         capacity: int = SHARED_TOKENS,
         factor: float = SPEC_FACTOR,
         offset: float = SPEC_OFFSET,
         min_prob: float = MIN_PROB,
     ) -> None:
-        if scope not in SCOPES:
-            raise ValueError(f"suffix cache scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+        if suffix_cache_scope not in SUFFIX_CACHE_SCOPES:
+            raise ValueError(
+                f"suffix_cache_scope must be one of {', '.join(SUFFIX_CACHE_SCOPES)}, got {suffix_cache_scope!r}"
+            )
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"the suffix cache's capacity must be a number of tokens >= 1, got {capacity!r}")
         if factor <= 0 or offset < 0 or not 0 < min_prob <= 1:
             raise ValueError(f"need factor > 0, offset >= 0 and min_prob in (0, 1], got {factor}, {offset}, {min_prob}")
-        self.scope, self.capacity = scope, capacity
+        self.suffix_cache_scope, self.capacity = suffix_cache_scope, capacity
         self.factor, self.offset, self.min_prob = factor, offset, min_prob
         self.rows: dict[int, SuffixIndex] = {}  # slot -> its prompt and output
-        self.shared = SuffixIndex(LEVELS, capacity) if scope == "global" else None
+        self.shared = SuffixIndex(LEVELS, capacity) if suffix_cache_scope == "global" else None
         self._sequence: dict[int, int] = {}  # slot -> its output's sequence id in the shared cache
         self._next_sequence = 0
         # slot -> the indexes' versions, the occurrences found in each, the drafts made from them by what was asked
@@ -221,7 +224,7 @@ class SuffixDrafter:
     # ----- the shared cache -----------------------------------------------------------------
 
     def suffix_cache(self) -> SuffixCacheStats | None:
-        """What the shared cache holds (None with scope "request")."""
+        """What the shared cache holds (None with `suffix_cache_scope` "request")."""
         if self.shared is None:
             return None
         return SuffixCacheStats(

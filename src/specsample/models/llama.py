@@ -15,12 +15,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.kv_cache import KVCache
-from specsample.models import compile_events
+from specsample.models import compile_events, row_kernels
+from specsample.models.fused import FusedStep
+from specsample.models.fused import unsupported as unsupported_fused
 from specsample.models.invariant import FIXED_ROWS, QueryGroups, exact_attention
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
 from specsample.models.quant import QuantLinear
 from specsample.models.rope import rope_inv_freq, rope_tables
 from specsample.models.sdpa import without_cudnn_attention
+from specsample.token_tree import tree_ancestors
 
 if TYPE_CHECKING:
     from specsample.models.compiled import CompiledDecode
@@ -156,25 +159,6 @@ class Block(nn.Module):
         x = x + self.o_proj(attn)
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
-
-
-def tree_ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
-    """From `parents [b, n]` (token i's parent index, or -1), each token's ancestors and itself `[b, n, n]` (bool) and
-    its depth `[b, n]` (0 for a root). Parents come before their children."""
-    batch, n = parents.shape
-    ancestors = torch.zeros(batch, n, n, dtype=torch.bool)
-    depths = torch.zeros(batch, n, dtype=torch.long)
-    for i in range(n):
-        parent = parents[:, i]
-        if bool(((parent >= i) | (parent < -1)).any()):
-            raise ValueError(f"token {i}'s parent must come before it (or be -1), got {parent.tolist()}")
-        has = parent >= 0
-        rows = torch.nonzero(has).flatten()
-        if len(rows):
-            ancestors[rows, i] = ancestors[rows, parent[rows]]
-            depths[rows, i] = depths[rows, parent[rows]] + 1
-        ancestors[:, i, i] = True
-    return ancestors, depths
 
 
 def window_layers(config: LlamaConfig) -> frozenset[int]:
@@ -332,6 +316,7 @@ class LlamaModel(nn.Module):
         self.rope_scale = scale
         self.window_layers = window_layers(config) if config.sliding_window is not None else frozenset()
         self.compiled: CompiledDecode | None = None  # see compile_decode()
+        self.fused: FusedStep | None = None  # see use_fused_step()
         # let torch pick cuDNN's attention in eager cached forwards: it builds a graph per context length
         self.cudnn_attention = False  # (models/sdpa.py); the compiled decode step's shapes never change
         self.deterministic = False  # see set_deterministic()
@@ -355,6 +340,8 @@ class LlamaModel(nn.Module):
         out = super()._apply(fn, recurse)
         if self.compiled is not None:  # compiled for the old weights: compile again on first use
             self.compile_decode()
+        if self.fused is not None:  # built over the old weights: build again where it still applies
+            self.use_fused_step(unsupported_fused(self) is None)
         self.set_output_subset(self.output_subset)  # re-place on the new device, drop stale copies
         return out
 
@@ -420,6 +407,26 @@ class LlamaModel(nn.Module):
         self.compiled = CompiledDecode(self)
         if warm_up:
             self.compiled.warm_up(blocks, batches)
+
+    def use_fused_step(self, on: bool = True) -> None:
+        """Run cached forwards (prefill, decode steps, verification blocks and trees) through the fused step
+        (`models/fused.py`: the decoder stack in one native call), or with `on` False through torch ops. Raises where
+        the fused step cannot run this model (`fused.unsupported` says why). A compiled decode step, where there is
+        one, still runs the forwards it takes; deterministic mode runs torch ops."""
+        self.fused = FusedStep(self) if on else None
+        for layer in (self.lm_head, self._subset_layer):  # the output layer multiplies on the fused step's threads
+            if isinstance(layer, QuantLinear):
+                layer.pool = on
+
+    @property
+    def step_path(self) -> str:
+        """Which code runs the cached forwards: "compiled" (a compiled decode step), "fused-amx" or "fused-avx512"
+        (the fused step, its products on AMX tiles or AVX-512) or "torch" (torch ops)."""
+        if self.compiled is not None:
+            return "compiled"
+        if self.fused is not None and not self.deterministic:
+            return "fused-amx" if row_kernels.uses_amx() else "fused-avx512"
+        return "torch"
 
     def set_deterministic(self, on: bool = True) -> None:
         """Compute every position exactly as a one-token forward of its row alone would, whatever the tokens scored
@@ -487,6 +494,7 @@ class LlamaModel(nn.Module):
         assert self.output_subset is not None and isinstance(self.lm_head, QuantLinear)
         if self._subset_layer is None:
             self._subset_layer = self.lm_head.rows(self.output_subset)
+            self._subset_layer.pool = self.lm_head.pool
         return self._subset_layer
 
     def subset_weight(self) -> Tensor:
@@ -579,6 +587,12 @@ class LlamaModel(nn.Module):
             if self.compiled.stale():
                 self.compile_decode()
             hidden, features = self.compiled(tokens.to(self.device), cache, slots, starts)
+        elif self.fused is not None and not self.deterministic:
+            if self.fused.stale():
+                self.use_fused_step()
+            hidden, features = self.fused(
+                self.embed(tokens.to(self.device)), cache, slots, starts, parents, self.feature_layers
+            )
         else:
             if compiled_ok and self.compiled is not None:  # a compiled model's forward its step cannot take
                 compile_events.fell_back()

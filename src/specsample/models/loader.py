@@ -12,6 +12,7 @@ import torch
 
 from specsample.models.base import CausalLM
 from specsample.models.cpu import cpu_has_native_bf16
+from specsample.models.fused import unsupported as unsupported_fused
 from specsample.models.hf_names import load_hf_state_dict
 from specsample.models.hub import ALIASES, alias_folder, alias_gguf, builtin_draft
 from specsample.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaModel
@@ -22,7 +23,8 @@ from specsample.tokenizer import Tokenizer
 log = logging.getLogger("specsample")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-RUNTIMES = ("auto", "ours", "hf")
+# auto: our runtime's fused step where it applies (models/fused.py), else our runtime on torch ops, else transformers
+RUNTIMES = ("auto", "fused", "ours", "hf")
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: output tokens of a reduced-vocabulary draft
 
 
@@ -33,7 +35,7 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer | None
     spec: str
-    runtime: str  # "ours" (Llama-family runtime) or "hf" (transformers adapter)
+    runtime: str  # "fused" or "ours" (our Llama-family runtime, with or without the fused step) or "hf" (transformers)
     default_draft: str | None = None
     folder: Path | None = None
     gguf: Path | None = None  # the GGUF file the weights came from, if any
@@ -82,26 +84,35 @@ def load_model(
     device: str | torch.device = "cpu",
     runtime: str = "auto",
     progress: bool = True,
-    compile_decode: bool = False,
+    compile: bool = False,
     quantize: str = "auto",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LoadedModel:
     """Load `spec`: a built-in alias, a Hugging Face folder, a .gguf file or a Hugging Face Hub id.
 
     `quantize`: how the weights are held (`resolve_quantize`; by default a GGUF's quantized tensors run natively on a
-    CPU unless a float dtype is asked for); `group_size`: the inputs per scale of int4 weights quantized here.
-    `compile_decode` runs our runtime's one-token decode steps through `torch.compile`
+    CPU unless a float dtype is asked for); `quant_group`: the inputs per scale of int4 weights quantized here.
+    `compile` runs our runtime's one-token decode steps through `torch.compile`
     (`LlamaModel.compile_decode`), compiling before this returns; models on the transformers adapter
     cannot, and raise.
     """
-    check_mode(quantize, group_size)
+    check_mode(quantize, quant_group)
     device = torch.device(device)
     mode = resolve_quantize(quantize, dtype, device)
-    loaded = _load(spec, dtype, device, runtime, progress, mode, group_size)
-    if compile_decode:
+    loaded = _load(spec, dtype, device, runtime, progress, mode, quant_group)
+    if isinstance(loaded.model, LlamaModel) and runtime in ("auto", "fused"):
+        problem = unsupported_fused(loaded.model)
+        if problem is None:
+            loaded.model.use_fused_step()
+            loaded.runtime = "fused"
+        elif runtime == "fused":
+            raise ValueError(f"runtime 'fused' cannot run {spec}: {problem}; use runtime 'ours'")
+        else:
+            log.info("%s runs on torch ops, not the fused step: %s", spec, problem)
+    if compile:
         if not isinstance(loaded.model, LlamaModel):
             raise ValueError(
-                f"compile_decode needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}: run "
+                f"compile needs our Llama-family runtime; {spec} runs on {loaded.runtime!r}: run "
                 "it eagerly (without --compile; `specsample serve --enforce-eager`)"
             )
         loaded.model.compile_decode(warm_up=True)
@@ -115,7 +126,7 @@ def _load(
     runtime: str,
     progress: bool,
     quantize: str,
-    group_size: int,
+    quant_group: int,
 ) -> LoadedModel:
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
@@ -135,7 +146,7 @@ def _load(
                 device,
                 runtime,
                 quantize,
-                group_size,
+                quant_group,
                 Tokenizer.from_folder(folder),
             )
             loaded.default_draft, loaded.folder = default_draft, folder
@@ -148,7 +159,7 @@ def _load(
         path = Path(spec).expanduser()
         if path.suffix != ".gguf":
             raise ValueError(f"{spec} is a file but not a .gguf model; pass a .gguf file or a model folder")
-        return _load_gguf(path, spec, compute_dtype, device, runtime, quantize, group_size)
+        return _load_gguf(path, spec, compute_dtype, device, runtime, quantize, quant_group)
     elif _HUB_ID.match(spec):
         folder = _hub_folder(spec)
     else:
@@ -156,7 +167,7 @@ def _load(
             f"unknown model spec {spec!r}: not a built-in alias ({', '.join(ALIASES)}), an existing folder or "
             ".gguf file, or a Hugging Face Hub id (org/name)"
         )
-    loaded = load_folder(folder, compute_dtype, device, runtime, spec, quantize, group_size)
+    loaded = load_folder(folder, compute_dtype, device, runtime, spec, quantize, quant_group)
     loaded.default_draft = default_draft
     return loaded
 
@@ -168,7 +179,7 @@ def load_folder(
     runtime: str,
     spec: str,
     quantize: str = "none",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LoadedModel:
     """Load a Hugging Face folder with our runtime where it applies, else through transformers."""
     config_path = folder / "config.json"
@@ -177,7 +188,7 @@ def load_folder(
     hf_config = json.loads(config_path.read_text())
     tokenizer = _folder_tokenizer(folder)
     if _use_ours(hf_config.get("model_type"), runtime):
-        model = llama_from_folder(folder, hf_config, dtype, device, quantize, group_size)
+        model = llama_from_folder(folder, hf_config, dtype, device, quantize, quant_group)
         return LoadedModel(model, tokenizer, spec, "ours", folder=folder, quantize=_held(model, quantize))
     from transformers import AutoModelForCausalLM
 
@@ -188,7 +199,7 @@ def load_folder(
 
 
 def _use_ours(model_type: str | None, runtime: str) -> bool:
-    if runtime == "ours" and model_type not in SUPPORTED_MODEL_TYPES:
+    if runtime in ("ours", "fused") and model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"our runtime supports {', '.join(SUPPORTED_MODEL_TYPES)}, not {model_type!r}; use runtime 'hf'"
         )
@@ -201,7 +212,7 @@ def llama_from_folder(
     dtype: torch.dtype,
     device: torch.device,
     quantize: str = "none",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LlamaModel:
     """Our Llama-family runtime with the folder's safetensors weights."""
     from safetensors.torch import load_file
@@ -218,7 +229,7 @@ def llama_from_folder(
     tensors = {}
     for file in files:
         tensors.update(load_file(str(file)))
-    model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, group_size)
+    model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, quant_group)
     subset_file = folder / DRAFT_VOCAB_FILE
     if subset_file.exists():  # a draft with a reduced output vocabulary (FR-Spec)
         model.set_output_subset(json.loads(subset_file.read_text())["token_ids"])
@@ -231,11 +242,11 @@ def build_llama(
     dtype: torch.dtype,
     device: torch.device,
     quantize: str = "none",
-    group_size: int = DEFAULT_INT4_GROUP,
+    quant_group: int = DEFAULT_INT4_GROUP,
 ) -> LlamaModel:
     """Instantiate without random init (meta device), then load Hugging Face-named weights (float tensors, or codes
     of quantized GGUF tensors), holding them as `quantize` says (models/quant_model.py)."""
-    weights = plan_weights(tensors, quantize, config.tie_word_embeddings, group_size)
+    weights = plan_weights(tensors, quantize, config.tie_word_embeddings, quant_group)
     tensors.clear()  # the caller's copies go as soon as they are planned
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -259,7 +270,7 @@ def _load_gguf(
     device: torch.device,
     runtime: str,
     quantize: str,
-    group_size: int,
+    quant_group: int,
     tokenizer: Tokenizer | None = None,
 ) -> LoadedModel:
     from specsample.models.gguf_file import (
@@ -280,7 +291,7 @@ def _load_gguf(
         hf_config = hf_config_from_gguf(reader)
         tensors = dict(iter_hf_tensors(reader, hf_config, codes=quantize != "none"))
         del reader  # its memory map of the file goes with it
-        model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, group_size)
+        model = build_llama(LlamaConfig.from_hf(hf_config), tensors, dtype, device, quantize, quant_group)
         return LoadedModel(model, tokenizer, spec, "ours", gguf=path, quantize=_held(model, quantize))
     from transformers import AutoModelForCausalLM
 

@@ -131,6 +131,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self._dequantized: Tensor | None = None  # non-CPU fallback, made on first use
         self._ours = False  # whether our row kernel multiplies on a CPU (`row_kernels`), set once the weights are held
+        self.pool = False  # our kernel splits its work over the fused step's threads (a fused model's output layer)
 
     def codes(self) -> Codes:
         raise NotImplementedError
@@ -183,8 +184,36 @@ class QuantLinear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
+# our int4 layout (kernels/quant_core.h): nibble t of a row's uint32 holds input NIBBLE_INPUTS[t] of its 8
+NIBBLE_INPUTS = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_int4_ours(codes: Int4Codes) -> tuple[Tensor, Tensor]:
+    """`codes` in our kernels' layout: codes `[out / 64, in / 8, 64]` int32 and scales and zeros
+    `[out / 64, in / group, 64, 2]` bfloat16."""
+    out, width = codes.codes.shape
+    q = codes.codes.cpu().to(torch.int64).view(out // 64, 64, width // 8, 8)
+    lanes = sum(q[..., j] << (4 * t) for t, j in enumerate(NIBBLE_INPUTS))  # [out / 64, 64, in / 8]
+    lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)  # the uint32's bits
+    scales_zeros = torch.stack([codes.scales, codes.zeros], dim=-1).cpu()  # [out, groups, 2]
+    scales_zeros = scales_zeros.view(out // 64, 64, -1, 2).transpose(1, 2)
+    return lanes.transpose(1, 2).contiguous(), _to_kernel_dtype(scales_zeros).contiguous()
+
+
+def unpack_int4_ours(packed: Tensor, scales_zeros: Tensor, group_size: int) -> Int4Codes:
+    """Invert `pack_int4_ours` (exact: no arithmetic on weights)."""
+    blocks, steps, _ = packed.shape
+    lanes = packed.cpu().to(torch.int64).transpose(1, 2) & 0xFFFFFFFF  # [out / 64, 64, in / 8]
+    q = torch.empty(blocks, 64, steps, 8, dtype=torch.uint8)
+    for t, j in enumerate(NIBBLE_INPUTS):
+        q[..., j] = (lanes >> (4 * t)) & 15
+    pairs = scales_zeros.cpu().float().transpose(1, 2).reshape(blocks * 64, -1, 2)  # [out, groups, 2]
+    return Int4Codes(q.view(blocks * 64, steps * 8), pairs[..., 0].contiguous(), pairs[..., 1].contiguous(), group_size)
+
+
 class Int4Linear(QuantLinear):
-    """int4 codes in the CPU kernel's packed layout, bfloat16 scales and zeros per group."""
+    """int4 codes and bfloat16 scales and zeros per group: in our kernels' layout where they multiply (`row_kernels`),
+    else in the layout of torch's CPU kernel."""
 
     def __init__(self, codes: Int4Codes, bias: Tensor | None = None) -> None:
         out, width = codes.codes.shape
@@ -195,16 +224,16 @@ class Int4Linear(QuantLinear):
                 f"int4 layers need out features divisible by 16 and in features by the group size; "
                 f"got [{out}, {width}] with groups of {codes.group_size}"
             )
-        self.register_buffer(
-            "packed",
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).cpu().contiguous(), 1),
-            persistent=False,
-        )  # [out, in / 2] uint8
-        scales_zeros = torch.stack([codes.scales.t(), codes.zeros.t()], dim=-1)  # [in / group, out, 2]
-        self.register_buffer(
-            "scales_zeros", _to_kernel_dtype(scales_zeros).contiguous().view(torch.int16), persistent=False
-        )
-        self._ours = row_kernels.int4_fits(out, width, self.group_size, packing_block()) and row_kernels.available()
+        self._ours = row_kernels.int4_fits(out, width, self.group_size) and row_kernels.available()
+        if self._ours:
+            packed, scales_zeros = pack_int4_ours(codes)
+        else:  # torch's: codes [out, in / 2] uint8, scales and zeros [in / group, out, 2]
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.codes.to(torch.int32).cpu().contiguous(), 1
+            )
+            scales_zeros = _to_kernel_dtype(torch.stack([codes.scales.t(), codes.zeros.t()], dim=-1)).contiguous()
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_zeros", scales_zeros.view(torch.int16), persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -213,11 +242,13 @@ class Int4Linear(QuantLinear):
     def _kernel(self, x: Tensor) -> Tensor:
         scales_zeros = self.scales_zeros.view(KERNEL_DTYPE)
         if self.uses_our_kernel():
-            return torch.ops.specsample_rows.int4_rows_mm(x, self.packed, self.group_size, scales_zeros)
+            return torch.ops.specsample_rows.int4_rows_mm(x, self.packed, self.group_size, scales_zeros, self.pool)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, scales_zeros)
 
     def codes(self) -> Int4Codes:
-        """The codes unpacked from the kernel's layout (exact: no arithmetic on weights)."""
+        """The codes unpacked from the layout they are held in (exact: no arithmetic on weights)."""
+        if self.uses_our_kernel():
+            return unpack_int4_ours(self.packed, self.scales_zeros.view(KERNEL_DTYPE), self.group_size)
         scales_zeros = self.scales_zeros.view(KERNEL_DTYPE).float().cpu()
         codes = unpack_int4(self.packed.cpu(), self.out_features, self.in_features)
         return Int4Codes(
@@ -284,7 +315,7 @@ class Int8Linear(QuantLinear):
 
     def _kernel(self, x: Tensor) -> Tensor:
         if self.uses_our_kernel():
-            return torch.ops.specsample_rows.int8_rows_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE))
+            return torch.ops.specsample_rows.int8_rows_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE), self.pool)
         return torch.ops.aten._weight_int8pack_mm(x, self.codes_, self.scales.view(KERNEL_DTYPE))
 
     def codes(self) -> Int8Codes:

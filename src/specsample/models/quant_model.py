@@ -19,6 +19,7 @@ from torch import Tensor
 
 from specsample.models.quant import (
     DEFAULT_INT4_GROUP,
+    INT4_GROUP_SIZES,
     QUANT_MODES,
     Codes,
     Int4Codes,
@@ -45,8 +46,10 @@ def check_mode(mode: str, group_size: int) -> None:
     """Refuse a mode or group size the runtime cannot honour."""
     if mode not in QUANT_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
-    if group_size not in (32, 64, 128, 256):
-        raise ValueError(f"the int4 group size must be 32, 64, 128 or 256, got {group_size}")
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"the int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}"
+        )
 
 
 def _as_layout(value: Tensor | Codes, layout: str, group_size: int) -> Codes:

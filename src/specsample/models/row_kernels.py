@@ -1,4 +1,5 @@
-"""Our int4/int8 CPU matrix products (`kernels/rows_mm.cpp`), built for this machine on first use.
+"""Our CPU kernels, built for this machine on first use: the int4/int8 matrix products (`kernels/rows_mm.cpp`) and
+the fused forward of a decoder stack (`kernels/fused_step.cpp`, models/fused.py), both on `kernels/quant_core.h`.
 
 torch's weight-only CPU kernels dequantize the weights again for every tile of 4 activation rows, so scoring 5
 tokens costs about twice 4 and a tree of 17 four times one token. Ours turn a block of codes into bfloat16 once
@@ -12,6 +13,7 @@ library. Where either is missing, or the build fails, quantized layers use torch
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -23,8 +25,22 @@ from specsample.models.cpu import cpu_flags
 
 log = logging.getLogger("specsample")
 
-SOURCE = Path(__file__).parent / "kernels" / "rows_mm.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = (KERNELS / "rows_mm.cpp", KERNELS / "fused_step.cpp")
+HEADERS = (KERNELS / "quant_core.h", KERNELS / "pool.h")
+FLAGS = [
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512bf16",
+    "-mfma",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-fopenmp",
+]
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 
 _state: dict[str, bool] = {}  # "loaded": the outcome of the one attempt this process makes
@@ -33,6 +49,11 @@ _state: dict[str, bool] = {}  # "loaded": the outcome of the one attempt this pr
 def cpu_supports() -> bool:
     """True when the CPU lists every instruction set the kernels are compiled for."""
     return set(REQUIRED_CPU_FLAGS) <= cpu_flags()
+
+
+def can_build() -> bool:
+    """Whether this machine can build (or has built) the kernels: the CPU's instructions and a C++ compiler."""
+    return cpu_supports() and shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def available() -> bool:
@@ -54,8 +75,9 @@ def _load() -> bool:
     log.info("loading the int4/int8 CPU kernels (built once per machine, ~10 s)")
     try:
         load(
-            name="specsample_rows_mm",
-            sources=[str(SOURCE)],
+            name=f"specsample_kernels_{_digest()}",
+            sources=[str(source) for source in SOURCES],
+            extra_include_paths=[str(KERNELS)],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -65,27 +87,52 @@ def _load() -> bool:
         log.warning("int4/int8 layers use torch's slower kernels: building ours failed (%s)", error)
         return False
     _register_fakes()
+    torch.ops.specsample_rows.start_pool(torch.get_num_threads())
+    set_amx(True)
+    log.info("int4 layers multiply on %s", "AMX tiles" if _state["amx"] else "AVX-512")
     return True
+
+
+def set_amx(on: bool) -> bool:
+    """Run int4 products on AMX tiles (where the CPU has them and Linux grants them) or, with `on` False, on AVX-512;
+    returns whether tiles are used. Loading picks tiles where it can; a model's rows keep their invariance only within
+    one choice, so this is for tests and measurements that compare the two, before any model runs."""
+    _state["amx"] = bool(torch.ops.specsample_rows.use_amx(on and set(AMX_CPU_FLAGS) <= cpu_flags()))
+    return _state["amx"]
+
+
+def uses_amx() -> bool:
+    """Whether int4 products run on AMX tiles in this process."""
+    return available() and _state["amx"]
+
+
+def _digest() -> str:
+    """A hash of the kernels' sources and headers: the extension's name, so an edited header builds a new library
+    (torch's extension cache tracks the sources alone) and checkouts of different kernels never share one."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _register_fakes() -> None:
     """Shapes of the ops for torch.compile (the compiled decode step calls them as opaque kernels)."""
 
-    def int4_fake(x, packed, group, scales_zeros):
-        return x.new_empty(x.shape[0], packed.shape[0])
+    def int4_fake(x, packed, group, scales_zeros, pool=False):
+        return x.new_empty(x.shape[0], packed.shape[0] * 64)
 
-    def int8_fake(x, codes, scales):
+    def int8_fake(x, codes, scales, pool=False):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     torch.library.register_fake("specsample_rows::int4_rows_mm")(int4_fake)
     torch.library.register_fake("specsample_rows::int8_rows_mm")(int8_fake)
 
 
-def int4_fits(out_features: int, in_features: int, group_size: int, block: int | None) -> bool:
-    """Whether an int4 weight packed in layout `block` (models/quant.unpack_int4) has the shapes our kernel reads."""
-    return block == 64 and out_features % 64 == 0 and group_size % 16 == 0 and in_features % group_size == 0
+def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether an int4 weight has the shapes our kernel reads (models/quant.pack_int4_ours)."""
+    return out_features % 64 == 0 and in_features % 32 == 0 and group_size % 32 == 0 and in_features % group_size == 0
 
 
 def int8_fits(out_features: int, in_features: int) -> bool:
     """Whether an int8 weight has the shapes our kernel reads."""
-    return out_features % 4 == 0 and in_features % 32 == 0
+    return out_features % 16 == 0 and in_features % 32 == 0

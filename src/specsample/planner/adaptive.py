@@ -441,7 +441,7 @@ class GammaController:
             and not evidence.tree
             and evidence.draft_tokens.shape[1] > 0
         ):
-            from specsample.verify import acceptance_probabilities
+            from specsample.verification.chain import acceptance_probabilities
 
             acceptance = (
                 acceptance_probabilities(evidence.draft_tokens, evidence.draft_probs, evidence.target_probs)

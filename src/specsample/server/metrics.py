@@ -94,6 +94,12 @@ class ServerMetrics:
             "compile_eager_fallbacks",
             "Cached forwards of a compiled model that ran eagerly (token trees, blocks past 16 tokens per row)",
         )
+        self.step_path = Gauge(
+            "specsample_step_path",
+            "1 for the code that runs the target's forwards: fused-amx, fused-avx512, compiled, torch, transformers",
+            [*names, "path"],
+            registry=self.registry,
+        )
         for metric in (self.recompiles, self.eager_fallbacks):  # shown at 0 from the start, labels included
             self._l(metric)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
@@ -120,6 +126,10 @@ class ServerMetrics:
         self._low_since: float | None = None
         self._last_warning = 0.0
         self._lock = threading.Lock()
+
+    def show_step_path(self, path: str) -> None:
+        """Say which code runs the target's forwards (`Speculator.step_path`)."""
+        self._l(self.step_path, path=path).set(1)
 
     def watch_suffix_cache(self, read: Callable[[], SuffixCacheStats | None]) -> None:
         """Report, at every scrape, what `read()` says the shared suffix cache holds (zeros without one)."""

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from specsample.config import SettingError
+from specsample.models import fused
+from specsample.options import EngineOptions
 from specsample.options_cli import setting
-from specsample.speculator import EngineOptions
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full context of text is a few tens of KiB
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample.json_schema's limits take < 1 s
@@ -17,20 +18,26 @@ DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after
 
 # The engine options `specsample serve` and Ray replicas start from: EngineOptions' defaults but where serving
 # differs: a server decodes long enough for pad_rows auto's start-up measurement to pay, and compiles its decode
-# steps (as vLLM captures CUDA graphs) unless --enforce-eager (see serve_engine_options)
+# steps (as vLLM captures CUDA graphs) where the fused step does not run them, unless --enforce-eager (see
+# serve_engine_options)
 SERVE_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto", compile=True)
 
 
 def serve_engine_options(given: dict[str, Any]) -> EngineOptions:
     """The engine options a server runs with: `given` (the engine settings named on the command line or in
     deployment arguments, `compile` None or absent where not named) over SERVE_ENGINE_DEFAULTS. Compiling is the
-    default where it can run: not in deterministic mode, whose kernels it would change, nor on the transformers
-    runtime (`compile` named true with either is refused, by `EngineOptions`)."""
+    default where it can run and the fused step (models/fused.py, faster than a compiled step and ready at once)
+    will not: not in deterministic mode, whose kernels it would change, nor on the transformers runtime (`compile`
+    named true with either is refused, by `EngineOptions`)."""
     values = {name: value for name, value in given.items() if not (name == "compile" and value is None)}
     if "compile" not in values:
-        deterministic = values.get("deterministic", SERVE_ENGINE_DEFAULTS.deterministic)
-        runtime = values.get("runtime", SERVE_ENGINE_DEFAULTS.runtime)
-        values["compile"] = SERVE_ENGINE_DEFAULTS.compile and deterministic is not True and runtime != "hf"
+        options = replace(SERVE_ENGINE_DEFAULTS, **values, compile=False)
+        values["compile"] = (
+            SERVE_ENGINE_DEFAULTS.compile
+            and not options.deterministic
+            and options.runtime != "hf"
+            and not fused.expected(options.device, options.dtype, options.runtime)
+        )
     return replace(SERVE_ENGINE_DEFAULTS, **values)
 
 
@@ -44,7 +51,7 @@ class ServerOptions:
         None, help="warn when the recent acceptance rate stays below this (0.7 suits a well-matched pair)"
     )
     max_batch_size: int = setting(8, help="requests decoded together; more wait in line")
-    max_model_len: int = setting(2048, help="context length per request (prompt + output)")
+    max_seq_len: int = setting(2048, help="context length per request (prompt + output)", flag="--max-model-len")
     replica_id: str | None = None  # set under Ray Serve: labels metrics, tagged on responses
     extra_labels: dict[str, str] = field(default_factory=dict)
     admin_key: str | None = setting(
@@ -84,8 +91,8 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise SettingError("max_batch_size", f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
-        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2:
-            raise SettingError("max_model_len", f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise SettingError("max_seq_len", f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
         if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise SettingError("max_body_bytes", f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
         if (

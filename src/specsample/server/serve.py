@@ -12,7 +12,8 @@ import logging
 
 import uvicorn
 
-from specsample.server.app import SpecServer, build_app
+from specsample.server.app import build_app
+from specsample.server.state import SpecServer
 
 log = logging.getLogger("specsample.server")
 

@@ -1,8 +1,8 @@
-"""The round's verification: one object that picks the rule and applies it (vLLM's RejectionSampler shape).
+"""The Verifier: one object that picks a round's rule and applies it (vLLM's RejectionSampler shape).
 
-Greedy verification where every row of the round is greedy; otherwise modified rejection sampling (`verify`,
-`verify_tree`) or, under coupled sampling, the target's Gumbel-max tokens (`coupling`); a chain or a token tree as
-the proposal is. Every rule keeps the output exactly target-distributed (docs/exactness.md).
+Greedy verification where every row of the round is greedy; otherwise modified rejection sampling (`chain.verify`,
+`tree.verify_tree`) or, under coupled sampling, the target's Gumbel-max tokens (`coupled`); a chain or a token tree
+as the proposal is. Every rule keeps the output exactly target-distributed (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -13,20 +13,12 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.coupling import DraftNoise, verify_coupled, verify_tree_coupled
 from specsample.drafters.base import Proposal
 from specsample.sampling import usable_rows, warp_rows
-from specsample.verify import Verdict, verify, verify_greedy
-from specsample.verify_tree import verify_tree, verify_tree_greedy
-
-
-def block_parents(proposal: Proposal) -> Tensor:
-    """`[b, nodes + 1]` parents in the scored block: the pending token first (-1), then the proposal's nodes (their
-    parents shifted by one, the pending token at 0); nodes past a row's count hang from the pending token."""
-    parents = proposal.parents + 1
-    real = torch.arange(parents.shape[1]).unsqueeze(0) < proposal.num_drafted.unsqueeze(1)
-    parents = torch.where(real, parents, torch.zeros_like(parents))
-    return torch.cat([torch.full((parents.shape[0], 1), -1, dtype=torch.long), parents], dim=1)
+from specsample.token_tree import block_parents
+from specsample.verification.chain import Verdict, verify, verify_greedy
+from specsample.verification.coupled import DraftNoise, verify_coupled, verify_tree_coupled
+from specsample.verification.tree import verify_tree, verify_tree_greedy
 
 
 class Verifier:
@@ -66,7 +58,7 @@ class Verifier:
     ) -> tuple[Verdict, Tensor | None]:
         """A tree round's verdict (multi-candidate rejection sampling over each row's tree, or its coupled or greedy
         walk), and the warped target probabilities (None: every row greedy)."""
-        parents, sizes = block_parents(proposal), proposal.num_drafted + 1
+        parents, sizes = block_parents(proposal.parents, proposal.num_drafted), proposal.num_drafted + 1
         if all(p.greedy for p in params):
             found, target_probs = verify_tree_greedy(block, parents, sizes, target_logits), None
         else:
@@ -81,7 +73,7 @@ class Verifier:
                 if self.coupled
                 else verify_tree(block, parents, sizes, draft, target_probs, list(generators))
             )
-        paths = torch.where(found.path > 0, found.path - 1, -1)  # [b, depth] block indices -> proposal indices
+        paths = found.paths  # [b, depth] indices of the proposal's nodes
         accepted = torch.zeros(
             proposal.tokens.shape[0], proposal.tokens.shape[1] + 1, dtype=torch.bool, device=paths.device
         )

@@ -1,5 +1,5 @@
-"""Verifying a token tree: multi-candidate rejection sampling (SpecInfer, arXiv:2305.09781; Recursive Speculative
-Decoding, arXiv:2402.14160).
+"""Tree rejection sampling: verifying a token tree by multi-candidate rejection sampling (SpecInfer,
+arXiv:2305.09781; Recursive Speculative Decoding, arXiv:2402.14160).
 
 A block per row: index 0 is the pending token, indices 1.. the tree's nodes in an order where parents come first;
 `parents[i]` is node i's parent (0 for the root's children). The target's distribution after each block index is
@@ -26,46 +26,26 @@ import torch
 from torch import Tensor
 
 from specsample.sampling import Generators, draw_uniforms, sample_from
+from specsample.token_tree import tree_children
 
 
 @dataclass(frozen=True)
 class TreeVerdict:
-    """Per row: the accepted path (block indices of the accepted nodes, root to leaf) and the token that follows."""
+    """Per row: the accepted path and the token that follows it."""
 
-    path: Tensor  # [batch, depth] block indices of the accepted nodes, -1 past each row's path
+    # [batch, depth] the accepted nodes, root to leaf, by their index among the tree's nodes (block index - 1); -1
+    # past each row's path
+    paths: Tensor
     next_token: Tensor  # [batch] long: recovered token, or bonus token after the last accepted node
 
     @property
     def num_accepted(self) -> Tensor:
-        return (self.path >= 0).sum(dim=1)
-
-    @property
-    def paths(self) -> tuple[tuple[int, ...], ...]:
-        """The accepted paths as tuples (read on the host)."""
-        return tuple(tuple(i for i in row if i >= 0) for row in self.path.tolist())
+        return (self.paths >= 0).sum(dim=1)
 
 
-def children_table(parents: Tensor, sizes: Tensor) -> tuple[Tensor, int]:
-    """`[batch, n, k]` each block index's children (block indices, in block order; -1 past its last), and the trees'
-    greatest depth. Built on the host from `parents [batch, n]` and `sizes [batch]` (the proposal's, host tensors)."""
-    parents, sizes = parents.cpu(), sizes.cpu()
-    batch, n = parents.shape
-    real = torch.arange(n).unsqueeze(0) < sizes.unsqueeze(1)  # [b, n]
-    index = torch.arange(n).unsqueeze(0).expand(batch, n)
-    is_child = real & (index > 0)
-    rank = torch.zeros(batch, n, dtype=torch.long)  # each node's place among its parent's children
-    count = torch.zeros(batch, n + 1, dtype=torch.long)
-    depth = torch.zeros(batch, n, dtype=torch.long)
-    for i in range(1, n):  # parents come first: one pass in block order
-        parent = parents[:, i].clamp(min=0)
-        rank[:, i] = count.gather(1, parent.unsqueeze(1)).squeeze(1)
-        count.scatter_add_(1, parent.unsqueeze(1), is_child[:, i].long().unsqueeze(1))
-        depth[:, i] = depth.gather(1, parent.unsqueeze(1)).squeeze(1) + 1
-    width = max(int(count.max()), 1)
-    table = torch.full((batch, n, width), -1, dtype=torch.long)
-    rows, nodes = torch.nonzero(is_child, as_tuple=True)
-    table[rows, parents[rows, nodes], rank[rows, nodes]] = nodes
-    return table, int(torch.where(real, depth, 0).max()) if n else 0
+def _verdict(walk: Tensor, next_token: Tensor) -> TreeVerdict:
+    """The verdict of a walk that accepted block indices `walk [batch, depth]` (-1 past its end)."""
+    return TreeVerdict(torch.where(walk > 0, walk - 1, -1), next_token)
 
 
 def rejected_residual(residual: Tensor, total: Tensor, token: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -99,7 +79,7 @@ def verify_tree(
             f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(target_probs.shape)}"
         )
     device, wide = target_probs.device, torch.float64
-    table, depth = children_table(parents, sizes)
+    table, depth = tree_children(parents, sizes)
     table, tokens = table.to(device), tokens.to(device)
     uniforms = draw_uniforms(generators, batch, n + 1, device, (sizes.cpu() + 1).tolist())  # a node each, then one
     rows = torch.arange(batch, device=device)
@@ -108,7 +88,7 @@ def verify_tree(
     total = residual.sum(dim=-1)
     used = torch.zeros(batch, dtype=torch.long, device=device)  # uniforms each row has used
     walking = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=device)
+    walk = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=device)  # block indices accepted
     for level in range(depth):
         accepted = torch.full((batch,), -1, dtype=torch.long, device=device)
         for rank in range(table.shape[2]):
@@ -129,14 +109,14 @@ def verify_tree(
             total = torch.where(rejected, left, total)
             used = used + tested.long()
         moved = accepted >= 0
-        path[:, level] = accepted
+        walk[:, level] = accepted
         node = torch.where(moved, accepted, node)
         after = target_probs[rows, node].to(wide)
         residual = torch.where(moved.unsqueeze(-1), after, residual)
         total = torch.where(moved, after.sum(dim=-1), total)
         walking = walking & moved
     next_token = sample_from(residual, uniforms.gather(1, used.unsqueeze(1)).squeeze(1))
-    return TreeVerdict(path, next_token)
+    return _verdict(walk, next_token)
 
 
 def verify_tree_greedy(tokens: Tensor, parents: Tensor, sizes: Tensor, target_logits: Tensor) -> TreeVerdict:
@@ -150,19 +130,19 @@ def follow_choices(tokens: Tensor, parents: Tensor, sizes: Tensor, choice: Tenso
     choice where the walk stops."""
     batch = tokens.shape[0]
     device = choice.device
-    table, depth = children_table(parents, sizes)
+    table, depth = tree_children(parents, sizes)
     table, tokens = table.to(device), tokens.to(device)
     rows = torch.arange(batch, device=device)
     node = torch.zeros(batch, dtype=torch.long, device=device)
     walking = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=device)
+    walk = torch.full((batch, max(depth, 1)), -1, dtype=torch.long, device=device)  # block indices accepted
     for level in range(depth):
         kids = table[rows, node]  # [b, k]
         wanted = choice[rows, node]  # [b]
         match = (kids >= 0) & (tokens.gather(1, kids.clamp(min=0)) == wanted.unsqueeze(1)) & walking.unsqueeze(1)
         found = match.any(dim=1)
         child = kids.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)  # the first match
-        path[:, level] = torch.where(found, child, -1)
+        walk[:, level] = torch.where(found, child, -1)
         node = torch.where(found, child, node)
         walking = walking & found
-    return TreeVerdict(path, choice[rows, node])
+    return _verdict(walk, choice[rows, node])

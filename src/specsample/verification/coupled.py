@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specsample.verify import Verdict, verdict_of_choices
-from specsample.verify_tree import TreeVerdict, follow_choices
+from specsample.token_tree import tree_depths
+from specsample.verification.chain import Verdict, verdict_of_choices
+from specsample.verification.tree import TreeVerdict, follow_choices
 
 TOKEN_NOISE = 0  # the purpose word of the counter: the noise that picks a position's token
 _UNIT = 2.0**-53
@@ -129,8 +130,6 @@ def verify_tree_coupled(
     """Walk each row's tree from the pending token, following the child equal to the target's Gumbel-max token at the
     current node (a node at depth d predicts output position start + d), until none is; the next token is the
     target's Gumbel-max token there."""
-    from specsample.models.llama import tree_ancestors
-
-    depths = tree_ancestors(parents.cpu())[1]  # [batch, n]; the pending token at depth 0
+    depths = tree_depths(parents.cpu())  # [batch, n]; the pending token at depth 0
     offsets = [depths[row, : int(sizes[row])].tolist() for row in range(tokens.shape[0])]
     return follow_choices(tokens, parents, sizes, coupled_choices(target_probs, noise, offsets)[0])

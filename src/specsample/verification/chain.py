@@ -1,4 +1,5 @@
-"""The verifier: modified rejection sampling (Chen et al. 2023, Leviathan et al. 2022).
+"""Chain rejection sampling: modified rejection sampling of a chain of drafts (Chen et al. 2023, Leviathan et al.
+2022).
 
 Pure tensor functions. Given draft tokens, the distributions they were drawn from and the target's
 distributions at the same positions, decide per row how many drafts to accept and which token
@@ -26,8 +27,8 @@ class Verdict:
     # [batch] bool: rows whose target or draft distribution at a position they use is no distribution (NaN,
     # infinite, zero mass); such a row's tokens mean nothing and it must end. None: every row was usable
     failed: Tensor | None = None
-    # a tree round: per row the accepted path `[batch, depth]`, as indices of the proposal's tokens (root to leaf, -1
-    # past its end); None: a chain, whose accepted tokens are its first num_accepted
+    # a tree round: per row its path `[batch, depth]`, the accepted nodes root to leaf by their index among the
+    # proposal's drafts (-1 past its end); None: a chain, whose accepted drafts are its first num_accepted
     paths: Tensor | None = None
 
 

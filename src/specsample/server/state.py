@@ -1,0 +1,71 @@
+"""What one serving process holds (`SpecServer`): the engine, its runner thread, the tokenizer, the grammar pool and
+the metrics. The app's lifespan starts and stops it (server/app.py); every route and the middleware reach it through
+`request.app.state.server`."""
+
+from __future__ import annotations
+
+import time
+
+from specsample.drafters.routed import RoutedDrafter
+from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats
+from specsample.rounds import RoundResult
+from specsample.server.grammar_pool import GrammarPool
+from specsample.server.metrics import ServerMetrics
+from specsample.server.options import ServerOptions
+from specsample.server.runner import EngineRunner
+from specsample.speculator import Speculator
+
+
+class SpecServer:
+    """The engine, its runner thread, the tokenizer and the metrics of one serving process."""
+
+    def __init__(self, speculator: Speculator, options: ServerOptions) -> None:
+        target = speculator.pair.target
+        if target.tokenizer is None:
+            raise ValueError(f"{target.spec} has no tokenizer; serving text needs one")
+        self.speculator, self.options, self.tokenizer = speculator, options, target.tokenizer
+        drafter = RoutedDrafter(speculator.drafter) if speculator.drafter is not None else None
+        self.engine = speculator.engine(
+            options.max_batch_size, options.max_seq_len, drafter=drafter, prefix_cache_rows=options.prefix_cache_rows
+        )
+        self.draft = speculator.draft  # the draft in use (/admin/draft replaces it)
+        labels = {"replica": options.replica_id} if options.replica_id else {}
+        self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
+        self.metrics.watch_suffix_cache(self._suffix_cache)
+        self.metrics.show_step_path(speculator.step_path)
+        self.runner = EngineRunner(self.engine, self._observe)
+        grammars = self.engine.grammars
+        self.grammar_pool = (
+            GrammarPool(grammars, options.grammar_workers, options.grammar_compile_timeout)
+            if grammars is not None
+            else None
+        )
+        self.created = int(time.time())
+        self.metrics_text = self.metrics.render  # replaced by the aggregate of all replicas under Ray Serve
+        self.active = 0  # requests being answered (all routes but /health and /metrics)
+        self.draining = False  # shutting down: new requests get 503 (server/serve.py)
+        self.ended = False  # the shutdown limit passed: requests still running were ended
+
+    def _suffix_cache(self) -> SuffixCacheStats | None:
+        """What the engine's drafters' shared suffix caches hold (None without one)."""
+        drafter = self.engine.drafter
+        return drafter.suffix_cache() if isinstance(drafter, SuffixCacheHolder) else None
+
+    def _observe(self, result: RoundResult) -> None:
+        self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)
+
+    def start(self) -> None:
+        self.runner.start()
+
+    def stop(self) -> None:
+        self.runner.stop()
+        if self.grammar_pool is not None:
+            self.grammar_pool.close()
+
+    def end_all(self) -> None:
+        """End every request still running (the shutdown limit passed): streams end with an error event and
+        [DONE], other responses with 503."""
+        self.ended = True
+        self.runner.end_all("shutdown")
+        if self.grammar_pool is not None:
+            self.grammar_pool.close()
