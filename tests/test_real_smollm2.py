@@ -44,9 +44,15 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
     bf16_draft = load_model(
         "smollm2-135m-instruct", dtype="bfloat16", device=DEVICE
     ).model  # close to, not equal to, the target
-    shipped_head = load_head_drafter(builtin_draft(SMOLLM2_HEAD), model)  # reads the target's own features
-    shipped_medusa = load_medusa_drafter(builtin_draft(SMOLLM2_MEDUSA), model)  # ...its last hidden state: trees
-    for drafter in (NgramDrafter(), ModelDrafter(bf16_draft), shipped_head, shipped_medusa):
+    # a feature draft sets which of the target's states it reads when it loads: each is loaded just before it drafts
+    drafters = (
+        NgramDrafter,
+        lambda: ModelDrafter(bf16_draft),
+        lambda: load_head_drafter(builtin_draft(SMOLLM2_HEAD), model),  # reads the target's own features
+        lambda: load_medusa_drafter(builtin_draft(SMOLLM2_MEDUSA), model),  # ...its last hidden state: trees
+    )
+    for make in drafters:
+        drafter = make()
         spec = generate(
             model,
             prompts,
