@@ -208,6 +208,23 @@ def test_greedy_drafting_equals_target_only(target, planner) -> None:
         assert result.stats["drafted"] > 0
 
 
+def test_medusa_heads_and_an_eagle3_head_take_turns_on_one_target() -> None:
+    """Two feature drafts loaded on one target, each reading other states of it (the final hidden states; three
+    layers' residual streams): whichever engine was built last drafts from the states it reads, and both give the
+    target's greedy output."""
+    from specsample.drafters.eagle import EagleDrafter
+    from specsample.models.eagle_head import EagleHead, HeadConfig
+
+    target = tiny_lm(VOCAB, seed=3, init_scale=0.2, dtype=torch.float64)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    reference = [c.token_ids for c in generate(target, PROMPTS, params).completions]
+    eagle = EagleDrafter(EagleHead(HeadConfig.for_target(target.config, VOCAB, (0, 1, 2))).double(), target)
+    medusa = MedusaDrafter(random_heads(target), target)  # loaded last: the target now returns final hidden states
+    for drafter, planner in ((eagle, FixedGamma(3)), (medusa, FixedGamma(3, tree=TREE)), (eagle, FixedGamma(2))):
+        result = generate(target, PROMPTS, params, draft=drafter, config=SpecConfig(max_batch_size=3), planner=planner)
+        assert [c.token_ids for c in result.completions] == reference
+
+
 def test_a_rows_state_follows_the_committed_text_and_prefix_reuse(target) -> None:
     """After rounds with rejections and accepted drafts, in a ragged batch, and after a kept row is reused by the
     next turn, each row proposes what a fresh row fed its committed text proposes."""

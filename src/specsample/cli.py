@@ -143,7 +143,13 @@ def _add_bench_parser(sub) -> None:
     )
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
-    bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
+    bench.add_argument(
+        "--compare",
+        type=_csv(str),
+        default=None,
+        help=f"peers: {', '.join(COMPARE_CHOICES)}, or draft:SPEC (ours at gamma auto with another --draft, its own "
+        "tree under --tree auto; e.g. draft:hybrid:smollm2-135m-instruct-medusa)",
+    )
     bench.add_argument(
         "--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)"
     )

@@ -68,11 +68,15 @@ class Speculator:
 
     @property
     def tree(self) -> TreeShape | None:
-        """The largest tree a round may draft: the one `tree` names, or under 'auto' the drafter's own (its `tree`,
-        where it declares one and the target scores trees); None: chains."""
+        """The largest tree a round of the loaded drafter may draft (`tree_for`)."""
+        return self.tree_for(self.pair.drafter)
+
+    def tree_for(self, drafter: Drafter | None) -> TreeShape | None:
+        """The largest tree a round of `drafter` may draft: the one `tree` names, or under 'auto' the drafter's own
+        (its `tree`, where it declares one and the target scores trees); None: chains."""
         if self.options.tree.strip().lower() != "auto":
             return self.options.tree_shape
-        own = getattr(self.pair.drafter, "tree", None)
+        own = getattr(drafter, "tree", None)
         return own if isinstance(own, TreeShape) and isinstance(self.pair.target.model, TreeLM) else None
 
     def planner(self) -> Planner:

@@ -79,6 +79,8 @@ class MedusaDrafter:
     # ----- rows -----------------------------------------------------------------------------
 
     def allocate(self, num_slots: int, max_len: int) -> None:
+        # the target returns the states its last allocated feature draft reads (drafts may take turns on one target)
+        self.target.set_feature_layers(None)
         self.states = torch.zeros(
             num_slots, self.heads.config.hidden_size, dtype=self.heads.dtype, device=self.target.device
         )
