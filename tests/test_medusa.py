@@ -208,6 +208,19 @@ def test_greedy_drafting_equals_target_only(target, planner) -> None:
         assert result.stats["drafted"] > 0
 
 
+def test_a_hybrid_with_medusa_heads_probes_instead_of_scoring_backlogs(target) -> None:
+    """Medusa heads keep no states of past positions, so they cannot score the tokens plain rounds committed: gamma
+    auto's fallback probes a hybrid with them (it scores a draft model's backlog), and asked anyway they score none."""
+    from specsample.drafters.base import scores_backlog
+    from specsample.drafters.model import ModelDrafter
+
+    hybrid = HybridDrafter(MedusaDrafter(random_heads(target), target))
+    assert not scores_backlog(hybrid) and scores_backlog(HybridDrafter(ModelDrafter(target)))
+    hybrid.allocate(2, 32)
+    hybrid.add_rows([0, 1], [[1, 2, 3], [4, 5]])
+    assert hybrid.score_backlog([0, 1], [2, 1], [SamplingParams(), SamplingParams()]) == [[], []]
+
+
 def test_medusa_heads_and_an_eagle3_head_take_turns_on_one_target() -> None:
     """Two feature drafts loaded on one target, each reading other states of it (the final hidden states; three
     layers' residual streams): whichever engine was built last drafts from the states it reads, and both give the

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SettingError, SpecConfig
 from specsample.drafters.base import (
-    BacklogScorer,
     Drafter,
     DraftRequest,
     DraftRow,
@@ -30,6 +29,7 @@ from specsample.drafters.base import (
     Proposal,
     allocated,
     check_vocabulary,
+    scores_backlog,
 )
 from specsample.grammar import GrammarCompiler
 from specsample.models import compile_events
@@ -287,7 +287,7 @@ class Engine:
         if self._abilities[0] is not self.drafter:
             self._abilities = (
                 self.drafter,
-                isinstance(self.drafter, BacklogScorer),
+                scores_backlog(self.drafter),
                 isinstance(self.drafter, PromptLookup),
                 isinstance(self.drafter, FeatureDrafter),
             )

@@ -261,6 +261,12 @@ class BacklogScorer(Protocol):
         ...
 
 
+def scores_backlog(drafter: object) -> bool:
+    """Whether `drafter` scores backlogs: a `BacklogScorer` that does not say otherwise (a hybrid scores them only
+    where its model does; Medusa heads hold no states of past positions, so they cannot)."""
+    return isinstance(drafter, BacklogScorer) and getattr(drafter, "scores_backlog", True)
+
+
 @runtime_checkable
 class PromptLookup(Protocol):
     """A drafter that proposes prompt-lookup continuations (an n-gram drafter, the hybrid): gamma auto sizes those

@@ -8,7 +8,15 @@ from typing import Protocol
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
-from specsample.drafters.base import Drafter, DraftRequest, FeatureDrafter, PrefixKeeper, Proposal, merge_proposals
+from specsample.drafters.base import (
+    Drafter,
+    DraftRequest,
+    FeatureDrafter,
+    PrefixKeeper,
+    Proposal,
+    merge_proposals,
+    scores_backlog,
+)
 from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter
 
 
@@ -122,11 +130,19 @@ class HybridDrafter:
         if self.wants_features:
             self.model.add_features(slots, features)
 
+    @property
+    def scores_backlog(self) -> bool:
+        """Whether its draft model scores backlogs (`score_backlog`)."""
+        return scores_backlog(self.model)
+
     def score_backlog(
         self, slots: Sequence[int], counts: Sequence[int], params: Sequence[SamplingParams]
     ) -> list[list[float]]:
         """The draft model scores the tokens it missed (`ModelDrafter.score_backlog`): under gamma auto a
-        lookup round is not one of the model's, so its estimate in fallback comes from these as for a model."""
+        lookup round is not one of the model's, so its estimate in fallback comes from these as for a model. A model
+        that scores none (Medusa heads) scores nothing."""
+        if not self.scores_backlog:
+            return [[] for _ in slots]
         return self.model.score_backlog(slots, counts, params)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
