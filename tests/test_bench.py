@@ -460,6 +460,7 @@ def test_zero_sized_sweeps_and_a_single_gamma_run_to_the_end(tiny_pair_files, tm
     assert set(results["suites"]["compare"]["runs"]) == {"0.0", "0.7"}
     assert "hybrid, n-gram lookup gamma=auto" in results["suites"]["compare"]["systems"]  # the n-gram lookup beside
     assert "ngram gamma=auto" in results["suites"]["compare"]["systems"]  # another draft, named by its spec
+    assert "| specsample gamma=auto / ngram gamma=auto |" in (out / "results.md").read_text()
     assert "| specsample gamma=auto / hybrid, n-gram lookup gamma=auto |" in (out / "results.md").read_text()
     for suite in ("gamma", "batch", "lossless"):
         assert "skipped" in results["suites"][suite]

@@ -99,6 +99,7 @@ class Bench:
                 f"target rounds of 1..{len(self.speculator.target_widths)} tokens scored as "
                 f"{self.speculator.target_widths} (measured at start-up, --pad-rows auto)"
             )
+        self.other_drafts: list = []  # ours with the drafts --compare draft:SPEC names (among the peers)
         self.peers = self._load_peers()
 
     # ----- systems ----------------------------------------------------------------------------
@@ -187,7 +188,8 @@ class Bench:
         for lookup in (False, True):
             if ("llama.cpp-lookup" if lookup else "llama.cpp") in self.config.compare:
                 peers += self._llama_cpp(lookup)
-        peers += self._other_drafts()
+        self.other_drafts = self._other_drafts()
+        peers += self.other_drafts
         if not {p for p in self.config.compare if not p.startswith(DRAFT_PEER)} - {
             "llama.cpp",
             "llama.cpp-lookup",

@@ -71,7 +71,12 @@ def compare(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     if bench.speculator.tree is not None:
         systems.append(bench.ours(bench.config.gammas[0], tree=True))
     systems += bench.peers
-    store.update(systems=[s.name for s in systems], runs={}, compiled=bench.speculator.options.compile)
+    store.update(
+        systems=[s.name for s in systems],
+        other_drafts=[s.name for s in bench.other_drafts],  # --compare draft:SPEC: ours is compared with each
+        runs={},
+        compiled=bench.speculator.options.compile,
+    )
     for temperature in bench.config.temperatures:
         rows = store["runs"].setdefault(str(temperature), [])
         _interleaved(
