@@ -167,3 +167,29 @@ class SuffixFrequenciesAsProbs(WrappedDrafter):
                 probs[row, j] = (1.0 - p) / (self.vocab_size - 1)
                 probs[row, j, token] = p
         return Proposal(proposal.tokens, probs, proposal.num_drafted, None, proposal.parents)
+
+
+class MedusaTreeReportsHeadProbs(WrappedDrafter):
+    """Medusa's candidate tree reporting, for each node, its head's (warped) distribution as the one it was drawn
+    from: the nodes were chosen (the heads' top-k), not drawn, so the verifier's acceptance min(1, p / q) and its
+    residual are those of another draft. Wraps a MedusaDrafter drafting trees."""
+
+    def propose(self, request):
+        from specsample.sampling import warp_rows
+
+        proposal = self.inner.propose(request)
+        logits = self.inner.head_logits(request.slots)  # [b, K, K']
+        heads = [warp_rows(logits[:, k], request.params).double().cpu() for k in range(logits.shape[1])]
+        parents = proposal.parents.cpu()
+        depth = torch.zeros_like(parents)  # each node's depth - 1: its head
+        for i in range(parents.shape[1]):  # parents come first
+            depth[:, i] = torch.where(
+                parents[:, i] < 0, 0, depth.gather(1, parents[:, i : i + 1].clamp(min=0))[:, 0] + 1
+            )
+        q = torch.stack(heads, dim=1).gather(
+            1, depth.clamp(max=len(heads) - 1).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        )
+        probs = torch.zeros(*parents.shape, self.vocab_size, dtype=torch.float64)
+        subset = self.inner.output_subset
+        probs[..., subset.cpu() if subset is not None else slice(None)] = q  # [b, nodes, vocab]
+        return type(proposal)(proposal.tokens, probs, proposal.num_drafted, proposal.confidence, proposal.parents)

@@ -445,7 +445,7 @@ def test_zero_sized_sweeps_and_a_single_gamma_run_to_the_end(tiny_pair_files, tm
             "--batch-size",
             "1",
             "--compare",
-            "hf-lookup,hybrid-ngram",
+            "hf-lookup,hybrid-ngram,draft:ngram",
             "--sweep-prompts",
             "0",
             "--lossless-prompts",
@@ -459,6 +459,8 @@ def test_zero_sized_sweeps_and_a_single_gamma_run_to_the_end(tiny_pair_files, tm
     assert results["status"] == "complete"
     assert set(results["suites"]["compare"]["runs"]) == {"0.0", "0.7"}
     assert "hybrid, n-gram lookup gamma=auto" in results["suites"]["compare"]["systems"]  # the n-gram lookup beside
+    assert "ngram gamma=auto" in results["suites"]["compare"]["systems"]  # another draft, named by its spec
+    assert "| specsample gamma=auto / ngram gamma=auto |" in (out / "results.md").read_text()
     assert "| specsample gamma=auto / hybrid, n-gram lookup gamma=auto |" in (out / "results.md").read_text()
     for suite in ("gamma", "batch", "lossless"):
         assert "skipped" in results["suites"][suite]
@@ -517,6 +519,7 @@ def test_a_failing_suite_keeps_what_was_measured_and_the_run_goes_on(tiny_pair_f
         (["--suite", "nope"], "unknown or no suite"),
         (["--gamma", "0"], "--gamma values must be integers >= 1"),
         (["--compare", "vllm"], "unknown --compare"),
+        (["--compare", "draft:"], "needs a draft spec"),
         (["--sweep-prompts", "-1"], "sweep-prompts must be >= 0"),
         (["--temperature", "-1"], "--temperature values must be >= 0"),
     ],

@@ -16,6 +16,7 @@ from broken import (
     BROKEN,
     ExtensionDropsToken,
     GateDropsToken,
+    MedusaTreeReportsHeadProbs,
     ProbsOneStepAhead,
     SubsetProbsUnmapped,
     SuffixFrequenciesAsProbs,
@@ -409,16 +410,60 @@ def test_broken_feature_drafts_fail(pair, broken: str) -> None:
 TREE = TreeShape(6, 2, 3)  # two children a node, three deep: side branches at every depth
 
 
+def medusa_draft(target, subset: list[int] | None = SUBSET):
+    """Three Medusa heads on the pair's target (its final hidden states), their draft vocabulary `subset`, their
+    weights random: each head's distribution differs from the next's."""
+    from specsample.drafters.medusa import MedusaDrafter
+    from specsample.models.medusa_head import MedusaConfig, MedusaHeads
+
+    ids = torch.tensor(subset if subset is not None else list(range(VOCAB)))
+    config = MedusaConfig(target.config.hidden_size, VOCAB, 3, 1, len(ids), shared_output=subset is not None)
+    heads = MedusaHeads(config).double()
+    generator = torch.Generator().manual_seed(31)
+    with torch.no_grad():
+        for name, param in heads.named_parameters():
+            scale = 0.1 if name.startswith("outputs.") else 0.5  # soft logits, blocks that move each head's vector
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * scale)
+        heads.token_map.copy_(ids)
+    return MedusaDrafter(heads.to(DEVICE), target)
+
+
+def test_medusa_chains_are_exact(pair) -> None:
+    """Medusa heads drafting chains (head k's draw at depth k + 1, its distribution reported) under gamma auto (gated)
+    beside prompt lookup, at temperature 0.7 with top-k and top-p, in a ragged batch."""
+    target, _ = pair
+    drafter = HybridDrafter(medusa_draft(target), NgramDrafter(min_n=1), min_match=2)
+    planner = FixedGate(3, per_draft=0.3)
+    for statistic, threshold in _feature_chi_squares(target, drafter, planner):
+        assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+    assert any(t > 0 for t in planner.acceptance.bin_trials)  # the heads drafted, gated
+
+
+@pytest.mark.parametrize("broken", ["tree_reports_head_probs", "chain_one_head_ahead"])
+def test_broken_medusa_drafts_fail(pair, broken: str) -> None:
+    """Medusa's tree reporting its heads' distributions as if its nodes were drawn from them, or a chain reporting
+    the next head's distribution, must fail the same test."""
+    target, _ = pair
+    if broken == "tree_reports_head_probs":
+        drafter, planner = MedusaTreeReportsHeadProbs(medusa_draft(target, None)), FixedGamma(3, tree=TREE)
+    else:
+        drafter, planner = ProbsOneStepAhead(medusa_draft(target)), FixedGamma(3)
+    results = _feature_chi_squares(target, drafter, planner)
+    assert any(statistic > threshold for statistic, threshold in results), results
+
+
 def tree_drafter(pair, kind: str):
     target, draft = pair
     if kind == "model":
         return ModelDrafter(draft)
     if kind == "feature":
         return feature_draft(target)
+    if kind == "medusa":
+        return medusa_draft(target)
     return HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=1)  # lookup branches where it matches
 
 
-@pytest.mark.parametrize("kind", ["model", "feature", "hybrid_lookup"])
+@pytest.mark.parametrize("kind", ["model", "feature", "medusa", "hybrid_lookup"])
 def test_tree_drafting_is_exact(pair, kind: str) -> None:
     """Token trees (deterministic top-k children, multi-candidate rejection sampling) from each drafter, alternating
     with chains, at temperature 0.7 with top-k and top-p, in a ragged batch: each prompt's tokens follow the target's
@@ -520,11 +565,22 @@ def test_broken_verifier_fails_on_the_fused_step(fused_pair, monkeypatch, broken
     assert statistic > threshold, f"{broken} was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 
 
-def test_fused_step_trees_are_exact(fused_pair) -> None:
-    """Token trees scored by the fused step's tree attention, alternating with chains, in a ragged batch."""
+@pytest.mark.parametrize("kind", ["model", "medusa"])
+def test_fused_step_trees_are_exact(fused_pair, kind: str) -> None:
+    """Token trees scored by the fused step's tree attention, alternating with chains, in a ragged batch: a draft
+    model's, and Medusa heads' reading the fused step's final hidden states."""
     target, _ = fused_pair
-    for statistic, threshold in _feature_chi_squares(target, tree_drafter(fused_pair, "model"), AlternatingTrees(TREE)):
+    for statistic, threshold in _feature_chi_squares(target, tree_drafter(fused_pair, kind), AlternatingTrees(TREE)):
         assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_broken_medusa_tree_fails_on_the_fused_step(fused_pair) -> None:
+    """Medusa's tree reporting its heads' distributions as if its nodes were drawn from them fails on the fused step
+    too."""
+    target, _ = fused_pair
+    drafter = MedusaTreeReportsHeadProbs(medusa_draft(target, None))
+    results = _feature_chi_squares(target, drafter, FixedGamma(3, tree=TREE))
+    assert any(statistic > threshold for statistic, threshold in results), results
 
 
 def test_tree_verifier_that_keeps_the_residual_fails_on_the_fused_step(fused_pair, monkeypatch) -> None:

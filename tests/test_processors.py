@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_eagle import random_head
+from test_medusa import random_heads
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.config import Grammar, SettingError, TreeShape
 from specsample.drafters.eagle import EagleDrafter
 from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.medusa import MedusaDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.grammar import GrammarCompiler
 from specsample.planner import FixedGamma
@@ -123,7 +125,7 @@ def test_logprobs_are_the_targets_processed_distribution(target, draft, temperat
             assert torch.allclose(torch.tensor([v for _, v in lp.top], dtype=torch.float64), top.values, atol=1e-9)
 
 
-@pytest.mark.parametrize("kind", ["model", "lookup", "model_tree", "feature_tree", "hybrid_tree"])
+@pytest.mark.parametrize("kind", ["model", "lookup", "model_tree", "feature_tree", "medusa_tree", "hybrid_tree"])
 def test_greedy_under_processors_and_grammar_is_target_only(target, draft, kind: str) -> None:
     """Greedy speculation under penalties and a grammar gives target-only decoding's tokens (plain rounds through the
     same processors), with chains, lookups and trees of every drafter; the output follows the grammar."""
@@ -133,6 +135,7 @@ def test_greedy_under_processors_and_grammar_is_target_only(target, draft, kind:
         "lookup": lambda: NgramDrafter(min_n=1),
         "model_tree": lambda: ModelDrafter(draft),
         "feature_tree": lambda: EagleDrafter(random_head(target), target),
+        "medusa_tree": lambda: MedusaDrafter(random_heads(target), target),
         "hybrid_tree": lambda: HybridDrafter(ModelDrafter(draft), NgramDrafter(min_n=1), min_match=1),
     }[kind]
     params = SamplingParams(temperature=0, max_new_tokens=14, grammar=Grammar("ebnf", EBNF), **PROCESSED)

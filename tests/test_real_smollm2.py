@@ -8,8 +8,9 @@ from devices import DEVICE
 
 from specsample import ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.eagle import load_head_drafter
+from specsample.drafters.medusa import load_medusa_drafter
 from specsample.drafters.ngram import NgramDrafter
-from specsample.models.hub import SMOLLM2_HEAD, builtin_draft
+from specsample.models.hub import SMOLLM2_HEAD, SMOLLM2_MEDUSA, builtin_draft
 from specsample.models.loader import load_model
 from specsample.planner import FixedGamma
 
@@ -43,8 +44,15 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
     bf16_draft = load_model(
         "smollm2-135m-instruct", dtype="bfloat16", device=DEVICE
     ).model  # close to, not equal to, the target
-    shipped_head = load_head_drafter(builtin_draft(SMOLLM2_HEAD), model)  # reads the target's own features
-    for drafter in (NgramDrafter(), ModelDrafter(bf16_draft), shipped_head):
+    # a feature draft sets which of the target's states it reads when it loads: each is loaded just before it drafts
+    drafters = (
+        NgramDrafter,
+        lambda: ModelDrafter(bf16_draft),
+        lambda: load_head_drafter(builtin_draft(SMOLLM2_HEAD), model),  # reads the target's own features
+        lambda: load_medusa_drafter(builtin_draft(SMOLLM2_MEDUSA), model),  # ...its last hidden state: trees
+    )
+    for make in drafters:
+        drafter = make()
         spec = generate(
             model,
             prompts,
@@ -52,7 +60,7 @@ def test_greedy_speculative_equals_target_only(smollm2) -> None:
             draft=drafter,
             config=SpecConfig(),
             eos_token_ids=tokenizer.eos_token_ids,
-            planner=FixedGamma(5),
+            planner=FixedGamma(5, tree=getattr(drafter, "tree", None)),
         )
         assert spec.stats["accepted"] > 0
         for prompt, a, b in zip(prompts, plain.completions, spec.completions):

@@ -35,7 +35,7 @@ def folders(tmp_path_factory):
         (dict(compile=True, runtime="hf"), "--compile needs our Llama-family runtime"),
         (dict(tree="16x4"), "a tree is NODES or NODESxBRANCHxDEPTH"),
         (dict(tree="4x2x8"), "a tree of 4 nodes cannot reach depth 8"),
-        (dict(tree=16), "tree must be 'off' or NODES"),
+        (dict(tree=16), "tree must be 'auto', 'off' or NODES"),
     ],
 )
 def test_bad_options_are_refused_before_anything_loads(fields, message) -> None:

@@ -146,7 +146,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
-    bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
+    bench.add_argument(
+        "--compare",
+        type=_csv(str),
+        default=None,
+        help=f"peers: {', '.join(COMPARE_CHOICES)}, or draft:SPEC (ours at gamma auto with another --draft, its own "
+        "tree under --tree auto; e.g. draft:hybrid:smollm2-135m-instruct-medusa)",
+    )
     bench.add_argument(
         "--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)"
     )
@@ -223,6 +229,13 @@ EAGLE_ONLY = (
     "step_decay",
     "quantize",
 )  # ...and of --kind eagle
+MEDUSA_ONLY = ("medusa_heads", "medusa_layers", "separate_outputs", "head_decay", "layout")  # ...and of --kind medusa
+FEATURE_DATA = ("tokens", "epochs", "quantize")  # flags of --kind eagle that --kind medusa takes too
+NOT_FOR_KIND = {
+    "model": EAGLE_ONLY + MEDUSA_ONLY,
+    "eagle": MODEL_ONLY + MEDUSA_ONLY,
+    "medusa": MODEL_ONLY + tuple(f for f in EAGLE_ONLY if f not in FEATURE_DATA),
+}
 
 
 def _add_distill_parsers(sub: argparse._SubParsersAction) -> None:
@@ -233,10 +246,10 @@ def _add_distill_parsers(sub: argparse._SubParsersAction) -> None:
     )
     dist.add_argument(
         "--kind",
-        choices=("eagle", "model"),
+        choices=("eagle", "medusa", "model"),
         default="eagle",
-        help="eagle (default): one decoder layer drafting from the target's hidden states; model: a "
-        "small Llama distilled from the target's distributions",
+        help="eagle (default): one decoder layer drafting from the target's hidden states; medusa: Medusa "
+        "heads on the target's last hidden state; model: a small Llama distilled from the target's distributions",
     )
     dist.add_argument("--target", default=DEFAULT_TARGET)
     dist.add_argument("--out", required=True, type=Path, help="output folder (the draft, its model card)")
@@ -252,9 +265,13 @@ def _add_distill_parsers(sub: argparse._SubParsersAction) -> None:
         default=8192,
         help="output layer over the K most useful tokens (FR-Spec); 0 = the whole vocabulary",
     )
-    dist.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (eagle 16384, model 8192)")
-    dist.add_argument("--lr", type=float, default=None, help="peak learning rate (eagle 1e-3, model 3e-3)")
-    dist.add_argument("--max-len", type=int, default=None, help="tokens per conversation (eagle 1536, model 512)")
+    dist.add_argument(
+        "--batch-tokens", type=int, default=None, help="tokens per step (eagle 16384, medusa 8192, model 8192)"
+    )
+    dist.add_argument("--lr", type=float, default=None, help="peak learning rate (eagle 1e-3, medusa 4e-3, model 3e-3)")
+    dist.add_argument(
+        "--max-len", type=int, default=None, help="tokens per conversation (eagle 1536, medusa 1024, model 512)"
+    )
     dist.add_argument(
         "--max-run-minutes",
         type=float,
@@ -264,7 +281,8 @@ def _add_distill_parsers(sub: argparse._SubParsersAction) -> None:
     dist.add_argument(
         "--eval-prompts",
         default=None,
-        help="spec-bench (eagle default), heldout (model default; ShareGPT past the training range) or a prompt file",
+        help="spec-bench (eagle and medusa default), heldout (model default; ShareGPT past the training range) or a "
+        "prompt file",
     )
     dist.add_argument("--eval-max-new-tokens", type=int, default=64)
     dist.add_argument(
@@ -332,6 +350,27 @@ def _add_distill_parsers(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="how the target's weights are held while it writes or scores the data (default auto: as "
         "it serves, a GGUF's int4/int8 natively)",
+    )
+    medusa = dist.add_argument_group("--kind medusa")
+    medusa.add_argument(
+        "--medusa-heads", type=int, default=None, help="Medusa heads: tokens drafted past the next (default 4)"
+    )
+    medusa.add_argument("--medusa-layers", type=int, default=None, help="residual blocks per head (default 1)")
+    medusa.add_argument(
+        "--separate-outputs",
+        action="store_true",
+        default=None,
+        help="an output layer per head (Medusa-1's; default: one shared by every head, vLLM's original_lm_head)",
+    )
+    medusa.add_argument(
+        "--head-decay", type=float, default=None, help="head k's loss weighs this to the power k (default 0.8)"
+    )
+    medusa.add_argument(
+        "--layout",
+        choices=("vllm", "medusa"),
+        default=None,
+        help="the folder's layout: vllm (default; MedusaModel, any draft vocabulary) or medusa "
+        "(FasterDecoding/Medusa's medusa_lm_head.safetensors: --draft-vocab 0 --separate-outputs)",
     )
     model = dist.add_argument_group("--kind model")
     model.add_argument("--num-prompts", type=int, default=None, help="conversations scored teacher-forced (2000)")
@@ -453,14 +492,51 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_distill(args: argparse.Namespace) -> None:
     """Run (or resume) a distillation; prints where the draft and its model card went."""
-    other = EAGLE_ONLY if args.kind == "model" else MODEL_ONLY
-    given = [name for name in other if getattr(args, name) is not None]
+    given = [name for name in NOT_FOR_KIND[args.kind] if getattr(args, name) is not None]
     if given:
         raise CliError(f"--{given[0].replace('_', '-')} does not apply to --kind {args.kind}")
     if args.kind == "eagle":
         _distill_eagle(args)
+    elif args.kind == "medusa":
+        _distill_medusa(args)
     else:
         _distill_model(args)
+
+
+def _distill_medusa(args: argparse.Namespace) -> None:
+    from specsample.distill.medusa import MedusaTraining, run_medusa
+
+    chosen = {
+        "tokens": args.tokens,
+        "epochs": args.epochs,
+        "quantize": args.quantize,
+        "heads": args.medusa_heads,
+        "layers": args.medusa_layers,
+        "shared_output": None if args.separate_outputs is None else not args.separate_outputs,
+        "head_decay": args.head_decay,
+        "layout": args.layout,
+        "batch_tokens": args.batch_tokens,
+        "lr": args.lr,
+        "max_len": args.max_len,
+        "eval_prompts": args.eval_prompts,
+        "draft_vocab": args.draft_vocab if args.draft_vocab else 1 << 30,
+    }  # 0: the whole vocabulary
+    plan = MedusaTraining(
+        target=args.target,
+        out=args.out,
+        prompts=args.prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        device=args.device,
+        seed=args.seed,
+        **{k: v for k, v in chosen.items() if v is not None},
+    )
+    result = run_medusa(plan, resume=args.resume, minutes=args.max_run_minutes, command=args.command_line)
+    if result["finished"]:
+        overall = result["eval"]["temperatures"]["0.0"]["overall"]
+        print(
+            f"Medusa heads written to {args.out}: {overall['tokens_per_round']:.2f} tokens per target forward at "
+            f"T 0 with a {result['eval']['tree']['nodes']}-node tree; model card {args.out / 'README.md'}"
+        )
 
 
 def _distill_eagle(args: argparse.Namespace) -> None:
@@ -566,6 +642,9 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
     from specsample.models.loader import load_model
 
     prompts = eval_prompt_set(args.prompts, args.num_prompts)
+    if _is_medusa(args.draft):  # Medusa heads: measured through the engine, their candidate tree every round
+        _eval_medusa(args, prompts)
+        return
     if _is_head(args.draft):  # a feature draft: measured through the engine, a chain of drafts a round
         from specsample.distill.eagle import evaluate_head
         from specsample.distill.eagle import evaluation_table as head_table
@@ -615,6 +694,46 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         progress=sys.stderr.isatty(),
         measure_cost=not args.no_cost,
     )
+    report["command"] = args.command_line
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    print("\n".join(evaluation_table(report)), file=sys.stderr)
+
+
+def _is_medusa(spec: str) -> bool:
+    """Whether a draft spec names Medusa heads (a shipped folder or one in a published Medusa layout)."""
+    from specsample.models.hub import builtin_draft
+    from specsample.models.medusa_head import is_medusa_folder
+
+    return is_medusa_folder(builtin_draft(spec) or Path(spec))
+
+
+def _eval_medusa(args: argparse.Namespace, prompts) -> None:
+    from specsample.distill.medusa import evaluate_medusa, evaluation_table
+    from specsample.drafters.medusa import MedusaDrafter
+    from specsample.models.loader import load_model
+    from specsample.pair import load_drafter
+
+    if args.compile:
+        raise CliError("--compile does not apply to Medusa heads (their proposal runs eagerly)")
+    options = EngineOptions(
+        target=args.target, draft=args.draft, dtype=args.dtype or "auto", quantize=args.quantize or "auto"
+    )
+    target = load_model(options.target, dtype=options.dtype, quantize=options.quantize)
+    drafter = load_drafter(options.draft, target, options)
+    if not isinstance(drafter, MedusaDrafter):
+        raise CliError(f"draft {args.draft} could not be loaded")
+    report = evaluate_medusa(
+        target.model,
+        drafter,
+        target.tokenizer,
+        prompts,
+        args.max_new_tokens,
+        progress=sys.stderr.isatty(),
+        measure_cost=not args.no_cost,
+    )
+    report["target_weights"] = options.quantize
     report["command"] = args.command_line
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

@@ -48,10 +48,10 @@ def parse_device(spec: str | torch.device) -> torch.device:
 
 
 def parse_tree(value: str) -> TreeShape | None:
-    """`--tree`: 'off' (None) or NODES[xBRANCHxDEPTH] (`TreeShape.parse`)."""
+    """`--tree`: 'auto' or 'off' (None: no tree of its own) or NODES[xBRANCHxDEPTH] (`TreeShape.parse`)."""
     if not isinstance(value, str):
-        raise SettingError("tree", f"tree must be 'off' or NODES[xBRANCHxDEPTH], got {value!r}")
-    return None if value.strip().lower() == "off" else TreeShape.parse(value.strip())
+        raise SettingError("tree", f"tree must be 'auto', 'off' or NODES[xBRANCHxDEPTH], got {value!r}")
+    return None if value.strip().lower() in ("auto", "off") else TreeShape.parse(value.strip())
 
 
 def check_device(spec: str | torch.device) -> None:
@@ -97,8 +97,9 @@ class EngineOptions:
     )
     max_gamma: int = setting(8, help="upper bound for gamma auto")
     tree: str = setting(
-        "off",
-        help="token trees, scored in one target forward and verified exactly: off (chains) or "
+        "auto",
+        help="token trees, scored in one target forward and verified exactly: auto (the drafter's own: "
+        "Medusa heads' candidate tree, chains for the other drafters), off (chains) or "
         "NODES[xBRANCHxDEPTH] (e.g. 16x4x6: up to 16 nodes, 4 children per expanded node, "
         "6 deep). With gamma auto the largest tree it may draft, only where trees measure "
         "faster than chains; with a fixed gamma that tree every round. Needs our "
@@ -236,5 +237,5 @@ class EngineOptions:
 
     @property
     def tree_shape(self) -> TreeShape | None:
-        """The tree `tree` names (None: off)."""
+        """The tree `tree` names (None: off, or auto: see `Speculator.tree`)."""
         return parse_tree(self.tree)

@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 from specsample.drafters.base import Drafter, check_vocabulary
 from specsample.drafters.eagle import EagleDrafter, is_head_folder, load_head_drafter
 from specsample.drafters.hybrid import HybridDrafter
+from specsample.drafters.medusa import MedusaDrafter, is_medusa_folder, load_medusa_drafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.suffix import SuffixDrafter
@@ -89,12 +90,20 @@ def load_drafter(draft: str, target: LoadedModel, options: EngineOptions = Engin
         if model is None:  # the model failed to load (already logged): keep suffix drafting at least
             log.warning("hybrid drafting continues with suffix drafting only")
             return SuffixDrafter(options.suffix_cache_scope)
-        if not isinstance(model, (ModelDrafter, EagleDrafter)):
+        if not isinstance(model, (ModelDrafter, EagleDrafter, MedusaDrafter)):
             raise ValueError(f"hybrid drafting needs a draft model or a feature draft, got {model_draft!r}")
         return HybridDrafter(model, SuffixDrafter(options.suffix_cache_scope))
     if draft.startswith(SELF_DRAFT):
         return _self_draft(draft, target, options)
     head = builtin_draft(draft) or (Path(draft) if Path(draft).is_dir() else None)
+    if head is not None and is_medusa_folder(head):
+        if not isinstance(target.model, LlamaModel):
+            raise ValueError(f"{draft} holds Medusa heads: they need the target on our Llama-family runtime")
+        try:
+            return load_medusa_drafter(head, target.model)
+        except (OSError, RuntimeError, MemoryError, SafetensorError) as exc:
+            log.warning("draft %s could not be loaded (%s): decoding WITHOUT speculation", draft, exc)
+            return None
     if head is not None and is_head_folder(head):
         if not isinstance(target.model, LlamaModel):
             raise ValueError(

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specsample.config import SettingError, SpecConfig
+from specsample.config import SettingError, SpecConfig, TreeShape
 from specsample.drafters.base import Drafter
 from specsample.engine import Engine
 from specsample.grammar import GrammarCompiler
@@ -66,9 +66,22 @@ class Speculator:
         """The draft in use ('none' without one)."""
         return self.pair.draft if self.pair.drafter is not None else "none"
 
+    @property
+    def tree(self) -> TreeShape | None:
+        """The largest tree a round of the loaded drafter may draft (`tree_for`)."""
+        return self.tree_for(self.pair.drafter)
+
+    def tree_for(self, drafter: Drafter | None) -> TreeShape | None:
+        """The largest tree a round of `drafter` may draft: the one `tree` names, or under 'auto' the drafter's own
+        (its `tree`, where it declares one and the target scores trees); None: chains."""
+        if self.options.tree.strip().lower() != "auto":
+            return self.options.tree_shape
+        own = getattr(drafter, "tree", None)
+        return own if isinstance(own, TreeShape) and isinstance(self.pair.target.model, TreeLM) else None
+
     def planner(self) -> Planner:
         """A new planner: gamma auto (learning as it runs) or the fixed gamma."""
-        gamma, tree = self.options.gamma, self.options.tree_shape
+        gamma, tree = self.options.gamma, self.tree
         return FixedGamma(gamma, tree) if isinstance(gamma, int) else GammaController(self.options.max_gamma, tree)
 
     def spec_config(

@@ -13,6 +13,7 @@ from specsample.datasets import Prompt, humaneval_prompts, sharegpt_prompts, spe
 from specsample.options import EngineOptions
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp", "llama.cpp-lookup", "hybrid-ngram")
+DRAFT_PEER = "draft:"  # --compare draft:SPEC: ours with another draft (any --draft spec) at gamma auto
 SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "repeat")
 DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
 BENCH_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto")  # ours score rounds at the target's fastest width
@@ -32,7 +33,8 @@ class BenchConfig:
     gammas: tuple[int | str, ...] = ("auto", 1, 2, 3, 4, 5, 6, 7, 8)  # the first: the compare suite's gamma
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    compare: tuple[str, ...] = ()  # peers: hf, hf-assisted, hf-lookup, llama.cpp, llama.cpp-lookup, hybrid-ngram
+    # peers: hf, hf-assisted, hf-lookup, llama.cpp, llama.cpp-lookup, hybrid-ngram, draft:SPEC (ours with that draft)
+    compare: tuple[str, ...] = ()
     sweep_prompts: int = 24  # prompts of the gamma and batch sweeps (0: skip them)
     lossless_prompts: int = 3  # prompts of the losslessness test (0: skip it)
     lossless_samples: int = 2000
@@ -51,11 +53,14 @@ class BenchConfig:
         unknown = [s for s in self.suites if s not in SUITES]
         if unknown or not self.suites:
             raise ValueError(f"unknown or no suite {unknown}; choose from {', '.join(SUITES)}")
-        peers = set(self.compare) - set(COMPARE_CHOICES)
+        peers = {p for p in self.compare if p not in COMPARE_CHOICES and not p.startswith(DRAFT_PEER)}
         if peers:
             raise ValueError(
-                f"unknown --compare system(s) {', '.join(sorted(peers))}; choose from {', '.join(COMPARE_CHOICES)}"
+                f"unknown --compare system(s) {', '.join(sorted(peers))}; choose from {', '.join(COMPARE_CHOICES)} "
+                f"or {DRAFT_PEER}SPEC (ours with another draft)"
             )
+        if any(p == DRAFT_PEER for p in self.compare):
+            raise ValueError(f"--compare {DRAFT_PEER} needs a draft spec after the colon, e.g. {DRAFT_PEER}ngram")
         if not self.gammas or not self.temperatures or not self.batch_sizes:
             raise ValueError("--gamma, --temperature and --batch-size each need at least one value")
         for gamma in self.gammas:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specsample.bench.config import BenchConfig, load_prompts
+from specsample.bench.config import DRAFT_PEER, BenchConfig, load_prompts
 from specsample.bench.repeat_stream import context_needed, workload
 from specsample.bench.systems import HFGenerate, Ours, load_hf_peer
 from specsample.config import SamplingParams
@@ -103,6 +103,7 @@ class Bench:
                 f"target rounds of 1..{len(self.speculator.target_widths)} tokens scored as "
                 f"{self.speculator.target_widths} (measured at start-up, --pad-rows auto)"
             )
+        self.other_drafts: list = []  # ours with the drafts --compare draft:SPEC names (among the peers)
         self.peers = self._load_peers()
 
     # ----- systems ----------------------------------------------------------------------------
@@ -139,7 +140,7 @@ class Bench:
         """The loaded drafter (or `drafter`) at a fixed gamma or gamma auto; with `tree`, with --tree's trees."""
         if self.speculator.drafter is None:
             raise ValueError(f"no draft for {self.config.engine.target}: pass --draft")
-        shape = self.speculator.options.tree_shape if tree else None
+        shape = self.speculator.tree if tree else None
         make: Callable[[], Planner] = (
             functools.partial(FixedGamma, gamma, shape)
             if isinstance(gamma, int)
@@ -196,7 +197,13 @@ class Bench:
         for lookup in (False, True):
             if ("llama.cpp-lookup" if lookup else "llama.cpp") in self.config.compare:
                 peers += self._llama_cpp(lookup)
-        if not set(self.config.compare) - {"llama.cpp", "llama.cpp-lookup", "hybrid-ngram"}:
+        self.other_drafts = self._other_drafts()
+        peers += self.other_drafts
+        if not {p for p in self.config.compare if not p.startswith(DRAFT_PEER)} - {
+            "llama.cpp",
+            "llama.cpp-lookup",
+            "hybrid-ngram",
+        }:
             return peers
         folder = self.speculator.pair.target.folder
         if folder is None:
@@ -225,6 +232,27 @@ class Bench:
         if "hf-lookup" in self.config.compare:
             peers.append(HFGenerate("transformers prompt lookup", hf_target, self.eos, prompt_lookup=5))
         return peers
+
+    def _other_drafts(self) -> list:
+        """Ours at gamma auto with each draft `--compare draft:SPEC` names (under --tree auto, with its own tree), or
+        a note why one is left out."""
+        from specsample.pair import load_drafter
+
+        systems = []
+        for peer in self.config.compare:
+            if not peer.startswith(DRAFT_PEER):
+                continue
+            draft = peer[len(DRAFT_PEER) :]
+            drafter = load_drafter(draft, self.speculator.pair.target, self.speculator.options)
+            if drafter is None:
+                self.notes.append(f"{peer} skipped: the draft could not be loaded")
+                continue
+            shape = self.speculator.tree_for(drafter)
+            name = f"{draft} gamma=auto" + (f" tree={shape}" if shape else "")
+            systems.append(
+                self.system(name, drafter, lambda shape=shape: GammaController(self.config.max_gamma, shape))
+            )
+        return systems
 
     def _llama_cpp(self, lookup: bool = False) -> list:
         """llama.cpp on the target's GGUF file (an alias's, fetched if its cache lacks it), with its prompt-lookup

@@ -217,7 +217,7 @@ def compare_section(store: dict[str, Any]) -> list[str]:
         lines += _ratio_lines(
             rows,
             [n for n in others if n.startswith("specsample ")],
-            [n for n in COMPARE_REFERENCES if n in systems],
+            [n for n in COMPARE_REFERENCES if n in systems] + list(store.get("other_drafts", [])),
             cats,
         )
         lines += _failure_lines(rows)

@@ -71,10 +71,15 @@ def _interleaved(
 def compare(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """Main table: every system on every prompt, per temperature, interleaved."""
     systems = [bench.target_only(), bench.ours(bench.config.gammas[0])]
-    if bench.speculator.options.tree_shape is not None:
+    if bench.speculator.tree is not None:
         systems.append(bench.ours(bench.config.gammas[0], tree=True))
     systems += bench.peers
-    store.update(systems=[s.name for s in systems], runs={}, compiled=bench.speculator.options.compile)
+    store.update(
+        systems=[s.name for s in systems],
+        other_drafts=[s.name for s in bench.other_drafts],  # --compare draft:SPEC: ours is compared with each
+        runs={},
+        compiled=bench.speculator.options.compile,
+    )
     for temperature in bench.config.temperatures:
         rows = store["runs"].setdefault(str(temperature), [])
         _interleaved(

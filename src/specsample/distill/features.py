@@ -97,7 +97,11 @@ def split_features(model: LlamaModel, stacked: Tensor, feature_layers: Sequence[
     `[.., len(feature_layers) * hidden]` and the final normed hidden states `[.., hidden]`."""
     recorded = recording_layers(feature_layers, len(model.layers))
     blocks = stacked.split(model.config.hidden_size, dim=-1)
-    fused = torch.cat([blocks[recorded.index(layer)] for layer in feature_layers], dim=-1)
+    fused = (
+        torch.cat([blocks[recorded.index(layer)] for layer in feature_layers], dim=-1)
+        if feature_layers
+        else stacked[..., :0]  # no feature layers: a store of final hidden states only (Medusa heads read those)
+    )
     with torch.no_grad():
         final = model.norm(blocks[recorded.index(len(model.layers))].to(model.dtype))
     return fused, final

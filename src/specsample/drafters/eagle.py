@@ -87,6 +87,8 @@ class EagleDrafter:
     # ----- rows -----------------------------------------------------------------------------
 
     def allocate(self, num_slots: int, max_len: int) -> None:
+        # the target returns the states its last allocated feature draft reads (drafts may take turns on one target)
+        self.target.set_feature_layers(self.feature_layers)
         self._cache = self.head.new_cache(num_slots, max_len)
         self.rows.clear()
         self._parked.clear()

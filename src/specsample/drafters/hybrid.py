@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from specsample.config import SamplingParams
+from specsample.config import SamplingParams, TreeShape
 from specsample.drafters.base import (
     Abilities,
     Drafter,
@@ -126,6 +126,11 @@ class HybridDrafter:
         """What the lookup's shared cache holds (None without one)."""
         holder = suffix_cache_holder(self.lookup)
         return holder.suffix_cache() if holder is not None else None
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The token tree its draft model drafts by preference (Medusa heads'), None: chains."""
+        return getattr(self.model, "tree", None)
 
     def add_features(self, slots: Sequence[int], features: Sequence[Tensor]) -> None:
         reader = feature_drafter(self.model)

@@ -49,10 +49,11 @@ class Alias:
 DRAFTS_DIR = Path(__file__).resolve().parents[1] / "assets" / "drafts"
 SMOLLM2_DRAFT = "smollm2-135m-instruct-draft"
 SMOLLM2_HEAD = "smollm2-135m-instruct-eagle"  # the feature draft (EAGLE head) for the same target
+SMOLLM2_MEDUSA = "smollm2-135m-instruct-medusa"  # Medusa heads for the same target
 
 
 def builtin_draft(name: str) -> Path | None:
-    """The folder of a draft shipped inside the package (a draft model or a feature draft), or None."""
+    """The folder of a draft shipped inside the package (a draft model, a feature draft or Medusa heads), or None."""
     folder = DRAFTS_DIR / name
     return folder if (folder / "config.json").exists() or (folder / "eagle.json").exists() else None
 
