@@ -7,8 +7,9 @@ and multiply every row from it with AVX-512 bfloat16 dot products; the kernel co
 the invariant (a row's result does not depend on the other rows of the call).
 
 They need a CPU with AVX512-BF16 and a C++ compiler. The first process to use them compiles them with
-`torch.utils.cpp_extension` (about 30 s of CPU; a few minutes of a busy 2-core machine) into torch's extension cache; later processes load the cached
-library. Where either is missing, or the build fails, quantized layers use torch's kernels, and say so once.
+`torch.utils.cpp_extension` (about 30 s of CPU; a few minutes of a busy 2-core machine) into torch's extension
+cache; later processes load the cached library. Where either is missing, or the build fails, quantized layers use
+torch's kernels, and say so once.
 """
 
 from __future__ import annotations
