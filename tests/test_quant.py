@@ -326,3 +326,18 @@ def test_verifying_against_the_float_weights_fails(quantized_pair) -> None:
     params = WARPS["temperature_1"]
     statistic, threshold = chi_square(engine_counts(unquantized, draft, params, gamma=2), exact_joint(target, params))
     assert statistic > threshold, f"float verification was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path) -> None:
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    row_kernels._clear_stale_lock(lock)
+    assert lock.exists()  # a build in progress keeps its lock
+    old = time.time() - row_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    row_kernels._clear_stale_lock(lock)
+    assert not lock.exists()
+    row_kernels._clear_stale_lock(lock)  # no lock: nothing to do

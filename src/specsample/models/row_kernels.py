@@ -7,7 +7,7 @@ and multiply every row from it with AVX-512 bfloat16 dot products; the kernel co
 the invariant (a row's result does not depend on the other rows of the call).
 
 They need a CPU with AVX512-BF16 and a C++ compiler. The first process to use them compiles them with
-`torch.utils.cpp_extension` (about 10 s on 2 cores) into torch's extension cache; later processes load the cached
+`torch.utils.cpp_extension` (about 30 s of CPU; a few minutes of a busy 2-core machine) into torch's extension cache; later processes load the cached
 library. Where either is missing, or the build fails, quantized layers use torch's kernels, and say so once.
 """
 
@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ FLAGS = [
     "-fopenmp",
 ]
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+STALE_LOCK_S = 20 * 60  # longer than any build of the kernels
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 
 _state: dict[str, bool] = {}  # "loaded": the outcome of the one attempt this process makes
@@ -70,12 +72,14 @@ def _load() -> bool:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.warning("int4/int8 layers use torch's slower kernels: no C++ compiler to build ours (install g++)")
         return False
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
-    log.info("loading the int4/int8 CPU kernels (built once per machine, ~10 s)")
+    name = f"specsample_kernels_{_digest()}"
+    _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+    log.info("loading the int4/int8 CPU kernels (built once per machine: about 30 s of CPU)")
     try:
         load(
-            name=f"specsample_kernels_{_digest()}",
+            name=name,
             sources=[str(source) for source in SOURCES],
             extra_include_paths=[str(KERNELS)],
             extra_cflags=FLAGS,
@@ -91,6 +95,20 @@ def _load() -> bool:
     set_amx(True)
     log.info("int4 layers multiply on %s", "AMX tiles" if _state["amx"] else "AVX-512")
     return True
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock is a bare file that a killed build leaves behind, and every later process would wait on it
+    forever; one older than any build (STALE_LOCK_S) is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f min ago by a build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
+    else:
+        log.info("waiting for another process building the kernels (%s)", lock)
 
 
 def set_amx(on: bool) -> bool:

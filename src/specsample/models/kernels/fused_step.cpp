@@ -79,6 +79,8 @@ struct Layer {
   Projection qkv, o, gate_up, down;
 };
 
+constexpr int64_t KEY_CHUNK = 256;  // keys per attention task (a multiple of 32): long contexts spread over threads
+
 class FusedStack : public torch::CustomClassHolder {
  public:
   FusedStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
@@ -334,11 +336,13 @@ class FusedStack : public torch::CustomClassHolder {
     }
   }
 
-  // Attention on AMX tiles, one task per (row, kv head, up to 16 of its query rows r = i * groups + g): scores
-  // S^T = K Q^T 16 keys at a time, a softmax per query row over every key of the row's cache (the keys it does not
-  // see weigh exactly 0), then O = P V 32 keys at a time. A key's score and a weight-0 key's term do not depend on
-  // the other queries or keys of the call, so a causal block scores each position bitwise as a one-token step does;
-  // a tree's token gets its path's chain result to rounding.
+  // Attention on AMX tiles. The keys of a row split into chunks of KEY_CHUNK at fixed positions; one task per (row, kv
+  // head, up to 16 of its query rows r = i * groups + g, chunk): scores S^T = K Q^T 16 keys at a time, a softmax per
+  // query row within the chunk (the keys it does not see weigh exactly 0), O = P V 32 keys at a time; then each query
+  // row's chunks merge in order (flash-decoding), so a long context's keys spread over the threads. A key's score, a
+  // weight-0 key's term and a chunk's result do not depend on the other queries or keys of the call, so a causal
+  // block scores each position bitwise as a one-token step does; a tree's token gets its path's chain result to
+  // rounding.
   void attend_amx(int64_t layer, int64_t num_slots, int64_t batch, int64_t n, int64_t max_len, const int64_t* slot_of,
                   const int64_t* start_of, const uint8_t* visible, const bf16* queries, const bf16* key_store,
                   const bf16* value_store, bf16* out) const {
@@ -346,17 +350,18 @@ class FusedStack : public torch::CustomClassHolder {
     const int64_t query_rows = groups * n, blocks = (query_rows + 15) / 16;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     const int64_t row_stride = kv_heads_ * max_len * hd;
+    int64_t chunks32 = 0;  // 32-key steps of the longest row
+    for (int64_t row = 0; row < batch; ++row) chunks32 = std::max(chunks32, (start_of[row] + n + 31) / 32);
+    const int64_t key_chunks = (chunks32 * 32 + KEY_CHUNK - 1) / KEY_CHUNK;
     // several query blocks per kv head: the values interleaved once for all of them, [row][kv head][32 keys][tiles]
-    int64_t chunks = 0;
-    for (int64_t row = 0; row < batch; ++row) chunks = std::max(chunks, (start_of[row] + n + 31) / 32);
     std::vector<bf16> interleaved;
     if (blocks > 1) {
-      interleaved.resize(batch * kv_heads_ * chunks * (hd / 16) * 512);
-      specsample::parallel_for(0, batch * kv_heads_ * chunks, 1, [&](int64_t begin, int64_t end) {
+      interleaved.resize(batch * kv_heads_ * chunks32 * (hd / 16) * 512);
+      specsample::parallel_for(0, batch * kv_heads_ * chunks32, 1, [&](int64_t begin, int64_t end) {
         alignas(64) bf16 padded[32 * 128];
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t row = task / (kv_heads_ * chunks), kv_head = (task / chunks) % kv_heads_, t0 = 32 * (task % chunks);
-          const int64_t total = start_of[row] + n;
+          const int64_t row = task / (kv_heads_ * chunks32), kv_head = (task / chunks32) % kv_heads_;
+          const int64_t t0 = 32 * (task % chunks32), total = start_of[row] + n;
           if (t0 >= total) continue;
           const bf16* values = value_store + (1 + layer * num_slots + slot_of[row]) * row_stride +
                                kv_head * max_len * hd + t0 * hd;
@@ -369,18 +374,23 @@ class FusedStack : public torch::CustomClassHolder {
         }
       });
     }
-    specsample::parallel_for(0, batch * kv_heads_ * blocks, 1, [&](int64_t begin, int64_t end) {
+    // each task's partial result per query row: its chunk's max score, weight sum and unnormalised output
+    const int64_t partial = hd + 2;
+    std::vector<float> partials(batch * kv_heads_ * blocks * key_chunks * 16 * partial);
+    specsample::parallel_for(0, batch * kv_heads_ * blocks * key_chunks, 1, [&](int64_t begin, int64_t end) {
       alignas(64) bf16 query_pairs[4 * 16 * 32];  // B tiles of Q^T: [step][dim pair][query row][2]
       alignas(64) float score_tile[16 * 16];
       alignas(64) bf16 value_tiles[4 * 16 * 32];  // B tiles of V: [16 dims][key pair][dim][2]
-      alignas(64) bf16 padded[32 * 128];          // a last, partial chunk of keys or values, zero beyond the row
+      alignas(64) bf16 padded[32 * 128];          // a last, partial step of keys or values, zero beyond the chunk
       alignas(64) float sums_tile[4 * 16 * 16];
       std::vector<float> scores;
       std::vector<bf16> probs;
-      float inverse[16];
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t row = task / (kv_heads_ * blocks), kv_head = (task / blocks) % kv_heads_;
-        const int64_t r0 = (task % blocks) * 16, rows = std::min<int64_t>(16, query_rows - r0);
+        const int64_t chunk = task % key_chunks, block_task = task / key_chunks;
+        const int64_t row = block_task / (kv_heads_ * blocks), kv_head = (block_task / blocks) % kv_heads_;
+        const int64_t r0 = (block_task % blocks) * 16, rows = std::min<int64_t>(16, query_rows - r0);
+        float* results = partials.data() + task * 16 * partial;
+        for (int64_t r = 0; r < rows; ++r) results[r * partial] = -INFINITY;  // no key seen in this chunk
         const int64_t offset = (1 + layer * num_slots + slot_of[row]) * row_stride + kv_head * max_len * hd;
         const bf16* key_base = key_store + offset;
         const bf16* value_base = value_store + offset;
@@ -395,7 +405,9 @@ class FusedStack : public torch::CustomClassHolder {
               break;
             }
         }
-        const int64_t padded_total = (total + 31) / 32 * 32;
+        const int64_t c0 = chunk * KEY_CHUNK, c1 = std::min(total, c0 + KEY_CHUNK);
+        if (c0 >= c1) continue;
+        const int64_t span = (c1 - c0 + 31) / 32 * 32;
         auto query = [&](int64_t r) {  // query row r0 + r: token i, head kv_head * groups + g
           const int64_t i = (r0 + r) / groups, g = (r0 + r) % groups;
           return ((row * n + i) * heads_ + kv_head * groups + g) * hd;
@@ -405,19 +417,20 @@ class FusedStack : public torch::CustomClassHolder {
           const uint32_t* q = reinterpret_cast<const uint32_t*>(queries + query(r));
           for (int64_t p = 0; p < hd / 2; ++p) pairs[(p / 16) * 256 + (p % 16) * rows + r] = q[p];
         }
-        // scores, masked: -inf where the query does not see the key
-        scores.assign(rows * padded_total, -INFINITY);
+        // scores of the chunk's keys, masked: -inf where the query does not see the key
+        scores.assign(rows * span, -INFINITY);
         specsample::TileConfig config;
         config.rows[0] = 16, config.colsb[0] = rows * 4;  // S^T: 16 keys x rows
         config.rows[1] = 16, config.colsb[1] = 64;        // K: 16 keys x 32 dims
         for (int t = 2; t < 2 + steps; ++t) config.rows[t] = 16, config.colsb[t] = rows * 4;  // Q^T per 32 dims
         _tile_loadconfig(&config);
         for (int64_t step = 0; step < steps; ++step) load_tile(2 + step, query_pairs + step * 512, rows * 4);
-        for (int64_t t0 = 0; t0 < total; t0 += 16) {
+        const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+        for (int64_t t0 = c0; t0 < c1; t0 += 16) {
           const bf16* keys = key_base + t0 * hd;
-          if (t0 + 16 > total) {
+          if (t0 + 16 > c1) {
             std::memset(padded, 0, sizeof padded);
-            std::memcpy(padded, keys, (total - t0) * hd * sizeof(bf16));
+            std::memcpy(padded, keys, (c1 - t0) * hd * sizeof(bf16));
             keys = padded;
           }
           _tile_zero(0);
@@ -426,31 +439,34 @@ class FusedStack : public torch::CustomClassHolder {
             multiply_scores(2 + step);
           }
           _tile_stored(0, score_tile, 64);
-          const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
           for (int64_t r = 0; r < rows; ++r) {
             const uint8_t* seen = visible + (row * n + (r0 + r) / groups) * n;
             __mmask16 keep = t0 + 16 <= context ? 0xFFFF : 0;  // the keys t0 .. t0 + 15 this query sees
-            for (int64_t u = 0; u < 16 && t0 + u < total && t0 + 16 > context; ++u)
+            for (int64_t u = 0; u < 16 && t0 + u < c1 && t0 + 16 > context; ++u)
               if (t0 + u < context || seen[t0 + u - context]) keep |= static_cast<__mmask16>(1u << u);
+            if (t0 + 16 > c1) keep &= static_cast<__mmask16>((1u << (c1 - t0)) - 1);
             __m512 row_scores = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)), score_tile, 4);
-            _mm512_mask_storeu_ps(scores.data() + r * padded_total + t0, keep,
+            _mm512_mask_storeu_ps(scores.data() + r * span + (t0 - c0), keep,
                                   _mm512_mul_ps(row_scores, _mm512_set1_ps(scale)));
           }
         }
-        // weights rounded to bfloat16 per query row, summed as rounded
-        probs.assign(rows * padded_total, bf16(0.0f));
+        // weights relative to the chunk's best score, rounded to bfloat16, summed as rounded
+        probs.assign(rows * span, bf16(0.0f));
         for (int64_t r = 0; r < rows; ++r) {
-          const float* row_scores = scores.data() + r * padded_total;
+          const float* row_scores = scores.data() + r * span;
           __m512 best = _mm512_set1_ps(-INFINITY);
-          for (int64_t t = 0; t < padded_total; t += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row_scores + t));
-          const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+          for (int64_t t = 0; t < span; t += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row_scores + t));
+          const float top = _mm512_reduce_max_ps(best);
+          results[r * partial] = top;
+          if (top == -INFINITY) continue;  // sees none of this chunk's keys
           __m512 sum = _mm512_setzero_ps();
-          for (int64_t t = 0; t < padded_total; t += 16) {
-            __m256bh rounded = _mm512_cvtneps_pbh(exp512(_mm512_sub_ps(_mm512_loadu_ps(row_scores + t), top)));
-            std::memcpy(probs.data() + r * padded_total + t, &rounded, 32);
+          for (int64_t t = 0; t < span; t += 16) {
+            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(row_scores + t), _mm512_set1_ps(top)));
+            __m256bh rounded = _mm512_cvtneps_pbh(p);
+            std::memcpy(probs.data() + r * span + t, &rounded, 32);
             sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
           }
-          inverse[r] = 1.0f / _mm512_reduce_add_ps(sum);
+          results[r * partial + 1] = _mm512_reduce_add_ps(sum);
         }
         // O = P V, 64 dims (4 tiles) at a time
         specsample::TileConfig pv;
@@ -464,21 +480,21 @@ class FusedStack : public torch::CustomClassHolder {
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
-          for (int64_t t0 = 0; t0 < total; t0 += 32) {
+          for (int64_t t0 = c0; t0 < c1; t0 += 32) {
             const bf16* tiles_here = value_tiles;
             if (!interleaved.empty()) {
-              tiles_here = interleaved.data() + ((row * kv_heads_ + kv_head) * chunks + t0 / 32) * (hd / 16) * 512 +
+              tiles_here = interleaved.data() + ((row * kv_heads_ + kv_head) * chunks32 + t0 / 32) * (hd / 16) * 512 +
                            (d0 / 16) * 512;
             } else {
               const bf16* values = value_base + t0 * hd;
-              if (t0 + 32 > total) {
+              if (t0 + 32 > c1) {
                 std::memset(padded, 0, sizeof padded);
-                std::memcpy(padded, values, (total - t0) * hd * sizeof(bf16));
+                std::memcpy(padded, values, (c1 - t0) * hd * sizeof(bf16));
                 values = padded;
               }
               interleave_values(values, hd, d0, tiles, value_tiles);
             }
-            _tile_loadd(4, probs.data() + t0, padded_total * 2);
+            _tile_loadd(4, probs.data() + (t0 - c0), span * 2);
             for (int64_t j = 0; j < tiles; ++j) {
               _tile_loadd(5, tiles_here + j * 512, 64);
               multiply_values(j);
@@ -490,12 +506,37 @@ class FusedStack : public torch::CustomClassHolder {
           _tile_stored(3, sums_tile + 768, 64);
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t j = 0; j < tiles; ++j)
-              specsample::store_bf16(out + query(r) + d0 + 16 * j,
-                                     _mm512_mul_ps(_mm512_load_ps(sums_tile + j * 256 + r * 16),
-                                                   _mm512_set1_ps(inverse[r])));
+              std::memcpy(results + r * partial + 2 + d0 + 16 * j, sums_tile + j * 256 + r * 16, 16 * sizeof(float));
         }
       }
       _tile_release();
+    });
+    // each query row's chunks merged in chunk order: out = sum_c e^(m_c - M) O_c / sum_c e^(m_c - M) l_c
+    specsample::parallel_for(0, batch * kv_heads_ * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t block_task = begin; block_task < end; ++block_task) {
+        const int64_t row = block_task / (kv_heads_ * blocks), kv_head = (block_task / blocks) % kv_heads_;
+        const int64_t r0 = (block_task % blocks) * 16, rows = std::min<int64_t>(16, query_rows - r0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float best = -INFINITY;
+          for (int64_t c = 0; c < key_chunks; ++c)
+            best = std::max(best, partials[((block_task * key_chunks + c) * 16 + r) * partial]);
+          __m512 acc[8];
+          for (int64_t v = 0; v < hd / 16; ++v) acc[v] = _mm512_setzero_ps();
+          float weight_sum = 0.0f;
+          for (int64_t c = 0; c < key_chunks; ++c) {
+            const float* result = partials.data() + ((block_task * key_chunks + c) * 16 + r) * partial;
+            if (result[0] == -INFINITY) continue;
+            const float w = std::exp(result[0] - best);
+            weight_sum += w * result[1];
+            for (int64_t v = 0; v < hd / 16; ++v)
+              acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(result + 2 + 16 * v), acc[v]);
+          }
+          const int64_t i = (r0 + r) / groups, g = (r0 + r) % groups;
+          bf16* dst = out + ((row * n + i) * heads_ + kv_head * groups + g) * hd;
+          const __m512 inverse = _mm512_set1_ps(1.0f / weight_sum);
+          for (int64_t v = 0; v < hd / 16; ++v) specsample::store_bf16(dst + 16 * v, _mm512_mul_ps(acc[v], inverse));
+        }
+      }
     });
   }
 

@@ -34,22 +34,28 @@ class Pool {
   }
   static Pool& get() { return start(at::get_num_threads()); }
 
-  // f(chunk_begin, chunk_end) over [begin, end) split into contiguous chunks of at least `grain` items, one per
-  // participating thread
+  // f(chunk_begin, chunk_end) over [begin, end) split into contiguous chunks of at least `grain` items, PIECES per
+  // participating thread, which the threads take in turn as they come free: a thread the OS preempts (a server's
+  // event loop sharing the cores) delays the region by a chunk, not by a whole share
   template <class F>
   void run(int64_t begin, int64_t end, int64_t grain, const F& f) {
     const int64_t range = end - begin;
     if (range <= 0) return;
-    const int64_t wanted = std::min<int64_t>(workers_ + 1, (range + grain - 1) / std::max<int64_t>(grain, 1));
+    const int64_t most = (range + grain - 1) / std::max<int64_t>(grain, 1);
+    const int64_t wanted = std::min<int64_t>(workers_ + 1, most);
     std::unique_lock<std::mutex> region(dispatch_, std::try_to_lock);
     if (wanted <= 1 || inside_ || !region.owns_lock() || forked()) {
       f(begin, end);
       return;
     }
-    const int64_t step = (range + wanted - 1) / wanted;
-    task_ = [&, step](int64_t part) {
-      const int64_t lo = begin + part * step, hi = std::min(end, lo + step);
-      if (lo < hi) f(lo, hi);
+    const int64_t pieces = std::min<int64_t>(most, wanted * PIECES), step = (range + pieces - 1) / pieces;
+    next_.store(0, std::memory_order_relaxed);
+    task_ = [&, step, pieces](int64_t) {
+      for (int64_t piece = next_.fetch_add(1, std::memory_order_relaxed); piece < pieces;
+           piece = next_.fetch_add(1, std::memory_order_relaxed)) {
+        const int64_t lo = begin + piece * step, hi = std::min(end, lo + step);
+        if (lo < hi) f(lo, hi);
+      }
     };
     participants_ = wanted;
     pending_.store(static_cast<int>(wanted - 1), std::memory_order_relaxed);
@@ -73,6 +79,7 @@ class Pool {
   }
 
  private:
+  static constexpr int64_t PIECES = 4;  // chunks per participating thread
   static constexpr int SPIN = 2000;  // pauses (~10 us) a worker waits for the next region before sleeping
 
   explicit Pool(int workers) : workers_(workers) {
@@ -111,6 +118,7 @@ class Pool {
   int64_t workers_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_{0};
+  std::atomic<int64_t> next_{0};  // the next chunk to take
   std::function<void(int64_t)> task_;
   int64_t participants_ = 0;
   std::exception_ptr worker_error_;
