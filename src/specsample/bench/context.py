@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -249,9 +250,7 @@ class Bench:
                 continue
             shape = self.speculator.tree_for(drafter)
             name = f"{draft} gamma=auto" + (f" tree={shape}" if shape else "")
-            systems.append(
-                self.system(name, drafter, lambda shape=shape: GammaController(self.config.max_gamma, shape))
-            )
+            systems.append(self.system(name, drafter, partial(GammaController, self.config.max_gamma, shape)))
         return systems
 
     def _llama_cpp(self, lookup: bool = False) -> list:
