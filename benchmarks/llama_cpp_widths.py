@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from specsample.bench.context import cpu_name
+
 WIDTHS = (1, 2, 4, 5, 8, 16)
 
 
@@ -54,16 +56,6 @@ def time_widths(llm, tokens: list[int], context: int, repeats: int) -> dict[int,
             if rep:
                 times[n].append(time.perf_counter() - start)
     return times
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
