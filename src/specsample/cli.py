@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.metrics import StatsCollector
@@ -674,11 +674,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
             measure_cost=not args.no_cost,
         )
         report["target_weights"] = options.quantize
-        report["command"] = args.command_line
-        if args.out:
-            args.out.write_text(json.dumps(report, indent=2))
-        print(json.dumps(report, indent=2))
-        print("\n".join(head_table(report)), file=sys.stderr)
+        _emit_evaluation(args, report, head_table(report))
         return
     if args.compile:
         raise CliError("--compile applies to a feature draft (its cost ratio compiled beside the target's)")
@@ -694,11 +690,16 @@ def cmd_eval_draft(args: argparse.Namespace) -> None:
         progress=sys.stderr.isatty(),
         measure_cost=not args.no_cost,
     )
+    _emit_evaluation(args, report, evaluation_table(report))
+
+
+def _emit_evaluation(args: argparse.Namespace, report: dict[str, Any], table: list[str]) -> None:
+    """An evaluation's report, with the command that made it: as JSON to stdout (and `--out`), its table to stderr."""
     report["command"] = args.command_line
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    print("\n".join(evaluation_table(report)), file=sys.stderr)
+    print("\n".join(table), file=sys.stderr)
 
 
 def _is_medusa(spec: str) -> bool:
@@ -734,11 +735,7 @@ def _eval_medusa(args: argparse.Namespace, prompts: list) -> None:
         measure_cost=not args.no_cost,
     )
     report["target_weights"] = options.quantize
-    report["command"] = args.command_line
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-    print("\n".join(evaluation_table(report)), file=sys.stderr)
+    _emit_evaluation(args, report, evaluation_table(report))
 
 
 def _is_head(spec: str) -> bool:
