@@ -1,0 +1,111 @@
+"""The goodput policy: the whole batch decodes plainly where speculation is expected to commit fewer tokens per second,
+and speculates again where it pays; a plan changes nothing until its round is learnt."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from planner_driver import UNLIMITED, accepted, batch, learn
+
+from specsample.planner import GammaController, goodput
+from specsample.planner.base import DraftSource, RowOutcome, RowState
+
+BASE = 0.010  # seconds a target forward costs whatever it scores (weights read once)...
+PER_TOKEN = 0.0015  # ...and per row and token scored (B rows x (k + 1) tokens)
+DRAFT_STEP = 0.0003  # one batched draft step
+
+
+def run(controller: GammaController, alphas: dict[str, float], rounds: int, rng: random.Random) -> list[int]:
+    """Rounds of the rows `alphas` names (each draft accepted i.i.d. at its alpha) on a virtual clock: a round of width
+    k over B rows takes BASE + PER_TOKEN B (k + 1) + k DRAFT_STEP seconds. The round widths planned."""
+    widths = []
+    for _ in range(rounds):
+        state = batch(*alphas)
+        plan = controller.plan(state)
+        width = max(r.drafts for r in plan.rows)
+        widths.append(width)
+        target = BASE + PER_TOKEN * len(alphas) * (width + 1)
+        outcomes = [
+            RowOutcome(rid, row.drafts, accepted(rng, alphas[rid], row.drafts))
+            for rid, row in zip(alphas, plan.rows)
+            if row.drafts > 0
+        ]
+        learn(controller, plan, state, *outcomes, seconds=(width * DRAFT_STEP, target, 0.0))
+    return widths
+
+
+def one_good_row_beside(bad: int) -> dict[str, float]:
+    """A request whose drafts are accepted at 0.9, beside `bad` whose drafts are rarely accepted."""
+    return {"good": 0.9, **{f"bad{i}": 0.1 for i in range(bad)}}
+
+
+def test_speculation_that_loses_at_batch_8_is_turned_off_and_comes_back_as_load_falls() -> None:
+    """At one row a round of 3 drafts costs 1.4 plain rounds for 3.4 tokens: speculation pays. At 8 rows every round
+    scores 8 x (k + 1) tokens: the good row alone still gains by drafting (its own speedup over 1), so it never falls
+    back, but the batch commits fewer tokens per second than plain decoding would. The goodput policy turns
+    speculation off for the batch; with 2 rows it pays again, and it comes back."""
+    controller, rng = GammaController(4), random.Random(0)
+    assert sum(w > 0 for w in run(controller, {"good": 0.9}, 60, rng)) > 50
+    eight = run(controller, one_good_row_beside(7), 300, rng)
+    assert not controller.speculating(8) and not controller.in_fallback("good")
+    assert sum(w > 0 for w in eight[-200:]) < 10  # probes only
+    report = controller.goodput.reports[8]
+    assert report.plain_rounds > 0 and report.expected.value is not None and report.measured.value is not None
+    two = run(controller, one_good_row_beside(1), 100, rng)
+    assert controller.speculating(2) and sum(w > 0 for w in two[-50:]) > 40
+
+
+def test_without_the_goodput_policy_the_batch_of_8_keeps_speculating(monkeypatch) -> None:
+    """The twin: a policy that never turns speculation off leaves the batch drafting for its one good row."""
+    monkeypatch.setattr(goodput, "OFF_BELOW", 0.0)
+    controller, rng = GammaController(4), random.Random(0)
+    run(controller, {"good": 0.9}, 60, rng)
+    eight = run(controller, one_good_row_beside(7), 300, rng)
+    assert controller.speculating(8) and sum(w > 0 for w in eight[-200:]) > 150
+
+
+def test_the_goodput_policy_narrows_the_round_where_a_narrower_one_commits_more_per_second() -> None:
+    """Rows that would each draft 4 at batch 8, where every draft widens the round for all 8 rows: the policy prices
+    every width and drafts the best one, never wider than the rows planned."""
+    controller = GammaController(4)
+    policy = controller.goodput
+    rows = [goodput.Drafting(4, 0.6)] * 8
+    prices = {k: policy.price(8, rows, k) for k in range(1, 5)}
+    choice, _ = policy.choose(8, rows, 1)
+    assert 1 <= choice.width <= 4 and prices[choice.width] >= max(prices.values()) / (1 + goodput.HYSTERESIS)
+
+
+def state_of(controller: GammaController) -> dict:
+    """Everything the controller and its estimates hold (prices memoised between timings aside)."""
+    return copy.deepcopy(
+        {
+            **{k: v for k, v in vars(controller).items() if isinstance(v, (int, list, dict))},
+            "acceptance": vars(controller.acceptance),
+            "costs": {k: v for k, v in vars(controller.costs).items() if k != "_memo"},
+            "goodput": controller.goodput.memory,
+            "trees": controller.trees_policy.memory,
+        }
+    )
+
+
+def test_plan_changes_nothing_that_later_plans_read() -> None:
+    """Planning twice gives the same plan and leaves the planner as it was; learning the plan keeps its decisions."""
+    controller, rng = GammaController(4), random.Random(1)
+    run(controller, one_good_row_beside(3), 40, rng)
+    state = batch("good", *(f"bad{i}" for i in range(3)), RowState("new", UNLIMITED))
+    before = state_of(controller)
+    first, second = controller.plan(state), controller.plan(state)
+    assert first == second
+    assert state_of(controller) == before
+    learn(controller, first, state)
+    assert controller.round == before["round"] + 1 and "new" in controller.choices
+
+
+def test_a_rows_source_is_one_of_three() -> None:
+    """Where the drafter offers lookups, each drafting row is sent to its lookup or its model; else the drafter's
+    own rule decides."""
+    controller = GammaController(4)
+    plan = controller.plan(batch(RowState("l", UNLIMITED, lookup=3), "m", offers_lookups=True))
+    assert {r.source for r in plan.rows} <= {DraftSource.LOOKUP, DraftSource.MODEL}
+    assert controller.plan(batch("m")).rows[0].source is DraftSource.EITHER
