@@ -4,11 +4,14 @@ and speculates again where it pays; a plan changes nothing until its round is le
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import random
 
+import pytest
 from planner_driver import UNLIMITED, accepted, batch, learn
 
-from specsample.planner import GammaController, goodput
+from specsample.planner import GammaController, goodput, profile
 from specsample.planner.base import DraftSource, RowOutcome, RowState
 
 BASE = 0.010  # seconds a target forward costs whatever it scores (weights read once)...
@@ -109,3 +112,49 @@ def test_a_rows_source_is_one_of_three() -> None:
     plan = controller.plan(batch(RowState("l", UNLIMITED, lookup=3), "m", offers_lookups=True))
     assert {r.source for r in plan.rows} <= {DraftSource.LOOKUP, DraftSource.MODEL}
     assert controller.plan(batch("m")).rows[0].source is DraftSource.EITHER
+
+
+def test_a_profile_saved_by_one_process_is_loaded_by_the_next(tmp_path) -> None:
+    """Costs and acceptance priors measured by one planner are where a new one with the same key starts, so it
+    prices drafting from the first round; another key's profile is not read."""
+    key = profile.ProfileKey("cpu", "target + draft", "fused-amx", "torch.bfloat16", "int4/auto")
+    first, rng = GammaController(4, profile=profile.ProfileStore(key, tmp_path)), random.Random(2)
+    run(first, one_good_row_beside(7), 120, rng)
+    first.save()
+    second = GammaController(4, profile=profile.ProfileStore(key, tmp_path))
+    assert second.profile_loaded and second.costs.timed_drafting(8)
+    assert second.costs.round_cost(8, 2) == pytest.approx(first.costs.round_cost(8, 2), rel=1e-6)
+    assert second.acceptance.pooled_alpha() == pytest.approx(first.acceptance.pooled_alpha(), rel=1e-6)
+    assert sum(second.acceptance.pooled) <= profile.PRIOR_TRIALS + 1e-9  # a prior, worth a few trials
+    other = dataclasses.replace(key, runtime="torch")
+    assert not GammaController(4, profile=profile.ProfileStore(other, tmp_path)).profile_loaded
+
+
+def test_a_stale_profile_corrects_itself_within_a_few_rounds(tmp_path) -> None:
+    """A profile whose rounds were timed 3x slower than this machine runs them: the first rounds measured replace it."""
+    key = profile.ProfileKey("cpu", "pair", "fused-amx", "bf16", "int4")
+    store = profile.ProfileStore(key, tmp_path)
+    stale = GammaController(4)
+    run(stale, {"good": 0.9}, 60, random.Random(3))
+    for table in (stale.costs.plain_round, stale.costs.draft_step, stale.costs.target_step):
+        for ewma in table.values():
+            ewma.value *= 3
+    store.save(stale.costs, stale.acceptance)
+    fresh = GammaController(4, profile=store)
+    assert fresh.costs.plain_round[1].value > 2.5 * (BASE + 2 * PER_TOKEN)
+    run(fresh, {"good": 0.9}, 40, random.Random(4))
+    assert fresh.costs.plain_round[1].value == pytest.approx(BASE + 2 * PER_TOKEN, rel=0.2)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 1, "key": 3}', '{"version": 1}', ""])
+def test_a_corrupt_profile_is_ignored_with_a_warning(tmp_path, caplog, content: str) -> None:
+    key = profile.ProfileKey("cpu", "pair", "fused-amx", "bf16", "int4")
+    store = profile.ProfileStore(key, tmp_path)
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="specsample.controller"):
+        controller = GammaController(4, profile=store)
+    assert not controller.profile_loaded and "corrupt" in caplog.text
+    assert controller.costs.nearest(1) is None  # the priors, untouched
+    controller.save()
+    assert GammaController(4, profile=store).profile_loaded  # the next save replaces it

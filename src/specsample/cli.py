@@ -385,6 +385,7 @@ def _schema_grammar(path: Path | None) -> Grammar | None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     """Stream one generation to stdout; the summary line goes to stderr (or everything as JSON)."""
+    from specsample.planner import GammaController
     from specsample.speculator import load
 
     # bad flags fail here, before any model is loaded
@@ -423,6 +424,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
             if not args.json:
                 sys.stdout.write(decoder.push(update.new_tokens))
                 sys.stdout.flush()
+    if isinstance(engine.planner, GammaController):
+        engine.planner.save()  # what this run measured spares the next one its exploration
     stats = collector.summary()
     drafting = speculator.draft != "none"
     stats.update(

@@ -37,6 +37,7 @@ from specsample.planner.costs import CostModel, RoundKind
 from specsample.planner.fallback import FallbackPolicy, RequestChoice
 from specsample.planner.goodput import BatchChoice, Drafting, GoodputMemory, GoodputPolicy
 from specsample.planner.lookups import LookupPolicy
+from specsample.planner.profile import SAVE_EVERY, ProfileStore
 from specsample.planner.trees import TreeMemory, TreePolicy
 
 __all__ = ["EXPLORE_EVERY", "HYSTERESIS", "GammaController", "PlanUpdate"]
@@ -63,8 +64,9 @@ class PlanUpdate:
 class GammaController:
     """Plans each round under gamma auto and learns from every round (see the module docstring)."""
 
-    def __init__(self, max_gamma: int = 8, tree: TreeShape | None = None) -> None:
-        """`tree`: the largest token tree a round may draft (`trees.budgets`); None: chains only."""
+    def __init__(self, max_gamma: int = 8, tree: TreeShape | None = None, profile: ProfileStore | None = None) -> None:
+        """`tree`: the largest token tree a round may draft (`trees.budgets`); None: chains only. `profile`: where
+        costs and acceptance priors are loaded from now and saved to (`save`, and every SAVE_EVERY rounds learnt)."""
         if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
             raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         self.max_gamma = max_gamma
@@ -79,7 +81,14 @@ class GammaController:
         # per request, the target's probability of each token plain rounds committed since it last drafted (newest
         # last, at most BACKLOG_KEPT): with its draft's, what a draft there would have been accepted with
         self.plain_probs: dict[str, list[float]] = {}
+        self.profile = profile
+        self.profile_loaded = profile is not None and profile.load(self.costs, self.acceptance)
         self._policies()
+
+    def save(self) -> None:
+        """Save measured costs and acceptance priors to the profile (nothing without one)."""
+        if self.profile is not None:
+            self.profile.save(self.costs, self.acceptance)
 
     def _policies(self) -> None:
         """The policies, over this controller's acceptance and costs (again after either is replaced)."""
@@ -367,6 +376,8 @@ class GammaController:
             self.goodput.learn(len(outcome.rows), update.batch, update.goodput, committed, seconds)
         for request_id in outcome.finished:
             self.forget(request_id)
+        if self.profile is not None and update is not None and update.round % SAVE_EVERY == 0 and update.round:
+            self.save()
 
     def _keep(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
         """Keep what the plan decided for later rounds (a plan from another planner carries nothing)."""

@@ -8,6 +8,7 @@ import time
 
 from specsample.drafters.routed import RoutedDrafter
 from specsample.drafters.suffix import SuffixCacheHolder, SuffixCacheStats
+from specsample.planner import GammaController
 from specsample.rounds import RoundResult
 from specsample.server.grammar_pool import GrammarPool
 from specsample.server.metrics import ServerMetrics
@@ -59,6 +60,8 @@ class SpecServer:
 
     def stop(self) -> None:
         self.runner.stop()
+        if isinstance(self.engine.planner, GammaController):
+            self.engine.planner.save()  # a replica started later begins from what this one measured
         if self.grammar_pool is not None:
             self.grammar_pool.close()
 
