@@ -47,6 +47,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, help="no end-of-sequence token before this many output tokens"
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="generate through end-of-sequence tokens up to --max-new-tokens"
+    )
 
 
 def _device_arg(value: str) -> str:
@@ -397,6 +403,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         grammar=_schema_grammar(args.json_schema),
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
     )
     options = EngineOptions(**flag_values(EngineOptions, args))
     speculator = load(options, say=_say)
