@@ -158,3 +158,40 @@ def test_a_corrupt_profile_is_ignored_with_a_warning(tmp_path, caplog, content: 
     assert controller.costs.nearest(1) is None  # the priors, untouched
     controller.save()
     assert GammaController(4, profile=store).profile_loaded  # the next save replaces it
+
+
+def test_metrics_show_where_speculation_is_off_with_goodput_and_costs() -> None:
+    """/metrics reads the planner per batch size: on at 1 row, off at 8 (the batch of 8 loses on the virtual clock),
+    the rounds by mode, expected and measured goodput, and the costs measured there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specsample.server.metrics import ServerMetrics
+
+    controller, rng = GammaController(4), random.Random(0)
+    run(controller, {"good": 0.9}, 60, rng)
+    run(controller, one_good_row_beside(7), 300, rng)
+    metrics = ServerMetrics(labels={"replica": "r0"})
+    metrics.watch_planner(controller.summary)
+    samples = {
+        (s.name, s.labels.get("batch_size"), s.labels.get("mode") or s.labels.get("drafts")): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name.startswith("specsample_planner_")
+    }
+    assert samples["specsample_planner_speculating", "1", None] == 1.0
+    assert samples["specsample_planner_speculating", "8", None] == 0.0
+    report = controller.goodput.reports[8]
+    assert samples["specsample_planner_rounds_total", "8", "plain"] == report.plain_rounds > 200
+    assert samples["specsample_planner_rounds_total", "8", "speculative"] == report.speculative_rounds > 0
+    expected = samples["specsample_planner_goodput_expected_tokens_per_second", "8", None]
+    measured = samples["specsample_planner_goodput_measured_tokens_per_second", "8", None]
+    assert expected == pytest.approx(measured, rel=0.25)  # plain rounds, priced from their own timings
+    assert measured == pytest.approx(8 / (BASE + PER_TOKEN * 8), rel=0.15)
+    assert samples["specsample_planner_plain_round_seconds", "8", None] == pytest.approx(BASE + PER_TOKEN * 8, rel=0.1)
+    assert samples["specsample_planner_round_cost_ratio", "1", "4"] > 1.0
+    assert all(
+        s.labels["replica"] == "r0"
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+        if s.name.startswith("specsample_planner_")
+    )

@@ -35,7 +35,14 @@ from specsample.planner.base import (
 from specsample.planner.chain import EXPLORE_EVERY, HYSTERESIS, ChainPolicy
 from specsample.planner.costs import CostModel, RoundKind
 from specsample.planner.fallback import FallbackPolicy, RequestChoice
-from specsample.planner.goodput import BatchChoice, Drafting, GoodputMemory, GoodputPolicy
+from specsample.planner.goodput import (
+    BatchChoice,
+    BatchSizeSummary,
+    Drafting,
+    GoodputMemory,
+    GoodputPolicy,
+    summarise,
+)
 from specsample.planner.lookups import LookupPolicy
 from specsample.planner.profile import SAVE_EVERY, ProfileStore
 from specsample.planner.trees import TreeMemory, TreePolicy
@@ -137,6 +144,10 @@ class GammaController:
     def speculating(self, batch_size: int) -> bool:
         """Whether the goodput policy lets the batch speculate at this batch size."""
         return self.goodput.speculating(batch_size)
+
+    def summary(self) -> tuple[BatchSizeSummary, ...]:
+        """Per batch size seen: speculation on or off, rounds by kind, goodput expected and measured, costs."""
+        return summarise(self.goodput, self.costs)
 
     # ----- plan -----------------------------------------------------------------------------
 

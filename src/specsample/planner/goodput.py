@@ -78,6 +78,21 @@ class BatchSizeReport:
     measured: Ewma = field(default_factory=Ewma)
 
 
+@dataclass(frozen=True)
+class BatchSizeSummary:
+    """What the planner knows and did at one batch size (read by /metrics)."""
+
+    batch_size: int
+    speculating: bool  # speculation is on here (off: the batch decodes plainly, with a probe now and then)
+    speculative_rounds: int  # rounds that drafted...
+    plain_rounds: int  # ...and that decoded plainly, as the goodput policy chose
+    expected: float | None  # goodput the policy predicted for its choices, committed tokens/s (recent rounds)
+    measured: float | None  # ...and what those rounds committed
+    plain_round_seconds: float | None  # a round without drafts
+    draft_step_seconds: float | None  # one batched draft step
+    round_costs: tuple[tuple[int, float], ...]  # (drafts, a drafting round's time over a plain round's), measured
+
+
 class GoodputPolicy:
     """Chooses plain decoding or speculation for the whole batch, and the round's width (module docstring)."""
 
@@ -167,3 +182,35 @@ class GoodputPolicy:
             predicted = choice.speculative if choice.width > 0 else choice.plain
             report.expected.add(predicted / plain.value, weight=GOODPUT_WEIGHT)
             report.measured.add(tokens / seconds, weight=GOODPUT_WEIGHT)
+
+
+def summarise(policy: GoodputPolicy, costs: CostModel) -> tuple[BatchSizeSummary, ...]:
+    """Per batch size the planner has seen, what it knows and did there (safe from another thread: it copies each
+    table before reading it, and computes no price, so it leaves the planner's memoised prices alone)."""
+    reports, off = dict(policy.reports), policy.memory.off
+    plain, steps, drafting = dict(costs.plain_round), dict(costs.draft_step), dict(costs.drafting)
+    out = []
+    for size in sorted(set(reports) | set(plain) | set(drafting) | off):
+        report = reports.get(size, BatchSizeReport())
+        rounds = drafting.get(size)
+        relative = dict(rounds.relative) if rounds is not None else {}
+        base = relative.get(0)
+        ratios = tuple(
+            (drafts, cost.value / base.value)
+            for drafts, cost in sorted(relative.items())
+            if drafts > 0 and base is not None and base.value and cost.value is not None
+        )
+        out.append(
+            BatchSizeSummary(
+                batch_size=size,
+                speculating=size not in off,
+                speculative_rounds=report.speculative_rounds,
+                plain_rounds=report.plain_rounds,
+                expected=report.expected.value,
+                measured=report.measured.value,
+                plain_round_seconds=plain[size].value if size in plain else None,
+                draft_step_seconds=steps[size].value if size in steps else None,
+                round_costs=ratios,
+            )
+        )
+    return tuple(out)

@@ -34,6 +34,7 @@ class SpecServer:
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
         self.metrics.show_step_path(speculator.step_path)
+        self.metrics.watch_planner(self._planner_summary)
         self.runner = EngineRunner(self.engine, self._observe)
         grammars = self.engine.grammars
         self.grammar_pool = (
@@ -51,6 +52,11 @@ class SpecServer:
         """What the engine's drafters' shared suffix caches hold (None without one)."""
         drafter = self.engine.drafter
         return drafter.suffix_cache() if isinstance(drafter, SuffixCacheHolder) else None
+
+    def _planner_summary(self) -> tuple:
+        """The planner's view per batch size (none for a fixed gamma)."""
+        planner = self.engine.planner
+        return planner.summary() if isinstance(planner, GammaController) else ()
 
     def _observe(self, result: RoundResult) -> None:
         self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)
