@@ -149,6 +149,9 @@ def _add_bench_parser(sub) -> None:
     )
     bench.add_argument("--temperature", type=_csv(float), default=None)
     bench.add_argument("--batch-size", type=_csv(int), default=None)
+    bench.add_argument(
+        "--concurrency", type=_csv(int), default=None, help="the load suite's clients (default 1,2,4,8,16)"
+    )
     bench.add_argument("--compare", type=_csv(str), default=None, help=f"peers: {', '.join(COMPARE_CHOICES)}")
     bench.add_argument(
         "--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)"
@@ -693,6 +696,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "gammas": args.gamma,
             "temperatures": args.temperature,
             "batch_sizes": args.batch_size,
+            "concurrency": args.concurrency,
             "compare": args.compare,
             "sweep_prompts": args.sweep_prompts,
             "lossless_samples": args.lossless_samples,
