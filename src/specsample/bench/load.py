@@ -180,7 +180,7 @@ def load(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     command = serve_command(bench, port, largest, longest + config.max_new_tokens + 8)
     log = Path(config.out) / "load-server.log"
     store.update(
-        server=" ".join(command[2:]),
+        server="specsample " + " ".join(command[3:]),
         compiled=config.engine.compile,
         concurrency=list(config.concurrency),
         requests_per_client=REQUESTS_PER_CLIENT,

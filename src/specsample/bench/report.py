@@ -520,7 +520,7 @@ def load_section(store: dict[str, Any]) -> list[str]:
     lines = [
         "## load",
         "",
-        f"`specsample {store.get('server', 'serve')}` ({mode}); per concurrency N, N clients each stream "
+        f"`{store.get('server', 'specsample serve')}` ({mode}); per concurrency N, N clients each stream "
         f"{store.get('requests_per_client')} chat completions of exactly {store.get('max_tokens')} tokens "
         '(`ignore_eos`), the server\'s default against `"speculative": false` on the same requests, '
         f"{store.get('phases_per_mode')} phases each, alternated. Point estimates with 90% bootstrap intervals.",
@@ -542,7 +542,7 @@ def load_section(store: dict[str, Any]) -> list[str]:
             s = row.get("summary", {})
             lines.append(
                 f"| {row['concurrency']} | {cell(s, 'default', 'tokens_per_s')} | {cell(s, 'plain', 'tokens_per_s')} "
-                f"| {_interval(s.get('ratio'))} "
+                f"| {_interval(s.get('ratio'))} | "
                 + " | ".join(
                     f"{cell(s, 'default', key, 0)} / {cell(s, 'plain', key, 0)}"
                     for key in ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
