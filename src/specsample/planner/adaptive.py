@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specsample.config import TreeShape
@@ -23,6 +24,7 @@ from specsample.planner.acceptance import Acceptance
 from specsample.planner.base import (
     BatchState,
     DraftSource,
+    Extension,
     RoundOutcome,
     RoundPlan,
     RowOutcome,
@@ -165,7 +167,8 @@ class GammaController:
             chosen_rows, facts, update = self._choose([batch.rows[i] for i in chosen], batch, size)
             for i, row_plan in zip(chosen, chosen_rows):
                 rows[i] = row_plan
-        thresholds, extension = (), None
+        thresholds: Sequence[float] = ()
+        extension: Extension | None = None
         if max((r.drafts for r in rows), default=0) > 0:
             thresholds, extension = self.chain.gate(size, facts.get("exploring", False))
         tree = None
@@ -189,7 +192,7 @@ class GammaController:
                 else r
                 for r, state in zip(rows, batch.rows)
             ]
-            thresholds, extension = [], None
+            thresholds, extension = (), None
         if extension is not None:
             rows = [
                 dataclasses.replace(r, reach=max(r.drafts, min(self.max_gamma, state.remaining - 1)))

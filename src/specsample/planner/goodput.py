@@ -166,7 +166,9 @@ class GoodputPolicy:
         loss = max(1.0 - choice.ratio, 0.0) * self.costs.round_cost(batch_size, max(choice.width, 1))
         return int(min(max(int(loss / PROBE_BUDGET) + 1, PROBE_EVERY), MAX_PROBE_EVERY))
 
-    def learn(self, batch_size: int, choice: BatchChoice | None, memory: GoodputMemory, tokens: int, seconds: float):
+    def learn(
+        self, batch_size: int, choice: BatchChoice | None, memory: GoodputMemory, tokens: int, seconds: float
+    ) -> None:
         """Keep the memory the plan was made with, and report the round: its goodput measured (`tokens` committed in
         `seconds`) against the one predicted (None: the policy did not price it)."""
         self.memory = memory
