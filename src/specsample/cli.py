@@ -723,7 +723,7 @@ def _is_medusa(spec: str) -> bool:
     return is_medusa_folder(builtin_draft(spec) or Path(spec))
 
 
-def _eval_medusa(args: argparse.Namespace, prompts) -> None:
+def _eval_medusa(args: argparse.Namespace, prompts: list) -> None:
     from specsample.distill.medusa import evaluate_medusa, evaluation_table
     from specsample.drafters.medusa import MedusaDrafter
     from specsample.models.loader import load_model
@@ -735,13 +735,13 @@ def _eval_medusa(args: argparse.Namespace, prompts) -> None:
         target=args.target, draft=args.draft, dtype=args.dtype or "auto", quantize=args.quantize or "auto"
     )
     target = load_model(options.target, dtype=options.dtype, quantize=options.quantize)
-    drafter = load_drafter(options.draft, target, options)
+    drafter = load_drafter(options.draft, target, options) if options.draft else None
     if not isinstance(drafter, MedusaDrafter):
         raise CliError(f"draft {args.draft} could not be loaded")
     report = evaluate_medusa(
-        target.model,
+        target.llama(),
         drafter,
-        target.tokenizer,
+        target.text_tokenizer(),
         prompts,
         args.max_new_tokens,
         progress=sys.stderr.isatty(),

@@ -13,11 +13,13 @@ TPOT and TTFT p50 and p99, each with a bootstrap interval (requests resampled; t
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +80,7 @@ class _Traffic:
         self.model, self.temperature, self.tokens = model, temperature, tokens
 
 
-async def _request(client, text: str, mode: str, traffic: _Traffic, seed: int) -> dict[str, Any]:
+async def _request(client: Any, text: str, mode: str, traffic: _Traffic, seed: int) -> dict[str, Any]:
     """One streamed chat completion: its time to first token, time per output token after it, tokens."""
     sent = time.perf_counter()
     first = None
@@ -103,7 +105,9 @@ async def _request(client, text: str, mode: str, traffic: _Traffic, seed: int) -
     return {"ttft": first - sent, "tpot": (done - first) / max(count - 1, 1), "tokens": count}
 
 
-async def _phase(url: str, texts: list[str], seeds: list[int], mode: str, clients: int, cfg) -> dict[str, Any]:
+async def _phase(
+    url: str, texts: list[str], seeds: list[int], mode: str, clients: int, cfg: _Traffic
+) -> dict[str, Any]:
     """`clients` clients, client c sending texts c, c + clients, ... one after another; the phase's wall time."""
     import openai
 
@@ -120,13 +124,22 @@ async def _phase(url: str, texts: list[str], seeds: list[int], mode: str, client
     return {"seconds": time.perf_counter() - start, "requests": [r for rows in done for r in rows]}
 
 
-def _interval(values: list[float], statistic, rng: random.Random) -> list[float | None]:
+def _interval(values: list[Any], statistic: Callable[[list[Any]], float], rng: random.Random) -> list[float | None]:
     """[point, low, high]: `statistic` of `values` and its bootstrap interval (None bounds under 2 values)."""
     point = statistic(values)
     if len(values) < 2:
         return [point, None, None]
     draws = sorted(statistic([rng.choice(values) for _ in values]) for _ in range(RESAMPLES))
     return [point, draws[int((1 - LEVEL) / 2 * RESAMPLES)], draws[min(RESAMPLES - 1, int((1 + LEVEL) / 2 * RESAMPLES))]]
+
+
+def _percentile_of(values: list[float], q: float) -> float:
+    return percentile(values, q)
+
+
+def _speed(pairs: list[tuple[float, float]]) -> float:
+    """Tokens per second over (tokens, seconds) pairs."""
+    return sum(t for t, _ in pairs) / sum(s for _, s in pairs)
 
 
 def summarise(phases: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
@@ -140,28 +153,30 @@ def summarise(phases: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
         requests = [r for p in runs for r in p["requests"]]
         pairs = [(sum(r["tokens"] for r in p["requests"]), p["seconds"]) for p in runs]
         out[mode] = {
-            "tokens_per_s": _interval(pairs, lambda ps: sum(t for t, _ in ps) / sum(s for _, s in ps), rng),
+            "tokens_per_s": _interval(pairs, _speed, rng),
             **{
-                f"{key}_p{q}_ms": _interval([r[key] * 1000 for r in requests], lambda v, q=q: percentile(v, q), rng)
+                f"{key}_p{q}_ms": _interval(
+                    [r[key] * 1000 for r in requests], functools.partial(_percentile_of, q=q), rng
+                )
                 for key in ("tpot", "ttft")
                 for q in (50, 99)
             },
             "requests": len(requests),
         }
     if all(by_mode.values()):
-        pairs = {m: [(sum(r["tokens"] for r in p["requests"]), p["seconds"]) for p in by_mode[m]] for m in MODES}
+        per_mode = {m: [(sum(r["tokens"] for r in p["requests"]), p["seconds"]) for p in by_mode[m]] for m in MODES}
 
-        def speed(ps):
+        def speed(ps: list[tuple[float, float]]) -> float:
             return sum(t for t, _ in ps) / sum(s for _, s in ps)
 
-        point = speed(pairs["default"]) / speed(pairs["plain"])
+        point = speed(per_mode["default"]) / speed(per_mode["plain"])
         draws = sorted(
-            speed([rng.choice(pairs["default"]) for _ in pairs["default"]])
-            / speed([rng.choice(pairs["plain"]) for _ in pairs["plain"]])
+            speed([rng.choice(per_mode["default"]) for _ in per_mode["default"]])
+            / speed([rng.choice(per_mode["plain"]) for _ in per_mode["plain"]])
             for _ in range(RESAMPLES)
         )
         low, high = int((1 - LEVEL) / 2 * RESAMPLES), min(RESAMPLES - 1, int((1 + LEVEL) / 2 * RESAMPLES))
-        both = min(len(pairs["default"]), len(pairs["plain"])) >= 2
+        both = min(len(per_mode["default"]), len(per_mode["plain"])) >= 2
         out["ratio"] = [point, draws[low] if both else None, draws[high] if both else None]
     return out
 
@@ -204,7 +219,7 @@ def load(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
                 count = clients * REQUESTS_PER_CLIENT
                 texts = [texts_all[k % len(texts_all)] for k in range(count)]
                 seeds = [config.seed + k for k in range(count)]
-                row = {"concurrency": clients, "phases": []}
+                row: dict[str, Any] = {"concurrency": clients, "phases": []}
                 rows.append(row)
                 for rep in range(PHASES):
                     order = MODES if (rep + clients) % 2 == 0 else MODES[::-1]

@@ -608,8 +608,8 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> Non
 def _yerr(cells: list[list[float | None]]) -> list[list[float]]:
     """Error bars from [point, low, high] cells (none where a bound is missing)."""
     return [
-        [c[0] - c[1] if c[1] is not None else 0.0 for c in cells],
-        [c[2] - c[0] if c[2] is not None else 0.0 for c in cells],
+        [c[0] - c[1] if c[0] is not None and c[1] is not None else 0.0 for c in cells],
+        [c[2] - c[0] if c[0] is not None and c[2] is not None else 0.0 for c in cells],
     ]
 
 

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +41,11 @@ from specsample.engine import Engine
 from specsample.metrics import StatsCollector
 from specsample.models.cpu import bf16_autocast
 from specsample.models.llama import LlamaModel
-from specsample.models.loader import load_model
+from specsample.models.loader import LoadedModel, load_model
 from specsample.models.medusa_head import LAYOUTS, MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from specsample.models.quant import QUANT_MODES
 from specsample.planner import FixedGamma
+from specsample.tokenizer import Tokenizer
 
 METRICS_EVERY = 10  # training steps between measurements of the heads' acceptance on their batch
 
@@ -109,17 +110,17 @@ def _log(message: str) -> None:
 # ----- data ----------------------------------------------------------------------------------
 
 
-def collect(plan: MedusaTraining, target, progress: bool) -> FeatureReader:
+def collect(plan: MedusaTraining, target: LoadedModel, progress: bool) -> FeatureReader:
     """Stage 1: the store of final hidden states, filled to `plan.tokens` (unless training has begun: its data is
     then final)."""
-    model = target.model
+    model = target.llama()
     store = plan.work / "features"
     writer = FeatureWriter(
         store / "shard-0", plan.target, model.config.hidden_size, (), model.vocab_size, plan.max_len, "teacher-forced"
     )
     if writer.num_tokens < plan.tokens and not (plan.work / "train" / "checkpoint.pt").exists():
         collect_features(
-            model, target.tokenizer, training_conversations(plan.prompts), writer, plan.tokens, progress=progress
+            model, target.text_tokenizer(), training_conversations(plan.prompts), writer, plan.tokens, progress=progress
         )
     return FeatureReader(store)
 
@@ -163,7 +164,9 @@ def medusa_loss(
         p = log_p.exp()
         row_of = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
         row_of[mask] = torch.arange(int(mask.sum()), device=mask.device)  # position -> its row of p
-    total, weights, out = 0.0, 0.0, {}
+    total: torch.Tensor | float = 0.0
+    weights = 0.0
+    out: dict[str, float] = {}
     for k in range(heads.config.num_heads):
         if length <= k + 1:
             break
@@ -189,7 +192,7 @@ def medusa_loss(
                         f"top{branch}_{k}": (top == best).any(-1).float().mean().item(),
                     }
                 )
-    loss = total / max(weights, 1e-9)
+    loss = torch.as_tensor(total) / max(weights, 1e-9)
     out["loss"] = loss.item()
     return loss, out
 
@@ -351,7 +354,9 @@ def train_heads(
     return record
 
 
-def _save(path: Path, heads: MedusaHeads, optimizer, batches: Batches, record: dict[str, Any]) -> None:
+def _save(
+    path: Path, heads: MedusaHeads, optimizer: torch.optim.Optimizer, batches: Batches, record: dict[str, Any]
+) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(
         {"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "cursor": batches.cursor, "record": record},
@@ -366,9 +371,9 @@ def _save(path: Path, heads: MedusaHeads, optimizer, batches: Batches, record: d
 
 @torch.inference_mode()
 def evaluate_medusa(
-    target,
+    target: LlamaModel,
     drafter: MedusaDrafter,
-    tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[Prompt],
     max_new_tokens: int,
     tree: TreeShape | None = None,
@@ -423,7 +428,7 @@ def _summary(collector: StatsCollector) -> dict[str, Any]:
 
 @torch.inference_mode()
 def cost_ratio(
-    target, drafter: MedusaDrafter, tree: TreeShape, repeats: int = 30, context: int = 128
+    target: LlamaModel, drafter: MedusaDrafter, tree: TreeShape, repeats: int = 30, context: int = 128
 ) -> dict[str, Any]:
     """Median seconds of the target's one-token step and of the heads' whole proposal (their forward, the top-k and
     the tree), batch 1, interleaved, each as the engine runs it; c = proposal / target step."""
@@ -513,9 +518,10 @@ def run_medusa(
     _plot_curve(record["curve"], plan.out / "training_curve.png", plan.heads)
     # the heads are evaluated beside the target as it serves
     served = target if plan.quantize == "auto" else load_model(plan.target, device=plan.device)
-    drafter = MedusaDrafter(load_medusa(plan.out, model.config.hidden_size, model.vocab_size), served.model, plan.out)
+    served_model = cast(LlamaModel, served.model)
+    drafter = MedusaDrafter(load_medusa(plan.out, model.config.hidden_size, model.vocab_size), served_model, plan.out)
     report = evaluate_medusa(
-        served.model,
+        served_model,
         drafter,
         target.tokenizer,
         eval_prompts(plan.eval_prompts, plan.eval_per_category),

@@ -70,7 +70,7 @@ class MedusaDrafter:
             self.heads.pack_for_cpu()
         # the tree rounds draft by preference: 16 nodes, the heads' top 4 a node, as deep as the heads reach
         self.tree = TreeShape(TREE_NODES, TREE_BRANCH, min(heads.config.num_heads, TREE_NODES))
-        self.states: Tensor | None = None  # [slots, H] each row's target state
+        self.states = torch.zeros(0, heads.config.hidden_size)  # [slots, H] each row's target state (`allocate`)
         self.rows: dict[int, _Row] = {}
         self._parked: dict[int, _Row] = {}
 
@@ -206,7 +206,7 @@ def medusa_tree(log_probs: Sequence[Sequence[float]], budget: int) -> list[tuple
         return []
     taken: list[tuple[tuple[int, ...], int, float]] = []
     index: dict[tuple[int, ...], int] = {}
-    frontier = [(-log_probs[0][0], (0,))]
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-log_probs[0][0], (0,))]
     while frontier and len(taken) < budget:
         negative, path = heapq.heappop(frontier)
         score = -negative

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -85,15 +85,22 @@ class MedusaHeads(nn.Module):
             Linear(c.hidden_size, c.draft_vocab_size, bias=False) for _ in range(1 if c.shared_output else c.num_heads)
         )
         self.register_buffer("token_map", torch.arange(c.draft_vocab_size))  # [K'] the target's id of each draft id
+        self.token_map: Tensor
         self._fused: tuple[Linear, ...] = ()  # every head's first block in one layer (`fuse`), for inference
 
     @property
     def device(self) -> torch.device:
-        return self.outputs[0].weight.device
+        return self._output(0).weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.outputs[0].weight.dtype
+        return self._output(0).weight.dtype
+
+    def _output(self, i: int) -> Linear:
+        return cast(Linear, self.outputs[i])
+
+    def _block(self, k: int, layer: int) -> Linear:
+        return cast(Linear, cast(nn.ModuleList, self.blocks[k])[layer])
 
     @property
     def whole_vocabulary(self) -> bool:
@@ -105,13 +112,13 @@ class MedusaHeads(nn.Module):
     def head_vector(self, k: int, hidden: Tensor) -> Tensor:
         """Head k's vector `[.., H]` (its residual blocks' output) from the target's final hidden states `[.., H]`."""
         x = hidden.to(self.dtype) if not torch.is_autocast_enabled(hidden.device.type) else hidden
-        for block in self.blocks[k]:
-            x = x + F.silu(block(x))
+        for layer in range(self.config.num_layers):
+            x = x + F.silu(self._block(k, layer)(x))
         return x
 
     def head_logits(self, k: int, vector: Tensor) -> Tensor:
         """Head k's logits `[.., K']` over the draft vocabulary from its vector `[.., H]`."""
-        return self.outputs[0 if self.config.shared_output else k](vector)
+        return self._output(0 if self.config.shared_output else k)(vector)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Every head's vector `[.., K, H]` from the target's final hidden states `[.., H]`."""
@@ -121,13 +128,13 @@ class MedusaHeads(nn.Module):
         x = hidden.to(self.dtype).unsqueeze(-2)  # [.., 1, H]
         x = x + F.silu(self._fused[0](hidden.to(self.dtype)).unflatten(-1, (self.config.num_heads, -1)))  # [.., K, H]
         for layer in range(1, self.config.num_layers):
-            x = torch.stack([v + F.silu(self.blocks[k][layer](v)) for k, v in enumerate(x.unbind(-2))], dim=-2)
+            x = torch.stack([v + F.silu(self._block(k, layer)(v)) for k, v in enumerate(x.unbind(-2))], dim=-2)
         return x
 
     def logits(self, vectors: Tensor) -> Tensor:
         """Logits `[.., K, K']` over the draft vocabulary from the heads' vectors `[.., K, H]`."""
         if self.config.shared_output:
-            return self.outputs[0](vectors)
+            return self._output(0)(vectors)
         return torch.stack([self.head_logits(k, vectors[..., k, :]) for k in range(self.config.num_heads)], dim=-2)
 
     def fuse(self) -> None:
@@ -137,7 +144,7 @@ class MedusaHeads(nn.Module):
         c = self.config
         if not c.num_layers:
             return
-        first = [blocks[0] for blocks in self.blocks]
+        first = [self._block(k, 0) for k in range(c.num_heads)]
         fused = Linear(c.hidden_size, c.num_heads * c.hidden_size, bias=c.bias).to(self.device, self.dtype)
         with torch.no_grad():
             fused.weight.copy_(torch.cat([b.weight for b in first]))

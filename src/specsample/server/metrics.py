@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -246,7 +246,7 @@ class PlannerCollector:
     def __init__(self, read: Callable[[], tuple[BatchSizeSummary, ...]], labels: dict[str, str]) -> None:
         self.read, self.labels = read, labels
 
-    def collect(self):
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         names, values = list(self.labels), list(self.labels.values())
         by_size = [*names, "batch_size"]
 
