@@ -84,6 +84,7 @@ def decode_both(
 @pytest.mark.parametrize(
     "prompts", [[[3, 4, 5]], [[3, 4, 5], [7, 8, 9, 10, 11, 12], [1]]], ids=["batch1", "ragged-batch3"]
 )
+@pytest.mark.slow
 def test_logits_match_eager(pair, prompts, monkeypatch) -> None:
     eager, compiled = pair
     calls = count_compiled_calls(compiled, monkeypatch)
@@ -92,6 +93,7 @@ def test_logits_match_eager(pair, prompts, monkeypatch) -> None:
     assert worst < 1e-4
 
 
+@pytest.mark.slow
 def test_sliding_window_matches_eager(monkeypatch) -> None:
     eager, compiled = twin(sliding_window=4)
     calls = count_compiled_calls(compiled, monkeypatch)
@@ -99,6 +101,7 @@ def test_sliding_window_matches_eager(monkeypatch) -> None:
     assert calls[0] == 8
 
 
+@pytest.mark.slow
 def test_any_rows_of_the_cache_run_compiled(pair, monkeypatch) -> None:
     """One request alone in a bigger engine, rows with a gap between them (a batch after a row finished), rows out of
     slot order and rows in consecutive slots (read as views) all run the compiled step, with the eager step's
@@ -123,6 +126,7 @@ def test_any_rows_of_the_cache_run_compiled(pair, monkeypatch) -> None:
     assert torch.equal(caches[0].lengths, caches[1].lengths)
 
 
+@pytest.mark.slow
 def test_forwards_the_step_cannot_take_are_counted(pair) -> None:
     """Token trees and blocks past MAX_BLOCK run eagerly on a compiled model, each counted as a fallback; prefill is
     eager by design and not counted."""
@@ -144,6 +148,7 @@ def test_forwards_the_step_cannot_take_are_counted(pair) -> None:
     assert compile_events.counts()[1] == fallbacks + 2
 
 
+@pytest.mark.slow
 def test_in_place_weight_update_recompiles(pair) -> None:
     """(The module's pair: both copies get the update, so later tests still compare equal weights.)"""
     eager, compiled = pair
@@ -155,6 +160,7 @@ def test_in_place_weight_update_recompiles(pair) -> None:
     assert decode_both(eager, compiled, [[1, 2, 3]], steps=2) < 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_generation_is_unchanged(pair) -> None:
     eager, compiled = pair
     draft_eager, draft_compiled = twin(seed=9)
@@ -180,6 +186,7 @@ def test_tiny_lm_unaffected() -> None:
     assert tiny_lm(VOCAB).compiled is None  # opt-in: nothing compiles unless asked
 
 
+@pytest.mark.slow
 def test_two_compiled_models_keep_their_own_weights(pair) -> None:
     """Same architecture, different weights (a target and its draft): neither may run the other's code."""
     first_eager, first = pair
@@ -189,6 +196,7 @@ def test_two_compiled_models_keep_their_own_weights(pair) -> None:
     assert decode_both(first_eager, first, [[4, 5]], steps=2) < 1e-4
 
 
+@pytest.mark.slow
 def test_output_subset_goes_through_the_compiled_head() -> None:
     """FR-Spec drafts: the compiled output layer honours the subset, and a new subset rebuilds it."""
     eager, compiled = twin(seed=13)
@@ -219,6 +227,7 @@ def test_output_subset_goes_through_the_compiled_head() -> None:
     assert float((expected[torch.isfinite(expected)] - got[torch.isfinite(got)]).abs().max()) < 1e-4
 
 
+@pytest.mark.slow
 def test_warm_up_covers_what_generation_calls() -> None:
     """After the warm-up, generating compiles nothing more (a recompile costs ~70 s on SmolLM2),
     whether the token tensors come from the engine (inference mode) or from a caller outside it. (Recompiles follow
@@ -240,6 +249,7 @@ def test_warm_up_covers_what_generation_calls() -> None:
     assert compile_events.counts()[0] == graphs
 
 
+@pytest.mark.slow
 def test_the_step_reads_the_cache_only_up_to_the_context(pair, monkeypatch) -> None:
     """Entries past the furthest row's position are never read (a server allocates the whole context window, and
     the step's cost must follow the context): NaN there leaves the logits those of a clean cache."""
@@ -258,6 +268,7 @@ def test_the_step_reads_the_cache_only_up_to_the_context(pair, monkeypatch) -> N
     assert calls[0] == 2
 
 
+@pytest.mark.slow
 def test_blocks_of_tokens_match_eager(pair, monkeypatch) -> None:
     """A verification's block of tokens per row (ragged rows, any block length up to MAX_BLOCK) runs compiled,
     with the eager forward's logits and cache."""
@@ -277,6 +288,7 @@ def test_blocks_of_tokens_match_eager(pair, monkeypatch) -> None:
     assert torch.allclose(caches[0].key_store, caches[1].key_store, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_feature_drafts_compiled_step_computes_the_eager_one(pair) -> None:
     """An EAGLE-3 head's drafting step through its compiled graph (`--compile`): the outputs and logits of the eager
     step, for ragged rows of its cache, and the cache grows alike."""
@@ -307,6 +319,7 @@ def test_a_feature_drafts_compiled_step_computes_the_eager_one(pair) -> None:
     assert torch.allclose(a, b, atol=1e-4) and torch.allclose(la, lb, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_replay_the_eager_step() -> None:
     """On CUDA the compiled step and output layer run as CUDA graphs (none skipped), with the eager forward's logits,

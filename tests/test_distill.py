@@ -138,6 +138,7 @@ def test_resume_is_exact(tiny_setup, tmp_path) -> None:
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_cli_run_exports_a_folder_both_runtimes_load(tmp_path) -> None:
     import subprocess
     import sys

@@ -427,6 +427,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path) -> None:
         assert torch.equal(resumed.state_dict()[name], value), name
 
 
+@pytest.mark.slow
 def test_distill_writes_a_head_that_generate_drafts_with(tmp_path) -> None:
     from specsample.cli import main
 
