@@ -455,7 +455,13 @@ def cost_ratio(
             cache.truncate(slot, torch.tensor([context]))
         drafter.release_rows([0])
     t, d = statistics.median(target_times), statistics.median(draft_times)
-    return {"target_step_ms": 1000 * t, "draft_step_ms": 1000 * d, "c": d / t, "compiled": target.compiled is not None}
+    return {
+        "target_step_ms": 1000 * t,
+        "draft_step_ms": 1000 * d,
+        "c": d / t,
+        "compiled": target.compiled is not None,
+        "step_path": getattr(target, "step_path", None),  # which code ran the target's step (the fused step, ...)
+    }
 
 
 # ----- the whole run -------------------------------------------------------------------------
@@ -605,6 +611,8 @@ def evaluation_table(report: dict[str, Any]) -> list[str]:
     cost = report.get("cost")
     if cost is not None:
         mode = "compiled" if cost.get("compiled") else "eager"
+        if cost.get("step_path"):
+            mode = f"the target on {cost['step_path']}" + (", compiled" if cost.get("compiled") else "")
         lines += [
             "",
             f"Cost ratio c = {cost['c']:.3f} (the heads' proposal {cost['draft_step_ms']:.2f} ms: their forward, top-k "
