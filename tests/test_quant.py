@@ -328,16 +328,24 @@ def test_verifying_against_the_float_weights_fails(quantized_pair) -> None:
     assert statistic > threshold, f"float verification was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
 
 
-def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path) -> None:
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch) -> None:
     import os
     import time
 
     lock = tmp_path / "lock"
     lock.touch()
+    waited = []
+
+    def another_build_finishes(seconds: float) -> None:  # a fresh lock is waited on until its build removes it
+        waited.append(seconds)
+        lock.unlink()
+
+    monkeypatch.setattr(row_kernels.time, "sleep", another_build_finishes)
     row_kernels._clear_stale_lock(lock)
-    assert lock.exists()  # a build in progress keeps its lock
+    assert waited and not lock.exists()
+    lock.touch()
     old = time.time() - row_kernels.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    row_kernels._clear_stale_lock(lock)
-    assert not lock.exists()
+    row_kernels._clear_stale_lock(lock)  # a lock older than any build is removed at once
+    assert not lock.exists() and len(waited) == 1
     row_kernels._clear_stale_lock(lock)  # no lock: nothing to do

@@ -99,18 +99,24 @@ def _load() -> bool:
     return True
 
 
-def _clear_stale_lock(lock: Path) -> None:
+def _clear_stale_lock(lock: Path, poll: float = 1.0) -> None:
     """torch's build lock is a bare file that a killed build leaves behind, and every later process would wait on it
-    forever; one older than any build (STALE_LOCK_S) is removed."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing %s, left %.0f min ago by a build that did not finish", lock, age / 60)
-        lock.unlink(missing_ok=True)
-    else:
-        log.info("waiting for another process building the kernels (%s)", lock)
+    forever: wait while another process builds (its lock younger than STALE_LOCK_S), then remove a lock that is still
+    there."""
+    logged = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            log.warning("removing %s, left %.0f min ago by a build that did not finish", lock, age / 60)
+            lock.unlink(missing_ok=True)
+            return
+        if not logged:
+            log.info("waiting for another process building the kernels (%s)", lock)
+            logged = True
+        time.sleep(poll)
 
 
 def set_amx(on: bool) -> bool:
