@@ -49,8 +49,8 @@ def test_subset_drafting_draws_what_full_vocabulary_drafting_draws() -> None:
     model = tiny_lm(32, seed=4, init_scale=0.2)
     model.set_output_subset(torch.tensor(SUBSET))
     fast, plain = ModelDrafter(model), ModelDrafter(model)
-    plain._last_only = False  # the path for models without last-position logits: full vocabulary, every position
-    assert fast._last_only
+    plain._last_only = None  # the path for models without last-position logits: full vocabulary, every position
+    assert fast._last_only is not None
     settings = [
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.9, top_k=3),

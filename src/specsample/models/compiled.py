@@ -30,7 +30,7 @@ import types
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +41,8 @@ from specsample.kv_cache import KVCache
 from specsample.models import compile_events
 from specsample.models.hub import cache_dir
 from specsample.models.layers import apply_rope, weight_version
-from specsample.models.quant import QuantLinear, SplitLinear
+from specsample.models.quant import Projection, QuantLinear, SplitLinear
 from specsample.models.rope import rope_tables
-
-if TYPE_CHECKING:
-    from specsample.models.eagle_head import EagleHead
-    from specsample.models.llama import LlamaModel, Projection
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", Tensor, tuple[Tensor | None, ...])
@@ -82,7 +78,7 @@ class DecodeStep(nn.Module):
     `slots [b]`, and the model's feature layers' residual streams concatenated (`LlamaModel.set_feature_layers`;
     None where it has none)."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: Any) -> None:  # a LlamaModel (models/llama.py imports this module)
         super().__init__()
         self.model = model
 
@@ -161,7 +157,7 @@ class DecodeHead(nn.Module):
 
     subset_ids: Tensor  # a buffer, where there is a subset
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: Any) -> None:  # a LlamaModel (models/llama.py imports this module)
         super().__init__()
         self.vocab_size = model.vocab_size
         self.subset = model.output_subset
@@ -284,7 +280,7 @@ class CompiledDecode:
     rows elsewhere (gathered); and a float output layer for the same batch and block kinds. `warm_up` compiles what a
     caller will run before it serves; `shapes` are the kinds compiled so far."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: Any) -> None:  # a LlamaModel (models/llama.py imports this module)
         keep_artefacts_in_cache()
         self.model = model
         self.step = torch.compile(_private_forward(DecodeStep(model).eval()), fullgraph=True, backend=_inductor)
@@ -387,7 +383,7 @@ class HeadStep(nn.Module):
     entry of a drawn token read with the head's output before it, appended at `positions [b]`; its output `[b, 1, H]`
     and logits over the draft vocabulary `[b, K]`."""
 
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: Any) -> None:  # an EagleHead (models/eagle_head.py imports this module)
         super().__init__()
         self.head = head
 
@@ -430,7 +426,7 @@ class CompiledHeadStep:
     """A compiled `HeadStep` for one head: what a drafting step runs where the target runs compiled (a graph for batch
     1 and one for batches of 2+ rows)."""
 
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: Any) -> None:  # an EagleHead (models/eagle_head.py imports this module)
         keep_artefacts_in_cache()
         self.head = head
         self.step = torch.compile(_private_forward(HeadStep(head).eval()), fullgraph=True, backend=_inductor)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -27,10 +27,7 @@ from torch import Tensor, nn
 from specsample.kv_cache import KVCache
 from specsample.models import row_kernels
 from specsample.models.layers import Linear, weight_version
-from specsample.models.quant import KERNEL_DTYPE, Int4Linear, Int8Linear, QuantLinear, SplitLinear
-
-if TYPE_CHECKING:
-    from specsample.models.llama import Projection
+from specsample.models.quant import KERNEL_DTYPE, Int4Linear, Int8Linear, Projection, QuantLinear, SplitLinear
 
 INT4, INT8, BF16 = 0, 1, 2  # a projection part's kind, as fused_step.cpp reads it
 

@@ -22,14 +22,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from specsample.models.llama import LlamaModel
+from specsample.models.base import CausalLM
+
+
+class CheckedLM(CausalLM[Any], Protocol):
+    """What `check_invariance` reads of a model (a LlamaModel)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
 
 FIXED_ROWS = 8  # rows per matrix product in deterministic mode: a block of up to 7 drafts and the pending token
@@ -91,7 +97,7 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, groups: QueryGroups) -> Ten
     return out.reshape(batch, n, kv_heads * heads_per_kv * head_dim)
 
 
-def check_invariance(model: LlamaModel, context: int = 12, block: int = 5) -> None:
+def check_invariance(model: CheckedLM, context: int = 12, block: int = 5) -> None:
     """Raise `RuntimeError` unless `model` (in deterministic mode) scores a block of `block` tokens, beside another
     row, with exactly the logits of one-token forwards of that row alone:
     the guarantee deterministic mode gives, checked on this model's kernels, dtype and device. The next block is

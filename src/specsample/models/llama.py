@@ -21,7 +21,7 @@ from specsample.models.fused import FusedStep
 from specsample.models.fused import unsupported as unsupported_fused
 from specsample.models.invariant import FIXED_ROWS, QueryGroups, exact_attention
 from specsample.models.layers import Linear, RMSNorm, apply_rope, linear, prepack, weight_version
-from specsample.models.quant import Int8Linear, QuantEmbedding, QuantLinear, SplitLinear
+from specsample.models.quant import Int8Linear, Projection, QuantEmbedding, QuantLinear
 from specsample.models.rope import rope_inv_freq, rope_tables
 from specsample.models.sdpa import without_cudnn_attention
 from specsample.token_tree import tree_ancestors
@@ -135,9 +135,6 @@ class LlamaConfig:
                     "sliding_attention" if i in self.window_layers else "full_attention" for i in range(self.num_layers)
                 ]
         return out
-
-
-Projection = Linear | QuantLinear | SplitLinear  # a decoder layer's projection, float or quantized
 
 
 class Block(nn.Module):

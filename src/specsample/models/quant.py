@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specsample.models import row_kernels
+from specsample.models.layers import Linear
 
 QUANT_MODES = ("auto", "none", "int8", "int4")  # --quantize
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
@@ -387,3 +388,6 @@ class QuantEmbedding(nn.Module):
 def linear_module(codes: Codes, bias: Tensor | None = None) -> QuantLinear:
     """The quantized layer for `codes`."""
     return Int4Linear(codes, bias) if isinstance(codes, Int4Codes) else Int8Linear(codes, bias)
+
+
+Projection = Linear | QuantLinear | SplitLinear  # a decoder layer's projection, float or quantized
