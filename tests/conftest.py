@@ -40,3 +40,15 @@ def smollm2():
     from specsample.models.loader import load_model
 
     return load_model("smollm2-135m-instruct", dtype="float32", device=DEVICE)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def planner_profiles_apart(tmp_path_factory):
+    """Gamma auto's profiles (planner/profile.py) saved by the tests live in a folder of their own, not the user's
+    cache: a test's planner never starts from what another test measured there."""
+    import specsample.speculator as speculator
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(speculator, "cache_dir", lambda: tmp_path_factory.mktemp("specsample-cache"))
+    yield
+    patch.undo()

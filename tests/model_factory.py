@@ -203,6 +203,7 @@ def draft_request(
     """A `DraftRequest` from per-row sequences (slots, planned drafts, reach, params, generators, and optionally
     sources and coupled noise), as the tests write them."""
     from specsample.drafters.base import DraftRequest, DraftRow
+    from specsample.planner.base import DraftSource
 
     rows = len(slots)
     if any(len(part) != rows for part in (drafts, reach, params, generators)) or (source and len(source) != rows):
@@ -215,7 +216,7 @@ def draft_request(
                 reach[i],
                 params[i],
                 generators[i],
-                source[i] if source else None,
+                source[i] if source else DraftSource.EITHER,
                 noise[i] if noise else None,
             )
             for i in range(rows)

@@ -6,7 +6,7 @@ import random
 
 from specsample.config import TreeShape
 from specsample.planner import FixedGamma, GammaController
-from specsample.planner.base import BatchState, RoundOutcome, RoundPlan, RowOutcome, RowState
+from specsample.planner.base import BatchState, DraftSource, RoundOutcome, RoundPlan, RowOutcome, RowState
 from specsample.planner.costs import CostModel
 
 UNLIMITED = 10**6  # a budget no test runs out of
@@ -40,7 +40,7 @@ def drafts(plan: RoundPlan) -> list[int]:
 
 def lookups(plan: RoundPlan, state: BatchState) -> dict[str, int]:
     """Requests the plan sends to their prompt lookup, and how many tokens."""
-    return {s.request_id: r.drafts for s, r in zip(state.rows, plan.rows) if r.source is True}
+    return {s.request_id: r.drafts for s, r in zip(state.rows, plan.rows) if r.source is DraftSource.LOOKUP}
 
 
 def scorings(plan: RoundPlan, state: BatchState) -> dict[str, int]:

@@ -155,7 +155,8 @@ def _drafting_share_after_a_bad_first_reply(replies: int = 6, seed: int = 0) -> 
         plan = controller.plan(state)
         learn(controller, plan, state, RowOutcome("bad", plan.rows[0].drafts, 0))
     for _ in range(50):  # the rest of the bad reply, plain
-        controller.plan(batch(RowState("bad", 1000), can_score=True))
+        state = batch(RowState("bad", 1000), can_score=True)
+        learn(controller, controller.plan(state), state)
     controller.forget("bad")
     drafted = total = 0
     for reply in range(replies):
@@ -193,9 +194,13 @@ def test_pools_age_only_in_rounds_gamma_auto_plans() -> None:
     controller = untimed()
     controller.acceptance.pooled = [10.0, 10.0]
     controller.acceptance.lookup_pooled = [4.0, 2.0]
-    controller.plan(batch(RowState("fixed", 100, gamma=2)))  # nothing to choose for: no round
+    fixed = batch(RowState("fixed", 100, gamma=2))
+    learn(controller, controller.plan(fixed), fixed)  # nothing to choose for: no round
     assert controller.acceptance.pooled == [10.0, 10.0]
-    controller.plan(batch("r"))
+    chosen = batch("r")
+    plan = controller.plan(chosen)
+    assert controller.acceptance.pooled == [10.0, 10.0]  # planning changes nothing...
+    learn(controller, plan, chosen)  # ...the round is counted once learnt
     decay = acceptance_module.POOL_ROUND_DECAY
     assert controller.acceptance.pooled == pytest.approx([10.0 * decay] * 2)
     assert controller.acceptance.lookup_pooled == pytest.approx([4.0 * decay, 2.0 * decay])

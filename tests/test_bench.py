@@ -537,3 +537,52 @@ def test_bad_bench_flags_fail_before_any_model_loads(flags, message, tmp_path, c
     assert main(["bench", "--target", str(tmp_path / "no-such-model"), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_load_suite_sweeps_concurrency_through_a_real_server(tiny_pair_files, tmp_path) -> None:
+    """Both modes at every concurrency through `specsample serve`, every request exactly --max-new-tokens long
+    (ignore_eos), a summary with intervals after every phase, the table and the plot."""
+    target, draft, questions = tiny_pair_files
+    out = tmp_path / "out"
+    done = _bench(
+        [
+            "--suite",
+            "load",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "float32",
+            "--dataset",
+            str(questions),
+            "--num-prompts",
+            "1",
+            "--concurrency",
+            "1,2",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.7",
+            "--out",
+            str(out),
+        ]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "complete", results["suites"]["load"].get("error")
+    load = results["suites"]["load"]
+    assert "--enforce-eager" in load["server"] and "--max-batch-size 2" in load["server"]
+    rows = load["runs"]["0.7"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for row in rows:
+        assert sorted(p["mode"] for p in row["phases"]) == ["default", "default", "plain", "plain"]
+        assert all(r["tokens"] == 8 for p in row["phases"] for r in p["requests"])
+        assert all(len(p["requests"]) == 2 * row["concurrency"] for p in row["phases"])
+        summary = row["summary"]
+        point, low, high = summary["ratio"]
+        assert low <= point <= high
+        for mode in ("default", "plain"):
+            for key in ("tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+                assert summary[mode][key][0] > 0, (mode, key)
+    assert "## load" in (out / "results.md").read_text() and (out / "load.png").exists()

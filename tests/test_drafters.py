@@ -14,6 +14,7 @@ from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.routed import RoutedDrafter
 from specsample.planner import FixedGamma
+from specsample.planner.base import DraftSource
 from specsample.sampling import warp_probs
 
 HISTORY = [(7 * t + 3) % 32 for t in range(60)]
@@ -210,11 +211,17 @@ def test_a_draft_request_for_some_rows_keeps_the_rounds_width_and_rule() -> None
     params = tuple(SamplingParams(seed=s) for s in range(3))
     generators = tuple(torch.Generator() for _ in range(3))
     request = draft_request(
-        (4, 5, 6), (1, 0, 2), (3, 0, 2), params, generators, source=(False, None, True), stop_thresholds=(0.2,)
+        (4, 5, 6),
+        (1, 0, 2),
+        (3, 0, 2),
+        params,
+        generators,
+        source=(DraftSource.MODEL, DraftSource.EITHER, DraftSource.LOOKUP),
+        stop_thresholds=(0.2,),
     )
     part = request.select([2, 0])
     assert (part.slots, part.drafts, part.reach) == ((6, 4), (2, 1), (2, 3))
-    assert [part.source_of(i) for i in range(2)] == [True, False]
+    assert [part.source_of(i) for i in range(2)] == [DraftSource.LOOKUP, DraftSource.MODEL]
     assert part.params == (params[2], params[0]) and part.generators == (generators[2], generators[0])
     assert part.width == request.width == 3 and part.stop_thresholds == (0.2,)
     with pytest.raises(ValueError, match="need 0 <= drafts <= reach"):

@@ -39,6 +39,7 @@ from specsample.models import row_kernels
 from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
 from specsample.planner.acceptance import Acceptance
 from specsample.planner.costs import CostModel
+from specsample.planner.goodput import GoodputPolicy
 from specsample.sampling import warp_probs
 
 VOCAB = 8
@@ -589,3 +590,50 @@ def test_tree_verifier_that_keeps_the_residual_fails_on_the_fused_step(fused_pai
     monkeypatch.setattr(tree_module, "rejected_residual", lambda residual, total, token, q: (residual, total))
     results = _feature_chi_squares(fused_pair[0], tree_drafter(fused_pair, "model"), FixedGamma(3, tree=TREE))
     assert any(statistic > threshold for statistic, threshold in results), results
+
+
+class AlternatingGoodput(GoodputPolicy):
+    """Speculation off for the whole batch every other round, on in between: every switch both ways, each round."""
+
+    def choose(self, batch_size, rows, round_index):
+        choice, memory = super().choose(batch_size, rows, round_index)
+        return dataclasses.replace(choice, width=choice.width if round_index % 2 else 0), memory
+
+
+class PeekingSwitch(GammaController):
+    """Broken: turns speculation off for a row where the next uniform its generator will draw is under 0.5, a decision
+    that reads the coins the round is about to use."""
+
+    engine: Engine
+
+    def plan(self, batch):
+        plan = super().plan(batch)
+        generators = {r.request_id: r.generator for r in self.engine.scheduler.running()}
+        rows = []
+        for state, row in zip(batch.rows, plan.rows):
+            peek = torch.Generator().set_state(generators[state.request_id].get_state())
+            rows.append(RowPlan() if float(torch.rand(1, generator=peek, dtype=torch.float64)) < 0.5 else row)
+        return dataclasses.replace(plan, rows=tuple(rows), stop_thresholds=(), extension=None)
+
+
+def _switching_chi_square(pair, planner: GammaController) -> tuple[float, float]:
+    target, draft = pair
+    params = WARPS["temperature_1"]
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
+    engine = Engine(target, ModelDrafter(draft), config, planner=planner)
+    planner.engine = engine
+    return chi_square(histogram(engine, PROMPT, params), exact_joint(target, params))
+
+
+def test_speculation_switched_off_and_on_for_the_batch_stays_exact(pair) -> None:
+    """The goodput policy's switches read only the past: rounds alternating between plain decoding and speculation
+    (the draft catching up on what plain rounds committed) give the target's joint distribution."""
+    planner = GammaController(2)
+    planner.goodput = AlternatingGoodput(planner.costs)
+    statistic, threshold = _switching_chi_square(pair, planner)
+    assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_a_switch_that_reads_the_rounds_coins_fails(pair) -> None:
+    statistic, threshold = _switching_chi_square(pair, PeekingSwitch(2))
+    assert statistic > threshold, f"a peeking switch was not detected: chi2 {statistic:.1f} < {threshold:.1f}"

@@ -62,7 +62,13 @@ def test_no_probes_with_too_few_tokens_left(monkeypatch) -> None:
         controller = untimed(8)
         simulate(controller, 0.02, 100)
         assert controller.in_fallback("r")
-        return sum(controller.plan(batch(RowState("r", remaining))).rows[0].drafts > 0 for _ in range(200))
+        count = 0
+        for _ in range(200):
+            state = batch(RowState("r", remaining))
+            plan = controller.plan(state)
+            count += plan.rows[0].drafts > 0
+            learn(controller, plan, state)  # a probe's drafts all rejected
+        return count
 
     assert probes(32) >= 5 and probes(31) == 0
     monkeypatch.setattr(fallback, "PROBE_HORIZON", 0)
@@ -165,7 +171,9 @@ def test_scorings_wait_for_a_backlog(monkeypatch) -> None:
     first = []
     for i in range(40):
         state = batch(RowState("r", 1000, backlog=min(i, 2)), can_score=True)  # never more than 2 tokens
-        first += [i] if scorings(controller.plan(state), state) else []
+        plan = controller.plan(state)
+        first += [i] if scorings(plan, state) else []
+        learn(controller, plan, state)
     assert first == []
     state = batch(RowState("r", 1000, backlog=fallback.SCORE_MIN_TOKENS), can_score=True)
     assert scorings(controller.plan(state), state) == {"r": fallback.SCORE_MIN_TOKENS}
@@ -277,6 +285,8 @@ def test_scorings_come_sooner_while_drafting_may_pay(monkeypatch) -> None:
                 learn(controller, plan, state, RowOutcome("r", 0, 0, backlog_scores=(acceptance,) * backlog))
                 scored_at.append(i)
                 backlog = 0
+            else:
+                learn(controller, plan, state)
         return scored_at, None
 
     hopeful, resumed = scorings_until_resumed(0.21)

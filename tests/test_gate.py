@@ -15,7 +15,7 @@ from specsample.drafters.ngram import NgramDrafter
 from specsample.planner import acceptance as acceptance_module
 from specsample.planner import adaptive
 from specsample.planner import costs as cost_model
-from specsample.planner.base import BatchState, RoundPlan, RowPlan, RowState
+from specsample.planner.base import BatchState, DraftSource, RoundPlan, RowPlan, RowState
 from specsample.planner.costs import RoundKind
 
 
@@ -161,8 +161,10 @@ def test_drafters_without_confidences_refuse_an_extension_past_the_plan(tiny_dra
     hybrid = HybridDrafter(ModelDrafter(tiny_draft), NgramDrafter(min_n=1), min_match=1)
     hybrid.allocate(1, 64)
     hybrid.add_rows([0], [[1, 2, 3, 1, 2]])
-    for source in ((None,), (True,), ()):
+    for source in ((DraftSource.EITHER,), (DraftSource.LOOKUP,), ()):
         with pytest.raises(ValueError, match="only rows sent to the draft model"):
             hybrid.propose(draft_request((0,), (1,), (3,), params, generator, source=source, extension=rule))
-    model_row = hybrid.propose(draft_request((0,), (1,), (3,), params, generator, source=(False,), extension=rule))
+    model_row = hybrid.propose(
+        draft_request((0,), (1,), (3,), params, generator, source=(DraftSource.MODEL,), extension=rule)
+    )
     assert model_row.num_drafted.tolist() == [3] and model_row.probs is not None

@@ -17,7 +17,7 @@ from specsample.drafters.ngram import NgramDrafter
 from specsample.drafters.routed import RoutedDrafter
 from specsample.planner import GammaController
 from specsample.planner import costs as cost_model
-from specsample.planner.base import RowOutcome, RowState
+from specsample.planner.base import DraftSource, RowOutcome, RowState
 
 
 def _offer(rid: str = "r", available: int = 0, model: bool = True, remaining: int = UNLIMITED) -> RowState:
@@ -77,8 +77,8 @@ def test_lookup_offer_limits_and_no_offer_keeps_the_models_plan() -> None:
     plan = controller.plan(state)
     model_plan = controller.plan(batch("b"))
     assert drafts(plan) == [3, model_plan.rows[0].drafts] and lookups(plan, state) == {"a": 3}
-    assert plan.rows[1].source is False  # b, offered nothing, drafts with its model
-    assert lookups(model_plan, batch("b")) == {} and model_plan.rows[0].source is None  # nothing offered
+    assert plan.rows[1].source is DraftSource.MODEL  # b, offered nothing, drafts with its model
+    assert lookups(model_plan, batch("b")) == {} and model_plan.rows[0].source is DraftSource.EITHER  # nothing offered
     for _ in range(10):  # a's lookups all taken
         state = batch(_offer("a", 4), offers_lookups=True)
         plan = controller.plan(state)
@@ -113,7 +113,7 @@ def test_a_request_takes_whichever_of_lookup_and_model_predicts_more() -> None:
     model_plan = controller.plan(batch("r")).rows[0].drafts
     state = batch(_offer("r", 4), offers_lookups=True)
     plan = controller.plan(state)
-    assert drafts(plan) == [model_plan] and lookups(plan, state) == {} and plan.rows[0].source is False
+    assert drafts(plan) == [model_plan] and lookups(plan, state) == {} and plan.rows[0].source is DraftSource.MODEL
     lookup_only = batch(_offer("r", 4, model=False), offers_lookups=True)  # no model to draft with
     plan = controller.plan(lookup_only)
     assert plan.rows[0].drafts > 0 and lookups(plan, lookup_only) == {"r": plan.rows[0].drafts}
@@ -123,7 +123,9 @@ def test_without_a_model_a_row_with_no_offer_decodes_plain() -> None:
     controller = untimed(4)
     assert drafts(controller.plan(batch(_offer("r", 0, model=False), offers_lookups=True))) == [0]
     hybrid = controller.plan(batch(_offer("r", 0, model=True), offers_lookups=True))
-    assert hybrid.rows[0].drafts > 0 and hybrid.rows[0].source is False  # a hybrid row drafts with its model
+    assert (
+        hybrid.rows[0].drafts > 0 and hybrid.rows[0].source is DraftSource.MODEL
+    )  # a hybrid row drafts with its model
 
 
 def test_lookup_rounds_are_timed_apart_from_model_rounds(monkeypatch) -> None:
@@ -189,15 +191,15 @@ def test_hybrid_offers_gamma_auto_shorter_matches_than_it_takes_alone(tiny_draft
     assert hybrid.lookup_lengths([0], [3]) == [3]
     params, generators = (SamplingParams(),), (torch.Generator().manual_seed(0),)
 
-    def proposal(n: int, source: tuple[bool | None, ...]):
+    def proposal(n: int, source: tuple[DraftSource, ...]):
         return hybrid.propose(draft_request((0,), (n,), (n,), params, generators, source=source))
 
-    chosen = proposal(3, (True,))  # gamma auto took the offer
+    chosen = proposal(3, (DraftSource.LOOKUP,))  # gamma auto took the offer
     assert chosen.probs is None and chosen.tokens[0].tolist() == [9, 1, 2]
-    assert proposal(3, (None,)).probs is not None  # fixed gamma: the model drafts
+    assert proposal(3, (DraftSource.EITHER,)).probs is not None  # fixed gamma: the model drafts
     hybrid.commit([0], [[9]])  # the suffix [5, 6, 9] now matches 3 tokens: taken alone too
-    assert proposal(2, (None,)).probs is None
-    assert proposal(2, (False,)).probs is not None  # sent to the model, it drafts with the model
+    assert proposal(2, (DraftSource.EITHER,)).probs is None
+    assert proposal(2, (DraftSource.MODEL,)).probs is not None  # sent to the model, it drafts with the model
     with pytest.raises(ValueError, match="offer_match"):
         HybridDrafter(ModelDrafter(tiny_draft), min_match=2, offer_match=3)
 

@@ -11,6 +11,7 @@ from ngram_reference import reference_continuation
 
 from specsample import SamplingParams
 from specsample.drafters.ngram import NgramDrafter, NgramIndex
+from specsample.planner.base import DraftSource
 
 
 def _indexed(history: list[int], max_tokens: int, min_n: int = 1, max_n: int = 4) -> tuple[list[int], int]:
@@ -93,7 +94,9 @@ def test_rows_sent_away_from_their_lookup_propose_nothing() -> None:
     drafter.add_rows([0, 1], [[1, 2, 3, 1, 2], [4, 5, 4, 5]])
     gens = (torch.Generator(), torch.Generator())
     proposal = drafter.propose(
-        draft_request((0, 1), (3, 3), (3, 3), (SamplingParams(),) * 2, gens, source=(False, True))
+        draft_request(
+            (0, 1), (3, 3), (3, 3), (SamplingParams(),) * 2, gens, source=(DraftSource.MODEL, DraftSource.LOOKUP)
+        )
     )
     assert proposal.num_drafted.tolist() == [0, 2] and proposal.tokens[1, :2].tolist() == [4, 5]
 

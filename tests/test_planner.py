@@ -11,10 +11,10 @@ from planner_driver import UNLIMITED, batch, calibrate_confidence, drafts, learn
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, generate
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.ngram import NgramDrafter
-from specsample.planner import FixedGamma, GammaController, adaptive
+from specsample.planner import FixedGamma, GammaController, chain
 from specsample.planner import costs as cost_model
 from specsample.planner.acceptance import POOL_DECAY
-from specsample.planner.base import BatchState, RowOutcome, RowState
+from specsample.planner.base import BatchState, DraftSource, RowOutcome, RowState
 from specsample.theory import expected_speedup, optimal_gamma
 
 
@@ -55,7 +55,7 @@ def test_a_plan_is_a_value_learnt_as_it_was_made() -> None:
         as_lookup.rows[0].drafts = 1  # type: ignore[misc]
     model_state = batch("r")
     as_model = controller.plan(model_state)
-    assert as_model.rows[0].source is None and as_model.rows[0].drafts > 0
+    assert as_model.rows[0].source is DraftSource.EITHER and as_model.rows[0].drafts > 0
     model_alpha, lookup_alpha = controller.acceptance.alpha("r"), controller.acceptance.lookup_alpha("r")
     learn(controller, as_lookup, lookup_state, RowOutcome("r", 3, 3))
     assert controller.acceptance.alpha("r") == model_alpha  # the model's estimate did not move...
@@ -119,6 +119,8 @@ def test_rows_with_a_gamma_of_their_own_draft_it_beside_chosen_rows() -> None:
     state = batch("auto", RowState("two", UNLIMITED, gamma=2), RowState("nine", 6, gamma=9))
     plan = controller.plan(state)
     assert drafts(plan)[1:] == [2, 4] and plan.chosen_ids == ("auto",)
+    assert controller.choices == {}  # planning changes nothing; learning the round keeps the plan's choices
+    learn(controller, plan, state)
     assert set(controller.choices) == {"auto"}
     for _ in range(10):
         learn(controller, plan, state, RowOutcome("two", 2, 0), RowOutcome("nine", 4, 0))
@@ -151,7 +153,7 @@ def test_hysteresis_keeps_gamma_from_thrashing(monkeypatch) -> None:
         return sum(a != b for a, b in zip(settled, settled[1:]))
 
     assert switches() <= 20
-    monkeypatch.setattr(adaptive, "HYSTERESIS", 0.0)
+    monkeypatch.setattr(chain, "HYSTERESIS", 0.0)
     assert switches() > 20
 
 

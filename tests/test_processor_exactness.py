@@ -4,9 +4,10 @@ the exact joint distribution of the target processed the same way.
 The reference is enumerated from the target (vocabulary 8: 512 sequences) with the processors written out here
 independently of `specsample.processors`. Penalties and bias: the draft model in chains of 2. The grammar: the
 hybrid (the draft model, and prompt lookups on a repeating prompt: deterministic drafts the grammar may disallow) in
-tree rounds alternating with chain rounds. Broken twins that must fail: the target's penalties counting only
-committed tokens (not the round's earlier drafts), a grammar whose state is not rolled back after a rejection, and
-a draft that samples unprocessed but reports the processed q.
+tree rounds alternating with chain rounds. min_tokens: the draft model in chains of 2, an end-of-sequence token
+masked at the first two positions. Broken twins that must fail: the target's penalties counting only committed
+tokens (not the round's earlier drafts), a grammar whose state is not rolled back after a rejection, a draft that
+samples unprocessed but reports the processed q, and min_tokens counting only committed tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ PENALTIES = SamplingParams(
     repetition_penalty=1.6,
     logit_bias={5: 1.5, 0: -1.0},
 )
+EOS = 4
+MIN_TOKENS = SamplingParams(temperature=0.9, max_new_tokens=LENGTH, min_tokens=2)  # EOS allowed at the third token
 # tokens a..h; an item is "a" then one of b-e, or one of f-h, one of a-c, then "d", or "b" alone
 LETTERS = "abcdefgh"
 EBNF = 'root ::= item+\nitem ::= "a" [b-e] | [f-h] [a-c] "d" | "b"'
@@ -80,6 +83,8 @@ def processed_reference(logits: np.ndarray, prompt: list[int], output: list[int]
         for token in output:
             state = AUTOMATON[state][token]
         out = np.where(np.isin(np.arange(VOCAB), list(AUTOMATON[state])), out, -np.inf)
+    if len(output) < params.min_tokens:
+        out[EOS] = -np.inf
     return out
 
 
@@ -108,7 +113,8 @@ def grammars() -> GrammarCompiler:
 def engine_counts(target, drafter, params: SamplingParams, planner) -> np.ndarray:
     """Histogram of the first LENGTH tokens over SAMPLES rows of one batch."""
     config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
-    engine = Engine(target, drafter, config, planner=planner, grammars=grammars())
+    eos = [EOS] if params.min_tokens else []  # with min_tokens = LENGTH - 1, EOS may end only the last token
+    engine = Engine(target, drafter, config, eos_token_ids=eos, planner=planner, grammars=grammars())
     ids = [engine.add_request(PROMPT, dataclasses.replace(params, seed=7000 + i)) for i in range(SAMPLES)]
     out: dict[str, list[int]] = {i: [] for i in ids}
     for result in engine.stream():
@@ -133,6 +139,18 @@ def test_grammar_with_lookups_and_trees_is_exact(pair) -> None:
         engine_counts(target, drafter, GRAMMAR, AlternatingTrees(TREE)), exact_joint(target, GRAMMAR)
     )
     assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_min_tokens_is_exact(pair) -> None:
+    target, draft = pair
+    counts = engine_counts(target, ModelDrafter(draft), MIN_TOKENS, FixedGamma(2))
+    statistic, threshold = chi_square(counts, exact_joint(target, MIN_TOKENS))
+    assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def _min_tokens_of_committed_tokens_only(monkeypatch) -> None:
+    """Every position of a round masked as if the round's earlier drafts were not output yet."""
+    monkeypatch.setattr(Shaper, "output_lengths", lambda self, index, drafts_before: self.output_length[index])
 
 
 def _penalties_of_committed_tokens_only(monkeypatch) -> None:
@@ -179,7 +197,13 @@ class DrawsUnprocessed(WrappedDrafter):
 
 
 @pytest.mark.parametrize(
-    "broken", ["penalties_of_committed_tokens_only", "grammar_not_rolled_back", "draws_unprocessed"]
+    "broken",
+    [
+        "penalties_of_committed_tokens_only",
+        "grammar_not_rolled_back",
+        "draws_unprocessed",
+        "min_tokens_of_committed_tokens_only",
+    ],
 )
 def test_broken_processing_fails(pair, monkeypatch, broken: str) -> None:
     target, draft = pair
@@ -189,6 +213,9 @@ def test_broken_processing_fails(pair, monkeypatch, broken: str) -> None:
     elif broken == "grammar_not_rolled_back":
         _grammar_not_rolled_back(monkeypatch)
         params, planner = GRAMMAR, FixedGamma(1)
+    elif broken == "min_tokens_of_committed_tokens_only":
+        _min_tokens_of_committed_tokens_only(monkeypatch)
+        params = MIN_TOKENS
     else:
         drafter = DrawsUnprocessed(draft)
     statistic, threshold = chi_square(engine_counts(target, drafter, params, planner), exact_joint(target, params))

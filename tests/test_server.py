@@ -163,6 +163,37 @@ def test_stop_string_across_round_boundaries() -> None:
     assert keep.finish() == ""
 
 
+def test_stop_strings_count_only_past_min_tokens() -> None:
+    assembler = TextAssembler(CharDecoder(), ["ST"], min_tokens=4)
+    pieces = [assembler.push(tuple(map(ord, part))) for part in ("aST", "bcSTd")]
+    assert "".join(pieces) == "aSTbc" and assembler.stopped  # the first "ST" ends inside the first 4 tokens
+    straddle = TextAssembler(CharDecoder(), ["ST"], min_tokens=4)
+    assert straddle.push(tuple(map(ord, "abcST"))) == "abc" and straddle.stopped  # ends with the fifth token
+
+
+def test_ignore_eos_and_min_tokens_fix_the_output_length(live) -> None:
+    """With end-of-sequence forced by logit_bias: it ends the output at once; min_tokens holds it off that many
+    tokens; ignore_eos generates through it to max_tokens. Chat and completions, speculative and plain."""
+    client = live.client()
+    eos = live.server.tokenizer.hf.eos_token_id
+    for speculative in (True, False):
+        for chat in (False, True):
+
+            def create(**extra):
+                body = {"logit_bias": {str(eos): 100}, "speculative": speculative} | extra
+                common = {"model": MODEL, "max_tokens": 12, "temperature": 0.8, "seed": 5, "extra_body": body}
+                if chat:
+                    out = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **common)
+                else:
+                    out = client.completions.create(prompt="hello world", **common)
+                return out.usage.completion_tokens, out.choices[0].finish_reason
+
+            assert create() == (1, "stop")
+            assert create(min_tokens=5) == (6, "stop")
+            assert create(ignore_eos=True) == (12, "length")
+            assert create(ignore_eos=True, min_tokens=12) == (12, "length")
+
+
 def test_usage_stops_counting_at_the_stop_string() -> None:
     """A round can commit tokens past a stop string; the response neither shows nor bills them (as vLLM)."""
     import asyncio
@@ -253,6 +284,9 @@ def test_disconnect_frees_the_slot(live) -> None:
         (json.dumps({"model": MODEL, "prompt": "hi", "frobnicate": True}).encode(), "frobnicate"),
         (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}).encode(), "presence_penalty"),
         (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 300}}).encode(), "logit_bias"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}).encode(), "min_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "min_tokens": -1}).encode(), "min_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "ignore_eos": 1}).encode(), "ignore_eos"),
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), None),
         (json.dumps([1, 2]).encode(), None),
     ],

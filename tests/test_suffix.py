@@ -19,7 +19,7 @@ from specsample.drafters.model import ModelDrafter
 from specsample.drafters.suffix import SuffixDrafter
 from specsample.drafters.suffix_index import WALK, Draft, SuffixIndex, best_draft, cap, draft_tree
 from specsample.planner import FixedGamma, GammaController
-from specsample.planner.base import RowState
+from specsample.planner.base import DraftSource, RowState
 
 LEVELS = (1, 2, 4)
 
@@ -199,13 +199,13 @@ def test_proposals_are_chains_unless_the_round_lets_lookups_branch() -> None:
     drafter.add_rows([0], [[7, 1, 2, 3, 4, 8, 1, 2, 3, 5, 6, 1, 2, 3, 4, 0, 1, 2, 3]])
     chain = drafter.propose(_request([0], [4]))
     assert chain.parents is None and chain.probs is None and chain.tokens[0].tolist() == [4, 0, 1, 2]
-    tree = drafter.propose(_request([0], [6], lookup_trees=True, source=(True,)))
+    tree = drafter.propose(_request([0], [6], lookup_trees=True, source=(DraftSource.LOOKUP,)))
     assert tree.num_drafted.tolist() == [5]  # a match of 3 drafts up to 3 + 2 tokens
     # best first: 4 (2/3), then at 1/3 the root's other child 5, 4's children 0 and 8 (0 more recent), 5's child 6
     assert tree.tokens[0, :5].tolist() == [4, 5, 0, 8, 6] and tree.parents[0, :5].tolist() == [-1, -1, 0, 0, 1]
     shaped = drafter.propose(_request([0], [4], tree=TreeShape(4, 2, 2)))
     assert shaped.parents is not None and max(_depth(shaped.parents[0].tolist()[:4])) <= 2
-    assert drafter.propose(_request([0], [4], source=(False,))).num_drafted.tolist() == [0]
+    assert drafter.propose(_request([0], [4], source=(DraftSource.MODEL,))).num_drafted.tolist() == [0]
     with pytest.raises(ValueError, match="no confidence"):
         drafter.propose(draft_request((0,), (1,), (3,), (SamplingParams(),), (torch.Generator(),)))
 
@@ -222,11 +222,13 @@ def test_hybrid_offers_gamma_auto_shorter_suffix_matches_than_it_takes_alone(tin
     hybrid.allocate(2, 64)
     hybrid.add_rows([0], [[5, 6, 9, 1, 2, 3, 5, 6]])  # [5, 6] occurred before: a match of 2
     assert hybrid.lookup_lengths([0], [3]) == [3]
-    proposal = hybrid.propose(_request([0], [3], source=(True,)))
+    proposal = hybrid.propose(_request([0], [3], source=(DraftSource.LOOKUP,)))
     assert proposal.probs is None and proposal.tokens[0].tolist() == [9, 1, 2]
-    assert hybrid.propose(_request([0], [3], source=(None,))).probs is not None  # alone it takes matches of 3
+    assert (
+        hybrid.propose(_request([0], [3], source=(DraftSource.EITHER,))).probs is not None
+    )  # alone it takes matches of 3
     hybrid.commit([0], [[9]])
-    assert hybrid.propose(_request([0], [2], source=(None,))).probs is None
+    assert hybrid.propose(_request([0], [2], source=(DraftSource.EITHER,))).probs is None
 
 
 def test_gamma_auto_lets_lookups_branch_only_where_every_drafting_row_is_a_lookup() -> None:
@@ -243,7 +245,7 @@ def test_gamma_auto_lets_lookups_branch_only_where_every_drafting_row_is_a_looku
         RowState("a", 100, lookup=4, drafts_otherwise=False), RowState("c", 100), offers_lookups=True, can_tree=True
     )
     plan = controller.plan(mixed)
-    assert plan.rows[1].drafts > 0 and plan.rows[1].source is False and not plan.lookup_trees
+    assert plan.rows[1].drafts > 0 and plan.rows[1].source is DraftSource.MODEL and not plan.lookup_trees
 
 
 def _decode(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:

@@ -50,6 +50,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, help="no end-of-sequence token before this many output tokens"
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="generate through end-of-sequence tokens up to --max-new-tokens"
+    )
 
 
 def _device_arg(value: str) -> str:
@@ -152,6 +158,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"peers: {', '.join(COMPARE_CHOICES)}, or draft:SPEC (ours at gamma auto with another --draft, its own "
         "tree under --tree auto; e.g. draft:hybrid:smollm2-135m-instruct-medusa)",
+    )
+    bench.add_argument(
+        "--concurrency", type=_csv(int), default=None, help="the load suite's clients (default 1,2,4,8,16)"
     )
     bench.add_argument(
         "--sweep-prompts", type=int, default=None, help="prompts of the gamma and batch sweeps (0: skip)"
@@ -427,6 +436,7 @@ def _schema_grammar(path: Path | None) -> Grammar | None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     """Stream one generation to stdout; the summary line goes to stderr (or everything as JSON)."""
+    from specsample.planner import GammaController
     from specsample.speculator import load
 
     # bad flags fail here, before any model is loaded
@@ -438,6 +448,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         grammar=_schema_grammar(args.json_schema),
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
     )
     options = EngineOptions(**flag_values(EngineOptions, args))
     speculator = load(options, say=_say)
@@ -465,6 +477,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
             if not args.json:
                 sys.stdout.write(decoder.push(update.new_tokens))
                 sys.stdout.flush()
+    if isinstance(engine.planner, GammaController):
+        engine.planner.save()  # what this run measured spares the next one its exploration
     stats = collector.summary()
     drafting = speculator.draft != "none"
     stats.update(
@@ -804,6 +818,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "gammas": args.gamma,
             "temperatures": args.temperature,
             "batch_sizes": args.batch_size,
+            "concurrency": args.concurrency,
             "compare": args.compare,
             "sweep_prompts": args.sweep_prompts,
             "lossless_samples": args.lossless_samples,

@@ -94,6 +94,11 @@ class SamplingParams:
     # is accepted and stored as sorted pairs
     grammar: Grammar | None = None  # the output must follow it (a token it disallows has probability 0)
     logprobs: int | None = None  # report each emitted token's log-probability and this many top alternatives
+    # vLLM's length controls: end-of-sequence tokens get probability 0 until min_tokens are generated (a processor,
+    # so the output follows the target with them masked); ignore_eos keeps generating past an end-of-sequence token
+    # up to max_new_tokens
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -128,12 +133,26 @@ class SamplingParams:
             raise SettingError(
                 "logprobs", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}"
             )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise SettingError(
+                "min_tokens",
+                f"min_tokens must be an integer in [0, {self.max_new_tokens}] (up to max_new_tokens), "
+                f"got {self.min_tokens!r}",
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise SettingError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.ignore_eos and self.grammar is not None:
+            raise SettingError(
+                "ignore_eos",
+                "ignore_eos cannot be combined with a grammar: the grammar's output ends at end-of-sequence",
+            )
 
     @property
     def processed(self) -> bool:
-        """True when a processor changes the logits (penalties, logit bias or a grammar)."""
+        """True when a processor changes the logits (penalties, logit bias, a grammar or min_tokens)."""
         return (
-            self.presence_penalty != 0
+            self.min_tokens > 0
+            or self.presence_penalty != 0
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
             or bool(self.logit_bias)

@@ -124,7 +124,9 @@ class Engine:
             cache_scope=cache_scope,
             noise=NoiseStream(seed, self.target.vocab_size) if self.config.coupled and not params.greedy else None,
             processors=(
-                RowProcessors(params, prompt, self.target.vocab_size, self.grammars) if params.processed else None
+                RowProcessors(params, prompt, self.target.vocab_size, self.grammars, self.eos_token_ids)
+                if params.processed
+                else None
             ),
         )
         self.scheduler.add(request)

@@ -9,12 +9,14 @@ rounds, its token counts and its grammar matcher, moves only on commit.
 
 Order on the logits (vLLM's definitions): repetition penalty (a seen token's positive logit divided by it, a
 negative one multiplied, over prompt and output), frequency and presence penalties (over the output), logit bias,
-then the grammar mask (a disallowed token gets -inf).
+min_tokens (an end-of-sequence token gets -inf at a position with fewer than min_tokens output tokens before it),
+then the grammar mask (a disallowed token gets -inf). A grammar that allows only end-of-sequence before min_tokens
+leaves no token: the row ends with an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -24,13 +26,22 @@ from specsample.grammar import GrammarCompiler, Matcher
 
 
 class RowProcessors:
-    """One request's processors and what they remember: the prompt's tokens, the output's counts, the grammar."""
+    """One request's processors and what they remember: the prompt's tokens, the output's counts and length, the
+    grammar."""
 
     def __init__(
-        self, params: SamplingParams, prompt: Sequence[int], vocab_size: int, grammars: GrammarCompiler | None
+        self,
+        params: SamplingParams,
+        prompt: Sequence[int],
+        vocab_size: int,
+        grammars: GrammarCompiler | None,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         self.params = params
         self.vocab_size = vocab_size
+        self.output_length = 0
+        self.eos = torch.zeros(vocab_size, dtype=torch.bool)  # [vocab]: masked while the output is under min_tokens
+        self.eos[torch.tensor([t for t in eos_token_ids if 0 <= t < vocab_size], dtype=torch.long)] = True
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
         self.in_prompt[torch.tensor(list(prompt), dtype=torch.long)] = True
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float64)
@@ -46,6 +57,7 @@ class RowProcessors:
 
     def commit(self, tokens: Sequence[int]) -> bool:
         """Count committed tokens and move the grammar past them; False if the grammar disallows one."""
+        self.output_length += len(tokens)
         if tokens:
             self.output_counts.index_put_(
                 (torch.tensor(list(tokens), dtype=torch.long),),
@@ -79,8 +91,17 @@ class Shaper:
             for i, r in enumerate(states):
                 if r.params.logit_bias:
                     self.bias[i, r.bias_ids] = r.bias_values
+        self.min_tokens = None
+        if any(p.min_tokens for p in params):
+            self.min_tokens = torch.tensor([p.min_tokens for p in params], dtype=torch.long)  # [R]
+            self.output_length = torch.tensor([r.output_length for r in states], dtype=torch.long)  # [R]
+            self.eos = torch.stack([r.eos for r in states])  # [R, vocab]
         self.matchers = {i: r.matcher for i, r in enumerate(states) if r.matcher is not None}
         self.vocab_size = vocab
+
+    def output_lengths(self, index: Tensor, drafts_before: Sequence[Sequence[int]]) -> Tensor:
+        """Output tokens before each position `[n]`: the row's committed ones and the drafts before it."""
+        return self.output_length[index] + torch.tensor([len(before) for before in drafts_before], dtype=torch.long)
 
     def _apply(self, logits: Tensor, rows: list[int], drafts_before: Sequence[Sequence[int]]) -> Tensor:
         """Processed `logits [n, vocab]`: position i of stacked row `rows[i]`, after its committed tokens and the
@@ -105,6 +126,9 @@ class Shaper:
             out = out - self.presence[index].to(device=device, dtype=dtype).unsqueeze(-1) * (counts > 0).to(dtype)
         if self.bias is not None:
             out = out + self.bias[index].to(device=device, dtype=dtype)
+        if self.min_tokens is not None:
+            short = self.output_lengths(index, drafts_before) < self.min_tokens[index]  # [n]
+            out = out.masked_fill((short.unsqueeze(-1) & self.eos[index]).to(device), float("-inf"))
         if self.matchers:
             allowed = torch.ones(out.shape, dtype=torch.bool)
             at: dict[int, list[int]] = {}

@@ -52,9 +52,10 @@ class Request:
         return self.output[-1] if self.output else self.prompt[-1]
 
     def cut(self, new: list[int], eos_token_ids: frozenset[int]) -> tuple[list[int], str | None]:
-        """`new` tokens cut after the first end-of-sequence token ("stop") or at the request's budget ("length")."""
+        """`new` tokens cut after the first end-of-sequence token ("stop"; not with `ignore_eos`) or at the request's
+        budget ("length")."""
         for i, token in enumerate(new):
-            if token in eos_token_ids:
+            if token in eos_token_ids and not self.params.ignore_eos:
                 return new[: i + 1], "stop"
         if len(new) >= self.remaining:
             return new[: self.remaining], "length"

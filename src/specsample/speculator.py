@@ -18,10 +18,12 @@ from specsample.drafters.base import Drafter
 from specsample.engine import Engine
 from specsample.grammar import GrammarCompiler
 from specsample.models.base import TreeLM
+from specsample.models.hub import cache_dir
 from specsample.models.row_padding import measure_target_widths
 from specsample.options import EngineOptions, check_device
 from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner
+from specsample.planner.profile import ProfileKey, ProfileStore, machine
 
 log = logging.getLogger("specsample")
 
@@ -79,10 +81,25 @@ class Speculator:
         own = getattr(drafter, "tree", None)
         return own if isinstance(own, TreeShape) and isinstance(self.pair.target.model, TreeLM) else None
 
+    def profile_key(self) -> ProfileKey:
+        """What gamma auto's measured costs and acceptance hold for: this machine, the pair, its runtime, dtype and
+        quantization."""
+        target = self.pair.target
+        return ProfileKey(
+            machine=machine(),
+            model=f"{self.options.target} + {self.draft}",
+            runtime=self.step_path,
+            dtype=str(getattr(target.model, "dtype", "")),
+            quantization=f"{target.quantize}/{self.options.draft_quantize}",
+        )
+
     def planner(self) -> Planner:
-        """A new planner: gamma auto (learning as it runs) or the fixed gamma."""
+        """A new planner: gamma auto (learning as it runs, from this pair's profile in the specsample cache) or the
+        fixed gamma."""
         gamma, tree = self.options.gamma, self.tree
-        return FixedGamma(gamma, tree) if isinstance(gamma, int) else GammaController(self.options.max_gamma, tree)
+        if isinstance(gamma, int):
+            return FixedGamma(gamma, tree)
+        return GammaController(self.options.max_gamma, tree, ProfileStore(self.profile_key(), cache_dir()))
 
     def spec_config(
         self, max_batch_size: int = 1, max_seq_len: int | None = None, prefix_cache_rows: int = 0

@@ -14,7 +14,7 @@ from specsample.options import EngineOptions
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp", "llama.cpp-lookup", "hybrid-ngram")
 DRAFT_PEER = "draft:"  # --compare draft:SPEC: ours with another draft (any --draft spec) at gamma auto
-SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "repeat")
+SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "repeat", "load")
 DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
 BENCH_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto")  # ours score rounds at the target's fastest width
 
@@ -33,6 +33,7 @@ class BenchConfig:
     gammas: tuple[int | str, ...] = ("auto", 1, 2, 3, 4, 5, 6, 7, 8)  # the first: the compare suite's gamma
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)  # the load suite's clients (the server's batch: the largest)
     # peers: hf, hf-assisted, hf-lookup, llama.cpp, llama.cpp-lookup, hybrid-ngram, draft:SPEC (ours with that draft)
     compare: tuple[str, ...] = ()
     sweep_prompts: int = 24  # prompts of the gamma and batch sweeps (0: skip them)
@@ -70,6 +71,8 @@ class BenchConfig:
             raise ValueError(f"--temperature values must be >= 0, got {self.temperatures}")
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"--batch-size values must be >= 1, got {self.batch_sizes}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"--concurrency takes values >= 1, got {self.concurrency}")
         for name in ("max_new_tokens", "lossless_samples", "lossless_tokens", "history_tokens", "prefix_reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -250,7 +249,8 @@ class Bench:
                 continue
             shape = self.speculator.tree_for(drafter)
             name = f"{draft} gamma=auto" + (f" tree={shape}" if shape else "")
-            systems.append(self.system(name, drafter, partial(GammaController, self.config.max_gamma, shape)))
+            make: Callable[[], Planner] = functools.partial(GammaController, self.config.max_gamma, shape)
+            systems.append(self.system(name, drafter, make))
         return systems
 
     def _llama_cpp(self, lookup: bool = False) -> list:

@@ -514,6 +514,45 @@ def repeat_section(store: dict[str, Any]) -> list[str]:
     return lines
 
 
+def load_section(store: dict[str, Any]) -> list[str]:
+    """Per temperature, a row per concurrency: default and plain throughput, their ratio, TPOT and TTFT."""
+    mode = "compiled" if store.get("compiled") else "eager"
+    lines = [
+        "## load",
+        "",
+        f"`{store.get('server', 'specsample serve')}` ({mode}); per concurrency N, N clients each stream "
+        f"{store.get('requests_per_client')} chat completions of exactly {store.get('max_tokens')} tokens "
+        '(`ignore_eos`), the server\'s default against `"speculative": false` on the same requests, '
+        f"{store.get('phases_per_mode')} phases each, alternated. Point estimates with 90% bootstrap intervals.",
+        "",
+    ]
+
+    def cell(summary: dict[str, Any], mode: str, key: str, digits: int = 1) -> str:
+        return _interval(summary.get(mode, {}).get(key), digits)
+
+    for temperature, rows in store.get("runs", {}).items():
+        lines += [
+            f"T = {temperature}:",
+            "",
+            "| N | default tok/s | plain tok/s | default ÷ plain | TPOT p50 ms (default / plain) "
+            "| TPOT p99 ms | TTFT p50 ms | TTFT p99 ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            s = row.get("summary", {})
+            lines.append(
+                f"| {row['concurrency']} | {cell(s, 'default', 'tokens_per_s')} | {cell(s, 'plain', 'tokens_per_s')} "
+                f"| {_interval(s.get('ratio'))} | "
+                + " | ".join(
+                    f"{cell(s, 'default', key, 0)} / {cell(s, 'plain', key, 0)}"
+                    for key in ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+                )
+                + " |"
+            )
+        lines.append("")
+    return lines
+
+
 SECTIONS = {
     "compare": compare_section,
     "gamma": gamma_section,
@@ -523,6 +562,7 @@ SECTIONS = {
     "structured": structured_section,
     "prefix": prefix_section,
     "repeat": repeat_section,
+    "load": load_section,
 }
 
 
@@ -565,6 +605,14 @@ def write_report(results: dict[str, Any], out: Path, plots: bool = False) -> Non
         _plots(results, out)
 
 
+def _yerr(cells: list[list[float | None]]) -> list[list[float]]:
+    """Error bars from [point, low, high] cells (none where a bound is missing)."""
+    return [
+        [c[0] - c[1] if c[0] is not None and c[1] is not None else 0.0 for c in cells],
+        [c[2] - c[0] if c[0] is not None and c[2] is not None else 0.0 for c in cells],
+    ]
+
+
 def _plots(results: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -591,6 +639,27 @@ def _plots(results: dict[str, Any], out: Path) -> None:
             fig.tight_layout()
             fig.savefig(out / "speedup_vs_gamma.png", dpi=110)
             plt.close(fig)
+    load_runs = {
+        t: [r for r in rows if r.get("summary", {}).get("ratio")]
+        for t, rows in suites.get("load", {}).get("runs", {}).items()
+    }
+    if any(load_runs.values()):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        for temperature, rows in load_runs.items():
+            xs = [r["concurrency"] for r in rows]
+            for mode, style in (("default", "o-"), ("plain", "s--")):
+                cells = [r["summary"][mode]["tokens_per_s"] for r in rows]
+                left.errorbar(xs, [c[0] for c in cells], yerr=_yerr(cells), fmt=style, label=f"{mode}, T={temperature}")
+                tpot = [r["summary"][mode]["tpot_p50_ms"] for r in rows]
+                right.errorbar(xs, [c[0] for c in tpot], yerr=_yerr(tpot), fmt=style, label=f"{mode}, T={temperature}")
+        for ax, label in ((left, "output tokens/s"), (right, "TPOT p50 (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent clients")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "load.png", dpi=110)
+        plt.close(fig)
     batch_rows = suites.get("batch", {}).get("rows", [])
     if batch_rows:
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -13,7 +13,9 @@
 - prefix: time to first token of a second chat turn after a first turn of --history-tokens, on an engine that
   kept the first turn's cache rows (prefix reuse) and on one that did not;
 - repeat: repetitive traffic (second turns, extraction, reworded questions) as a stream through one long-lived
-  engine per system, so a shared suffix cache warms (`repeat.py`).
+  engine per system, so a shared suffix cache warms (`repeat.py`);
+- load: a concurrency sweep through a real `specsample serve`, its default against `"speculative": false`, phases
+  interleaved, output lengths fixed with `ignore_eos` (`load.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
+from specsample.bench.load import load  # noqa: F401 - a suite, found by name
 from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, record, run_lockstep, speed_line

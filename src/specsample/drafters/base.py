@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
-from specsample.planner.base import Extension
+from specsample.planner.base import DraftSource, Extension
 from specsample.processors import Shaper
 from specsample.sampling import sample, warp_rows
 from specsample.token_tree import tree_depths
@@ -43,7 +43,7 @@ class DraftRow:
     reach: int  # most drafts (> drafts only as the request's extension allows); with a tree: its nodes
     params: SamplingParams
     generator: torch.Generator
-    source: bool | None = None  # True: the row's prompt lookup; False: its model; None: the drafter's own rule
+    source: DraftSource = DraftSource.EITHER  # its prompt lookup, its model, or the drafter's own rule
     noise: DraftNoise | None = None  # coupled sampling: the noise its draws use (None there: a greedy row)
 
     def __post_init__(self) -> None:
@@ -65,7 +65,7 @@ class DraftRequest:
     shaper: Shaper | None = None
     # draws are Gumbel-max with each row's noise (specsample.verification.coupled), not from generators
     coupled: bool = False
-    # rows sent to their lookup (source True) may propose a token tree of up to their reach in nodes where their
+    # rows sent to their lookup (DraftSource.LOOKUP) may propose a token tree of up to their reach in nodes where their
     # continuations branch (the target scores trees); False: chains, unless `tree`
     lookup_trees: bool = False
 
@@ -93,7 +93,7 @@ class DraftRequest:
     def generators(self) -> tuple[torch.Generator, ...]:
         return tuple(r.generator for r in self.rows)
 
-    def source_of(self, row: int) -> bool | None:
+    def source_of(self, row: int) -> DraftSource:
         return self.rows[row].source
 
     def select(self, rows: Sequence[int]) -> DraftRequest:
@@ -288,7 +288,7 @@ class BacklogScorer(Drafter, Protocol):
 class PromptLookup(Drafter, Protocol):
     """A drafter that proposes prompt-lookup continuations (an n-gram drafter, the hybrid): gamma auto sizes those
     rounds by the lookups' own acceptance and cost, apart from a draft model's, and runs them even where it keeps
-    the model from drafting. A request's `source[i]` True sends row i to its lookup, False away from it."""
+    the model from drafting. A request's `source_of(i)` LOOKUP sends row i to its lookup, MODEL away from it."""
 
     def lookup_lengths(self, slots: Sequence[int], max_tokens: Sequence[int]) -> list[int]:
         """Per row, how many tokens (up to `max_tokens[i]`) a prompt lookup offers now; 0 where it offers none."""

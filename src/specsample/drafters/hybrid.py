@@ -19,6 +19,7 @@ from specsample.drafters.base import (
     prefix_keeper,
 )
 from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter, suffix_cache_holder
+from specsample.planner.base import DraftSource
 
 
 class Lookup(Drafter, Protocol):
@@ -97,24 +98,27 @@ class HybridDrafter:
         return [True] * len(slots)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        """Rows sent to their lookup (source True) propose it (the offer of `lookup_lengths`), rows sent to the model
-        (False) draft with the model; the rest (None) use the lookup where its match is at least `min_match` tokens.
+        """Rows sent to their lookup (`DraftSource.LOOKUP`) propose it (the offer of `lookup_lengths`), rows sent to
+        the model (MODEL) draft with the model; the rest (EITHER) use the lookup where its match is at least
+        `min_match` tokens.
         Only rows sent to the model may be extended past their plan (a lookup's length is its reach)."""
         rows = range(len(request.slots))
         request.refuse_extension(
-            [i for i in rows if request.source_of(i) is not False],
-            "only rows sent to the draft model (source False) can be extended",
+            [i for i in rows if request.source_of(i) is not DraftSource.MODEL],
+            "only rows sent to the draft model (DraftSource.MODEL) can be extended",
         )
         looked_up = [
             i
             for i, (slot, reach) in enumerate(zip(request.slots, request.reach))
-            if request.source_of(i) is not False
+            if request.source_of(i) is not DraftSource.MODEL
             and self._offer(
-                slot, min(request.width, reach), self.offer_match if request.source_of(i) else self.min_match
+                slot,
+                min(request.width, reach),
+                self.offer_match if request.source_of(i) is DraftSource.LOOKUP else self.min_match,
             )
             > 0
         ]
-        model_rows = [i for i in rows if i not in looked_up and request.source_of(i) is not True]
+        model_rows = [i for i in rows if i not in looked_up and request.source_of(i) is not DraftSource.LOOKUP]
         parts = []
         if model_rows:
             parts.append((model_rows, self.model.propose(request.select(model_rows))))

@@ -12,6 +12,7 @@ import torch
 
 from specsample.config import TreeShape
 from specsample.drafters.base import Abilities, DraftRequest, Proposal
+from specsample.planner.base import DraftSource
 
 BRANCH_MEMORY = 3  # older occurrences kept per n-gram, beside the most recent, for branched lookups
 
@@ -139,10 +140,10 @@ class NgramDrafter:
         return [False] * len(slots)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        """Each row's lookup (up to its reach); rows sent away from their lookup (source False) propose nothing.
+        """Each row's lookup (up to its reach); rows sent away from their lookup (DraftSource.MODEL) propose nothing.
         With `request.tree`, up to `tree.branch` continuations per row merged into a trie (`find_branches`)."""
         request.refuse_extension(
-            [i for i in range(len(request.slots)) if request.source_of(i) is not False],
+            [i for i in range(len(request.slots)) if request.source_of(i) is not DraftSource.MODEL],
             "an n-gram draft has no confidence to extend by",
         )
         if request.tree is not None:
@@ -151,7 +152,9 @@ class NgramDrafter:
         counts = []
         for row, (slot, limit) in enumerate(zip(request.slots, request.reach)):
             found, _ = (
-                self.continuation(slot, min(request.width, limit)) if request.source_of(row) is not False else ([], 0)
+                self.continuation(slot, min(request.width, limit))
+                if request.source_of(row) is not DraftSource.MODEL
+                else ([], 0)
             )
             tokens[row, : len(found)] = torch.tensor(found, dtype=torch.long)
             counts.append(len(found))
@@ -167,7 +170,7 @@ class NgramDrafter:
         for row, (slot, depth, reach) in enumerate(zip(request.slots, request.drafts, request.reach)):
             branches = (
                 self.rows[slot].find_branches(depth, shape.branch)
-                if request.source_of(row) is not False and reach > 0
+                if request.source_of(row) is not DraftSource.MODEL and reach > 0
                 else []
             )
             nodes, links = trie(branches, min(reach, width))

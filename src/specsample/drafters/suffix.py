@@ -22,6 +22,7 @@ import torch
 
 from specsample.drafters.base import Abilities, Drafter, DraftRequest, Proposal
 from specsample.drafters.suffix_index import LEVELS, Draft, Occurrence, SuffixIndex, best_draft
+from specsample.planner.base import DraftSource
 
 # what a row's drafts may come from: its own text, or recent requests' outputs too
 SUFFIX_CACHE_SCOPES = ("request", "global")
@@ -192,11 +193,12 @@ class SuffixDrafter:
     def propose(self, request: DraftRequest) -> Proposal:
         """Each row's draft: with `request.tree`, a tree `drafts[i]` deep of `reach[i]` nodes; where the round lets
         lookups draft trees (`lookup_trees`), a tree of `reach[i]` nodes; else a chain of `reach[i]` tokens. Rows
-        sent away from their lookup (source False) propose nothing. Parents are given where a row branched (every
+        sent away from their lookup (DraftSource.MODEL) propose nothing. Parents are given where a row branched (every
         row of a tree round)."""
         rows = range(len(request.slots))
         request.refuse_extension(
-            [i for i in rows if request.source_of(i) is not False], "a suffix draft has no confidence to extend by"
+            [i for i in rows if request.source_of(i) is not DraftSource.MODEL],
+            "a suffix draft has no confidence to extend by",
         )
         width = max(request.width, 1)
         chain = list(range(-1, width - 1))
@@ -220,7 +222,7 @@ class SuffixDrafter:
     def row_draft(self, request: DraftRequest, i: int) -> Draft:
         """Row i's draft for the request (see `propose`)."""
         reach = min(request.reach[i], max(request.width, 1))
-        if request.source_of(i) is False or reach <= 0:
+        if request.source_of(i) is DraftSource.MODEL or reach <= 0:
             return Draft()
         if request.tree is not None:
             return self.draft(request.slots[i], reach, request.drafts[i], chain=False)

@@ -46,7 +46,12 @@ class Acceptance:
         self.bin_trials = [0] * BINS
         self.bin_accepts = [0] * BINS
 
+    def read(self, request_id: str) -> RequestAcceptance:
+        """The request's trials (none yet: empty ones, not kept)."""
+        return self.requests.get(request_id) or RequestAcceptance()
+
     def of(self, request_id: str) -> RequestAcceptance:
+        """The request's trials, to add to."""
         if request_id not in self.requests:
             self.requests[request_id] = RequestAcceptance()
         return self.requests[request_id]
@@ -59,14 +64,14 @@ class Acceptance:
     def alpha(self, request_id: str) -> float:
         """The request's acceptance estimate (the prior stays: on its own, ~25 remembered trials near break-even
         are noisy enough to send requests that gain by drafting into fallback)."""
-        state = self.of(request_id)
+        state = self.read(request_id)
         return (state.successes + PRIOR_WEIGHT * self.prior_centre(state)) / (
             state.successes + state.failures + PRIOR_WEIGHT
         )
 
     def alpha_upper(self, request_id: str, margin: float) -> float:
         """Alpha `margin` standard errors above the estimate (its trials are its sample size)."""
-        state, alpha = self.of(request_id), self.alpha(request_id)
+        state, alpha = self.read(request_id), self.alpha(request_id)
         trials = state.successes + state.failures + PRIOR_WEIGHT
         # the prior's pseudo-trials count as coins (second moment = mean); acceptance probabilities spread less
         second = (state.squares + PRIOR_WEIGHT * self.prior_centre(state)) / trials
@@ -76,7 +81,7 @@ class Acceptance:
     def lookup_alpha(self, request_id: str) -> float:
         """The request's prompt-lookup acceptance: kept apart from the draft model's, as a copied span is accepted
         wholesale or not at all, and mixing the two made the model look good where only lookups were."""
-        state = self.of(request_id)
+        state = self.read(request_id)
         centre = self.pooled_alpha(self.lookup_pooled)
         return (state.lookup_successes + PRIOR_WEIGHT * centre) / (
             state.lookup_successes + state.lookup_failures + PRIOR_WEIGHT

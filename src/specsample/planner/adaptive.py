@@ -1,24 +1,29 @@
-"""Gamma auto: per request, the gamma that maximises the predicted speedup E(alpha, gamma) / R(gamma), from
-measured acceptance (`acceptance.py`) and measured round costs (`costs.py`); fallback to plain decoding where
-drafting does not pay (`fallback.py`); prompt lookups priced against the model; a confidence gate that stops a
-round early and an extension that drafts past the plan on confident drafts.
+"""Gamma auto: each round, plain decoding or speculation for the whole batch by the committed tokens per second it is
+expected to produce (`goodput.py`), then per row the gamma that maximises its predicted speedup (`chain.py`), a prompt
+lookup where one is predicted faster (`lookups.py`), fallback to plain decoding where drafting does not pay
+(`fallback.py`), a token tree where trees measure faster (`trees.py`), and the confidence gate and extension.
 
-Every decision depends only on the past (acceptance and timings of earlier rounds, and the draft's own
-probability of a token it already drew), so the verifier's guarantee still holds: the output is distributed
-exactly as sampling from the target.
+`plan()` reads the planner's state and changes none of it: what a plan decided that later rounds build on (each
+request's choice, the tree and goodput memories, the round count) travels in the plan (`PlanUpdate`) and is kept when
+the round is learnt. Every decision depends only on the past (acceptance and timings of earlier rounds, and the
+draft's own probability of a token it already drew), so the verifier's guarantee still holds: the output is
+distributed exactly as sampling from the target.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-import specsample.planner.fallback as fallback
 from specsample.config import TreeShape
-from specsample.planner.acceptance import BINS, Acceptance
+from specsample.planner import fallback
+from specsample.planner.acceptance import Acceptance
 from specsample.planner.base import (
     BatchState,
+    DraftSource,
     Extension,
     RoundOutcome,
     RoundPlan,
@@ -29,36 +34,52 @@ from specsample.planner.base import (
     most_drafts,
     tree_row,
 )
+from specsample.planner.chain import EXPLORE_EVERY, HYSTERESIS, ChainPolicy
 from specsample.planner.costs import CostModel, RoundKind
-from specsample.planner.fallback import RequestChoice
-from specsample.planner.trees import TreeYields, budgets
-from specsample.theory import expected_tokens_per_round
+from specsample.planner.fallback import FallbackPolicy, RequestChoice
+from specsample.planner.goodput import (
+    BatchChoice,
+    BatchSizeSummary,
+    Drafting,
+    GoodputMemory,
+    GoodputPolicy,
+    summarise,
+)
+from specsample.planner.lookups import LookupPolicy
+from specsample.planner.profile import SAVE_EVERY, ProfileStore
+from specsample.planner.trees import TreeMemory, TreePolicy
+
+__all__ = ["EXPLORE_EVERY", "HYSTERESIS", "GammaController", "PlanUpdate"]
 
 log = logging.getLogger("specsample.controller")
-
-HYSTERESIS = 0.03  # switch a request's gamma only for a > 3% better predicted speedup
-EXPLORE_EVERY = 16  # rounds between tries of a neighbouring gamma, so round costs are measured
-TREE_WARMUP = 4  # tries of each tree budget (and of chains) before trees are explored only every EXPLORE_EVERY...
-TREE_WARMUP_EVERY = 4  # ...rounds, rather than every this many
-
 
 BACKLOG_KEPT = 64  # most plain-round tokens kept per request for its draft to score (acceptance remembers ~25 trials)
 
 
-class GammaController:
-    """Plans each row's drafts under gamma auto and learns from every round (see the module docstring)."""
+@dataclass(frozen=True)
+class PlanUpdate:
+    """What a plan decided that later plans build on, kept when its round is learnt."""
 
-    def __init__(self, max_gamma: int = 8, tree: TreeShape | None = None) -> None:
-        """`tree`: the largest token tree a round may draft (`trees.budgets`); None: chains only."""
+    round: int  # rounds planned with a row to choose for, this one included
+    choices: tuple[tuple[str, RequestChoice], ...] = ()  # the chosen rows' choices after this plan
+    switches: tuple[tuple[str, str, float, float], ...] = ()  # (request, "off" | "on", alpha, predicted speedup)
+    calibrating: bool = False  # a plain round planned to time plain decoding
+    lookup_rows: int = 0  # rows sent to a prompt lookup
+    trees: TreeMemory | None = None
+    batch: BatchChoice | None = None  # the goodput policy's choice (None: it had nothing to choose)
+    goodput: GoodputMemory | None = None
+
+
+class GammaController:
+    """Plans each round under gamma auto and learns from every round (see the module docstring)."""
+
+    def __init__(self, max_gamma: int = 8, tree: TreeShape | None = None, profile: ProfileStore | None = None) -> None:
+        """`tree`: the largest token tree a round may draft (`trees.budgets`); None: chains only. `profile`: where
+        costs and acceptance priors are loaded from now and saved to (`save`, and every SAVE_EVERY rounds learnt)."""
         if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
             raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}")
         self.max_gamma = max_gamma
         self.tree = tree
-        self.trees = budgets(tree) if tree is not None else ()
-        self.tree_yields = TreeYields()
-        self.tree_tried: dict[int, int] = {}  # node budget (0: a chain) -> round last drafted with it
-        self.tree_tries: dict[int, int] = {}  # node budget (0: a chain) -> rounds planned with it, where trees could be
-        self.tree_choice: TreeShape | None = None  # the tree rounds draft outside explorations (None: chains)
         self.acceptance = Acceptance()
         self.costs = CostModel()
         self.choices: dict[str, RequestChoice] = {}
@@ -69,67 +90,100 @@ class GammaController:
         # per request, the target's probability of each token plain rounds committed since it last drafted (newest
         # last, at most BACKLOG_KEPT): with its draft's, what a draft there would have been accepted with
         self.plain_probs: dict[str, list[float]] = {}
+        self.profile = profile
+        self.profile_loaded = profile is not None and profile.load(self.costs, self.acceptance)
+        self._policies()
+
+    def save(self) -> None:
+        """Save measured costs and acceptance priors to the profile (nothing without one)."""
+        if self.profile is not None:
+            self.profile.save(self.costs, self.acceptance)
+
+    def _policies(self) -> None:
+        """The policies, over this controller's acceptance and costs (again after either is replaced)."""
+        self._bound = (self.acceptance, self.costs)
+        self.chain = ChainPolicy(self.max_gamma, self.acceptance, self.costs)
+        self.fallback_policy = FallbackPolicy(self.chain, self.acceptance, self.costs)
+        self.lookup_policy = LookupPolicy(self.max_gamma, self.chain, self.acceptance, self.costs)
+        trees = getattr(self, "trees_policy", None)
+        self.trees_policy = TreePolicy(self.tree, self.chain, self.acceptance, self.costs)
+        if trees is not None:
+            self.trees_policy.yields, self.trees_policy.memory = trees.yields, trees.memory
+        goodput = getattr(self, "goodput", None)
+        self.goodput = GoodputPolicy(self.costs)
+        if goodput is not None:
+            self.goodput.memory, self.goodput.reports = goodput.memory, goodput.reports
+
+    def _fresh(self) -> None:
+        if self._bound != (self.acceptance, self.costs):
+            self._policies()
 
     @property
     def most_drafts(self) -> int:
         return most_drafts(self.max_gamma, self.tree)
 
+    @property
+    def trees(self) -> tuple[TreeShape, ...]:
+        return self.trees_policy.trees
+
     # ----- prices ---------------------------------------------------------------------------
 
     def speedup(self, alpha: float, gamma: int, batch_size: int) -> float:
-        """Predicted speedup over plain decoding: E(alpha, gamma) tokens per round over the round's cost."""
-        return expected_tokens_per_round(alpha, gamma) / self.costs.round_cost(batch_size, gamma)
+        self._fresh()
+        return self.chain.speedup(alpha, gamma, batch_size)
 
     def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
-        """The gamma in 1..max_gamma maximising the predicted speedup (the shorter on ties), and that speedup."""
-        best, best_speedup = 1, -1.0
-        for gamma in range(1, self.max_gamma + 1):
-            speedup = self.speedup(alpha, gamma, batch_size)
-            if speedup > best_speedup:
-                best, best_speedup = gamma, speedup
-        return best, best_speedup
+        self._fresh()
+        return self.chain.best_gamma(alpha, batch_size)
 
     def lookup_length(self, request_id: str, available: int, batch_size: int) -> tuple[int, float]:
-        """Lookup tokens to propose out of `available` and the predicted speedup: the count maximising E(alpha, n)
-        over the round's cost at the request's lookup acceptance (0 and 1.0 when none beats a plain round)."""
-        alpha, best, best_speedup = self.acceptance.lookup_alpha(request_id), 0, 1.0
-        for tokens in range(1, min(available, self.max_gamma) + 1):
-            speedup = expected_tokens_per_round(alpha, tokens) / self.costs.lookup_cost(batch_size, tokens)
-            if speedup > best_speedup:
-                best, best_speedup = tokens, speedup
-        return best, best_speedup
+        self._fresh()
+        return self.lookup_policy.length(request_id, available, batch_size)
 
     def in_fallback(self, request_id: str) -> bool:
-        return self._choice(request_id).fallback
+        return self.choices.get(request_id, RequestChoice()).fallback
 
-    def _choice(self, request_id: str) -> RequestChoice:
-        if request_id not in self.choices:
-            self.choices[request_id] = RequestChoice()
-        return self.choices[request_id]
+    def speculating(self, batch_size: int) -> bool:
+        """Whether the goodput policy lets the batch speculate at this batch size."""
+        return self.goodput.speculating(batch_size)
+
+    def summary(self) -> tuple[BatchSizeSummary, ...]:
+        """Per batch size seen: speculation on or off, rounds by kind, goodput expected and measured, costs."""
+        return summarise(self.goodput, self.costs)
 
     # ----- plan -----------------------------------------------------------------------------
 
     def plan(self, batch: BatchState) -> RoundPlan:
-        """Drafts per row: the chosen gamma (a neighbour now and then, to time it), 0 in fallback but for probes
-        or backlog scorings, or a prompt lookup where one is predicted faster; rows with a gamma of their own
-        draft it. Then the round's gate and extension, if any row drafts."""
+        """Drafts per row: the batch's goodput choice, then the chosen gamma (a neighbour now and then, to time it), 0
+        in fallback but for probes or backlog scorings, or a prompt lookup where one is predicted faster; rows with a
+        gamma of their own draft it. Then the round's gate and extension, or its tree, if any row drafts."""
+        self._fresh()
         size = len(batch)
         rows = [RowPlan(drafts=d, reach=d) for d in (fixed_drafts(r, self.max_gamma) for r in batch.rows)]
         chosen = [i for i, r in enumerate(batch.rows) if r.chosen]
-        facts: dict[str, bool] = {}
+        update = PlanUpdate(round=self.round)
+        facts: dict = {}
         if chosen:
-            chosen_rows, facts = self._choose([batch.rows[i] for i in chosen], batch, size)
+            chosen_rows, facts, update = self._choose([batch.rows[i] for i in chosen], batch, size)
             for i, row_plan in zip(chosen, chosen_rows):
                 rows[i] = row_plan
         thresholds: Sequence[float] = ()
         extension: Extension | None = None
         if max((r.drafts for r in rows), default=0) > 0:
-            thresholds, extension = self._gate(size, facts.get("exploring", False))
-        tree = self._tree(batch, rows, chosen, size) if chosen and self.trees and batch.can_tree else None
+            thresholds, extension = self.chain.gate(size, facts.get("exploring", False))
+        tree = None
+        if chosen and self.trees and batch.can_tree:
+            model_rows = [i for i in chosen if rows[i].drafts > 0 and rows[i].source is not DraftSource.LOOKUP]
+            tree, memory = self.trees_policy.choose(
+                [batch.rows[i].request_id for i in model_rows], [rows[i].drafts for i in model_rows], size, update.round
+            )
+            update = dataclasses.replace(update, trees=memory)
         if tree is not None:  # the model's rows draft the tree, the others their chains as trees; no gate or extension
             rows = [
                 dataclasses.replace(
-                    tree_row(state, tree) if state.chosen and r.source is not True else RowPlan(r.drafts, r.drafts),
+                    tree_row(state, tree)
+                    if state.chosen and r.source is not DraftSource.LOOKUP
+                    else RowPlan(r.drafts, r.drafts),
                     source=r.source,
                     score_backlog=r.score_backlog,
                     fallback=r.fallback,
@@ -141,14 +195,8 @@ class GammaController:
             thresholds, extension = (), None
         if extension is not None:
             rows = [
-                RowPlan(
-                    r.drafts,
-                    max(r.drafts, min(self.max_gamma, state.remaining - 1)),
-                    r.source,
-                    r.score_backlog,
-                    r.fallback,
-                )
-                if state.chosen and r.drafts > 0 and r.source is not True
+                dataclasses.replace(r, reach=max(r.drafts, min(self.max_gamma, state.remaining - 1)))
+                if state.chosen and r.drafts > 0 and r.source is not DraftSource.LOOKUP
                 else r
                 for r, state in zip(rows, batch.rows)
             ]
@@ -156,11 +204,9 @@ class GammaController:
                 extension = None
         # lookups may branch only where every drafting row is a lookup's: one row's tree makes the round a tree round
         # for every row, which the model's chains are not priced as
+        drafting = [r for r in rows if r.drafts > 0]
         lookup_trees = (
-            batch.can_tree
-            and tree is None
-            and any(r.source is True and r.drafts > 0 for r in rows)
-            and all(r.source is True for r in rows if r.drafts > 0)
+            batch.can_tree and tree is None and bool(drafting) and all(r.source is DraftSource.LOOKUP for r in drafting)
         )
         return RoundPlan(
             rows=tuple(rows),
@@ -169,135 +215,88 @@ class GammaController:
             chosen_ids=tuple(batch.rows[i].request_id for i in chosen),
             tree=tree,
             lookup_trees=lookup_trees,
+            update=update,
             **facts,
         )
 
-    def _tree(self, batch: BatchState, rows: list[RowPlan], chosen: list[int], size: int) -> TreeShape | None:
-        """The tree this round drafts (None: chains), see `trees`: the fastest predicted for the rows the model drafts
-        for (chains or a tree budget), switched to only for a HYSTERESIS gain; every EXPLORE_EVERY rounds, half-way
-        between gamma's explorations (every TREE_WARMUP_EVERY until each was tried TREE_WARMUP times), the alternative
-        tried least recently."""
-        drafting = [i for i in chosen if rows[i].drafts > 0 and rows[i].source is not True]
-        if not drafting or not self.costs.timed_drafting(size):
-            return None  # chains are timed first: a tree's prior prices it from them
-
-        def speedup(shape: TreeShape | None) -> float:
-            total = 0.0
-            for i in drafting:
-                rid = batch.rows[i].request_id
-                alpha = self.acceptance.alpha(rid)
-                if shape is None:
-                    total += self.speedup(alpha, rows[i].drafts, size)
-                else:
-                    total += self.tree_yields.tokens(rid, shape, alpha) / self.costs.tree_cost(
-                        size, shape.nodes, shape.depth
-                    )
-            return total / len(drafting)
-
-        options: list[TreeShape | None] = [None, *self.trees]
-        tries = [self.tree_tries.get(shape.nodes if shape else 0, 0) for shape in options]
-        every = TREE_WARMUP_EVERY if min(tries) < TREE_WARMUP else EXPLORE_EVERY
-        if self.round % every == every // 2:
-            choice = min(options, key=lambda shape: self.tree_tried.get(shape.nodes if shape else 0, -1))
-        else:
-            best = max(options, key=speedup)
-            if speedup(best) > speedup(self.tree_choice) * (1 + HYSTERESIS):
-                self.tree_choice = best
-            choice = self.tree_choice
-        key = choice.nodes if choice else 0
-        self.tree_tried[key] = self.round
-        self.tree_tries[key] = self.tree_tries.get(key, 0) + 1
-        return choice
-
-    def _choose(self, rows: list[RowState], batch: BatchState, size: int) -> tuple[list[RowPlan], dict[str, bool]]:
-        """Plans for the rows gamma auto chooses for (see `plan`), and the round's facts for learning."""
-        self.round += 1
-        self.acceptance.age_pools()
-        if self.costs.calibration_due(size, self.round):
+    def _choose(self, rows: list[RowState], batch: BatchState, size: int) -> tuple[list[RowPlan], dict, PlanUpdate]:
+        """Plans for the rows gamma auto chooses for (see `plan`), the round's facts for learning, and the update."""
+        round_index = self.round + 1
+        choices = {r.request_id: copy.copy(self.choices.get(r.request_id, RequestChoice())) for r in rows}
+        if self.costs.calibration_due(size, round_index):
             # time one round without drafts (needed for c); a choice from the past alone, so still exact
-            self.costs.calibrating(size, self.round)
-            return self._planned(rows, [0] * len(rows), {}, {}, False, batch.offers_lookups)
-        exploring = self.round % EXPLORE_EVERY == 0 and self.costs.timed_drafting(size)
+            plans, facts = self._planned(rows, choices, [0] * len(rows), {}, {}, False, batch.offers_lookups)
+            return plans, facts, PlanUpdate(round_index, tuple(choices.items()), calibrating=True)
+        exploring = round_index % EXPLORE_EVERY == 0 and self.costs.timed_drafting(size)
         explored = False
         scores: dict[str, int] = {}
+        switches = []
         out = []
         for row in rows:
-            drafts, probe_scores = self._decide(row, batch.can_score, size, exploring)
-            if probe_scores:
-                scores[row.request_id] = self._backlog(row)
-            explored |= exploring and not self._choice(row.request_id).fallback
+            rid, choice = row.request_id, choices[row.request_id]
+            drafts, scoring, switch = self.fallback_policy.decide(
+                rid, choice, row.remaining, self._backlog(row), batch.can_score, size, exploring
+            )
+            if switch is not None:
+                alpha = self.acceptance.alpha(rid)
+                switches.append((rid, switch, alpha, self.chain.best_gamma(alpha, size)[1]))
+            if scoring:
+                scores[rid] = self._backlog(row)
+            explored |= exploring and not choice.fallback
             out.append(drafts)
         lookups: dict[str, int] = {}
         if batch.offers_lookups:
-            for i, row in enumerate(rows):
-                if row.lookup <= 0:
-                    if not row.drafts_otherwise:  # no lookup and no model to draft with: a plain round
-                        out[i] = 0
-                    continue
-                tokens, speedup = self.lookup_length(row.request_id, row.lookup, size)
-                # the model's plan at its own estimate: a plain round (1) in fallback or calibration
-                planned = self.speedup(self.acceptance.alpha(row.request_id), out[i], size) if out[i] > 0 else 1.0
-                if not row.drafts_otherwise or (tokens > 0 and speedup >= planned):
-                    out[i] = tokens
-                    if tokens > 0:
-                        lookups[row.request_id] = tokens
-            self.lookup_rounds += len(lookups)
-        return self._planned(rows, out, scores, lookups, explored, batch.offers_lookups)
+            out, lookups = self.lookup_policy.assign(rows, out, size)
+        out, lookups, batch_choice, goodput = self._goodput(rows, out, lookups, batch, size, round_index, explored)
+        plans, facts = self._planned(rows, choices, out, scores, lookups, explored, batch.offers_lookups)
+        update = PlanUpdate(
+            round_index,
+            tuple(choices.items()),
+            tuple(switches),
+            lookup_rows=len(lookups),
+            batch=batch_choice,
+            goodput=goodput,
+        )
+        return plans, facts, update
 
-    def _decide(self, row: RowState, can_score: bool, size: int, exploring: bool) -> tuple[int, bool]:
-        """One row's drafts from the model (before lookups), and whether its draft scores its backlog."""
-        rid, choice = row.request_id, self._choice(row.request_id)
-        alpha = self.acceptance.alpha(rid)
-        best, speedup = self.best_gamma(alpha, size)
-        # a new request starts at the best gamma for its prior; later, switch only for a clear gain
-        if not choice.gamma or speedup > self.speedup(alpha, choice.gamma, size) * (1 + HYSTERESIS):
-            choice.gamma = best
-        # stop drafting only when even a generous alpha predicts a loss: at the ~25 trials the estimate remembers,
-        # its noise near break-even sent requests that gained by drafting into fallback
-        if (
-            not choice.fallback
-            and speedup < fallback.FALLBACK_BELOW
-            and not self.costs.settling(size)
-            and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1] < fallback.FALLBACK_BELOW
-        ):
-            choice.fallback, choice.rounds_since_probe, choice.scorings = True, 0, 0
-            self._switch(rid, "off", alpha, size, speedup)
-        elif choice.fallback and speedup > fallback.RESUME_ABOVE:
-            choice.fallback = False
-            self._switch(rid, "on", alpha, size, speedup)
-        if not choice.fallback:
-            return (self._neighbour(choice.gamma, size) if exploring else choice.gamma), False
-        choice.rounds_since_probe += 1
-        if can_score:  # the draft scores its backlog (once it holds SCORE_MIN_TOKENS) instead of drafting
-            cost = self.costs.scoring_cost(size)
-            interval = fallback.score_interval(cost, choice.scorings, row.remaining)
-            # while a generous alpha says drafting may pay, keep the first scoring's cadence: the next scoring may
-            # end a fallback that a slow start began
-            first = fallback.score_interval(cost, 0, row.remaining)
-            if (
-                first <= choice.rounds_since_probe < interval
-                and self.best_gamma(self.acceptance.alpha_upper(rid, fallback.MARGIN), size)[1] > fallback.RESUME_ABOVE
-            ):
-                interval = first
-            if self._backlog(row) < fallback.SCORE_MIN_TOKENS:
-                interval = max(interval, choice.rounds_since_probe + 1)  # not yet: wait for a backlog
-        else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
-            interval = fallback.probe_interval(
-                self.acceptance.alpha_upper(rid, fallback.MARGIN),
-                choice.gamma,
-                self.costs.round_cost(size, choice.gamma),
+    def _goodput(
+        self,
+        rows: list[RowState],
+        out: list[int],
+        lookups: dict[str, int],
+        batch: BatchState,
+        size: int,
+        round_index: int,
+        exploring: bool,
+    ) -> tuple[list[int], dict[str, int], BatchChoice | None, GoodputMemory | None]:
+        """The rows' drafts under the batch's goodput choice: none where the batch decodes plainly, at most the best
+        width where it drafts (not in an exploring round, which times its gamma in full). The batch's rows with a
+        gamma of their own draft it whatever the choice: the policy then leaves the plan as it is."""
+        if any(not r.chosen and fixed_drafts(r, self.max_gamma) > 0 for r in batch.rows):
+            return out, lookups, None, None
+        pricing = [
+            Drafting(n, self.acceptance.lookup_alpha(row.request_id), lookup=True)
+            if row.request_id in lookups
+            else Drafting(
+                n,
+                self.acceptance.alpha(row.request_id),
+                generous=self.acceptance.alpha_upper(row.request_id, fallback.MARGIN),
             )
-        if choice.rounds_since_probe < interval or not fallback.worth_probing(row.remaining):
-            return 0, False
-        choice.rounds_since_probe = 0
-        if can_score:
-            choice.scorings += 1
-            return 0, True
-        return choice.gamma, False  # a probe drafts the gamma the formula picks for the current alpha
+            for row, n in zip(rows, out)
+            if n > 0
+        ]
+        choice, memory = self.goodput.choose(size, pricing, round_index)
+        if choice.width == 0:
+            return [0] * len(out), {}, choice, memory
+        if not exploring:
+            out = [min(n, choice.width) for n in out]
+            lookups = {rid: min(n, choice.width) for rid, n in lookups.items()}
+        return out, lookups, choice, memory
 
     def _planned(
         self,
         rows: list[RowState],
+        choices: dict[str, RequestChoice],
         out: list[int],
         scores: dict[str, int],
         lookups: dict[str, int],
@@ -310,7 +309,7 @@ class GammaController:
         catching_up = model_drafting = False
         plans = []
         for row, n in zip(rows, out):
-            choice = self._choice(row.request_id)
+            choice = choices[row.request_id]
             lookup = row.request_id in lookups
             if lookup:  # the draft model sits this round out: its next round catches up
                 choice.planned = 0
@@ -319,11 +318,14 @@ class GammaController:
                 model_drafting |= n > 0
                 choice.planned = n
             drafts = max(0, min(n, self.max_gamma, row.remaining - 1))
+            source = DraftSource.EITHER
+            if offers_lookups:
+                source = DraftSource.LOOKUP if lookup else DraftSource.MODEL
             plans.append(
                 RowPlan(
                     drafts=drafts,
                     reach=drafts,
-                    source=lookup if offers_lookups else None,
+                    source=source,
                     score_backlog=scores.get(row.request_id, 0),
                     fallback=n == 0,
                 )
@@ -336,49 +338,16 @@ class GammaController:
         return row.backlog or len(self.plain_probs.get(row.request_id, ()))
 
     def _neighbour(self, gamma: int, size: int) -> int:
-        """The gamma next to `gamma` timed least recently (one more on ties): an exploring round measures it, so a
-        cost the affine model overstates is found, and both neighbours stay fresh."""
-        options = [g for g in (gamma + 1, gamma - 1) if 1 <= g <= self.max_gamma]
-        return self.costs.least_recent(options, size) if options else gamma
-
-    def _gate(self, size: int, exploring: bool) -> tuple[list[float], Extension | None]:
-        """The round's confidence gate and extension; an exploring round has neither (it times its gamma in full).
-
-        A draft drawn with confidence q is accepted with probability a(q), estimated per bin. One more draft adds
-        about a(q) a_mean tokens for R(j + 1) - R(j) plain rounds' time; worth it while that beats the S tokens per
-        plain round drafting makes anyway (S: the best predicted speedup at the pooled alpha, at least 1). So the
-        bar at position j is S (R(j + 1) - R(j)) / a_mean; the gate stops after the j-th draft below the top of the
-        highest bin whose a(q) is under it, and past the plan a round draws draft j + 1 while a(q_1) ... a(q_j)
-        reaches it, as one more draft adds tokens only if every draft so far is accepted."""
-        acceptance = self.acceptance
-        if not acceptance.calibrated() or exploring:
-            return [], None
-        mean = acceptance.mean_bin_acceptance()
-        if mean <= 0:
-            return [], None
-        rate = max(self.best_gamma(acceptance.pooled_alpha(), size)[1], 1.0)
-        bars = [rate * self.costs.one_more_draft(size, j) / mean for j in range(1, self.max_gamma)]
-        thresholds = [self._threshold(bar) for bar in bars]
-        # a bin not yet read counts as never accepted: no extension on a confidence without a past
-        bins = tuple(acceptance.bin_acceptance(b) or 0.0 for b in range(BINS))
-        return thresholds, Extension(bins, tuple(bars))
-
-    def _threshold(self, bar: float) -> float:
-        """Top of the highest confidence bin, counting up, whose acceptance stays under `bar`."""
-        threshold = 0.0
-        for b in range(BINS):
-            accepted = self.acceptance.bin_acceptance(b)
-            if accepted is not None:
-                if accepted < bar:
-                    threshold = (b + 1) / BINS
-                else:
-                    break
-        return threshold
+        self._fresh()
+        return self.chain.neighbour(gamma, size)
 
     # ----- learn ----------------------------------------------------------------------------
 
     def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
-        """Backlog scores, each drafting row's trials, the round's timing; then forget the finished requests."""
+        """What the plan decided, backlog scores, each drafting row's trials, the round's timing; then forget the
+        finished requests."""
+        self._fresh()
+        self._keep(plan, outcome)
         rows = self.read_outcome(plan, outcome)
         for row in rows:
             if row.backlog_scores is not None:
@@ -386,14 +355,14 @@ class GammaController:
                 self.scored += 1
         for row, row_plan in zip(rows, plan.rows):
             if row.num_drafted > 0 and plan.tree is not None:  # a tree's yield, not a chain's acceptance
-                if row_plan.source is not True:
-                    self.tree_yields.observe(row.request_id, plan.tree.nodes, row.num_accepted + 1)
+                if row_plan.source is not DraftSource.LOOKUP:
+                    self.trees_policy.yields.observe(row.request_id, plan.tree.nodes, row.num_accepted + 1)
             elif row.num_drafted > 0:
                 self.acceptance.observe(
                     row.request_id,
                     row.num_drafted,
                     row.num_accepted,
-                    row_plan.source is True,
+                    row_plan.source is DraftSource.LOOKUP,
                     row.confidence,
                     row.acceptance,
                 )
@@ -405,6 +374,7 @@ class GammaController:
             catching_up=plan.catching_up,
             tree=plan.tree.nodes if plan.tree is not None else 0,
         )
+        seconds = outcome.draft_seconds + outcome.target_seconds + outcome.verify_seconds
         self.costs.record(
             len(outcome.rows),
             kind,
@@ -414,8 +384,40 @@ class GammaController:
             outcome.target_seconds,
             outcome.verify_seconds,
         )
+        update = plan.update if isinstance(plan.update, PlanUpdate) else None
+        if update is not None and update.goodput is not None:
+            committed = sum(r.num_accepted + 1 for r in outcome.rows if not r.failed)
+            self.goodput.learn(len(outcome.rows), update.batch, update.goodput, committed, seconds)
         for request_id in outcome.finished:
             self.forget(request_id)
+        if self.profile is not None and update is not None and update.round % SAVE_EVERY == 0 and update.round:
+            self.save()
+
+    def _keep(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
+        """Keep what the plan decided for later rounds (a plan from another planner carries nothing)."""
+        update = plan.update if isinstance(plan.update, PlanUpdate) else None
+        if update is None or update.round == self.round and not update.choices:
+            return
+        if update.round > self.round:
+            self.acceptance.age_pools()
+        self.round = update.round
+        finished = set(outcome.finished)
+        self.choices.update((rid, choice) for rid, choice in update.choices if rid not in finished)
+        if update.calibrating:
+            self.costs.calibrating(len(outcome.rows), update.round)
+        if update.trees is not None:
+            self.trees_policy.memory = update.trees
+        self.lookup_rounds += update.lookup_rows
+        for rid, to, alpha, speedup in update.switches:
+            self._switch(rid, to, alpha, len(outcome.rows), speedup)
+        batch = update.batch
+        if batch is not None and batch.switch is not None:
+            log.info(
+                "batch of %d: speculation %s (predicted goodput %.2fx plain)",
+                len(outcome.rows),
+                batch.switch,
+                batch.ratio,
+            )
 
     def read_outcome(self, plan: RoundPlan, outcome: RoundOutcome) -> list[RowOutcome]:
         """The rows' outcomes with what the round's evidence says (where a simulation did not give it): each drafting
@@ -475,7 +477,7 @@ class GammaController:
         self.choices.pop(request_id, None)
         self.plain_probs.pop(request_id, None)
         self.acceptance.forget(request_id)
-        self.tree_yields.forget(request_id)
+        self.trees_policy.yields.forget(request_id)
 
     def _switch(self, rid: str, to: str, alpha: float, size: int, speedup: float) -> None:
         self.switches.append((rid, to))

@@ -10,6 +10,7 @@ the outcome (`RoundOutcome.evidence`): the engine computes nothing for a particu
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,6 +18,14 @@ from typing import Protocol
 from torch import Tensor
 
 from specsample.config import TreeShape
+
+
+class DraftSource(enum.Enum):
+    """Where a row's drafts come from this round."""
+
+    EITHER = "either"  # the drafter's own rule (a planner that does not choose)
+    LOOKUP = "lookup"  # its prompt lookup (n-gram or suffix match)
+    MODEL = "model"  # its draft model
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ class RowPlan:
 
     drafts: int = 0  # planned drafts (0: a plain round); the gate may stop the row sooner. In a tree round: its depth
     reach: int = 0  # most drafts it may draw (> drafts only under the round's extension). In a tree round: its nodes
-    source: bool | None = None  # True: its prompt lookup; False: its draft model; None: the drafter's own rule
+    source: DraftSource = DraftSource.EITHER
     score_backlog: int = 0  # tokens of its backlog its draft scores this round (0: none)
     fallback: bool = False  # gamma auto kept it from drafting (a plain round in place of a drafting one)
 
@@ -108,6 +117,8 @@ class RoundPlan:
     # rows sent to their lookup may propose token trees of their `reach` nodes (every drafting row is a lookup's, and
     # the target scores trees): `DraftRequest.lookup_trees`
     lookup_trees: bool = False
+    # what the planner that made the plan keeps for later rounds once the round is learnt (its own type; None: nothing)
+    update: object | None = None
 
     @property
     def width(self) -> int:
@@ -117,7 +128,7 @@ class RoundPlan:
     @property
     def lookups(self) -> int:
         """Rows sent to their prompt lookup."""
-        return sum(r.source is True for r in self.rows)
+        return sum(r.source is DraftSource.LOOKUP for r in self.rows)
 
     @property
     def scoring(self) -> int:

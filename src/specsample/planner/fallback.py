@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specsample.planner.acceptance import Acceptance
+from specsample.planner.chain import ChainPolicy
+from specsample.planner.costs import CostModel
 from specsample.theory import expected_tokens_per_round
 
 FALLBACK_BELOW = 1.0  # predicted speedup under which a request stops drafting...
@@ -24,7 +27,8 @@ SCORE_MIN_TOKENS = 4  # backlog tokens a scoring waits for
 
 @dataclass
 class RequestChoice:
-    """What gamma auto chose for one request, and where it stands in fallback."""
+    """What gamma auto chose for one request, and where it stands in fallback. A plan works on a copy, which
+    learning the round keeps."""
 
     gamma: int = 0  # the gamma it drafts at (0: not chosen yet)
     fallback: bool = False
@@ -57,3 +61,70 @@ def worth_probing(remaining: int | None) -> bool:
     """Whether a request with `remaining` tokens left may still probe: a recovery noticed with fewer than
     PROBE_HORIZON tokens left comes too late to repay its probes."""
     return remaining is None or remaining >= PROBE_HORIZON
+
+
+class FallbackPolicy:
+    """Per request: whether it drafts, falls back to plain decoding, probes or scores its backlog."""
+
+    def __init__(self, chain: ChainPolicy, acceptance: Acceptance, costs: CostModel) -> None:
+        self.chain, self.acceptance, self.costs = chain, acceptance, costs
+
+    def generous_speedup(self, request_id: str, batch_size: int) -> float:
+        """The best predicted speedup at alpha MARGIN standard errors above the request's estimate."""
+        return self.chain.best_gamma(self.acceptance.alpha_upper(request_id, MARGIN), batch_size)[1]
+
+    def decide(
+        self,
+        request_id: str,
+        choice: RequestChoice,
+        remaining: int,
+        backlog: int,
+        can_score: bool,
+        batch_size: int,
+        exploring: bool,
+    ) -> tuple[int, bool, str | None]:
+        """One row's drafts from its model (before lookups), whether its draft scores its backlog of `backlog`
+        tokens, and the switch it makes ("off", "on" or None). Updates `choice`, the plan's copy."""
+        alpha = self.acceptance.alpha(request_id)
+        choice.gamma, speedup = self.chain.keep_or_switch(alpha, choice.gamma, batch_size)
+        switch = None
+        # stop drafting only when even a generous alpha predicts a loss: at the ~25 trials the estimate remembers,
+        # its noise near break-even sent requests that gained by drafting into fallback
+        if (
+            not choice.fallback
+            and speedup < FALLBACK_BELOW
+            and not self.costs.settling(batch_size)
+            and self.generous_speedup(request_id, batch_size) < FALLBACK_BELOW
+        ):
+            choice.fallback, choice.rounds_since_probe, choice.scorings, switch = True, 0, 0, "off"
+        elif choice.fallback and speedup > RESUME_ABOVE:
+            choice.fallback, switch = False, "on"
+        if not choice.fallback:
+            return (self.chain.neighbour(choice.gamma, batch_size) if exploring else choice.gamma), False, switch
+        choice.rounds_since_probe += 1
+        if can_score:  # the draft scores its backlog (once it holds SCORE_MIN_TOKENS) instead of drafting
+            cost = self.costs.scoring_cost(batch_size)
+            interval = score_interval(cost, choice.scorings, remaining)
+            # while a generous alpha says drafting may pay, keep the first scoring's cadence: the next scoring may
+            # end a fallback that a slow start began
+            first = score_interval(cost, 0, remaining)
+            if (
+                first <= choice.rounds_since_probe < interval
+                and self.generous_speedup(request_id, batch_size) > RESUME_ABOVE
+            ):
+                interval = first
+            if backlog < SCORE_MIN_TOKENS:
+                interval = max(interval, choice.rounds_since_probe + 1)  # not yet: wait for a backlog
+        else:  # probes are priced at the generous alpha too: while alpha is uncertain they are worth running
+            interval = probe_interval(
+                self.acceptance.alpha_upper(request_id, MARGIN),
+                choice.gamma,
+                self.costs.round_cost(batch_size, choice.gamma),
+            )
+        if choice.rounds_since_probe < interval or not worth_probing(remaining):
+            return 0, False, switch
+        choice.rounds_since_probe = 0
+        if can_score:
+            choice.scorings += 1
+            return 0, True, switch
+        return choice.gamma, False, switch  # a probe drafts the gamma the formula picks for the current alpha

@@ -9,6 +9,8 @@ admitted and those that reused a finished request's cached prefix, with their pr
 The shared suffix cache (suffix drafting with scope global): tokens, requests' outputs and bytes held, its capacity,
 outputs dropped for room (read at every scrape).
 Compiled models: graphs compiled after start-up (recompiles) and cached forwards run eagerly instead (fallbacks).
+The planner (gamma auto), per batch size, read at every scrape: whether speculation is on, rounds that drafted and
+that decoded plainly, the goodput expected against the goodput measured, and the costs it plans with.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 
 from specsample.drafters.suffix import SuffixCacheStats
 from specsample.engine import RoundResult
+from specsample.planner.goodput import BatchSizeSummary
 
 log = logging.getLogger("specsample.server")
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -151,6 +155,10 @@ class ServerMetrics:
         ):
             self._l(gauge).set_function(functools.partial(_stat, read, name))
 
+    def watch_planner(self, read: Callable[[], tuple[BatchSizeSummary, ...]]) -> None:
+        """Report, at every scrape, the planner's view per batch size (`GammaController.summary`)."""
+        self.registry.register(PlannerCollector(read, self._labels))
+
     def _l(self, metric: M, **extra: str) -> M:
         return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
 
@@ -230,6 +238,54 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+class PlannerCollector:
+    """The planner's view per batch size as Prometheus families, read at every scrape."""
+
+    def __init__(self, read: Callable[[], tuple[BatchSizeSummary, ...]], labels: dict[str, str]) -> None:
+        self.read, self.labels = read, labels
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        names, values = list(self.labels), list(self.labels.values())
+        by_size = [*names, "batch_size"]
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"specsample_planner_{name}", doc, labels=by_size + list(extra))
+
+        speculating = gauge(
+            "speculating", "1 where the batch speculates at this batch size, 0 where it decodes plainly"
+        )
+        rounds = CounterMetricFamily(
+            "specsample_planner_rounds",
+            "Rounds at this batch size by what the goodput policy chose: speculative or plain",
+            labels=[*by_size, "mode"],
+        )
+        expected = gauge(
+            "goodput_expected_tokens_per_second", "Committed tokens/s the planner predicted for its recent rounds"
+        )
+        measured = gauge("goodput_measured_tokens_per_second", "Committed tokens/s those rounds measured")
+        plain = gauge("plain_round_seconds", "Measured time of a round without drafts")
+        step = gauge("draft_step_seconds", "Measured time of one batched draft step")
+        cost = gauge(
+            "round_cost_ratio", "Measured time of a round of this many drafts over a plain round's", ("drafts",)
+        )
+        for row in self.read():
+            at = [*values, str(row.batch_size)]
+            speculating.add_metric(at, float(row.speculating))
+            rounds.add_metric([*at, "speculative"], row.speculative_rounds)
+            rounds.add_metric([*at, "plain"], row.plain_rounds)
+            for family, value in (
+                (expected, row.expected),
+                (measured, row.measured),
+                (plain, row.plain_round_seconds),
+                (step, row.draft_step_seconds),
+            ):
+                if value is not None:
+                    family.add_metric(at, value)
+            for drafts, ratio in row.round_costs:
+                cost.add_metric([*at, str(drafts)], ratio)
+        yield from (speculating, rounds, expected, measured, plain, step, cost)
 
 
 def merge_expositions(texts: list[str]) -> str:

@@ -104,6 +104,10 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0  # extension (vLLM's)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None
+    # vLLM's length controls (load clients send them to fix output lengths): no end-of-sequence token (nor stop
+    # string ending) before min_tokens output tokens; ignore_eos generates past end-of-sequence up to max_tokens
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
     # vLLM's: requests reuse each other's cached prefixes only when they carry the same salt (and API key)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
@@ -142,7 +146,7 @@ class _Sampling(BaseModel):
     def _samplable(self) -> _Sampling:
         """The engine's rules for the sampling settings (e.g. temperature 0 or at least MIN_TEMPERATURE)."""
         try:
-            self.sampling_params(max_new_tokens=1)
+            self.sampling_params(max_new_tokens=max(1, self.min_tokens))  # against max_tokens: once it is known
         except SettingError as exc:
             raise ProtocolError(str(exc), PARAM_NAMES.get(exc.name, exc.name)) from None
         return self
@@ -170,6 +174,8 @@ class _Sampling(BaseModel):
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             grammar=self.response_format.grammar() if self.response_format is not None else None,
             logprobs=self.top_logprobs_asked(),
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -312,20 +318,30 @@ def _protocol_error(exc: ValidationError, data: dict) -> ProtocolError:
 class TextAssembler:
     """Detokenises one choice incrementally and applies stop strings, also across round boundaries.
 
-    Text that could still be the start of a stop string is held back until it cannot be.
+    Text that could still be the start of a stop string is held back until it cannot be. With `min_tokens`, a stop
+    string counts only where it ends after the text of the first `min_tokens` tokens (vLLM's rule).
     """
 
-    def __init__(self, decoder: StreamDecoder, stops: list[str]) -> None:
+    def __init__(self, decoder: StreamDecoder, stops: list[str], min_tokens: int = 0) -> None:
         self.decoder = decoder
         self.stops = stops
         self.pending = ""
         self.stopped = False
+        self.min_tokens = min_tokens
+        self.tokens = 0  # tokens pushed
+        self.released = 0  # characters released before `pending`
+        self.guard = 0  # a stop string must end after this character (text of the first min_tokens tokens)
 
     def push(self, token_ids: tuple[int, ...]) -> str:
         """Add tokens; return the text that is final now (empty once a stop string matched)."""
         if self.stopped:
             return ""
-        self.pending += self.decoder.push(token_ids)
+        early = max(0, min(len(token_ids), self.min_tokens - self.tokens))  # tokens still under min_tokens
+        if early:
+            self.pending += self.decoder.push(tuple(token_ids[:early]))
+            self.guard = self.released + len(self.pending)
+        self.pending += self.decoder.push(tuple(token_ids[early:])) if early < len(token_ids) else ""
+        self.tokens += len(token_ids)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -336,7 +352,8 @@ class TextAssembler:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        guard = self.guard - self.released  # in `pending`: a stop string ends after it
+        hits = [i for i in (self.pending.find(s, max(0, guard - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
             out, self.pending = self.pending[: min(hits)], ""
@@ -344,6 +361,7 @@ class TextAssembler:
         keep = 0 if final else self._holdback()
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep :]
+        self.released += len(out)
         return out
 
     def _holdback(self) -> int:

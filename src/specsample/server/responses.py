@@ -185,7 +185,10 @@ async def respond(
     """The response to a submitted request (`handles`: its choices): a stream of server-sent events where it asked
     for one, else one body once every choice finished."""
     request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-    choices = [Choice(i, h, TextAssembler(srv.tokenizer.stream(), req.stop_strings())) for i, h in enumerate(handles)]
+    choices = [
+        Choice(i, h, TextAssembler(srv.tokenizer.stream(), req.stop_strings(), req.min_tokens))
+        for i, h in enumerate(handles)
+    ]
     logprobs = LogprobFormat(srv, chat) if req.top_logprobs_asked() is not None else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

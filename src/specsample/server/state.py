@@ -8,6 +8,7 @@ import time
 
 from specsample.drafters.routed import RoutedDrafter
 from specsample.drafters.suffix import SuffixCacheStats, suffix_cache_holder
+from specsample.planner import GammaController
 from specsample.rounds import RoundResult
 from specsample.server.grammar_pool import GrammarPool
 from specsample.server.metrics import ServerMetrics
@@ -33,6 +34,7 @@ class SpecServer:
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
         self.metrics.show_step_path(speculator.step_path)
+        self.metrics.watch_planner(self._planner_summary)
         self.runner = EngineRunner(self.engine, self._observe)
         grammars = self.engine.grammars
         self.grammar_pool = (
@@ -51,6 +53,11 @@ class SpecServer:
         holder = suffix_cache_holder(self.engine.drafter)
         return holder.suffix_cache() if holder is not None else None
 
+    def _planner_summary(self) -> tuple:
+        """The planner's view per batch size (none for a fixed gamma)."""
+        planner = self.engine.planner
+        return planner.summary() if isinstance(planner, GammaController) else ()
+
     def _observe(self, result: RoundResult) -> None:
         self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)
 
@@ -59,6 +66,8 @@ class SpecServer:
 
     def stop(self) -> None:
         self.runner.stop()
+        if isinstance(self.engine.planner, GammaController):
+            self.engine.planner.save()  # a replica started later begins from what this one measured
         if self.grammar_pool is not None:
             self.grammar_pool.close()
 
