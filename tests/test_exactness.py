@@ -38,6 +38,7 @@ from specsample.drafters.suffix import SuffixDrafter
 from specsample.models import row_kernels
 from specsample.planner import FixedGamma, GammaController, RoundPlan, RowPlan
 from specsample.planner.acceptance import Acceptance
+from specsample.planner.chain import ChainPolicy
 from specsample.planner.costs import CostModel
 from specsample.planner.goodput import GoodputPolicy
 from specsample.sampling import warp_probs
@@ -146,32 +147,42 @@ class CountedPriors(Acceptance):
         return super().prior_centre(state)
 
 
+class PinnedGate(ChainPolicy):
+    """A gate that stops a chain after any draft drawn with confidence under 0.5, whatever the timings."""
+
+    def gate(self, batch_size: int, exploring: bool):
+        return [0.5] * self.max_gamma, None
+
+
 class FixedGate(GammaController):
     """Gamma auto with its timing-dependent inputs pinned, so the gate always acts."""
+
+    chain_policy = PinnedGate
 
     def __init__(self, max_gamma: int, per_draft: float = 0.05) -> None:
         super().__init__(max_gamma)
         self.costs, self.acceptance = PinnedCosts(per_draft), CountedPriors()
 
-    def _gate(self, size: int, exploring: bool):
-        return [0.5] * self.max_gamma, None
 
-
-class Extends(FixedGate):
-    """FixedGate planning one draft a row (no neighbours tried), then drafting past the plan while a pinned extension
-    allows (each confidence bin b accepted at (b + 0.5) / 10, a bar of 0.25 per position): the extension always
-    acts."""
-
-    extended = 0  # rounds a row drafted past its plan of one
+class PinnedExtension(ChainPolicy):
+    """One draft a row (no neighbours tried), then drafting past the plan while a pinned extension allows (each
+    confidence bin b accepted at (b + 0.5) / 10, a bar of 0.25 per position)."""
 
     def best_gamma(self, alpha: float, batch_size: int) -> tuple[int, float]:
         return 1, 2.0
 
-    def _neighbour(self, gamma: int, size: int) -> int:
+    def neighbour(self, gamma: int, batch_size: int) -> int:
         return gamma
 
-    def _gate(self, size: int, exploring: bool):
+    def gate(self, batch_size: int, exploring: bool):
         return [], Extension(tuple((b + 0.5) / 10 for b in range(10)), (0.25,) * (self.max_gamma - 1))
+
+
+class Extends(FixedGate):
+    """FixedGate planning one draft a row, then drafting past the plan: the extension always acts."""
+
+    chain_policy = PinnedExtension
+    extended = 0  # rounds a row drafted past its plan of one
 
     def learn(self, plan, outcome) -> None:
         self.extended += sum(row.num_drafted > 1 for row in outcome.rows)

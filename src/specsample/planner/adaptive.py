@@ -73,6 +73,8 @@ class PlanUpdate:
 class GammaController:
     """Plans each round under gamma auto and learns from every round (see the module docstring)."""
 
+    chain_policy: type[ChainPolicy] = ChainPolicy  # prices chains, gates and extensions (a subclass may pin them)
+
     def __init__(self, max_gamma: int = 8, tree: TreeShape | None = None, profile: ProfileStore | None = None) -> None:
         """`tree`: the largest token tree a round may draft (`trees.budgets`); None: chains only. `profile`: where
         costs and acceptance priors are loaded from now and saved to (`save`, and every SAVE_EVERY rounds learnt)."""
@@ -102,7 +104,7 @@ class GammaController:
     def _policies(self) -> None:
         """The policies, over this controller's acceptance and costs (again after either is replaced)."""
         self._bound = (self.acceptance, self.costs)
-        self.chain = ChainPolicy(self.max_gamma, self.acceptance, self.costs)
+        self.chain = self.chain_policy(self.max_gamma, self.acceptance, self.costs)
         self.fallback_policy = FallbackPolicy(self.chain, self.acceptance, self.costs)
         self.lookup_policy = LookupPolicy(self.max_gamma, self.chain, self.acceptance, self.costs)
         trees = getattr(self, "trees_policy", None)
