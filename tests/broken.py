@@ -167,3 +167,12 @@ class SuffixFrequenciesAsProbs(WrappedDrafter):
                 probs[row, j] = (1.0 - p) / (self.vocab_size - 1)
                 probs[row, j, token] = p
         return Proposal(proposal.tokens, probs, proposal.num_drafted, None, proposal.parents)
+
+
+def copy_prefix_off_by_one(self, source, slot, length):
+    """`KVCache.copy_prefix` that writes each copied entry one position late (source position i at i + 1), the first
+    left as it was: a copy whose positions are off by one."""
+    if slot != source and length > 1:
+        self.key_store[:, slot, :, 1:length] = self.key_store[:, source, :, : length - 1].clone()
+        self.value_store[:, slot, :, 1:length] = self.value_store[:, source, :, : length - 1].clone()
+    self.lengths[slot] = length

@@ -287,6 +287,20 @@ class PrefixKeeper(Protocol):
 
 
 @runtime_checkable
+class PrefixCopier(Protocol):
+    """A drafter that can start a row from another's prefix: the target's cache of a shared prefix is copied from a
+    running or kept row into a new row's slot, and the drafter's state of it must follow (a feature draft must, since
+    the target computes no features for positions it copies)."""
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Make `slot` a kept row (as `park_rows` leaves one) holding row `source`'s state of its first `len(tokens)`
+        tokens, `tokens` (a running or kept row's; it is unchanged): the next `add_rows` of `slot` reuses what it
+        can of them and starts the rest afresh. Return how many of `tokens` the target may copy for the row: all,
+        unless the drafter needs the target's features of the last ones (the target computes none it copies)."""
+        ...
+
+
+@runtime_checkable
 class FeatureDrafter(Protocol):
     """A drafter that drafts from the target's final hidden states (EAGLE): while `wants_features`, the engine hands
     it the target's feature of every position it commits. Per row, after each call the drafter knows the features of
@@ -439,6 +453,9 @@ class NoDrafter:
 
     def park_rows(self, slots: Sequence[int]) -> None:
         return None
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        return len(tokens)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         return None

@@ -8,7 +8,15 @@ from typing import Protocol
 from torch import Tensor
 
 from specsample.config import SamplingParams
-from specsample.drafters.base import Drafter, DraftRequest, FeatureDrafter, PrefixKeeper, Proposal, merge_proposals
+from specsample.drafters.base import (
+    Drafter,
+    DraftRequest,
+    FeatureDrafter,
+    PrefixCopier,
+    PrefixKeeper,
+    Proposal,
+    merge_proposals,
+)
 from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter
 
 
@@ -63,6 +71,14 @@ class HybridDrafter:
         else:
             self.model.release_rows(slots)
         self.lookup.park_rows(slots)
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """The model copies the row where it can (`PrefixCopier`), else starts it afresh at `add_rows`."""
+        self.lookup.copy_prefix(source, slot, tokens)
+        if isinstance(self.model, PrefixCopier):
+            return self.model.copy_prefix(source, slot, tokens)
+        self.model.release_rows([slot])
+        return 0 if isinstance(self.model, FeatureDrafter) and self.model.wants_features else len(tokens)
 
     def _offer(self, slot: int, max_tokens: int, shortest: int) -> int:
         """Tokens the row's lookup proposes (up to `max_tokens`) if its match is at least `shortest` long, else 0."""

@@ -132,6 +132,17 @@ class ModelDrafter:
         for slot in slots:
             self._drafted[slot] = []
 
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Start `slot` as a kept row holding the cache entries of row `source`'s first `len(tokens)` tokens (those
+        it holds of them); a windowed row that skipped tokens is not copied (its view would not be a fresh one's)."""
+        self.release_rows([slot])
+        if source not in self.history or self._skipped[source]:
+            return len(tokens)
+        held = min(len(tokens), self._fed(source))
+        self.cache.copy_prefix(source, slot, held)
+        self.history[slot], self._drafted[slot], self._skipped[slot] = list(tokens[:held]), [], 0
+        return len(tokens)
+
     def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
         """Leading prompt tokens a kept row's cache accounts for (held, or skipped by the window), 0 if none or if
         the rest would not fit the window's limit. Past the window's sink, the tokens it skipped stay skipped."""

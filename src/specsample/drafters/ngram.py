@@ -122,6 +122,10 @@ class NgramDrafter:
         """Nothing to keep: `add_rows` indexes a prompt at about 1 us per token."""
         self.release_rows(slots)
 
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Nothing to copy: `add_rows` indexes the whole prompt."""
+        return len(tokens)
+
     def continuation(self, slot: int, max_tokens: int) -> tuple[list[int], int]:
         """`NgramIndex.find` over the row's history (the engine asks what a lookup offers, then has it proposed: two
         reads of the same tables)."""

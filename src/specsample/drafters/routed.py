@@ -18,6 +18,7 @@ from specsample.drafters.base import (
     Drafter,
     DraftRequest,
     FeatureDrafter,
+    PrefixCopier,
     PrefixKeeper,
     PromptLookup,
     Proposal,
@@ -82,6 +83,19 @@ class RoutedDrafter:
                 drafter.park_rows([slots[i] for i in rows])
             else:
                 drafter.release_rows([slots[i] for i in rows])
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """The current drafter copies the row where the source is its own and it can (`PrefixCopier`); otherwise the
+        row starts afresh at `add_rows`."""
+        with self._lock:
+            drafter = self.current
+        previous = self._owner.pop(slot, None)
+        if previous is not None:
+            previous.release_rows([slot])
+        if self._owner.get(source) is drafter and isinstance(drafter, PrefixCopier):
+            self._owner[slot] = drafter
+            return drafter.copy_prefix(source, slot, tokens)
+        return 0 if isinstance(drafter, FeatureDrafter) and drafter.wants_features else len(tokens)
 
     def propose(self, request: DraftRequest) -> Proposal:
         groups = self._groups(list(range(len(request.slots))), request.slots)

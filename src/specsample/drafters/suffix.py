@@ -131,6 +131,10 @@ class SuffixDrafter:
         """Nothing to keep: `add_rows` indexes a prompt at a few microseconds per token."""
         self.release_rows(slots)
 
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Nothing to copy: `add_rows` indexes the whole prompt."""
+        return len(tokens)
+
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         for slot, new in zip(slots, committed):
             new = [int(t) for t in new]

@@ -22,6 +22,10 @@ class ModelCache(Protocol):
 
     def reset(self, slots: Tensor) -> None: ...
 
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Make row `slot` hold the first `length` tokens of row `source` (which is unchanged)."""
+        ...
+
 
 @runtime_checkable
 class CausalLM(Protocol):

@@ -5,7 +5,9 @@ draft tokens, accepted tokens, emitted tokens, accepted tokens per draft positio
 Histograms: time to first token, time per output token, end-to-end latency.
 Gauges: running batch size, queue depth, recent acceptance rate and mean acceptance length
 (1 + accepted / drafts over the last rounds). Histogram of the batch size per round. Prefix reuse: requests
-admitted and those that reused a finished request's cached prefix, with their prompt tokens and the tokens reused.
+admitted and those that started from another request's cached prefix (running, or finished and kept), with their
+prompt tokens, the tokens reused and those prefilled; what the kept rows hold (rows, tokens, bytes of the target's
+cache, the token budget), read at every scrape.
 The shared suffix cache (suffix drafting with scope global): tokens, requests' outputs and bytes held, its capacity,
 outputs dropped for room (read at every scrape).
 Compiled models: graphs compiled after start-up (recompiles) and cached forwards run eagerly instead (fallbacks).
@@ -23,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from specsample.drafters.suffix import SuffixCacheStats
 from specsample.engine import RoundResult
+from specsample.scheduler import PrefixCacheStats
 
 log = logging.getLogger("specsample.server")
 NO_SUFFIX_CACHE = SuffixCacheStats(0, 0, 0, 0, 0)
@@ -77,6 +80,13 @@ class ServerMetrics:
         )
         self.prefix_reused_tokens = counter(
             "prefix_cache_reused_tokens", "Prompt tokens taken from a cached prefix instead of prefilled"
+        )
+        self.prefix_prefilled_tokens = counter("prefix_cache_prefilled_tokens", "Prompt tokens the target prefilled")
+        self.prefix_rows = gauge("prefix_cache_rows", "Finished requests' rows the prefix cache keeps")
+        self.prefix_tokens = gauge("prefix_cache_tokens", "Tokens the prefix cache's kept rows hold")
+        self.prefix_bytes = gauge("prefix_cache_bytes", "Memory of the target's cache the kept rows' tokens take")
+        self.prefix_capacity = gauge(
+            "prefix_cache_capacity_tokens", "Most tokens the kept rows may hold (-1: bounded by rows alone)"
         )
         self.suffix_tokens = gauge("suffix_cache_tokens", "Tokens the shared suffix cache holds (recent outputs)")
         self.suffix_sequences = gauge("suffix_cache_sequences", "Requests' outputs the shared suffix cache holds")
@@ -142,6 +152,15 @@ class ServerMetrics:
         ):
             self._l(gauge).set_function(lambda name=name: getattr(read() or NO_SUFFIX_CACHE, name))
 
+    def watch_prefix_cache(self, read: Callable[[], PrefixCacheStats]) -> None:
+        """Report, at every scrape, what `read()` says the kept rows of the prefix cache hold."""
+        self._l(self.prefix_rows).set_function(lambda: read().rows)
+        self._l(self.prefix_tokens).set_function(lambda: read().tokens)
+        self._l(self.prefix_bytes).set_function(lambda: read().bytes)
+        self._l(self.prefix_capacity).set_function(
+            lambda: -1 if read().capacity_tokens is None else read().capacity_tokens
+        )
+
     def _l(self, metric, **extra):
         return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
 
@@ -155,6 +174,8 @@ class ServerMetrics:
             self._l(self.prefix_hits).inc(s.prefix_hits)
             self._l(self.prefix_queried_tokens).inc(s.admitted_tokens)
             self._l(self.prefix_reused_tokens).inc(s.reused_tokens)
+        if s.prefilled_tokens:
+            self._l(self.prefix_prefilled_tokens).inc(s.prefilled_tokens)
         if s.recompiles:
             self._l(self.recompiles).inc(s.recompiles)
         if s.eager_fallbacks:
