@@ -267,3 +267,18 @@ def test_the_index_finds_the_longest_shared_prefix() -> None:
                 assert rows[best][0] == scope and common_prefix(rows[best][1], query) == length
             else:
                 assert best is None
+
+
+def test_a_token_budget_of_zero_shares_nothing(models) -> None:
+    target, draft = models
+    engine = Engine(
+        target,
+        ModelDrafter(draft),
+        SpecConfig(max_batch_size=4, prefix_cache_rows=2, prefix_cache_tokens=0),
+        planner=FixedGamma(3),
+    )
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    outputs, stats = run(engine, prompts)
+    assert sum(s.prefix_hits for s in stats) == 0 and not engine.scheduler.kept
+    assert sum(s.prefilled_tokens for s in stats) == sum(len(p) - 1 for p in prompts)
+    assert outputs == [fresh(models, "model", p) for p in prompts]

@@ -220,7 +220,8 @@ class SpecConfig:
     # rows of finished requests whose caches are kept (least recently finished dropped first) for a request sharing
     # their prefix, such as the next turn of a chat: it prefills only what follows the shared part; 0: none kept
     prefix_cache_rows: int = 0
-    # the most tokens the kept rows hold together (least recently used dropped first); None: bounded by rows alone
+    # the most tokens the kept rows hold together (least recently used dropped first); None: bounded by rows alone;
+    # 0: no prefix is shared at all (not even a running row's: each request prefills its whole prompt)
     prefix_cache_tokens: int | None = None
     # prompt tokens prefilled per round while other requests decode: a longer prompt is prefilled over several rounds
     # (chunked prefill), so the running streams keep their pace; None: whole prompts at once

@@ -116,7 +116,8 @@ class PrefixCacheStats:
 
 class Scheduler:
     """Slots for `max_running` requests (running or being prefilled) and up to `keep_rows` kept rows holding at most
-    `keep_tokens` tokens together (None: no bound but the rows); see the module docstring."""
+    `keep_tokens` tokens together (None: no bound but the rows; 0: no prefix is shared at all, not even a running
+    row's); see the module docstring."""
 
     def __init__(
         self, cache, drafter: Drafter, max_running: int, keep_rows: int, keep_tokens: int | None = None
@@ -296,6 +297,10 @@ class Scheduler:
         a kept row whose whole content it extends is taken over (as is any kept row where the drafter cannot copy);
         a running or kept one is copied; a prefilling one, sharing more, is waited for (`prefilling`)."""
         cacheable = request.prompt[:-1]  # the last prompt token is scored in the first round
+        if self.keep_tokens == 0:  # prefix sharing is off
+            request.slot = self._free_slot(keep=None)
+            self.cache.reset(torch.tensor([request.slot], dtype=torch.long))
+            return
         copying = isinstance(self.drafter, PrefixCopier)
         scope = request.cache_scope
         source, shared = self._index.longest(scope, cacheable, set(self._kept) | set(self._running))

@@ -75,7 +75,8 @@ class ServerOptions:
     prefix_cache_tokens: int | None = setting(
         None,
         help="the most tokens the kept rows hold together, least recently used "
-        "dropped first (default: bounded by --prefix-cache-rows alone)",
+        "dropped first (default: bounded by --prefix-cache-rows alone; 0: no "
+        "prefix is shared, not even a running request's)",
     )
     prefill_chunk_tokens: int | None = setting(
         DEFAULT_PREFILL_CHUNK,
