@@ -13,7 +13,7 @@ from specsample.options_cli import setting
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full context of text is a few tens of KiB
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample.json_schema's limits take < 1 s
-DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per round beside decoding rows (docs/serving.md#chunked-prefill)
+DEFAULT_PREFILL_CHUNK = 32  # prompt tokens per round beside decoding rows (docs/serving.md#the-prefix-cache)
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after SIGTERM or Ctrl-C
 
 
