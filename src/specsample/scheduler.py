@@ -351,7 +351,7 @@ class Scheduler:
         else:
             scope, cacheable = request.cache_scope, request.prompt[:-1]
             source, shared = self._index.longest(scope, cacheable, set(self._kept) | set(self._running))
-            if shared >= MIN_REUSED:
+            if source is not None and shared >= MIN_REUSED:
                 self._copy(request, source, shared)
         request.donor, request.shared = None, 0
 
