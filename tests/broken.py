@@ -193,3 +193,12 @@ class MedusaTreeReportsHeadProbs(WrappedDrafter):
         subset = self.inner.output_subset
         probs[..., subset.cpu() if subset is not None else slice(None)] = q  # [b, nodes, vocab]
         return type(proposal)(proposal.tokens, probs, proposal.num_drafted, proposal.confidence, proposal.parents)
+
+
+def copy_prefix_off_by_one(self, source, slot, length):
+    """`KVCache.copy_prefix` that writes each copied entry one position late (source position i at i + 1), the first
+    left as it was: a copy whose positions are off by one."""
+    if slot != source and length > 1:
+        self.key_store[:, slot, :, 1:length] = self.key_store[:, source, :, : length - 1].clone()
+        self.value_store[:, slot, :, 1:length] = self.value_store[:, source, :, : length - 1].clone()
+    self.lengths[slot] = length

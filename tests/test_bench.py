@@ -338,8 +338,8 @@ def test_every_suite_runs_on_tiny_models_and_reports_as_it_goes(tiny_pair_files,
 
 
 def test_structured_and_prefix_suites(tiny_pair_files, tmp_path) -> None:
-    """The grammar suite decodes every JSON prompt under the schema and free; the prefix suite's second turns reuse
-    the first turn's cache on the engine that keeps it, and only there."""
+    """The grammar suite decodes every JSON prompt under the schema and free; the prefix suite's requests share
+    their prefixes with the cache on, and only then."""
     target, draft, questions = tiny_pair_files
     out = tmp_path / "out"
     done = _bench(
@@ -360,8 +360,10 @@ def test_structured_and_prefix_suites(tiny_pair_files, tmp_path) -> None:
             "0.7",
             "--history-tokens",
             "150",
+            "--long-prompt-tokens",
+            "200",
             "--prefix-reps",
-            "2",
+            "1",
             "--pad-rows",
             "off",
             "--out",
@@ -381,10 +383,18 @@ def test_structured_and_prefix_suites(tiny_pair_files, tmp_path) -> None:
     for rows in structured["runs"].values():
         assert len(rows) == len(JSON_PROMPTS)
         assert all(r["tokens"] > 0 for row in rows for r in row["systems"].values())
-    assert prefix["first_turn_tokens"] >= 150 and len(prefix["ttft_seconds"]["reuse"]) == 2
-    assert prefix["admission"]["reuse"]["prefix_hits"] == 1
-    assert prefix["admission"]["reuse"]["reused_tokens"] >= prefix["first_turn_tokens"] - 1
-    assert prefix["admission"]["no reuse"] == {"prefix_hits": 0, "reused_tokens": 0}
+    shared = prefix["shared_system"]
+    assert shared["prompt_tokens"] >= 150 and len(shared["runs"]["cache on"]) == 1
+    assert all(r["prefix_hits"] == prefix["clients"] - 1 for r in shared["runs"]["cache on"])
+    assert all(r["prefix_hits"] == 0 for r in shared["runs"]["cache off"])
+    on, off = shared["runs"]["cache on"][0], shared["runs"]["cache off"][0]
+    assert on["prefilled_tokens"] < off["prefilled_tokens"] - (prefix["clients"] - 2) * 150
+    chat = prefix["chat"]["runs"]
+    assert chat["cache on"]["prefilled_tokens"] <= 1.1 * chat["cache on"]["final_tokens"]
+    assert chat["cache off"]["prefilled_tokens"] > 2 * chat["cache on"]["prefilled_tokens"]
+    assert prefix["samples"]["runs"]["cache on"]["prefix_hits"] == prefix["samples"]["n"] - 1
+    for run in prefix["long_prompt"]["runs"].values():
+        assert run["tpot_seconds"]["idle"] and run["tpot_seconds"]["long prompt"] and run["long_prompt_ttft_seconds"]
     _report_renders_the_records(out, tmp_path / "rendered")
 
 

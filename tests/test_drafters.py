@@ -8,7 +8,7 @@ import torch
 from model_factory import draft_request
 
 from specsample import Engine, SamplingParams, SpecConfig
-from specsample.drafters.base import NoDrafter, Proposal, merge_proposals
+from specsample.drafters.base import Abilities, NoDrafter, Proposal, merge_proposals
 from specsample.drafters.hybrid import HybridDrafter
 from specsample.drafters.model import DraftWindow, ModelDrafter
 from specsample.drafters.ngram import NgramDrafter
@@ -150,6 +150,51 @@ def test_drafters_declare_what_they_can_do(tiny_draft) -> None:
     assert hybrid.abilities.scores_backlog and hybrid.abilities.looks_up  # its model scores, its lookup offers
     routed = RoutedDrafter(NgramDrafter())  # a wrapper states what the drafter it routes to declares
     assert routed.abilities.looks_up and not routed.abilities.scores_backlog
+    assert all(d.abilities.copies_prefixes for d in (model, NgramDrafter(), hybrid, routed, NoDrafter()))
+
+
+class _Plain(NoDrafter):
+    """A drafter that declares nothing: it neither copies a row's prefix nor reads the target's features."""
+
+    abilities = Abilities()
+
+
+class _Reader(NoDrafter):
+    """A drafter that reads the target's features and copies no prefix."""
+
+    abilities = Abilities(reads_features=True)
+
+    def add_features(self, slots, features) -> None:
+        return None
+
+
+@pytest.mark.parametrize("wrapper", [HybridDrafter, RoutedDrafter])
+def test_wrappers_copy_a_prefix_through_the_drafter_they_route_to(tiny_draft, wrapper) -> None:
+    """A wrapper copies a row's prefix through its drafter where that drafter declares copying; otherwise the drafter
+    starts the row afresh and the target copies all of it, unless the drafter reads the target's features (the target
+    computes none for what it copies): then the target copies nothing, and the wrapper declares no copying."""
+    model = ModelDrafter(tiny_draft)
+    wrapped = wrapper(model)
+    wrapped.allocate(3, 64)
+    wrapped.add_rows([0], [HISTORY[:30]])
+    assert wrapped.abilities.copies_prefixes and wrapped.copy_prefix(0, 1, HISTORY[:20]) == 20
+    assert model.history[1] == HISTORY[:20] and int(model.cache.lengths[1]) == 20  # the model's own copy
+    plain = wrapper(_Plain())
+    assert plain.abilities.copies_prefixes and plain.copy_prefix(0, 1, HISTORY[:20]) == 20
+    reader = wrapper(_Reader())
+    assert not reader.abilities.copies_prefixes and reader.copy_prefix(0, 1, HISTORY[:20]) == 0
+
+
+def test_a_routed_drafter_copies_no_prefix_from_a_drafter_it_replaced(tiny_draft) -> None:
+    """A row of the drafter a swap replaced is not copied into the new one, which starts the copy afresh."""
+    old, new = ModelDrafter(tiny_draft), ModelDrafter(tiny_draft)
+    routed = RoutedDrafter(old)
+    routed.allocate(3, 64)
+    routed.add_rows([0], [HISTORY[:30]])
+    routed.replace(new)
+    assert routed.copy_prefix(0, 1, HISTORY[:20]) == 20 and 1 not in new.history and 1 not in old.history
+    routed.add_rows([1], [HISTORY[:25]])
+    assert new.history[1] == HISTORY[:25]
 
 
 def _fed_alike(*drafters):

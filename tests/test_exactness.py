@@ -20,6 +20,7 @@ from broken import (
     ProbsOneStepAhead,
     SubsetProbsUnmapped,
     SuffixFrequenciesAsProbs,
+    copy_prefix_off_by_one,
     coupled_trusts_the_draft,
 )
 from devices import DEVICE
@@ -27,7 +28,7 @@ from planner_driver import AlternatingTrees
 from stats_util import chi_square
 
 import specsample.verification.verifier as verifier_module
-from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
+from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, kv_cache, tiny_lm
 from specsample.api import as_drafter
 from specsample.config import TreeShape
 from specsample.drafters.base import Extension
@@ -101,7 +102,8 @@ def histogram(engine: Engine, prompt: list[int], params: SamplingParams) -> np.n
     out: dict[str, list[int]] = {i: [] for i in ids}
     for result in engine.stream():
         for update in result.rows:
-            out[update.request_id].extend(update.new_tokens)
+            if update.request_id in out:  # rows added before are not counted
+                out[update.request_id].extend(update.new_tokens)
     index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids]
     return np.bincount(index, minlength=VOCAB**LENGTH)
 
@@ -648,3 +650,31 @@ def test_speculation_switched_off_and_on_for_the_batch_stays_exact(pair) -> None
 def test_a_switch_that_reads_the_rounds_coins_fails(pair) -> None:
     statistic, threshold = _switching_chi_square(pair, PeekingSwitch(2))
     assert statistic > threshold, f"a peeking switch was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+SHARED = [(3 * i + 1) % VOCAB for i in range(18)] + PROMPT  # long enough to be copied (scheduler.MIN_REUSED)
+
+
+def _copied_prefix_chi_square(target, draft) -> tuple[float, float]:
+    """SAMPLES rows of SHARED, all admitted beside a running row of the same prompt, each copying that row's cache
+    of it (the target's and the draft's) instead of prefilling it: their first tokens against the exact joint."""
+    params = WARPS["temperature_0.7_top_k_5"]
+    config = SpecConfig(max_batch_size=SAMPLES + 1, max_seq_len=len(SHARED) + LENGTH)
+    engine = Engine(target, ModelDrafter(draft), config, planner=FixedGamma(2))
+    engine.add_request(SHARED, params)
+    engine.step()  # it runs: the rows below copy its prefix
+    counts = histogram(engine, SHARED, params)
+    return chi_square(counts, exact_joint(target, params, SHARED))
+
+
+@pytest.mark.parametrize("path", ["torch", "fused"])
+def test_rows_copying_a_prefix_are_exact(pair, path: str, request) -> None:
+    target, draft = request.getfixturevalue("fused_pair") if path == "fused" else pair
+    statistic, threshold = _copied_prefix_chi_square(target, draft)
+    assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"
+
+
+def test_a_prefix_copy_off_by_one_position_fails(pair, monkeypatch) -> None:
+    monkeypatch.setattr(kv_cache.KVCache, "copy_prefix", copy_prefix_off_by_one)
+    statistic, threshold = _copied_prefix_chi_square(*pair)
+    assert statistic > threshold, f"an off-by-one copy was not detected: chi2 {statistic:.1f} < {threshold:.1f}"

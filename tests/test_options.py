@@ -64,6 +64,8 @@ SERVER_VALUES = {
     "models_dir": ("MODELS_DIR", "MODELS_DIR"),  # a folder of the test's
     "max_body_bytes": (4096, "4096"),
     "prefix_cache_rows": (2, "2"),
+    "prefix_cache_tokens": (5000, "5000"),
+    "prefill_chunk_tokens": (64, "64"),
     "metrics_key": ("key-3", "key-3"),
     "grammar_compile_timeout": (2.5, "2.5"),
     "grammar_workers": (3, "3"),

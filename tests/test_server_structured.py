@@ -224,6 +224,11 @@ def test_second_turn_reuses_the_first_turns_cache_of_its_own_key_and_salt(live) 
     hit, tokens = turn(client)
     assert hit == 1 and tokens > 30
     assert turn(client, cache_salt="session-2") == (0, 0)
+    held = counters()  # what the kept rows hold, read at the scrape
+    assert held["specsample_prefix_cache_rows"] >= 1 and held["specsample_prefix_cache_tokens"] > 30
+    assert held["specsample_prefix_cache_bytes"] > held["specsample_prefix_cache_tokens"]
+    assert held["specsample_prefix_cache_capacity_tokens"] == -1
+    assert held["specsample_prefix_cache_prefilled_tokens_total"] > 0
 
 
 # documents served under a schema, sampled from the random tiny model (valid only when the grammar is right)

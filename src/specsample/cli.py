@@ -168,13 +168,22 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--lossless-samples", type=int, default=None)
     bench.add_argument("--lossless-prompts", type=int, default=None, help="prompts of the losslessness test (0: skip)")
     bench.add_argument(
-        "--history-tokens", type=int, default=None, help="the prefix suite's first chat turn, in tokens (default 1000)"
+        "--history-tokens",
+        type=int,
+        default=None,
+        help="the prefix suite's shared system prompt, in tokens (default 1500)",
+    )
+    bench.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=None,
+        help="the prefix suite's long prompt arriving during traffic, in tokens (default 4000)",
     )
     bench.add_argument(
         "--prefix-reps",
         type=int,
         default=None,
-        help="second turns the prefix suite times with reuse and without, each (default 5)",
+        help="runs of the prefix suite's shared-system-prompt workload with the cache on and off, each (default 3)",
     )
     bench.add_argument("--seed", type=int, default=None)
     add_flags(
@@ -826,6 +835,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "seed": args.seed,
             "out": args.out,
             "history_tokens": args.history_tokens,
+            "long_prompt_tokens": args.long_prompt_tokens,
             "prefix_reps": args.prefix_reps,
         }.items()
         if v is not None

@@ -241,6 +241,12 @@ class SpecConfig:
     # rows of finished requests whose caches are kept (least recently finished dropped first) for a request sharing
     # their prefix, such as the next turn of a chat: it prefills only what follows the shared part; 0: none kept
     prefix_cache_rows: int = 0
+    # the most tokens the kept rows hold together (least recently used dropped first); None: bounded by rows alone;
+    # 0: no prefix is shared at all (not even a running row's: each request prefills its whole prompt)
+    prefix_cache_tokens: int | None = None
+    # prompt tokens prefilled per round while other requests decode: a longer prompt is prefilled over several rounds
+    # (chunked prefill), so the running streams keep their pace; None: whole prompts at once
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -249,6 +255,19 @@ class SpecConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not isinstance(self.prefix_cache_rows, int) or self.prefix_cache_rows < 0:
             raise ValueError(f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}")
+        if self.prefix_cache_tokens is not None and (
+            not _is_int(self.prefix_cache_tokens) or self.prefix_cache_tokens < 0
+        ):
+            raise SettingError(
+                "prefix_cache_tokens", f"prefix_cache_tokens must be an integer >= 0, got {self.prefix_cache_tokens!r}"
+            )
+        if self.prefill_chunk_tokens is not None and (
+            not _is_int(self.prefill_chunk_tokens) or self.prefill_chunk_tokens < 1
+        ):
+            raise SettingError(
+                "prefill_chunk_tokens",
+                f"prefill_chunk_tokens must be an integer >= 1, got {self.prefill_chunk_tokens!r}",
+            )
         for tokens, width in enumerate(self.target_widths, start=1):
             if not isinstance(width, int) or width < tokens:
                 raise ValueError(

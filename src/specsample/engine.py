@@ -93,9 +93,13 @@ class Engine:
         slots = config.max_batch_size + config.prefix_cache_rows  # running rows, and finished ones kept for reuse
         self.cache = target.new_cache(slots, self.max_seq_len + widest + 1)
         self.drafter = allocated(drafter, slots, self.max_seq_len + room + 2)
-        self.scheduler = Scheduler(self.cache, self.drafter, config.max_batch_size, config.prefix_cache_rows)
+        self.scheduler = Scheduler(
+            self.cache, self.drafter, config.max_batch_size, config.prefix_cache_rows, config.prefix_cache_tokens
+        )
         # the target scores token trees where it can (checked once: a runtime protocol check inspects every member)
         self._tree_target: TreeLM | None = target if isinstance(target, TreeLM) else None
+        # the width of the target's features (0: it returns none): a feature draft's row copied whole gets [0, width]
+        self._feature_size = target.feature_size if isinstance(target, FeatureLM) else 0
 
     # ----- requests -------------------------------------------------------------------------
 
@@ -108,8 +112,9 @@ class Engine:
         gamma: int | None = None,
         cache_scope: str = "",
     ) -> str:
-        """Queue a request; it joins the running batch at the next round with a free slot. It reuses the cache of a
-        finished request sharing its prefix only where both have the same `cache_scope` (a tenant, say)."""
+        """Queue a request; it joins the running batch once it has a slot and its prompt is prefilled. It starts from
+        the cache of another request sharing its prefix (running or finished and kept) only where both have the same
+        `cache_scope` (a tenant, say)."""
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, params, gamma)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -456,31 +461,61 @@ class Engine:
     # ----- rows -----------------------------------------------------------------------------
 
     def _admit(self) -> Admission:
-        """Rows for waiting requests (the scheduler's choice), their prompts but the last token prefilled where the
-        target's cache does not hold them yet; the drafter follows (with the target's features of the prefilled
-        positions, where it reads them)."""
-        admission = self.scheduler.admit()
-        if not admission.requests:
-            return admission
-        requests = admission.requests
-        slots = torch.tensor([r.slot for r in requests], dtype=torch.long)
+        """Rows for waiting requests (the scheduler's choice, each starting from the longest prefix another row holds),
+        then their prompts but the last token prefilled where their rows do not hold them yet: all of them, or while
+        other rows decode, `prefill_chunk_tokens` per round, oldest first. A row waiting for another's prefix copies
+        it as soon as that row's prefill gets past it, this round included. A row whose prompt is in its cache runs
+        from this round on; the drafter follows it then (with the target's features of its prefilled positions, where
+        it reads them)."""
+        self.scheduler.admit()
+        budget = self.config.prefill_chunk_tokens if self.scheduler.num_running else None
+        reader = feature_drafter(self.drafter)
+        seen: set[int] = set()
+        touched: list[Request] = []
+        spent = 0
         try:
-            reader = feature_drafter(self.drafter)
-            features = prefill_ragged(
-                self.target,
-                self.cache,
-                slots,
-                [r.prompt[n:-1] for r, n in zip(requests, admission.reused)],
-                reader is not None,
-            )
-            self.drafter.add_rows([r.slot for r in requests], [r.prompt for r in requests])
-            if reader is not None and features is not None:
-                reader.add_features([r.slot for r in requests], features)
+            while True:  # again for rows that copied a prefix the pass before prefilled
+                rows = [r for r in self.scheduler.prefilling() if r.donor is None and id(r) not in seen]
+                if not rows:
+                    break
+                seen.update(id(r) for r in rows)
+                touched += rows
+                work: list[tuple[Request, int]] = []
+                for request in rows:
+                    rest = len(request.prompt) - 1 - request.prefilled
+                    n = rest if budget is None else min(rest, budget - spent)
+                    spent += n
+                    if n > 0:
+                        work.append((request, n))
+                if not work:
+                    continue
+                features = prefill_ragged(
+                    self.target,
+                    self.cache,
+                    torch.tensor([r.slot for r, _ in work], dtype=torch.long),
+                    [r.prompt[r.prefilled : r.prefilled + n] for r, n in work],
+                    reader is not None,
+                )
+                for i, (request, n) in enumerate(work):
+                    request.prefilled += n
+                    if features is not None:
+                        request.features.append(features[i])
+            done = [r for r in touched if r.prefilled == len(r.prompt) - 1]
+            if done:
+                self.drafter.add_rows([r.slot for r in done], [r.prompt for r in done])
+                if reader is not None:
+                    reader.add_features(
+                        [r.slot for r in done],
+                        [
+                            torch.cat(r.features, dim=0) if r.features else torch.zeros(0, self._feature_size)
+                            for r in done
+                        ],
+                    )
         except Exception:  # e.g. out of memory on a long prompt: give the slots back, then report
-            self.scheduler.unwind(admission)
+            self.scheduler.unwind(touched)
             raise
-        self.scheduler.started(admission)
-        return admission
+        self.scheduler.started(done)
+        return Admission(tuple(done), tuple(r.reused for r in done), spent)
 
     def _cancel(self) -> list[RowUpdate]:
         """End the cancelled requests (a cancelled row's caches are consistent: they are kept for reuse)."""

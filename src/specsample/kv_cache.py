@@ -63,6 +63,12 @@ class KVCache(RowLengths):
         self.lengths = torch.zeros(num_slots, dtype=torch.long)  # on CPU: bookkeeping, not math
         self.max_len = max_len
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Memory one token's keys and values take, every layer."""
+        layers, _, heads, _, dim = self.key_store.shape
+        return 2 * layers * heads * dim * self.key_store.element_size()
+
     def reserve(self, slots: Tensor, num_new: int) -> Tensor:
         """Check room for `num_new` tokens in each slot; return their start positions `[b]`."""
         starts = self.lengths[slots.cpu()]
@@ -72,6 +78,16 @@ class KVCache(RowLengths):
                 f"the cache holds {self.max_len}"
             )
         return starts
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Make row `slot` hold the first `length` entries of row `source` (every layer's keys and values); `source`
+        is unchanged. Both runtimes read these stores (the fused step through `flat_keys`, a view of them)."""
+        if not 0 <= length <= int(self.lengths[source]):
+            raise ValueError(f"row {source} holds {int(self.lengths[source])} entries, cannot copy {length}")
+        if slot != source:
+            self.key_store[:, slot, :, :length] = self.key_store[:, source, :, :length]
+            self.value_store[:, slot, :, :length] = self.value_store[:, source, :, :length]
+        self.lengths[slot] = length
 
     def keep_path(self, slot: int, start: int, indices: list[int]) -> None:
         """Keep, of a block appended at `start` in row `slot`, the entries at block `indices` (increasing: the pending

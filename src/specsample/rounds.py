@@ -67,6 +67,7 @@ class RoundStats:
     admitted_tokens: int = 0  # their prompt tokens the target's cache takes (all but the last of each)
     prefix_hits: int = 0  # admitted requests that reused a finished request's cached prefix
     reused_tokens: int = 0  # prompt tokens they took from cache instead of prefilling
+    prefilled_tokens: int = 0  # prompt tokens the target prefilled this round (whole prompts or chunks)
     # compiled models (models/compile_events.py): graphs compiled during the round, all past the start-up warm-up
     # (a recompile: a shape or guard the warm-up did not cover), and cached forwards they ran eagerly (token trees,
     # blocks past MAX_BLOCK tokens per row; prefill aside)
@@ -100,8 +101,8 @@ def round_stats(
     compiled: tuple[int, int] = (0, 0),
 ) -> RoundStats:
     """Counters of the round; `seconds`: its prefill, draft, target and verify-and-commit time; `admitted`: the
-    admission's counters (RoundStats' admitted, admitted_tokens, prefix_hits and reused_tokens); `compiled`: the
-    graphs compiled and eager fallbacks of compiled models during the round (`compile_events.since`)."""
+    admission's counters (RoundStats' admitted, admitted_tokens, prefix_hits, reused_tokens, prefilled_tokens);
+    `compiled`: the graphs compiled and eager fallbacks of compiled models during the round (`compile_events.since`)."""
     gamma = proposal.tokens.shape[1]
     num_drafted, num_accepted = proposal.num_drafted, verdict.num_accepted.cpu()
     positions = torch.arange(gamma).unsqueeze(0)  # [1, gamma]; in a tree round, depths 1..

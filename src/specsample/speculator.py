@@ -102,7 +102,12 @@ class Speculator:
         return GammaController(self.options.max_gamma, tree, ProfileStore(self.profile_key(), cache_dir()))
 
     def spec_config(
-        self, max_batch_size: int = 1, max_seq_len: int | None = None, prefix_cache_rows: int = 0
+        self,
+        max_batch_size: int = 1,
+        max_seq_len: int | None = None,
+        prefix_cache_rows: int = 0,
+        prefix_cache_tokens: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> SpecConfig:
         return SpecConfig(
             speculative=self.options.speculative and self.pair.drafter is not None,
@@ -110,6 +115,8 @@ class Speculator:
             max_seq_len=max_seq_len,
             target_widths=self.target_widths,
             prefix_cache_rows=prefix_cache_rows,
+            prefix_cache_tokens=prefix_cache_tokens,
+            prefill_chunk_tokens=prefill_chunk_tokens,
             coupled=self.options.coupled,
         )
 
@@ -121,12 +128,16 @@ class Speculator:
         drafter: Drafter | None | str = "loaded",
         planner: Planner | None = None,
         prefix_cache_rows: int = 0,
+        prefix_cache_tokens: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> Engine:
         """An engine for up to `max_batch_size` running requests of up to `max_seq_len` tokens each (None: the
         target's context window). `drafter`: the loaded one ("loaded"), another (e.g. wrapped for swapping, or a
         fresh one beside an engine running in lockstep), or None for plain decoding; `planner`: one that keeps what
         an earlier engine's gamma auto learnt, or another policy (its gamma at most the options' most drafts);
-        `prefix_cache_rows`: finished requests' rows kept for requests sharing their prefix (`SpecConfig`)."""
+        `prefix_cache_rows`, `prefix_cache_tokens`: finished requests' rows kept for requests sharing their prefix, and
+        the most tokens they hold together; `prefill_chunk_tokens`: prompt tokens prefilled per round while others
+        decode (`SpecConfig`)."""
         if isinstance(drafter, str) and drafter != "loaded":
             raise ValueError(f"drafter must be a Drafter, None or 'loaded', got {drafter!r}")
         target = self.pair.target
@@ -135,7 +146,7 @@ class Speculator:
         return Engine(
             target.model,
             self.pair.drafter if isinstance(drafter, str) else drafter,
-            self.spec_config(max_batch_size, max_seq_len, prefix_cache_rows),
+            self.spec_config(max_batch_size, max_seq_len, prefix_cache_rows, prefix_cache_tokens, prefill_chunk_tokens),
             target.tokenizer.eos_token_ids if target.tokenizer is not None else (),
             planner if planner is not None else self.planner(),
             grammars=self.grammars(),

@@ -40,8 +40,9 @@ class BenchConfig:
     lossless_prompts: int = 3  # prompts of the losslessness test (0: skip it)
     lossless_samples: int = 2000
     lossless_tokens: int = 4
-    history_tokens: int = 1000  # the prefix suite's first turn (a chat message of about this many tokens)
-    prefix_reps: int = 5  # second turns the prefix suite times with and without reuse, each
+    history_tokens: int = 1500  # the prefix suite's shared system prompt (about this many tokens)
+    long_prompt_tokens: int = 4000  # the prefix suite's long prompt arriving during traffic
+    prefix_reps: int = 3  # runs of the prefix suite's shared-system-prompt workload with the cache on and off, each
     seed: int = 0
     out: Path = Path("bench-out")
 
@@ -73,7 +74,14 @@ class BenchConfig:
             raise ValueError(f"--batch-size values must be >= 1, got {self.batch_sizes}")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency takes values >= 1, got {self.concurrency}")
-        for name in ("max_new_tokens", "lossless_samples", "lossless_tokens", "history_tokens", "prefix_reps"):
+        for name in (
+            "max_new_tokens",
+            "lossless_samples",
+            "lossless_tokens",
+            "history_tokens",
+            "long_prompt_tokens",
+            "prefix_reps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("sweep_prompts", "lossless_prompts"):

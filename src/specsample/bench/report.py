@@ -422,30 +422,98 @@ def structured_section(store: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{1000 * seconds:.0f}"
+
+
 def prefix_section(store: dict[str, Any]) -> list[str]:
-    times = store.get("ttft_seconds", {})
-    if not times or not times.get("reuse"):
+    shared = store.get("shared_system", {})
+    runs = shared.get("runs", {})
+    if not runs.get("cache on") or not runs.get("cache off"):
         return []
+    pooled = {m: [t for run in r for t in run["ttft_seconds"]] for m, r in runs.items()}
+    tpots = {m: [t for run in r for t in run["tpot_seconds"]] for m, r in runs.items()}
     lines = [
-        "## Prefix reuse",
+        "## Prefix cache",
         "",
-        f"Time to first token of a second chat turn ({store.get('second_turn_tokens')} tokens; the first turn "
-        f"{store['first_turn_tokens']} tokens and a {store['reply_tokens']}-token reply), median over "
-        f"{len(times['reuse'])} runs each.",
+        f"{store['clients']} clients send one system prompt ({shared['prompt_tokens']} tokens with the question) with "
+        f"different questions at once; {len(runs['cache on'])} runs each with the prefix cache on and off "
+        "(`--prefix-cache-tokens 0`), interleaved. TTFT and TPOT pool every request of the runs.",
         "",
-        "| engine | TTFT ms (median) | min–max | prompt tokens reused |",
-        "|---|---|---|---|",
+        "| prefix cache | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tokens/s (median) | "
+        "prompt tokens prefilled per run | hit rate |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for mode, runs in times.items():
-        reused = store.get("admission", {}).get(mode, {}).get("reused_tokens")
+    for mode, rs in runs.items():
+        hits = sum(r["prefix_hits"] for r in rs) / (store["clients"] * len(rs))
         lines.append(
-            f"| {mode} | {1000 * statistics.median(runs):.1f} | "
-            f"{1000 * min(runs):.1f}–{1000 * max(runs):.1f} | {_fmt(reused)} |"
+            f"| {mode.split()[1]} | {_ms(_pct(pooled[mode], 50))} | {_ms(_pct(pooled[mode], 99))} | "
+            f"{_ms(_pct(tpots[mode], 50))} | {_ms(_pct(tpots[mode], 99))} | "
+            f"{statistics.median(r['tokens_per_second'] for r in rs):.1f} | "
+            f"{statistics.median(r['prefilled_tokens'] for r in rs):.0f} | {hits:.2f} |"
         )
-    if "speedup_median" in store:
-        low, high = store["speedup_range"]
-        lines += ["", f"Speedup with reuse: {store['speedup_median']:.1f}x median (runs {low:.1f}x–{high:.1f}x)."]
+    if "ttft_speedup" in shared:
+        low, mid, high = shared["ttft_speedup"]
+        g_low, g_mid, g_high = shared["throughput_gain"]
+        lines += [
+            "",
+            f"With the cache: TTFT p50 {mid:.1f}x better (runs {low:.1f}x–{high:.1f}x), output tokens/s "
+            f"{g_mid:.2f}x (runs {g_low:.2f}x–{g_high:.2f}x).",
+        ]
+    samples = store.get("samples", {}).get("runs", {})
+    if samples:
+        lines += [
+            "",
+            f"n = {store['samples']['n']} samples of one prompt ({store['samples']['prompt_tokens']} tokens), arriving "
+            "together:",
+            "",
+            "| prefix cache | TTFT p50 ms | prompt tokens prefilled | output tokens/s |",
+            "|---|---|---|---|",
+        ]
+        for mode, run in samples.items():
+            lines.append(
+                f"| {mode.split()[1]} | {_ms(_pct(run['ttft_seconds'], 50))} | {run['prefilled_tokens']} | "
+                f"{run['tokens_per_second']:.1f} |"
+            )
+    chat = store.get("chat", {}).get("runs", {})
+    if chat:
+        lines += [
+            "",
+            f"A {store['chat']['turns']}-turn chat, each turn the conversation so far and a new question:",
+            "",
+            "| prefix cache | prompt tokens prefilled | conversation's final length | ratio | last turn's TTFT ms |",
+            "|---|---|---|---|---|",
+        ]
+        for mode, run in chat.items():
+            lines.append(
+                f"| {mode.split()[1]} | {run['prefilled_tokens']} | {run['final_tokens']} | "
+                f"{run['prefilled_tokens'] / run['final_tokens']:.2f} | {_ms(run['ttft_seconds'][-1])} |"
+            )
+    long = store.get("long_prompt", {}).get("runs", {})
+    if long:
+        lines += [
+            "",
+            f"{store['long_prompt']['streams']} steady streams, then one {store['long_prompt']['prompt_tokens']}-token "
+            "prompt arriving: the streams' time per output token (each round's time over the tokens a stream "
+            "emitted in it) alone and while the prompt is prefilled, prefilled in chunks of "
+            f"{store['long_prompt']['chunk_tokens']} tokens per round (the server's default) or whole.",
+            "",
+            "| prefill | streams' TPOT p99 alone ms | during the long prompt ms | ratio | long prompt's TTFT ms |",
+            "|---|---|---|---|---|",
+        ]
+        for label, run in long.items():
+            idle, busy = _pct(run["tpot_seconds"]["idle"], 99), _pct(run["tpot_seconds"]["long prompt"], 99)
+            ratio = f"{busy / idle:.2f}" if idle and busy else "–"
+            lines.append(f"| {label} | {_ms(idle)} | {_ms(busy)} | {ratio} | {_ms(run['long_prompt_ttft_seconds'])} |")
     return lines + [""]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile (nearest rank) of `values`; None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 REPEAT_REFERENCES = ("hybrid, n-gram lookup", "n-gram lookup", "llama.cpp-lookup", "llama.cpp")

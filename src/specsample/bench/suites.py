@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 import statistics
@@ -264,9 +263,6 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         progress.close()
 
 
-FOLLOW_UP = "Thank you. Now summarise your answer in one sentence."
-
-
 def history_message(tokenizer: Tokenizer, tokens: int) -> str:
     """Spec-Bench questions joined until the chat-rendered message holds at least `tokens` tokens."""
     parts: list[str] = []
@@ -277,65 +273,199 @@ def history_message(tokenizer: Tokenizer, tokens: int) -> str:
     return "\n\n".join(parts)
 
 
-def _first_token(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int], dict[str, int]]:
-    """Seconds from submission to the first committed token, the whole reply, and the admission's counters."""
+CLIENTS = 8  # the shared-system-prompt workload's concurrent clients
+SAMPLES = 4  # the n > 1 workload's samples of one prompt
+TURNS = 6  # the multi-turn workload's chat turns
+CHAT_QUESTION_CHARS = 160  # each turn's question cut to this many characters (a chat of short messages)
+STREAMS = 4  # the long-prompt workload's steady streams
+IDLE_ROUNDS = 24  # the rounds its streams are timed alone before the long prompt arrives
+MODES = {"cache on": None, "cache off": 0}  # prefix_cache_tokens: None shares prefixes, 0 shares none
+
+
+def _serve_together(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+    """Add every prompt at once and step until all finish: per request its time to first token and per output
+    token after it, the output tokens per second overall, and the prompt tokens the target prefilled."""
     started = time.perf_counter()
-    engine.add_request(prompt, params)
-    first: float | None = None
-    tokens: list[int] = []
-    admission: dict[str, int] = {}
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count = dict.fromkeys(ids, 0)
+    replies: dict[str, list[int]] = {i: [] for i in ids}
+    prefilled = hits = 0
     for result in engine.stream():
-        if result.stats.admitted:
-            admission = {"prefix_hits": result.stats.prefix_hits, "reused_tokens": result.stats.reused_tokens}
+        prefilled += result.stats.prefilled_tokens
+        hits += result.stats.prefix_hits
         for update in result.rows:
-            if update.new_tokens and first is None:
-                first = time.perf_counter() - started
-            tokens.extend(update.new_tokens)
-    if first is None:
-        raise RuntimeError("the request finished without a token")
-    return first, tokens, admission
+            if update.new_tokens:
+                first.setdefault(update.request_id, result.finished_at - started)
+                last[update.request_id] = result.finished_at - started
+                count[update.request_id] += len(update.new_tokens)
+                replies[update.request_id].extend(update.new_tokens)
+    wall = max(last.values())
+    return {
+        "ttft_seconds": [first[i] for i in ids],
+        "tpot_seconds": [(last[i] - first[i]) / (count[i] - 1) for i in ids if count[i] > 1],
+        "tokens_per_second": sum(count.values()) / wall,
+        "prefilled_tokens": prefilled,
+        "prefix_hits": hits,
+        "replies": [replies[i] for i in ids],
+    }
+
+
+def _questions(bench: Bench, count: int) -> list[str]:
+    """`count` different questions: the first turns of the run's prompts in turn (numbered where they repeat)."""
+    turns = [p.turns[0] for p in bench.prompts]
+    return [turns[i % len(turns)] + ("" if i < len(turns) else f" ({i + 1})") for i in range(count)]
+
+
+def _shared_system(bench: Bench, store: dict[str, Any], system: str, mode: str, rep: int) -> None:
+    """CLIENTS users sending the same system prompt with different questions at once."""
+    tokenizer, config = bench.tokenizer, bench.config
+    prompts = [
+        tokenizer.encode_messages([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in _questions(bench, CLIENTS)
+    ]
+    params = [SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens) for _ in prompts]
+    engine = bench.speculator.engine(
+        CLIENTS, max(map(len, prompts)) + config.max_new_tokens + 8, prefix_cache_tokens=MODES[mode]
+    )
+    run = _serve_together(engine, prompts, params)
+    del run["replies"]
+    store["shared_system"]["prompt_tokens"] = len(prompts[0])
+    store["shared_system"]["runs"][mode].append(run)
+
+
+def _samples(bench: Bench, store: dict[str, Any], system: str, mode: str) -> None:
+    """One prompt sampled SAMPLES times (n > 1), the samples arriving together."""
+    tokenizer, config = bench.tokenizer, bench.config
+    prompt = tokenizer.encode_messages(
+        [{"role": "system", "content": system}, {"role": "user", "content": _questions(bench, 1)[0]}]
+    )
+    params = [SamplingParams(temperature=0.7, max_new_tokens=config.max_new_tokens, seed=i) for i in range(SAMPLES)]
+    engine = bench.speculator.engine(SAMPLES, len(prompt) + config.max_new_tokens + 8, prefix_cache_tokens=MODES[mode])
+    run = _serve_together(engine, [prompt] * SAMPLES, params)
+    del run["replies"]
+    store["samples"]["prompt_tokens"] = len(prompt)
+    store["samples"]["runs"][mode] = run
+
+
+def _chat(bench: Bench, store: dict[str, Any], mode: str) -> None:
+    """One user's TURNS-turn chat, each turn the whole conversation so far and a new question."""
+    tokenizer, config = bench.tokenizer, bench.config
+    questions = [q[:CHAT_QUESTION_CHARS] for q in _questions(bench, TURNS)]
+    messages: list[dict[str, str]] = []
+    engine = bench.speculator.engine(
+        1,
+        len(tokenizer.encode("\n\n".join(questions), chat=True)) + TURNS * (config.max_new_tokens + 32),
+        prefix_cache_rows=1,
+        prefix_cache_tokens=MODES[mode],
+    )
+    prefilled, ttft = 0, []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        prompt = tokenizer.encode_messages(messages)
+        run = _serve_together(engine, [prompt], [SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens)])
+        prefilled += run["prefilled_tokens"]
+        ttft.append(run["ttft_seconds"][0])
+        reply = run["replies"][0]
+        messages.append({"role": "assistant", "content": tokenizer.decode(reply)})
+    final = len(prompt) + len(reply)
+    store["chat"]["runs"][mode] = {"prefilled_tokens": prefilled, "final_tokens": final, "ttft_seconds": ttft}
+
+
+def _long_prompt(bench: Bench, store: dict[str, Any], chunk: int | None, label: str) -> None:
+    """STREAMS steady streams timed alone for IDLE_ROUNDS rounds, then while a long prompt is prefilled (until its
+    first token): per stream and round, the round's time per token it emitted."""
+    tokenizer, config = bench.tokenizer, bench.config
+    long_prompt = tokenizer.encode(history_message(tokenizer, config.long_prompt_tokens), chat=True)
+    streams = [tokenizer.encode(q, chat=True) for q in _questions(bench, STREAMS)]
+    length = len(long_prompt) + 16
+    engine = bench.speculator.engine(STREAMS + 1, length, prefill_chunk_tokens=chunk)
+    never_ending = tuple((int(t), -100.0) for t in tokenizer.eos_token_ids)  # streams that last the whole run
+    steady = SamplingParams(
+        temperature=0, max_new_tokens=min(length - max(map(len, streams)), 4096), logit_bias=never_ending
+    )
+    ids = {engine.add_request(p, steady) for p in streams}
+    gaps: dict[str, list[float]] = {"idle": [], "long prompt": []}
+    phase, previous, long_id, long_ttft, started = "warm-up", None, None, None, None
+    rounds = 0
+    while engine.has_work() and long_ttft is None:
+        result = engine.step()
+        rounds += 1
+        emitted = {u.request_id: len(u.new_tokens) for u in result.rows if u.request_id in ids and u.new_tokens}
+        if previous is not None and phase != "warm-up" and len(emitted) == STREAMS:
+            gaps[phase].extend((result.finished_at - previous) / n for n in emitted.values())
+        previous = result.finished_at
+        if started is not None and any(u.request_id == long_id and u.new_tokens for u in result.rows):
+            long_ttft = result.finished_at - started
+        if phase == "warm-up" and engine.num_running == STREAMS and rounds > 2:
+            phase = "idle"
+        elif phase == "idle" and len(gaps["idle"]) >= IDLE_ROUNDS * STREAMS:
+            long_id = engine.add_request(long_prompt, SamplingParams(temperature=0, max_new_tokens=8))
+            started, phase = time.perf_counter(), "long prompt"
+    for request_id in ids:
+        engine.cancel(request_id)
+    for _ in engine.stream():
+        pass
+    store["long_prompt"]["prompt_tokens"] = len(long_prompt)
+    store["long_prompt"]["runs"][label] = {
+        "tpot_seconds": gaps,
+        "long_prompt_ttft_seconds": long_ttft,
+    }
 
 
 def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
-    """A first chat turn of --history-tokens answered greedily (--max-new-tokens), then the second turn (history,
-    reply, a short follow-up) timed to its first token: on an engine keeping one finished row for reuse and on one
-    keeping none, alternating which goes first, --prefix-reps times each."""
+    """Shared prefixes with the prefix cache on and off (`prefix_cache_tokens` 0), interleaved: CLIENTS clients
+    sending one system prompt of --history-tokens with different questions at once (--prefix-reps times each),
+    SAMPLES samples of one prompt, a TURNS-turn chat; and STREAMS steady streams while one --long-prompt-tokens prompt
+    arrives, prefilled in chunks (the engine's default) and whole."""
     config, tokenizer = bench.config, bench.tokenizer
     if not tokenizer.has_chat_template:
-        raise ValueError(f"{config.engine.target} has no chat template: the prefix suite replays a chat")
-    messages = [{"role": "user", "content": history_message(tokenizer, config.history_tokens)}]
-    first_turn = tokenizer.encode_messages(messages)
-    reply_params = SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens)
-    modes = (("reuse", 1), ("no reuse", 0))
+        raise ValueError(f"{config.engine.target} has no chat template: the prefix suite replays chats")
+    from specsample.server.options import DEFAULT_PREFILL_CHUNK
+
+    system = history_message(tokenizer, config.history_tokens)
     store.update(
-        first_turn_tokens=len(first_turn),
-        reply_tokens=config.max_new_tokens,
-        ttft_seconds={m: [] for m, _ in modes},
-        first_turn_ttft_seconds=[],
-        admission={},
+        clients=CLIENTS,
+        shared_system={"runs": {m: [] for m in MODES}},
+        samples={"n": SAMPLES, "runs": {}},
+        chat={"turns": TURNS, "runs": {}},
+        long_prompt={"streams": STREAMS, "chunk_tokens": DEFAULT_PREFILL_CHUNK, "runs": {}},
     )
-    progress = Progress("prefix", config.prefix_reps)
+    progress = Progress("prefix", config.prefix_reps + 3)
     for rep in range(config.prefix_reps):
-        for mode, kept in modes if rep % 2 == 0 else modes[::-1]:
-            # room for the reply, the follow-up and the template's tokens around them
-            engine = bench.speculator.engine(
-                1, len(first_turn) + 2 * config.max_new_tokens + 256, prefix_cache_rows=kept
-            )
-            first_seconds, reply, _ = _first_token(engine, first_turn, reply_params)
-            turns = [{"role": "assistant", "content": tokenizer.decode(reply)}, {"role": "user", "content": FOLLOW_UP}]
-            second_turn = tokenizer.encode_messages(messages + turns)
-            seconds, _, store["admission"][mode] = _first_token(
-                engine, second_turn, dataclasses.replace(reply_params, max_new_tokens=8)
-            )
-            store["ttft_seconds"][mode].append(seconds)
-            store["first_turn_ttft_seconds"].append(first_seconds)
-            store["second_turn_tokens"] = len(second_turn)
+        for mode in list(MODES) if rep % 2 == 0 else list(MODES)[::-1]:
+            _shared_system(bench, store, system, mode, rep)
         recorder.save()
-        times = store["ttft_seconds"]
+        runs = store["shared_system"]["runs"]
         progress.step(
-            f"second-turn TTFT {1000 * times['reuse'][-1]:.0f} ms with reuse, "
-            f"{1000 * times['no reuse'][-1]:.0f} ms without"
+            f"{CLIENTS} clients, shared system prompt: TTFT p50 "
+            f"{1000 * statistics.median(runs['cache on'][-1]['ttft_seconds']):.0f} ms with the cache, "
+            f"{1000 * statistics.median(runs['cache off'][-1]['ttft_seconds']):.0f} ms without"
         )
+    for mode in MODES:
+        _samples(bench, store, system, mode)
+    recorder.save()
+    progress.step(f"n = {SAMPLES}")
+    for mode in MODES:
+        _chat(bench, store, mode)
+    recorder.save()
+    chat = store["chat"]["runs"]["cache on"]
+    progress.step(f"{TURNS}-turn chat: {chat['prefilled_tokens']} tokens prefilled for {chat['final_tokens']}")
+    for chunk, label in ((DEFAULT_PREFILL_CHUNK, "chunked"), (None, "whole")):
+        _long_prompt(bench, store, chunk, label)
+        recorder.save()
+    progress.step("long prompt during traffic")
     progress.close()
-    ratios = sorted(a / b for a, b in zip(store["ttft_seconds"]["no reuse"], store["ttft_seconds"]["reuse"]))
-    store.update(speedup_median=statistics.median(ratios), speedup_range=[ratios[0], ratios[-1]])
+    runs = store["shared_system"]["runs"]
+    ratios = sorted(
+        statistics.median(off["ttft_seconds"]) / statistics.median(on["ttft_seconds"])
+        for on, off in zip(runs["cache on"], runs["cache off"])
+    )
+    speeds = sorted(
+        on["tokens_per_second"] / off["tokens_per_second"] for on, off in zip(runs["cache on"], runs["cache off"])
+    )
+    store["shared_system"].update(
+        ttft_speedup=[ratios[0], statistics.median(ratios), ratios[-1]],
+        throughput_gain=[speeds[0], statistics.median(speeds), speeds[-1]],
+    )

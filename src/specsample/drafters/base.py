@@ -211,6 +211,7 @@ class Abilities:
     scores_backlog: bool = False  # `BacklogScorer`: scores tokens committed without it (a draft model)
     looks_up: bool = False  # `PromptLookup`: offers prompt-lookup continuations (n-gram, suffix, hybrid)
     keeps_prefixes: bool = False  # `PrefixKeeper`: keeps a finished row's state for a request sharing its prefix
+    copies_prefixes: bool = False  # `PrefixCopier`: starts a new row from another row's state of a shared prefix
     reads_features: bool = False  # `FeatureDrafter`: drafts from the target's hidden states (EAGLE)
     holds_suffix_cache: bool = False  # `SuffixCacheHolder`: reports a shared suffix cache
 
@@ -308,6 +309,19 @@ class PrefixKeeper(Drafter, Protocol):
         ...
 
 
+class PrefixCopier(Drafter, Protocol):
+    """A drafter that can start a row from another's prefix: the target's cache of a shared prefix is copied from a
+    running or kept row into a new row's slot, and the drafter's state of it must follow (a feature draft's must, since
+    the target computes no features for positions it copies)."""
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Make `slot` a kept row (as `park_rows` leaves one) holding row `source`'s state of its first `len(tokens)`
+        tokens, `tokens` (a running or kept row's; it is unchanged): the next `add_rows` of `slot` reuses what it
+        can of them and starts the rest afresh. Return how many of `tokens` the target may copy for the row: all,
+        unless the drafter needs the target's features of the last ones (the target computes none it copies)."""
+        ...
+
+
 class FeatureDrafter(Drafter, Protocol):
     """A drafter that drafts from the target's final hidden states (EAGLE): the engine hands it the target's feature
     of every position it commits. Per row, after each call the drafter knows the features of every committed token
@@ -332,6 +346,12 @@ def prompt_lookup(drafter: Drafter) -> PromptLookup | None:
 def prefix_keeper(drafter: Drafter) -> PrefixKeeper | None:
     """`drafter` where it declares that it keeps finished rows (`Abilities.keeps_prefixes`), else None."""
     return cast(PrefixKeeper, drafter) if drafter.abilities.keeps_prefixes else None
+
+
+def prefix_copier(drafter: Drafter) -> PrefixCopier | None:
+    """`drafter` where it declares that it copies a row's prefix into another (`Abilities.copies_prefixes`), else
+    None."""
+    return cast(PrefixCopier, drafter) if drafter.abilities.copies_prefixes else None
 
 
 def feature_drafter(drafter: Drafter) -> FeatureDrafter | None:
@@ -465,7 +485,7 @@ class NoDrafter:
     round as one with."""
 
     vocab_size = None
-    abilities = Abilities(keeps_prefixes=True)
+    abilities = Abilities(keeps_prefixes=True, copies_prefixes=True)
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         return None
@@ -478,6 +498,9 @@ class NoDrafter:
 
     def park_rows(self, slots: Sequence[int]) -> None:
         return None
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        return len(tokens)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         return None

@@ -48,7 +48,7 @@ class EagleDrafter:
     """Drafts with an EAGLE-3 head on the target's fused features; the head's own output layer covers its draft
     vocabulary (`d2t`), the target's embedding is shared unless the head has its own."""
 
-    abilities = Abilities(scores_backlog=True, keeps_prefixes=True, reads_features=True)
+    abilities = Abilities(scores_backlog=True, keeps_prefixes=True, copies_prefixes=True, reads_features=True)
 
     def __init__(self, head: EagleHead, target: LlamaModel, folder: Path | None = None, compile: bool = False) -> None:
         """`compile`: run drafting steps through a compiled graph (as `--compile` runs the target's), compiled now."""
@@ -132,6 +132,25 @@ class EagleDrafter:
                 self.cache.truncate(torch.tensor([slot]), torch.tensor([row.fed]))
                 row.drafted = 0
             self._parked[slot] = row
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Start `slot` as a kept row with row `source`'s entries and features of its first `len(tokens)` positions;
+        return how many positions that is. Entry t reads token t + 1, so the entries of a prefix of n tokens are its
+        first n - 1; where the source has fed entries past them, their features are gone and the row starts one
+        position short (the target then prefills that position too, handing over its features)."""
+        self.release_rows([slot])
+        donor = self.rows.get(source, self._parked.get(source))
+        if donor is None:
+            return 0
+        known = min(len(tokens), donor.known)
+        fed = min(donor.fed, max(known - 1, 0))
+        pending = torch.cat(donor.pending, dim=0)[: known - fed] if fed == donor.fed and donor.pending else None
+        known = fed + (0 if pending is None else len(pending))
+        self.cache.copy_prefix(source, slot, fed)
+        self._parked[slot] = _Row(
+            history=list(tokens[:known]), pending=[] if pending is None or not len(pending) else [pending], fed=fed
+        )
+        return known
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for slot in slots:

@@ -16,6 +16,7 @@ from specsample.drafters.base import (
     backlog_scorer,
     feature_drafter,
     merge_proposals,
+    prefix_copier,
     prefix_keeper,
 )
 from specsample.drafters.suffix import SuffixCacheStats, SuffixDrafter, suffix_cache_holder
@@ -30,6 +31,8 @@ class Lookup(Drafter, Protocol):
         ...
 
     def park_rows(self, slots: Sequence[int]) -> None: ...
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int: ...
 
 
 class HybridDrafter:
@@ -57,10 +60,15 @@ class HybridDrafter:
     @property
     def abilities(self) -> Abilities:
         """Lookups, and what its draft model declares besides (backlogs, features); it keeps prefixes whatever the
-        model does (a model that cannot lets its parked rows go)."""
+        model does (a model that cannot lets its parked rows go), and copies them where the model does or can start
+        a copied row afresh (a model that reads the target's features cannot: the target computes none it copies)."""
         own = Abilities(looks_up=True, keeps_prefixes=True, holds_suffix_cache=self.lookup.abilities.holds_suffix_cache)
         model = self.model.abilities
-        return own | Abilities(scores_backlog=model.scores_backlog, reads_features=model.reads_features)
+        return own | Abilities(
+            scores_backlog=model.scores_backlog,
+            reads_features=model.reads_features,
+            copies_prefixes=model.copies_prefixes or not model.reads_features,
+        )
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.model.allocate(num_slots, max_len)
@@ -82,6 +90,16 @@ class HybridDrafter:
         else:
             self.model.release_rows(slots)
         self.lookup.park_rows(slots)
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """The model copies the row where it declares it (`PrefixCopier`), else starts it afresh at `add_rows` (then
+        the target copies none of a feature draft's tokens: it would compute no features for them)."""
+        self.lookup.copy_prefix(source, slot, tokens)
+        copier = prefix_copier(self.model)
+        if copier is not None:
+            return copier.copy_prefix(source, slot, tokens)
+        self.model.release_rows([slot])
+        return 0 if self.model.abilities.reads_features else len(tokens)
 
     def _offer(self, slot: int, max_tokens: int, shortest: int) -> int:
         """Tokens the row's lookup proposes (up to `max_tokens`) if its match is at least `shortest` long, else 0."""

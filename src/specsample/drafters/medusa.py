@@ -53,7 +53,7 @@ class MedusaDrafter:
 
     # reads the target's final hidden states and parks finished rows; scores no backlogs (the heads keep no states of
     # past positions to score from)
-    abilities = Abilities(keeps_prefixes=True, reads_features=True)
+    abilities = Abilities(keeps_prefixes=True, copies_prefixes=True, reads_features=True)
 
     def __init__(self, heads: MedusaHeads, target: LlamaModel, folder: Path | None = None) -> None:
         heads.config.check_target(target.config.hidden_size, target.vocab_size)
@@ -112,6 +112,13 @@ class MedusaDrafter:
         """Keep the rows' states for a request sharing their prefix (`add_rows`)."""
         for slot in slots:
             self._parked[slot] = self.rows.pop(slot)
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """The heads keep no state of a prefix to copy: a row's one state is the target's state of the position before
+        its pending token, so the target copies all of `tokens` but the last and prefills on from there (at least that
+        position), handing the state over (`add_features`)."""
+        self.release_rows([slot])
+        return max(len(tokens) - 1, 0)
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for slot in slots:

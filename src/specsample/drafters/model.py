@@ -85,7 +85,7 @@ class ModelDrafter:
     window's view of the history: `_skipped[slot]` history tokens are left out after the sink.
     """
 
-    abilities = Abilities(scores_backlog=True, keeps_prefixes=True)
+    abilities = Abilities(scores_backlog=True, keeps_prefixes=True, copies_prefixes=True)
 
     def __init__(self, model: CausalLM, folder: Path | None = None, window: DraftWindow | None = None) -> None:
         self.model = model
@@ -140,6 +140,17 @@ class ModelDrafter:
         """Keep the rows' histories and caches for `add_rows` to reuse (`release_rows` drops them)."""
         for slot in slots:
             self._drafted[slot] = []
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Start `slot` as a kept row holding the cache entries of row `source`'s first `len(tokens)` tokens (those
+        it holds of them); a windowed row that skipped tokens is not copied (its view would not be a fresh one's)."""
+        self.release_rows([slot])
+        if source not in self.history or self._skipped[source]:
+            return len(tokens)
+        held = min(len(tokens), self._fed(source))
+        self.cache.copy_prefix(source, slot, held)
+        self.history[slot], self._drafted[slot], self._skipped[slot] = list(tokens[:held]), [], 0
+        return len(tokens)
 
     def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
         """Leading prompt tokens a kept row's cache accounts for (held, or skipped by the window), 0 if none or if

@@ -102,7 +102,7 @@ class NgramDrafter:
     """Drafts by prompt lookup over each row's prompt and output so far."""
 
     vocab_size = None  # proposes token ids from the context: works with any vocabulary
-    abilities = Abilities(looks_up=True, keeps_prefixes=True)
+    abilities = Abilities(looks_up=True, keeps_prefixes=True, copies_prefixes=True)
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -124,6 +124,10 @@ class NgramDrafter:
     def park_rows(self, slots: Sequence[int]) -> None:
         """Nothing to keep: `add_rows` indexes a prompt at about 1 us per token."""
         self.release_rows(slots)
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Nothing to copy: `add_rows` indexes the whole prompt."""
+        return len(tokens)
 
     def continuation(self, slot: int, max_tokens: int) -> tuple[list[int], int]:
         """`NgramIndex.find` over the row's history (the engine asks what a lookup offers, then has it proposed: two

@@ -6,6 +6,7 @@ after it use the new one. An old drafter is dropped (and its memory freed) once 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import threading
@@ -23,6 +24,7 @@ from specsample.drafters.base import (
     backlog_scorer,
     feature_drafter,
     merge_proposals,
+    prefix_copier,
     prefix_keeper,
     prompt_lookup,
 )
@@ -65,9 +67,12 @@ class RoutedDrafter:
     def abilities(self) -> Abilities:
         """What the drafters still serving rows (and the current one) declare between them, read afresh: a drafter
         that replaced another brings its own, and the old one's go with its last row. It keeps prefixes whatever they
-        do (a drafter that cannot lets its parked rows go)."""
+        do (a drafter that cannot lets its parked rows go). New rows are the current drafter's: it copies prefixes
+        where that one does or can start a copied row afresh (one reading the target's features cannot)."""
         drafting = self._serving(parked=False)
-        return functools.reduce(operator.or_, (d.abilities for d in drafting), Abilities(keeps_prefixes=True))
+        serving = functools.reduce(operator.or_, (d.abilities for d in drafting), Abilities(keeps_prefixes=True))
+        current = self.current.abilities
+        return dataclasses.replace(serving, copies_prefixes=current.copies_prefixes or not current.reads_features)
 
     def _serving(self, parked: bool = True) -> list[Drafter]:
         """The drafters still serving rows (with `parked`, kept ones too) and the current one (a snapshot: other
@@ -107,6 +112,23 @@ class RoutedDrafter:
             else:
                 drafter.release_rows([slots[i] for i in rows])
         self._parked.update(slots)
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """The current drafter copies the row where the source is its own and it declares copying (`PrefixCopier`):
+        the row is then kept by it until `add_rows`. Otherwise the row starts afresh at `add_rows` (and the target
+        copies none of a feature draft's tokens: it would compute no features for them)."""
+        with self._lock:
+            drafter = self.current
+        previous = self._owner.pop(slot, None)
+        self._parked.discard(slot)
+        if previous is not None:
+            previous.release_rows([slot])
+        copier = prefix_copier(drafter)
+        if copier is not None and self._owner.get(source) is drafter:
+            self._owner[slot] = drafter
+            self._parked.add(slot)
+            return copier.copy_prefix(source, slot, tokens)
+        return 0 if drafter.abilities.reads_features else len(tokens)
 
     def propose(self, request: DraftRequest) -> Proposal:
         groups = self._groups(list(range(len(request.slots))), request.slots)

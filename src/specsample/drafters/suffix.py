@@ -77,7 +77,7 @@ class SuffixDrafter:
     `capacity` bounds the shared cache in tokens."""
 
     vocab_size = None  # proposes token ids from committed text: works with any vocabulary
-    abilities = Abilities(looks_up=True, keeps_prefixes=True, holds_suffix_cache=True)
+    abilities = Abilities(looks_up=True, keeps_prefixes=True, copies_prefixes=True, holds_suffix_cache=True)
 
     def __init__(
         self,
@@ -136,6 +136,10 @@ class SuffixDrafter:
     def park_rows(self, slots: Sequence[int]) -> None:
         """Nothing to keep: `add_rows` indexes a prompt at a few microseconds per token."""
         self.release_rows(slots)
+
+    def copy_prefix(self, source: int, slot: int, tokens: Sequence[int]) -> int:
+        """Nothing to copy: `add_rows` indexes the whole prompt."""
+        return len(tokens)
 
     def commit(self, slots: Sequence[int], committed: Sequence[Sequence[int]]) -> None:
         for slot, new in zip(slots, committed):

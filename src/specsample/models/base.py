@@ -22,6 +22,10 @@ class ModelCache(Protocol):
 
     def reset(self, slots: Tensor) -> None: ...
 
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Make row `slot` hold the first `length` tokens of row `source` (which is unchanged)."""
+        ...
+
 
 C = TypeVar("C", bound=ModelCache)  # the kind of cache a model allocates, and the only kind it decodes into
 C_in = TypeVar("C_in", bound=ModelCache, contravariant=True)  # the same, where a protocol only takes one

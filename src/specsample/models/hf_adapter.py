@@ -8,6 +8,7 @@ Llama-family runtime is the fast path.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -30,6 +31,18 @@ class HFCache(RowLengths):
         for slot in slots.tolist():
             self.caches[slot] = None
         super().reset(slots)
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Make row `slot` hold the first `length` tokens of row `source` (a copy of its cache, cropped); `source` is
+        unchanged."""
+        if not 0 <= length <= int(self.lengths[source]):
+            raise ValueError(f"row {source} holds {int(self.lengths[source])} entries, cannot copy {length}")
+        if slot != source:
+            past = self.caches[source]
+            self.caches[slot] = None if past is None or length == 0 else copy.deepcopy(past)
+            if self.caches[slot] is not None:
+                _crop(self.caches[slot], length)
+        self.lengths[slot] = length
 
 
 def _crop(cache: Any, length: int) -> None:

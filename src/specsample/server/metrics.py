@@ -5,7 +5,9 @@ draft tokens, accepted tokens, emitted tokens, accepted tokens per draft positio
 Histograms: time to first token, time per output token, end-to-end latency.
 Gauges: running batch size, queue depth, recent acceptance rate and mean acceptance length
 (1 + accepted / drafts over the last rounds). Histogram of the batch size per round. Prefix reuse: requests
-admitted and those that reused a finished request's cached prefix, with their prompt tokens and the tokens reused.
+admitted and those that started from another request's cached prefix (running, or finished and kept), with their
+prompt tokens, the tokens reused and those prefilled; what the kept rows hold (rows, tokens, bytes of the target's
+cache, the token budget), read at every scrape.
 The shared suffix cache (suffix drafting with scope global): tokens, requests' outputs and bytes held, its capacity,
 outputs dropped for room (read at every scrape).
 Compiled models: graphs compiled after start-up (recompiles) and cached forwards run eagerly instead (fallbacks).
@@ -30,6 +32,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from specsample.drafters.suffix import SuffixCacheStats
 from specsample.engine import RoundResult
 from specsample.planner.goodput import BatchSizeSummary
+from specsample.scheduler import PrefixCacheStats
 
 log = logging.getLogger("specsample.server")
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -40,6 +43,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
 def _stat(read: Callable[[], SuffixCacheStats | None], name: str) -> float:
     """Field `name` of what `read()` says a suffix cache holds (0 without one)."""
     return float(getattr(read() or NO_SUFFIX_CACHE, name))
+
+
+def _prefix_stat(read: Callable[[], PrefixCacheStats], name: str) -> float:
+    """Field `name` of what `read()` says the prefix cache's kept rows hold (a budget of None: -1)."""
+    value = getattr(read(), name)
+    return -1.0 if value is None else float(value)
 
 
 class ServerMetrics:
@@ -90,6 +99,13 @@ class ServerMetrics:
         )
         self.prefix_reused_tokens = counter(
             "prefix_cache_reused_tokens", "Prompt tokens taken from a cached prefix instead of prefilled"
+        )
+        self.prefix_prefilled_tokens = counter("prefix_cache_prefilled_tokens", "Prompt tokens the target prefilled")
+        self.prefix_rows = gauge("prefix_cache_rows", "Finished requests' rows the prefix cache keeps")
+        self.prefix_tokens = gauge("prefix_cache_tokens", "Tokens the prefix cache's kept rows hold")
+        self.prefix_bytes = gauge("prefix_cache_bytes", "Memory of the target's cache the kept rows' tokens take")
+        self.prefix_capacity = gauge(
+            "prefix_cache_capacity_tokens", "Most tokens the kept rows may hold (-1: bounded by rows alone)"
         )
         self.suffix_tokens = gauge("suffix_cache_tokens", "Tokens the shared suffix cache holds (recent outputs)")
         self.suffix_sequences = gauge("suffix_cache_sequences", "Requests' outputs the shared suffix cache holds")
@@ -159,6 +175,16 @@ class ServerMetrics:
         """Report, at every scrape, the planner's view per batch size (`GammaController.summary`)."""
         self.registry.register(PlannerCollector(read, self._labels))
 
+    def watch_prefix_cache(self, read: Callable[[], PrefixCacheStats]) -> None:
+        """Report, at every scrape, what `read()` says the kept rows of the prefix cache hold."""
+        for gauge, name in (
+            (self.prefix_rows, "rows"),
+            (self.prefix_tokens, "tokens"),
+            (self.prefix_bytes, "bytes"),
+            (self.prefix_capacity, "capacity_tokens"),
+        ):
+            self._l(gauge).set_function(functools.partial(_prefix_stat, read, name))
+
     def _l(self, metric: M, **extra: str) -> M:
         return metric.labels(**self._labels, **extra) if (self._labels or extra) else metric
 
@@ -172,6 +198,8 @@ class ServerMetrics:
             self._l(self.prefix_hits).inc(s.prefix_hits)
             self._l(self.prefix_queried_tokens).inc(s.admitted_tokens)
             self._l(self.prefix_reused_tokens).inc(s.reused_tokens)
+        if s.prefilled_tokens:
+            self._l(self.prefix_prefilled_tokens).inc(s.prefilled_tokens)
         if s.recompiles:
             self._l(self.recompiles).inc(s.recompiles)
         if s.eager_fallbacks:

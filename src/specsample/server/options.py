@@ -13,6 +13,7 @@ from specsample.options_cli import setting
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full context of text is a few tens of KiB
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample.json_schema's limits take < 1 s
+DEFAULT_PREFILL_CHUNK = 32  # prompt tokens per round beside decoding rows (docs/serving.md#the-prefix-cache)
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after SIGTERM or Ctrl-C
 
 
@@ -71,6 +72,18 @@ class ServerOptions:
         "such as the next turn of a chat, which then prefills only what is new; "
         "each costs what a running row's caches cost (0: none)",
     )
+    prefix_cache_tokens: int | None = setting(
+        None,
+        help="the most tokens the kept rows hold together, least recently used "
+        "dropped first (default: bounded by --prefix-cache-rows alone; 0: no "
+        "prefix is shared, not even a running request's)",
+    )
+    prefill_chunk_tokens: int | None = setting(
+        DEFAULT_PREFILL_CHUNK,
+        help="prompt tokens prefilled per engine round while other requests decode: "
+        "a longer prompt is prefilled over several rounds, so running streams keep "
+        "their pace (0: whole prompts at once)",
+    )
     metrics_key: str | None = setting(
         None,
         help="/metrics then needs 'Authorization: Bearer METRICS_KEY' (the admin "
@@ -103,6 +116,10 @@ class ServerOptions:
             raise SettingError(
                 "prefix_cache_rows", f"prefix_cache_rows must be an integer >= 0, got {self.prefix_cache_rows!r}"
             )
+        for name, least in (("prefix_cache_tokens", 0), ("prefill_chunk_tokens", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise SettingError(name, f"{name} must be an integer >= {least}, got {value!r}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise SettingError("min_acceptance", f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
         for name in ("api_key", "admin_key", "metrics_key"):

@@ -27,12 +27,18 @@ class SpecServer:
         self.speculator, self.options, self.tokenizer = speculator, options, target.tokenizer
         drafter = RoutedDrafter(speculator.drafter) if speculator.drafter is not None else None
         self.engine = speculator.engine(
-            options.max_batch_size, options.max_seq_len, drafter=drafter, prefix_cache_rows=options.prefix_cache_rows
+            options.max_batch_size,
+            options.max_seq_len,
+            drafter=drafter,
+            prefix_cache_rows=options.prefix_cache_rows,
+            prefix_cache_tokens=options.prefix_cache_tokens,
+            prefill_chunk_tokens=options.prefill_chunk_tokens or None,
         )
         self.draft = speculator.draft  # the draft in use (/admin/draft replaces it)
         labels = {"replica": options.replica_id} if options.replica_id else {}
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
+        self.metrics.watch_prefix_cache(self.engine.scheduler.usage)
         self.metrics.show_step_path(speculator.step_path)
         self.metrics.watch_planner(self._planner_summary)
         self.runner = EngineRunner(self.engine, self._observe)
