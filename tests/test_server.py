@@ -254,6 +254,33 @@ def test_concurrent_clients_are_batched_and_isolated(live) -> None:
     assert total[0].value > over_one[0].value  # some rounds ran more than one request
 
 
+@pytest.mark.parametrize("max_batch", [16, 32])
+def test_large_batches_serve_every_stream(folders, max_batch: int) -> None:
+    """As many concurrent streams as the batch holds run together, each as it would alone."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max_batch)]
+    server = _server(folders, max_batch=max_batch)
+    try:
+        client = server.client()
+        alone = {
+            p: client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            for p in PROMPTS
+        }
+
+        async def run_all() -> list[str]:
+            aclient = server.client(cls=openai.AsyncOpenAI)
+
+            async def one(prompt: str) -> str:
+                out = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+                return out.choices[0].text
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        assert asyncio.run(run_all()) == [alone[p] for p in prompts]
+        assert server.server.metrics.max_batch_seen > max_batch // 2
+    finally:
+        server.close()
+
+
 def test_disconnect_frees_the_slot(live) -> None:
     engine = live.server.engine
     with httpx.Client(timeout=30) as http:
