@@ -88,6 +88,19 @@ def _fresh_cache_matches(model, cache, slot: int, tokens: list[int]) -> None:
         assert torch.allclose(cache.values[layer][slot, :, :length], fresh.values[layer][0, :, :length], atol=1e-12)
 
 
+def test_a_ragged_prefill_fits_a_row_with_little_room_beside_a_long_one(tiny_target) -> None:
+    """A row near the end of its cache with a short rest, prefilled beside a long new prompt, cannot take the long
+    one's right-padding: it is prefilled apart, and both rows hold what a prefill alone gives."""
+    first, long = [(5 * i + 1) % 32 for i in range(26)], [(3 * i + 2) % 32 for i in range(20)]
+    cache = tiny_target.new_cache(2, 30)
+    prefill_ragged(tiny_target, cache, torch.tensor([0]), [first[:24]])
+    features = prefill_ragged(tiny_target, cache, torch.tensor([0, 1]), [first[24:], long], features=True)
+    assert features is not None and [len(f) for f in features] == [2, 20]
+    assert cache.lengths.tolist() == [26, 20]
+    _fresh_cache_matches(tiny_target, cache, 0, first)
+    _fresh_cache_matches(tiny_target, cache, 1, long)
+
+
 def test_caches_equal_fresh_prefill_after_rejections(tiny_target, tiny_draft) -> None:
     drafter = ModelDrafter(tiny_draft)
     engine = Engine(tiny_target, drafter, SpecConfig(max_batch_size=4, max_seq_len=128), planner=FixedGamma(4))

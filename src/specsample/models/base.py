@@ -133,6 +133,20 @@ def prefill_ragged(
             else [torch.zeros(0, feature_model.feature_size, device=model.device) for _ in sequences]
         )
     has_tokens = [i for i, s in enumerate(sequences) if s]
+    cramped = _cramped(cache, slots, sequences, has_tokens)
+    if cramped:  # rows without room for the others' padding are prefilled alone, after the rest
+        parts = [[s if i not in cramped else [] for i, s in enumerate(sequences)]]
+        parts += [[s if i == j else [] for i, s in enumerate(sequences)] for j in cramped]
+        results = [prefill_ragged(model, cache, slots, part, features) for part in parts]
+        if not features:
+            return None
+        owner = {j: k + 1 for k, j in enumerate(cramped)}
+        merged = []
+        for i in range(len(sequences)):
+            part = results[owner.get(i, 0)]
+            assert part is not None  # every part returns features when asked
+            merged.append(part[i])
+        return merged
     rows = slots[torch.tensor(has_tokens)]
     inputs, last = pad_right([sequences[i] for i in has_tokens], model.device)
     start = cache.lengths[rows].clone()
@@ -146,3 +160,13 @@ def prefill_ragged(
     for j, i in enumerate(has_tokens):
         out[i] = hidden[j, : len(sequences[i])]
     return out
+
+
+def _cramped(cache: ModelCache, slots: Tensor, sequences: list[list[int]], has_tokens: list[int]) -> list[int]:
+    """The sequences (of several) whose rows cannot hold the longest one's length: right-padding would overflow them
+    (a row that starts from a long copied prefix with a short rest, beside a long new prompt)."""
+    room = getattr(cache, "max_len", None)
+    if room is None or len(has_tokens) < 2:
+        return []
+    longest = max(len(sequences[i]) for i in has_tokens)
+    return [i for i in has_tokens if int(cache.lengths[int(slots[i])]) + longest > room]
