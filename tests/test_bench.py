@@ -596,3 +596,11 @@ def test_load_suite_sweeps_concurrency_through_a_real_server(tiny_pair_files, tm
             for key in ("tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
                 assert summary[mode][key][0] > 0, (mode, key)
     assert "## load" in (out / "results.md").read_text() and (out / "load.png").exists()
+
+
+def test_load_phases_send_prompts_no_earlier_phase_sent() -> None:
+    from specsample.bench.load import _Prompts
+
+    prompts = _Prompts(["a", "b", "c", "d", "e"])
+    assert prompts.take(2) == ["a", "b"] and prompts.take(2) == ["c", "d"] and prompts.reused == 0
+    assert prompts.take(3) == ["e", "a", "b"] and prompts.reused == 2  # the dataset ran out: counted

@@ -1,12 +1,14 @@
 """The load suite: a concurrency sweep through a real `specsample serve`, speculation (the server's default) against
-plain decoding (`"speculative": false`), the same requests for both.
+plain decoding (`"speculative": false`).
 
 One server runs the whole sweep, with `--max-batch-size` the largest concurrency and compiled or eager as the bench's
 engine options say (`--compile` / `--enforce-eager`). At each concurrency N, N clients each stream `REQUESTS_PER_CLIENT`
 chat completions one after another; a phase is one such round of both modes' traffic in one mode, and the phases
 alternate default / plain, `PHASES` each, the order rotating, so the host's drift hits both alike. Every request sends
 `ignore_eos` and `min_tokens` = `max_tokens` (what vLLM's `bench serve` sends), so both modes decode the same number of
-tokens whatever they sample. Reported per concurrency and mode: output tokens/s (tokens over the phases' wall time),
+tokens whatever they sample. Every phase sends prompts no earlier phase sent (`_Prompts`; spread over the categories,
+taken in turn): a prompt answered before would be drafted from its earlier answer by the server's suffix cache, a gain
+no new traffic sees. Reported per concurrency and mode: output tokens/s (tokens over the phases' wall time),
 TPOT and TTFT p50 and p99, each with a bootstrap interval (requests resampled; throughput: phases resampled per mode).
 """
 
@@ -33,6 +35,19 @@ PHASES = 2  # phases per mode and concurrency
 START_TIMEOUT = 900.0  # seconds the server may take to come up (a compiled one warms up first)
 RESAMPLES = 1000
 LEVEL = 0.9
+
+
+class _Prompts:
+    """Prompt texts handed out in order, each once while they last, then again from the first (counted in `reused`)."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts, self.given, self.reused = texts, 0, 0
+
+    def take(self, count: int) -> list[str]:
+        out = [self.texts[(self.given + k) % len(self.texts)] for k in range(count)]
+        self.reused += max(0, min(count, self.given + count - len(self.texts)))
+        self.given += count
+        return out
 
 
 def _free_port() -> int:
@@ -210,6 +225,7 @@ def load(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         import httpx
 
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        prompts = _Prompts(texts_all)
         steps = len(config.temperatures) * len(config.concurrency) * PHASES * len(MODES)
         progress = Progress("load", steps)
         for temperature in config.temperatures:
@@ -217,13 +233,14 @@ def load(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
             traffic = _Traffic(model, temperature, config.max_new_tokens)
             for clients in config.concurrency:
                 count = clients * REQUESTS_PER_CLIENT
-                texts = [texts_all[k % len(texts_all)] for k in range(count)]
                 seeds = [config.seed + k for k in range(count)]
                 row: dict[str, Any] = {"concurrency": clients, "phases": []}
                 rows.append(row)
                 for rep in range(PHASES):
                     order = MODES if (rep + clients) % 2 == 0 else MODES[::-1]
                     for mode in order:
+                        texts = prompts.take(count)
+                        store["reused_prompts"] = prompts.reused
                         phase = asyncio.run(_phase(url, texts, seeds, mode, clients, traffic))
                         short = [r["tokens"] for r in phase["requests"] if r["tokens"] != config.max_new_tokens]
                         if short:

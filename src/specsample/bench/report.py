@@ -590,8 +590,15 @@ def load_section(store: dict[str, Any]) -> list[str]:
         "",
         f"`{store.get('server', 'specsample serve')}` ({mode}); per concurrency N, N clients each stream "
         f"{store.get('requests_per_client')} chat completions of exactly {store.get('max_tokens')} tokens "
-        '(`ignore_eos`), the server\'s default against `"speculative": false` on the same requests, '
-        f"{store.get('phases_per_mode')} phases each, alternated. Point estimates with 90% bootstrap intervals.",
+        '(`ignore_eos`), the server\'s default against `"speculative": false`, '
+        f"{store.get('phases_per_mode')} phases each, alternated, every phase on Spec-Bench prompts no earlier phase "
+        "sent (so the suffix cache never drafts from an earlier answer to the same prompt)"
+        + (
+            f"; {store['reused_prompts']} requests reused a prompt once the dataset ran out"
+            if store.get("reused_prompts")
+            else ""
+        )
+        + ". Point estimates with 90% bootstrap intervals.",
         "",
     ]
 
