@@ -68,6 +68,28 @@ def test_without_the_goodput_policy_the_batch_of_8_keeps_speculating(monkeypatch
     assert controller.speculating(8) and sum(w > 0 for w in eight[-200:]) > 150
 
 
+class Optimistic(goodput.GoodputPolicy):
+    """Prices speculation at three times what the costs say: a prediction the rounds do not bear out."""
+
+    def price(self, batch_size, rows, width, generous=False):
+        return 3 * super().price(batch_size, rows, width, generous)
+
+
+def test_speculation_that_measures_slower_than_predicted_is_turned_off(monkeypatch) -> None:
+    """Where the batch's speculative rounds commit fewer tokens per second than its plain rounds, measured, speculation
+    stops whatever the prediction says; the twin, without the measured rule, keeps drafting."""
+    widths = {}
+    for measured in (True, False):
+        if not measured:
+            monkeypatch.setattr(goodput.GoodputPolicy, "measured_loss", lambda self, batch_size: False)
+        controller, rng = GammaController(4), random.Random(0)
+        controller.goodput = Optimistic(controller.costs)
+        run(controller, {"good": 0.9}, 60, rng)
+        widths[measured] = run(controller, one_good_row_beside(7), 300, rng)[-200:]
+        assert controller.speculating(8) != measured
+    assert sum(w > 0 for w in widths[True]) < 200 // goodput.PROBE_EVERY and sum(w > 0 for w in widths[False]) > 150
+
+
 def test_the_goodput_policy_narrows_the_round_where_a_narrower_one_commits_more_per_second() -> None:
     """Rows that would each draft 4 at batch 8, where every draft widens the round for all 8 rows: the policy prices
     every width and drafts the best one, never wider than the rows planned."""

@@ -9,7 +9,10 @@ planned d drafts at acceptance alpha commits E(alpha, min(d, k)) tokens in it, o
   with hysteresis) comes within HYSTERESIS of it.
 - In batches of 2 rows and more (a single row's own fallback, `fallback.py`, decides for it), speculation stops where
   that is under OFF_BELOW times the B tokens a plain round commits even at the rows' acceptance a standard error up,
-  once drafting rounds were timed at this very batch size; it comes back over ON_ABOVE.
+  once drafting rounds were timed at this very batch size. It stops too where what speculative rounds committed per
+  second, measured over at least MEASURED_ROUNDS of them at this batch size, is under OFF_BELOW times B over a plain
+  round's measured time: a prediction the rounds do not bear out (costs outside the round's model, such as a draft's
+  prefills) does not keep speculation on. It comes back over ON_ABOVE, unless the measured goodput still says no.
 - While off at a batch size, a drafting round now and then (a probe, its expected loss within PROBE_BUDGET of decode
   time) keeps that size's costs and the rows' acceptance measured, so speculation comes back where it pays again; a
   batch size it was never off at is priced from the nearest one measured, so it comes back as load falls.
@@ -30,6 +33,7 @@ ON_ABOVE = 1.02  # ...and speculates again over 1.02x (a gap against thrashing)
 PROBE_BUDGET = 0.01  # share of decode time the expected loss of probes may cost while speculation is off
 PROBE_EVERY = 8  # fewest rounds between probes at a batch size where speculation is off...
 MAX_PROBE_EVERY = 256  # ...and most
+MEASURED_ROUNDS = 16  # speculative rounds at a batch size before their measured goodput can turn speculation off
 GOODPUT_WEIGHT = 0.05  # weight of one round in the expected and measured goodput reported (a memory of ~20 rounds)
 
 
@@ -76,6 +80,7 @@ class BatchSizeReport:
     plain_rounds: int = 0
     expected: Ewma = field(default_factory=Ewma)
     measured: Ewma = field(default_factory=Ewma)
+    speculative: Ewma = field(default_factory=Ewma)  # measured goodput of the speculative rounds alone
 
 
 @dataclass(frozen=True)
@@ -144,12 +149,13 @@ class GoodputPolicy:
         if self.speculating(batch_size):
             # off only where even the rows' generous alphas predict a loss: near break-even, the noise of ~25 remembered
             # trials would turn off speculation that gains
-            if measured and self.price(batch_size, rows, width, generous=True) < OFF_BELOW * plain:
+            predicted_loss = measured and self.price(batch_size, rows, width, generous=True) < OFF_BELOW * plain
+            if predicted_loss or self.measured_loss(batch_size):
                 last[batch_size] = round_index
                 memory = replace(memory, off=memory.off | {batch_size}, last=tuple(last.items()))
                 return replace(choice, width=0, switch="off"), memory
             return choice, memory
-        if choice.ratio > ON_ABOVE:
+        if choice.ratio > ON_ABOVE and not self.measured_loss(batch_size):
             last[batch_size] = round_index
             return replace(choice, switch="on"), replace(
                 memory, off=memory.off - {batch_size}, last=tuple(last.items())
@@ -160,10 +166,27 @@ class GoodputPolicy:
             return replace(choice, probe=True), replace(memory, last=tuple(last.items()))
         return replace(choice, width=0), memory
 
+    def measured_loss(self, batch_size: int) -> bool:
+        """Whether speculative rounds at this batch size committed, per second measured, under OFF_BELOW times what
+        plain rounds there commit (`measured_ratio`)."""
+        ratio = self.measured_ratio(batch_size)
+        return ratio is not None and ratio < OFF_BELOW
+
+    def measured_ratio(self, batch_size: int) -> float | None:
+        """Speculative rounds' measured goodput at this batch size over plain rounds' (B tokens a plain round's measured
+        time); None before MEASURED_ROUNDS speculative rounds and a plain round were timed there."""
+        report, plain = self.reports.get(batch_size), self.costs.plain_round.get(batch_size)
+        if report is None or plain is None or not plain.value or report.speculative.count < MEASURED_ROUNDS:
+            return None
+        return report.speculative.mean * plain.mean / batch_size
+
     def probe_interval(self, batch_size: int, choice: BatchChoice) -> int:
         """Rounds between probes where speculation is off: a probe loses R - T / B plain rounds (T: its predicted
-        tokens), kept within PROBE_BUDGET of decode time, within [PROBE_EVERY, MAX_PROBE_EVERY]."""
-        loss = max(1.0 - choice.ratio, 0.0) * self.costs.round_cost(batch_size, max(choice.width, 1))
+        tokens, or its measured ones where fewer), kept within PROBE_BUDGET of decode time, within [PROBE_EVERY,
+        MAX_PROBE_EVERY]."""
+        measured = self.measured_ratio(batch_size)
+        ratio = choice.ratio if measured is None else min(choice.ratio, measured)
+        loss = max(1.0 - ratio, 0.0) * self.costs.round_cost(batch_size, max(choice.width, 1))
         return int(min(max(int(loss / PROBE_BUDGET) + 1, PROBE_EVERY), MAX_PROBE_EVERY))
 
     def learn(
@@ -177,6 +200,8 @@ class GoodputPolicy:
             return
         if choice.width > 0:
             report.speculative_rounds += 1
+            if seconds > 0:
+                report.speculative.add(tokens / seconds, weight=GOODPUT_WEIGHT)
         else:
             report.plain_rounds += 1
         plain = self.costs.plain_round.get(batch_size)
