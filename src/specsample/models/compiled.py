@@ -78,9 +78,14 @@ class DecodeStep(nn.Module):
     `slots [b]`, and the model's feature layers' residual streams concatenated (`LlamaModel.set_feature_layers`;
     None where it has none)."""
 
+    inv_freq: Tensor
+
     def __init__(self, model: Any) -> None:  # a LlamaModel (models/llama.py imports this module)
         super().__init__()
         self.model = model
+        # RoPE's frequencies, a buffer (the model keeps them as a plain attribute, in float32 whatever its dtype), so
+        # that a compiled package reads them as one of the model's tensors, like its weights
+        self.register_buffer("inv_freq", model._inv_freq.to(model.device), persistent=False)
 
     def forward(
         self,
@@ -103,7 +108,7 @@ class DecodeStep(nn.Module):
         (batch, n), length = tokens.shape, key_positions.shape[0]
         x = m.embed(tokens)  # [b, n, hidden]
         new_positions = positions.view(batch, 1) + torch.arange(n, device=tokens.device).view(1, n)  # [b, n]
-        cos, sin = m.rope_tables(new_positions)  # [b, n, 1, hd]
+        cos, sin = rope_tables(self.inv_freq, m.rope_scale, new_positions, m.dtype)  # [b, n, 1, hd]
         key_pos = key_positions.view(1, 1, 1, length)
         # a KV head's query rows: its group's heads, each over the n tokens (head-major)
         query_pos = new_positions.view(batch, 1, 1, n).expand(batch, 1, groups, n).reshape(batch, 1, groups * n, 1)
@@ -376,6 +381,61 @@ class CompiledDecode:
             if hidden.is_cuda:
                 torch.compiler.cudagraph_mark_step_begin()
             return replayed(self.head[1](hidden))
+
+
+class PackagedDecode:
+    """A model's `DecodeStep` on a CPU, run from its compiled packages (`models/artifacts.py`): the graph for rows in
+    consecutive slots and the graph for rows gathered, each taking any batch and blocks of 1 to MAX_BLOCK tokens, on
+    the model's own tensors. Loading them takes seconds; nothing traces or compiles in the process that runs them. The
+    output layer runs as the model's (one matrix product either way)."""
+
+    def __init__(self, model: Any, runners: dict[str, Any]) -> None:  # a LlamaModel
+        self.model, self.runners = model, runners
+
+    @classmethod
+    def open(cls, model: Any, base: Path | None = None, build: bool = True) -> PackagedDecode | None:
+        """`model`'s packages from the cache (`artifacts.root()` or `base`), those missing or unusable built now
+        where `build`; None where some are missing and `build` is False."""
+        from specsample.models import artifacts
+
+        runners = artifacts.open_or_build(DecodeStep(model).eval(), MAX_BLOCK, base, build_missing=build)
+        return cls(model, runners) if len(runners) == len(artifacts.GRAPHS) else None
+
+    def warm_up(self, blocks: bool = False, batches: bool = False) -> None:
+        """Nothing to compile: every shape runs one of the two loaded graphs."""
+
+    def stale(self) -> bool:
+        """Never: the packages read the model's tensors themselves, so a weight updated in place is read as it is."""
+        return False
+
+    applies = staticmethod(CompiledDecode.applies)
+
+    def __call__(
+        self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """As `CompiledDecode.__call__`: hidden states `[b, n, hidden]` (and features) for rows `slots [b]` appending
+        `tokens [b, n]` from `positions [b]` on."""
+        n = tokens.shape[1]
+        reading = read_positions(int(positions.max()) + n, cache, tokens.device)
+        first = view_first(slots, tokens.device)
+        inputs = (
+            tokens.to(torch.long).contiguous(),
+            slots.to(torch.long).clone(),
+            positions.to(torch.long).clone(),
+            reading,
+            cache.flat_keys,
+            cache.flat_values,
+        )
+        if first is None:
+            hidden, features = self.runners["gathered"](*inputs)
+        else:
+            hidden, features = self.runners["view"](*inputs, torch.empty(first + 1))
+        return hidden, features
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The model's logits `[b, n, vocab]` from hidden states: its own output layer."""
+        out: Tensor = self.model.logits(hidden)
+        return out
 
 
 class HeadStep(nn.Module):
