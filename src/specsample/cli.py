@@ -9,6 +9,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -16,7 +17,7 @@ from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.metrics import StatsCollector
 from specsample.models.hub import FetchError
 from specsample.models.quant import QUANT_MODES
-from specsample.options import DEFAULT_TARGET, EngineOptions, check_device
+from specsample.options import DEFAULT_TARGET, EngineOptions, check_device, parse_device
 from specsample.options_cli import Flag, add_flags, flag_values
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
 
@@ -103,6 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
     _add_serve_parser(sub)
+    comp = sub.add_parser(
+        "compile",
+        help="build the compiled decode steps `specsample serve` with the same flags runs, ahead of time (a "
+        "container build, a replica image), into the cache of compiled steps ($SPECSAMPLE_COMPILED_STEPS, "
+        "default ~/.cache/specsample/steps)",
+    )
+    add_flags(
+        comp,
+        EngineOptions,
+        defaults=SERVE_ENGINE_DEFAULTS,
+        title="engine (as `specsample serve` takes them)",
+        flags={k: v for k, v in SERVE_FLAGS.items() if k != "compile"},
+        skip=("compile",),
+    )
+    comp.set_defaults(func=cmd_compile)
     _add_bench_parser(sub)
     return parser
 
@@ -777,15 +793,33 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
+    from specsample.precompile import packaged_models
+    from specsample.server.compile_behind import CompileBehind
     from specsample.server.serve import serve_http
     from specsample.server.state import SpecServer
     from specsample.speculator import load
 
-    server = SpecServer(load(options, say=_say), serving)
+    # on a CPU the compiled steps are packages: serve at once on the eager or fused step, build them behind
+    behind = options.compile and parse_device(options.device).type == "cpu"
+    speculator = load(replace(options, compile=False) if behind else options, say=_say)
+    models = packaged_models(speculator.pair) if behind else []
+    server = SpecServer(speculator, serving, CompileBehind(models, options) if models else None)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
     _say(f"serving {options.target} (draft {server.draft}) on http://{args.host}:{args.port}/v1")
     serve_http(server, args.host, args.port)
+
+
+def cmd_compile(args: argparse.Namespace) -> None:
+    """Build the compiled decode steps `specsample serve` with the same flags would run, into the cache of compiled
+    steps, so that the server starts compiled within seconds."""
+    from specsample.models import artifacts
+    from specsample.precompile import compile_steps
+
+    options = serve_engine_options(flag_values(EngineOptions, args, skip=("compile",)) | {"compile": True})
+    check_device(options.device)
+    count = compile_steps(options, _say)
+    _say(f"{count} model{'s' if count > 1 else ''}' compiled decode steps are in {artifacts.root()}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -130,7 +130,11 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
     say = say or log.info
     check_device(options.device)
     if options.compile:
-        say("compiling the decode steps after loading (20-80 s on a small CPU, once per process)")
+        say(
+            "compiling the decode steps after loading: on a CPU loaded from the cache of compiled steps in "
+            "seconds, or built where missing (1-3 min per graph on a small CPU, once per machine; "
+            "`specsample compile` builds them ahead of time); on a GPU once per process"
+        )
     pair = load_pair(options)
     if options.deterministic:
         make_deterministic(pair.target.model, options.target)

@@ -9,6 +9,7 @@ import time
 from specsample.drafters.routed import RoutedDrafter
 from specsample.drafters.suffix import SuffixCacheStats, suffix_cache_holder
 from specsample.rounds import RoundResult
+from specsample.server.compile_behind import CompileBehind
 from specsample.server.grammar_pool import GrammarPool
 from specsample.server.metrics import ServerMetrics
 from specsample.server.options import ServerOptions
@@ -19,7 +20,10 @@ from specsample.speculator import Speculator
 class SpecServer:
     """The engine, its runner thread, the tokenizer and the metrics of one serving process."""
 
-    def __init__(self, speculator: Speculator, options: ServerOptions) -> None:
+    def __init__(
+        self, speculator: Speculator, options: ServerOptions, compile_behind: CompileBehind | None = None
+    ) -> None:
+        """`compile_behind`: the compiled steps being built apart, switched to between rounds once built."""
         target = speculator.pair.target
         if target.tokenizer is None:
             raise ValueError(f"{target.spec} has no tokenizer; serving text needs one")
@@ -33,7 +37,10 @@ class SpecServer:
         self.metrics = ServerMetrics(options.min_acceptance, labels=labels | options.extra_labels)
         self.metrics.watch_suffix_cache(self._suffix_cache)
         self.metrics.show_step_path(speculator.step_path)
-        self.runner = EngineRunner(self.engine, self._observe)
+        self.compile_behind = compile_behind
+        if compile_behind is not None:
+            self.metrics.watch_compile(compile_behind.status)
+        self.runner = EngineRunner(self.engine, self._observe, self._between_rounds if compile_behind else None)
         grammars = self.engine.grammars
         self.grammar_pool = (
             GrammarPool(grammars, options.grammar_workers, options.grammar_compile_timeout)
@@ -51,6 +58,12 @@ class SpecServer:
         holder = suffix_cache_holder(self.engine.drafter)
         return holder.suffix_cache() if holder is not None else None
 
+    def _between_rounds(self) -> None:
+        """On the engine thread, before a round: switch to the compiled steps once built (`CompileBehind.poll`)."""
+        assert self.compile_behind is not None
+        if self.compile_behind.state == "compiling" and self.compile_behind.poll():
+            self.metrics.show_step_path(self.speculator.step_path)
+
     def _observe(self, result: RoundResult) -> None:
         self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)
 
@@ -59,6 +72,8 @@ class SpecServer:
 
     def stop(self) -> None:
         self.runner.stop()
+        if self.compile_behind is not None:
+            self.compile_behind.stop()
         if self.grammar_pool is not None:
             self.grammar_pool.close()
 
