@@ -17,7 +17,7 @@ from specsample.config import Grammar, SamplingParams, SettingError
 from specsample.metrics import StatsCollector
 from specsample.models.hub import FetchError
 from specsample.models.quant import QUANT_MODES
-from specsample.options import DEFAULT_TARGET, EngineOptions, check_device, parse_device
+from specsample.options import DEFAULT_TARGET, EngineOptions, check_device
 from specsample.options_cli import Flag, add_flags, flag_values
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
 
@@ -556,7 +556,6 @@ def _distill_medusa(args: argparse.Namespace) -> None:
 
 
 def _distill_eagle(args: argparse.Namespace) -> None:
-    from dataclasses import replace
 
     from specsample.distill.eagle import HeadTraining, run_head
     from specsample.distill.regenerate import Regeneration
@@ -602,7 +601,6 @@ def _distill_eagle(args: argparse.Namespace) -> None:
 
 
 def _distill_model(args: argparse.Namespace) -> None:
-    from dataclasses import replace
 
     from specsample.distill.collect import CollectConfig
     from specsample.distill.run import DistillPlan, run
@@ -793,17 +791,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
-    from specsample.precompile import packaged_models
-    from specsample.server.compile_behind import CompileBehind
     from specsample.server.serve import serve_http
     from specsample.server.state import SpecServer
     from specsample.speculator import load
 
-    # on a CPU the compiled steps are packages: serve at once on the eager or fused step, build them behind
-    behind = options.compile and parse_device(options.device).type == "cpu"
-    speculator = load(replace(options, compile=False) if behind else options, say=_say)
-    models = packaged_models(speculator.pair) if behind else []
-    server = SpecServer(speculator, serving, CompileBehind(models, options) if models else None)
+    server = SpecServer(load(options, say=_say, compile_behind=True), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
     _say(f"serving {options.target} (draft {server.draft}) on http://{args.host}:{args.port}/v1")

@@ -5,6 +5,7 @@ the metrics. The app's lifespan starts and stops it (server/app.py); every route
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from specsample.drafters.routed import RoutedDrafter
 from specsample.drafters.suffix import SuffixCacheStats, suffix_cache_holder
@@ -23,7 +24,10 @@ class SpecServer:
     def __init__(
         self, speculator: Speculator, options: ServerOptions, compile_behind: CompileBehind | None = None
     ) -> None:
-        """`compile_behind`: the compiled steps being built apart, switched to between rounds once built."""
+        """`compile_behind`: the compiled steps being built apart, switched to between rounds once built (default:
+        a build of the speculator's `pending_compile` models, where it has any)."""
+        if compile_behind is None and speculator.pending_compile:
+            compile_behind = CompileBehind(list(speculator.pending_compile), replace(speculator.options, compile=True))
         target = speculator.pair.target
         if target.tokenizer is None:
             raise ValueError(f"{target.spec} has no tokenizer; serving text needs one")
