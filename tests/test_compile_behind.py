@@ -189,3 +189,18 @@ def test_a_complete_cache_serves_compiled_from_the_start(built, tmp_path, monkey
     shutil.copytree(built, artifacts.folder(DecodeStep(model), MAX_BLOCK))
     behind = CompileBehind([model], EngineOptions(), command=[sys.executable, "-c", "raise SystemExit(3)"])
     assert behind.process is None and behind.state == "compiled" and isinstance(model.compiled, PackagedDecode)
+
+
+def test_specsample_compile_builds_what_serve_would_run(served_folder, monkeypatch, capsys) -> None:
+    """`specsample compile` takes serve's flags and builds the steps of the models serve would compile (the target
+    and a draft model; the build itself is replaced here); a runtime that cannot compile is refused."""
+    from specsample.cli import main
+
+    opened = []
+    monkeypatch.setattr(PackagedDecode, "open", classmethod(lambda cls, model, build=True: opened.append(model)))
+    draft = ["--speculative-model", str(served_folder), "--draft-quantize", "none"]
+    assert main(["compile", "--model", str(served_folder), "--dtype", "float32", *draft]) == 0
+    assert len(opened) == 2 and all(isinstance(m, LlamaModel) and m.dtype == torch.float32 for m in opened)
+    assert "the compiled decode steps of 2 models are in" in capsys.readouterr().err
+    assert main(["compile", "--model", str(served_folder), "--runtime", "hf", "--speculative-model", "ngram"]) == 2
+    assert "needs our Llama-family runtime" in capsys.readouterr().err

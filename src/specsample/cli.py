@@ -811,7 +811,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
     options = serve_engine_options(flag_values(EngineOptions, args, skip=("compile",)) | {"compile": True})
     check_device(options.device)
     count = compile_steps(options, _say)
-    _say(f"{count} model{'s' if count > 1 else ''}' compiled decode steps are in {artifacts.root()}")
+    _say(f"the compiled decode steps of {count} model{'s' if count > 1 else ''} are in {artifacts.root()}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
