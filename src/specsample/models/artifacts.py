@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,7 +111,19 @@ def key(step: DecodeStep, max_block: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "isa": sorted(set(ISA_FLAGS) & cpu_flags()),
         "kernels": row_kernels.digest() if row_kernels.available() else None,
+        "code": _code_digest(),
     }
+
+
+def _code_digest() -> str:
+    """A hash of the sources a package's graph is traced from (the step, the layers, the projections, RoPE, the
+    export): an edit to any of them builds the packages again."""
+    from specsample.models import compiled, layers, llama, quant, rope
+
+    hashed = hashlib.sha256()
+    for module in (compiled, layers, llama, quant, rope, sys.modules[__name__]):
+        hashed.update(Path(str(module.__file__)).read_bytes())
+    return hashed.hexdigest()[:16]
 
 
 def folder(step: DecodeStep, max_block: int, base: Path | None = None) -> Path:
