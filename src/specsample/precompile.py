@@ -1,17 +1,13 @@
 """Build the compiled decode steps a set of engine options will run, into the cache of compiled steps
 (models/artifacts.py), apart from serving: `specsample compile` (ahead of time: a container build, a replica image) and
-the low-priority process a server starts when its steps are missing (server/compile_behind.py), which runs this module
-with the options as JSON:
-
-    python -m specsample.precompile '{"target": "smollm2-135m-instruct", ...}'
-"""
+the low-priority process a server starts when its steps are missing (server/compile_behind.py, which runs
+`python -m specsample.server.compile_worker OPTIONS_JSON`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -49,7 +45,9 @@ def compile_steps(options: EngineOptions, say: Callable[[str], None]) -> int:
 
     for model, role in zip(models, ("target", "draft model"), strict=False):
         start = time.perf_counter()
-        PackagedDecode.open(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations while it exports
+            PackagedDecode.open(model)
         say(f"the {role}'s compiled decode steps are ready ({time.perf_counter() - start:.0f} s)")
     return len(models)
 
@@ -57,16 +55,3 @@ def compile_steps(options: EngineOptions, say: Callable[[str], None]) -> int:
 def options_json(options: EngineOptions) -> str:
     """`options` as the JSON this module's process reads."""
     return json.dumps(dataclasses.asdict(options))
-
-
-def main() -> int:
-    """The process a server starts: build the steps for the options given as JSON; exit status 0 once built."""
-    logging.basicConfig(level=logging.INFO, format="specsample (compiling): %(message)s", force=True)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own deprecations while exporting
-    options = EngineOptions(**json.loads(sys.argv[1]))
-    compile_steps(options, log.info)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

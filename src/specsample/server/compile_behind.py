@@ -1,10 +1,10 @@
 """Serve at once, compile behind: a server whose compiled decode steps are not in the cache yet (models/artifacts.py)
 serves on the eager or fused step while a separate process at low priority (`nice`) builds them
-(`python -m specsample.precompile`, what `specsample compile` runs), and switches to them between two rounds once that
-process has finished. Not a thread of the serving process: dynamo and inductor are not thread-safe, and a build would
-hold the interpreter. The switch changes which code computes the same function (greedy outputs stay equal); requests
-running at that moment go on. A build process that fails or is killed leaves the server serving as it did, and says
-so (`/health`, `/metrics`, the log).
+(`python -m specsample.server.compile_worker`: what `specsample compile` runs), and switches to them between two
+rounds once that process has finished. Not a thread of the serving process: dynamo and inductor are not thread-safe,
+and a build would hold the interpreter. The switch changes which code computes the same function (greedy outputs stay
+equal); requests running at that moment go on. A build process that fails or is killed leaves the server serving as
+it did, and says so (`/health`, `/metrics`, the log).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class CompileBehind:
     else built by a process started now; `poll()`, called between rounds, switches to them once built."""
 
     def __init__(self, models: list[LlamaModel], options: EngineOptions, command: list[str] | None = None) -> None:
-        """`command`: the build process (default: `python -m specsample.precompile OPTIONS`)."""
+        """`command`: the build process (default: `python -m specsample.server.compile_worker OPTIONS`)."""
         self.models = models
         self.folders = [artifacts.folder(DecodeStep(m), MAX_BLOCK) for m in models]
         self.total = len(models) * len(artifacts.GRAPHS)
@@ -47,7 +47,7 @@ class CompileBehind:
         if self._ready_at_start == self.total and self._switch():
             log.info("loaded the compiled decode steps from %s", artifacts.root())
             return
-        command = command or [sys.executable, "-m", "specsample.precompile", options_json(options)]
+        command = command or [sys.executable, "-m", "specsample.server.compile_worker", options_json(options)]
         self.process = subprocess.Popen(command, preexec_fn=_lower_priority, stdin=subprocess.DEVNULL)
         log.info(
             "serving on the %s step while a process at low priority (pid %d) compiles the decode steps (%d graphs, "
