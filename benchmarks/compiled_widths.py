@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from specsample.bench.context import cpu_name
 from specsample.models import compile_events
 from specsample.models.loader import load_model
 
@@ -99,6 +99,12 @@ def measure(model, context: int, contexts: tuple[int, ...], repeats: int) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--runtime",
+        default="auto",
+        choices=("auto", "ours"),
+        help="the eager side: auto (the fused step where it runs, as `load_model` picks) or ours (torch ops)",
+    )
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument(
         "--contexts", default=",".join(map(str, CONTEXTS)), help="comma-separated context lengths of the contexts table"
@@ -109,7 +115,8 @@ def main() -> None:
     args = parser.parse_args()
     contexts = tuple(int(c) for c in args.contexts.split(","))
     torch.set_num_threads(min(args.threads, torch.get_num_threads()))
-    model = load_model(args.model).model
+    model = load_model(args.model, runtime=args.runtime).model
+    eager_path = model.step_path  # what the eager side runs: the fused step or torch ops
     start, graphs = time.perf_counter(), compile_events.counts()[0]
     model.compile_decode(warm_up=True, blocks=True, batches=True)
     compile_s, warm_graphs = time.perf_counter() - start, compile_events.counts()[0] - graphs
@@ -117,8 +124,8 @@ def main() -> None:
     recompiles = compile_events.counts()[0] - graphs - warm_graphs
     report = {
         "command": "python benchmarks/compiled_widths.py " + shlex.join(sys.argv[1:]),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "eager": eager_path,
         "context": args.context,
         "repeats": args.repeats,
         "compile_s": compile_s,
@@ -139,8 +146,8 @@ def main() -> None:
     lines = [
         f"Command: `{report['command']}`",
         "",
-        f"Machine: {report['machine']}; warm-up compiled {warm_graphs} graphs in {compile_s:.0f} s; "
-        f"{recompiles} graphs compiled after it.",
+        f"Machine: {report['machine']}; eager: {eager_path}; warm-up compiled {warm_graphs} graphs in "
+        f"{compile_s:.0f} s; {recompiles} graphs compiled after it.",
         "",
         f"One row, {args.context} tokens cached in a cache of 12 x 8,192 positions, ms (median of "
         f"{args.repeats}, eager and compiled alternating):",

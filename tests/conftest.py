@@ -24,6 +24,18 @@ def pytest_collection_modifyitems(config, items) -> None:
         items[:] = kept
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_steps(tmp_path_factory):
+    """Compiled decode steps (models/artifacts.py) go to one folder for the whole session, not the user's cache: a
+    tiny model's graphs are built once and shared by every test that compiles a model of its architecture."""
+    from specsample.models import artifacts
+
+    folder = tmp_path_factory.mktemp("compiled-steps")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(artifacts.ROOT_ENV, str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return tiny_lm(32, seed=1, init_scale=0.2, dtype=torch.float64, device=DEVICE)

@@ -1,4 +1,5 @@
-"""`compile_decode`: the torch.compile'd one-token step computes what the eager runtime computes."""
+"""`compile_decode`: the compiled decode step (packages on a CPU, torch.compile with CUDA graphs on a GPU) computes what
+the eager runtime computes."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def count_compiled_calls(model: LlamaModel, monkeypatch) -> list[int]:
         calls[0] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(CompiledDecode, "__call__", counted)
+    monkeypatch.setattr(type(model.compiled), "__call__", counted)
     return calls
 
 
@@ -149,14 +150,15 @@ def test_forwards_the_step_cannot_take_are_counted(pair) -> None:
 
 
 @pytest.mark.slow
-def test_in_place_weight_update_recompiles(pair) -> None:
-    """(The module's pair: both copies get the update, so later tests still compare equal weights.)"""
+def test_in_place_weight_update_is_followed(pair) -> None:
+    """An in-place weight update reaches the compiled step: read as it is (packages), or recompiled (torch.compile).
+    (The module's pair: both copies get the update, so later tests still compare equal weights.)"""
     eager, compiled = pair
     decode_both(eager, compiled, [[1, 2, 3]], steps=1)  # compiled with the current weights
     with torch.no_grad():
         for model in (eager, compiled):
             model.layers[0].down.weight.mul_(3.0)
-    assert compiled.compiled.stale()
+    assert compiled.compiled.stale() is isinstance(compiled.compiled, CompiledDecode)
     assert decode_both(eager, compiled, [[1, 2, 3]], steps=2) < 1e-4
 
 
@@ -214,7 +216,8 @@ def test_output_subset_goes_through_the_compiled_head() -> None:
             finite = torch.isfinite(expected)
             assert float((expected[finite] - got[finite]).abs().max()) < 1e-4
             token = expected[:, -1:].argmax(-1)
-        assert compiled.compiled.head[0] is compiled.output_subset  # built for this subset
+        if isinstance(compiled.compiled, CompiledDecode):
+            assert compiled.compiled.head[0] is compiled.output_subset  # built for this subset
     with torch.no_grad():  # an in-place update of the output layer: the head's frozen copy must go
         for model in (eager, compiled):
             model.set_output_subset(torch.tensor([1, 4, 9, 60]))
@@ -236,7 +239,10 @@ def test_warm_up_covers_what_generation_calls() -> None:
     start = compile_events.counts()[0]
     model.compile_decode(warm_up=True, blocks=True)  # what a speculative setup warms
     graphs = compile_events.counts()[0]
-    assert graphs - start == 4  # the step and the output layer, each for one token and for blocks
+    if isinstance(model.compiled, CompiledDecode):
+        assert graphs - start == 4  # the step and the output layer, each for one token and for blocks
+    else:
+        assert graphs - start <= 2  # the packages' two graphs, unless an earlier test of the session built them
     generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4), config=SpecConfig(speculative=False))
     cache, slots = model.new_cache(1, 10), torch.tensor([0])
     model.forward_cached(torch.tensor([[1, 2]]), cache, slots)

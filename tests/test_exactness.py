@@ -678,3 +678,34 @@ def test_a_prefix_copy_off_by_one_position_fails(pair, monkeypatch) -> None:
     monkeypatch.setattr(kv_cache.KVCache, "copy_prefix", copy_prefix_off_by_one)
     statistic, threshold = _copied_prefix_chi_square(*pair)
     assert statistic > threshold, f"an off-by-one copy was not detected: chi2 {statistic:.1f} < {threshold:.1f}"
+
+
+@pytest.mark.slow
+def test_a_switch_to_compiled_steps_between_rounds_is_exact(pair) -> None:
+    """The target's steps switch from eager to its compiled packages between rounds (what a server does once their
+    build is done, server/compile_behind.py): rows drafted and verified before and after the switch follow the exact
+    joint distribution."""
+    if torch.device(DEVICE).type != "cpu":
+        pytest.skip("compiled packages run on CPUs")
+    from specsample.models.compiled import PackagedDecode
+
+    target, draft = pair
+    switched = tiny_lm(VOCAB, seed=10, init_scale=0.2, dtype=torch.float64)
+    compiled = PackagedDecode.open(switched)  # built once per session
+    params = WARPS["temperature_1"]
+    config = SpecConfig(max_batch_size=SAMPLES, max_seq_len=len(PROMPT) + LENGTH)
+    engine = Engine(switched, as_drafter(draft), config, planner=FixedGamma(1))
+    ids = [engine.add_request(PROMPT, dataclasses.replace(params, seed=1000 + i)) for i in range(SAMPLES)]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    emitted_before = 0
+    for rounds, result in enumerate(engine.stream()):
+        for update in result.rows:
+            out[update.request_id].extend(update.new_tokens)
+        if rounds == 0:  # one draft per round: every row has tokens left to decode after the switch
+            emitted_before = sum(map(len, out.values()))
+            switched.compiled = compiled
+    assert 0 < emitted_before < SAMPLES * LENGTH
+    index = [sum(t * VOCAB ** (LENGTH - 1 - i) for i, t in enumerate(out[rid])) for rid in ids]
+    counts = np.bincount(index, minlength=VOCAB**LENGTH)
+    statistic, threshold = chi_square(counts, exact_joint(target, params))
+    assert statistic < threshold, f"chi2 {statistic:.1f} >= threshold {threshold:.1f}"

@@ -122,7 +122,7 @@ class Entry:
     def run(self, monkeypatch, tmp_path, given: dict[str, tuple]) -> tuple[EngineOptions, ServerOptions | None]:
         seen: dict[str, object] = {}
 
-        def load(options, say=None):
+        def load(options, say=None, compile_behind=False):
             seen["engine"] = options
             if self.name in ("generate", "bench"):
                 raise Built
@@ -291,7 +291,7 @@ def test_serve_compile_has_vllm_negation(monkeypatch) -> None:
 def test_every_command_refuses_compile_with_deterministic_alike(command, capsys, monkeypatch) -> None:
     """One validation: the same refusal, exit status 2, before anything loads."""
 
-    def load(options, say=None):
+    def load(options, say=None, compile_behind=False):
         raise Built  # the pair an entry point that let the pair through would load
 
     monkeypatch.setattr(speculator_module, "load", load)
@@ -334,7 +334,9 @@ def target(tmp_path_factory):
 def test_the_built_engine_follows_the_options(entry, target, monkeypatch, tmp_path) -> None:
     """Real loading of a tiny pair through each entry point: the engine it builds runs a compiled target (compiling
     itself is skipped: tests/test_compiled.py runs it), drafts with prompt lookup, and couples sampled tokens."""
-    monkeypatch.setattr(compiled_module.CompiledDecode, "warm_up", lambda self, blocks=False, batches=False: None)
+    monkeypatch.setattr(  # loaded without running: a package set that is never called
+        compiled_module.PackagedDecode, "open", classmethod(lambda cls, model, build=True: cls(model, {}))
+    )
     given = {
         "draft": ("ngram", "ngram"),
         "dtype": ("float32", "float32"),
@@ -359,7 +361,7 @@ def test_the_built_engine_follows_the_options(entry, target, monkeypatch, tmp_pa
     elif entry == "bench":
         real_load = bench_context.load
 
-        def load(options, say=None):
+        def load(options, say=None, compile_behind=False):
             built["engine"] = real_load(options, say).engine()
             raise Built
 
@@ -391,15 +393,22 @@ def test_the_built_engine_follows_the_options(entry, target, monkeypatch, tmp_pa
     ids=["default", "enforce-eager", "deterministic"],
 )
 def test_serve_compiles_by_default(flags, compiled, target, monkeypatch) -> None:
-    """`specsample serve` builds an engine whose target runs compiled, every graph serving runs compiled before it
-    serves (batch 1 at load, then blocks and batches of rows for the engine), unless --enforce-eager, or deterministic
-    mode, which cannot compile (the compile step itself is replaced: tests/test_compiled.py runs it)."""
-    warmed = []
-    monkeypatch.setattr(
-        compiled_module.CompiledDecode,
-        "warm_up",
-        lambda self, blocks=False, batches=False: warmed.append((blocks, batches)),
-    )
+    """`specsample serve` compiles its decode steps unless --enforce-eager, or deterministic mode, which cannot
+    compile: on a CPU it serves at once, eagerly, and starts the build of the target's compiled steps apart with its
+    options (the build is replaced here: tests/test_compile_behind.py runs the switch)."""
+    started = []
+
+    class Behind:
+        state = "compiling"
+
+        def __init__(self, models, options) -> None:
+            started.append((models, options))
+
+        def status(self) -> dict:
+            return {"state": "compiling", "graphs_ready": 0, "graphs_total": 2, "eta_s": None}
+
+    monkeypatch.setattr(server_state, "CompileBehind", Behind)
+    monkeypatch.setattr(compiled_module.PackagedDecode, "open", classmethod(lambda cls, model, build=True: None))
     servers = []
     monkeypatch.setattr(serve_module, "serve_http", lambda server, host, port: servers.append(server))
     assert (
@@ -420,6 +429,10 @@ def test_serve_compiles_by_default(flags, compiled, target, monkeypatch) -> None
         == 0
     )
     engine = servers[0].engine
-    assert (engine.target.compiled is not None) is compiled
+    assert engine.target.compiled is None  # until the build is done
     assert engine.target.deterministic is ("--deterministic" in flags)
-    assert warmed == ([(False, False), (True, False), (True, True)] if compiled else [])
+    if compiled:
+        [(models, options)] = started
+        assert models == [engine.target] and options.compile and options.target == str(target)
+    else:
+        assert started == []

@@ -9,6 +9,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -109,6 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     _add_distill_parsers(sub)
     _add_serve_parser(sub)
+    comp = sub.add_parser(
+        "compile",
+        help="build the compiled decode steps `specsample serve` with the same flags runs, ahead of time (a "
+        "container build, a replica image), into the cache of compiled steps ($SPECSAMPLE_COMPILED_STEPS, "
+        "default ~/.cache/specsample/steps)",
+    )
+    add_flags(
+        comp,
+        EngineOptions,
+        defaults=SERVE_ENGINE_DEFAULTS,
+        title="engine (as `specsample serve` takes them)",
+        flags={k: v for k, v in SERVE_FLAGS.items() if k != "compile"},
+        skip=("compile",),
+    )
+    comp.set_defaults(func=cmd_compile)
     _add_bench_parser(sub)
     return parser
 
@@ -563,7 +579,6 @@ def _distill_medusa(args: argparse.Namespace) -> None:
 
 
 def _distill_eagle(args: argparse.Namespace) -> None:
-    from dataclasses import replace
 
     from specsample.distill.eagle import HeadTraining, run_head
     from specsample.distill.regenerate import Regeneration
@@ -609,7 +624,6 @@ def _distill_eagle(args: argparse.Namespace) -> None:
 
 
 def _distill_model(args: argparse.Namespace) -> None:
-    from dataclasses import replace
 
     from specsample.distill.collect import CollectConfig
     from specsample.distill.run import DistillPlan, run
@@ -804,11 +818,23 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from specsample.server.state import SpecServer
     from specsample.speculator import load
 
-    server = SpecServer(load(options, say=_say), serving)
+    server = SpecServer(load(options, say=_say, compile_behind=True), serving)
     for name in ("specsample.server", "specsample.controller"):  # per-request lines and fallback switches
         logging.getLogger(name).setLevel(logging.INFO)
     _say(f"serving {options.target} (draft {server.draft}) on http://{args.host}:{args.port}/v1")
     serve_http(server, args.host, args.port)
+
+
+def cmd_compile(args: argparse.Namespace) -> None:
+    """Build the compiled decode steps `specsample serve` with the same flags would run, into the cache of compiled
+    steps, so that the server starts compiled within seconds."""
+    from specsample.models import artifacts
+    from specsample.precompile import compile_steps
+
+    options = serve_engine_options(flag_values(EngineOptions, args, skip=("compile",)) | {"compile": True})
+    check_device(options.device)
+    count = compile_steps(options, _say)
+    _say(f"the compiled decode steps of {count} model{'s' if count > 1 else ''} are in {artifacts.root()}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -142,7 +142,7 @@ def replica_server(args: dict[str, Any], replica_id: str | None) -> SpecServer:
     from specsample.speculator import load
 
     settings = ReplicaSettings.from_args(args)
-    return SpecServer(load(settings.engine), settings.server_options(replica_id))
+    return SpecServer(load(settings.engine, compile_behind=True), settings.server_options(replica_id))
 
 
 def deployment_options(

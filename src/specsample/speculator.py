@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specsample.config import SettingError, SpecConfig, TreeShape
 from specsample.drafters.base import Drafter
@@ -19,11 +19,13 @@ from specsample.engine import Engine
 from specsample.grammar import GrammarCompiler
 from specsample.models.base import TreeLM
 from specsample.models.hub import cache_dir
+from specsample.models.llama import LlamaModel
 from specsample.models.row_padding import measure_target_widths
-from specsample.options import EngineOptions, check_device
+from specsample.options import EngineOptions, check_device, parse_device
 from specsample.pair import Pair, load_pair
 from specsample.planner import FixedGamma, GammaController, Planner
 from specsample.planner.profile import ProfileKey, ProfileStore, machine
+from specsample.precompile import packaged_models
 
 log = logging.getLogger("specsample")
 
@@ -34,6 +36,9 @@ class Speculator:
 
     pair: Pair
     target_widths: tuple[int, ...] = ()  # per tokens scored at batch 1, the width to score them at (pad_rows auto)
+    # models running eagerly until their compiled steps, missing from the cache, are built apart (`load`'s
+    # compile_behind: a server starts the build, server/compile_behind.py)
+    pending_compile: tuple[LlamaModel, ...] = ()
     _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
 
     def grammars(self) -> GrammarCompiler | None:
@@ -153,13 +158,43 @@ class Speculator:
         )
 
 
-def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None) -> Speculator:
-    """Load the target and drafter `options` name and measure what engines need (`say`: progress lines)."""
+def load(
+    options: EngineOptions = EngineOptions(), say: Callable[[str], None] | None = None, compile_behind: bool = False
+) -> Speculator:
+    """Load the target and drafter `options` name and measure what engines need (`say`: progress lines).
+
+    `compile_behind` (a server): on a CPU, models whose compiled steps are all in the cache load compiled, the others
+    eagerly, listed in `pending_compile` for the caller to build apart; without it they are built now."""
     say = say or log.info
     check_device(options.device)
+    behind = compile_behind and options.compile and parse_device(options.device).type == "cpu"
+    if behind:
+        pair = load_pair(replace(options, compile=False))
+        pending = tuple(model for model in packaged_models(pair) if not _load_compiled(model))
+        if pending:
+            say("serving without compiled decode steps until they are built (in a separate process)")
+        return _measured(pair, options, say, pending)
     if options.compile:
-        say("compiling the decode steps after loading (20-80 s on a small CPU, once per process)")
-    pair = load_pair(options)
+        say(
+            "compiling the decode steps after loading: on a CPU loaded from the cache of compiled steps in "
+            "seconds, or built where missing (1-3 min per graph on a small CPU, once per machine; "
+            "`specsample compile` builds them ahead of time); on a GPU once per process"
+        )
+    return _measured(load_pair(options), options, say, ())
+
+
+def _load_compiled(model: LlamaModel) -> bool:
+    """Run `model`'s steps from its compiled packages where the cache holds them all (True), else leave it as is."""
+    from specsample.models.compiled import PackagedDecode
+
+    model.compiled = PackagedDecode.open(model, build=False)
+    return model.compiled is not None
+
+
+def _measured(
+    pair: Pair, options: EngineOptions, say: Callable[[str], None], pending: tuple[LlamaModel, ...]
+) -> Speculator:
+    """The speculator of a loaded pair, checked and measured as `options` say."""
     if options.deterministic:
         make_deterministic(pair.target.model, options.target)
     if options.tree_shape is not None and not isinstance(pair.target.model, TreeLM):
@@ -173,7 +208,7 @@ def load(options: EngineOptions = EngineOptions(), say: Callable[[str], None] | 
         say("timing the target's forward per tokens scored (pad_rows auto)")
         widths = measure_target_widths(pair.target.model, options.most_drafts + 1)
         say(f"rounds of 1..{len(widths)} tokens scored as {widths}")
-    return Speculator(pair, widths)
+    return Speculator(pair, widths, pending)
 
 
 def make_deterministic(model: object, spec: str) -> None:

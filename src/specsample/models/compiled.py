@@ -1,24 +1,20 @@
-"""Decode steps of our Llama runtime compiled with `torch.compile` (opt-in): one token per row, and blocks of up
-to MAX_BLOCK tokens per row (a verification), each its own graph.
+"""Compiled decode steps of our Llama runtime: one token per row, and blocks of up to MAX_BLOCK tokens per row (a
+verification).
 
-Eager decoding of a small model pays per-op overhead for ~30 small ops per layer, beside
-matrix-vector products that read the weights below the memory's speed. Compiling the whole step
-(all layers at once, weights frozen as constants) fuses the small ops into a few generated kernels
-called from a C++ wrapper, and on CPUs lets inductor's autotuned C++ matrix-vector kernels replace
-oneDNN's where they are faster. The output layer is compiled apart (`DecodeHead`) and used exactly
-where the step is.
+Eager decoding of a small model pays per-op overhead for ~30 small ops per layer, beside matrix-vector products that
+read the weights below the memory's speed. Compiling the whole step (embedding, the model's own layers, final norm:
+`DecodeStep`) fuses the small ops into a few generated kernels called from a C++ wrapper.
 
-The compiled step attends over its rows' cache entries up to the furthest row's new position (shorter
-rows masked by position), so its cost follows the context, not the allocation (a server allocates the
-whole context window); that length, the batch (above 1) and the cache's size are dynamic dimensions, so neither a
-longer context nor a new request recompiles. Rows in consecutive slots (a request alone, a batch admitted together)
-are read as views of the cache, as the eager forward reads them; a copy of every layer's keys and values would
-grow with the context and, at 1,000 tokens, cost more than the fusion saves. Rows elsewhere are gathered (as the
-eager forward gathers them), in a graph of their own. It is used only where it is
-exact for the caller: up to MAX_BLOCK new tokens per row (the block length a dynamic dimension), for any
-rows of the cache (a request alone in an engine with room for more, a batch, a batch after some rows
-finished). Prefill, token trees and longer blocks run the eager path, which computes the same function; the
-graphs compiled and the calls that ran eagerly are counted (`compile_events`).
+On a CPU the step runs from AOTInductor packages (`PackagedDecode`, models/artifacts.py): built once per architecture,
+kept in a cache, loaded by a later process in seconds, running on the model's own tensors; two graphs (rows in
+consecutive slots of the cache read as views, rows elsewhere gathered), each for any batch and 1 to MAX_BLOCK tokens.
+On CUDA it runs through `torch.compile` with CUDA graphs (`CompiledDecode`), compiled once per process.
+
+The step attends over its rows' cache entries up to the furthest row's new position (shorter rows masked by
+position), so its cost follows the context, not the allocation (a server allocates the whole context window). It is
+used only where it is exact for the caller: up to MAX_BLOCK new tokens per row, for any distinct rows of the cache.
+Prefill, token trees and longer blocks run the eager path (the fused step or torch ops), which computes the same
+function; the graphs compiled and the calls that ran eagerly are counted (`compile_events`).
 """
 
 from __future__ import annotations
@@ -76,11 +72,17 @@ warnings.filterwarnings(
 class DecodeStep(nn.Module):
     """Hidden states `[b, n, hidden]` after appending n tokens (a causal block) to each of the cache's rows
     `slots [b]`, and the model's feature layers' residual streams concatenated (`LlamaModel.set_feature_layers`;
-    None where it has none)."""
+    None where it has none): the model's own layers (`Block.forward`, the code its eager forward runs), attending
+    through `StoreAttention`."""
+
+    inv_freq: Tensor
 
     def __init__(self, model: Any) -> None:  # a LlamaModel (models/llama.py imports this module)
         super().__init__()
         self.model = model
+        # RoPE's frequencies, a buffer (the model keeps them as a plain attribute, in float32 whatever its dtype), so
+        # that a compiled package reads them as one of the model's tensors, like its weights
+        self.register_buffer("inv_freq", model._inv_freq.to(model.device), persistent=False)
 
     def forward(
         self,
@@ -95,49 +97,75 @@ class DecodeStep(nn.Module):
         """`keys`/`values` are a `KVCache`'s stores as allocated, `[1 + layers * rows, KVH, max_len, hd]` (one size
         for any number of rows, 1 included; row 0 spare), written in place from `positions [b]` on; attention reads
         their first `len(key_positions)` entries (`key_positions`: 0, 1, ..). `first`: where the rows are consecutive
-        slots `first, first + 1, ..` (a `DynamicInt`), attention reads each layer's rows as a view of the stores, as
-        the eager forward does; None: it gathers them (a copy, as the eager forward's)."""
-        m, c = self.model, self.model.config
-        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        groups = heads // kv_heads
-        (batch, n), length = tokens.shape, key_positions.shape[0]
+        slots `first, first + 1, ..`, attention reads each layer's rows as a view of the stores, as the eager forward
+        does; None: it gathers them (a copy, as the eager forward's)."""
+        m = self.model
+        batch, n = tokens.shape
         x = m.embed(tokens)  # [b, n, hidden]
         new_positions = positions.view(batch, 1) + torch.arange(n, device=tokens.device).view(1, n)  # [b, n]
-        cos, sin = m.rope_tables(new_positions)  # [b, n, 1, hd]
-        key_pos = key_positions.view(1, 1, 1, length)
-        # a KV head's query rows: its group's heads, each over the n tokens (head-major)
-        query_pos = new_positions.view(batch, 1, 1, n).expand(batch, 1, groups, n).reshape(batch, 1, groups * n, 1)
-        causal = key_pos <= query_pos  # [b, 1, G * n, length]; stale entries past a row's length are masked
-        windowed = causal if c.sliding_window is None else causal & (key_pos > query_pos - c.sliding_window)
-        rows_per_layer = (keys.shape[0] - 1) // len(m.layers)
+        rope = rope_tables(self.inv_freq, m.rope_scale, new_positions, m.dtype)  # cos, sin [b, n, 1, hd]
+        attend = StoreAttention(m, keys, values, slots, new_positions, key_positions, first)
         wanted, taken = m.feature_layers or (), []
         for i, layer in enumerate(m.layers):
             if i in wanted:
                 taken.append(x)
-            qkv = project(layer.qkv, layer.input_norm(x))
-            qkv = qkv.view(batch, n, heads + 2 * kv_heads, head_dim)
-            qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
-            rows = slots + (1 + i * rows_per_layer)  # layer i's entries of the rows
-            keys[rows.view(batch, 1), :, new_positions] = qk[:, :, heads:]  # [b, n, KVH, hd]
-            values[rows.view(batch, 1), :, new_positions] = qkv[:, :, heads + kv_heads :]
-            mask = windowed if m.uses_window(i) else causal
-            q = qk[:, :, :heads].reshape(batch, n, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
-            if first is None:  # [b, KVH, length, hd]
-                row_keys = keys[:, :, :length].index_select(0, rows)
-                row_values = values[:, :, :length].index_select(0, rows)
-            else:
-                row_keys = keys.narrow(0, first + 1 + i * rows_per_layer, batch)[:, :, :length]
-                row_values = values.narrow(0, first + 1 + i * rows_per_layer, batch)[:, :, :length]
-            out = F.scaled_dot_product_attention(
-                q.reshape(batch, kv_heads, groups * n, head_dim), row_keys, row_values, attn_mask=mask
-            )  # [b, KVH, G * n, hd]
-            out = out.reshape(batch, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4)
-            x = x + project(layer.o_proj, out.reshape(batch, n, heads * head_dim))
-            gate, up = project(layer.gate_up, layer.post_norm(x)).chunk(2, dim=-1)
-            x = x + project(layer.down, F.silu(gate) * up)
+            x = layer(x, rope, attend)
         if len(m.layers) in wanted:
             taken.append(x)
         return m.norm(x), (torch.cat(taken, dim=-1) if taken else None)
+
+
+class StoreAttention:
+    """Attention for `Block.forward` inside a compiled step, layer after layer: each layer's new keys and values
+    written into the cache's flat stores at the new positions, then each query attends over its row's entries up to
+    `len(key_positions)`, masked by position (causal; the sliding window where the layer has one)."""
+
+    def __init__(
+        self,
+        model: Any,
+        keys: Tensor,  # the stores, [1 + layers * rows, KVH, max_len, hd]
+        values: Tensor,
+        slots: Tensor,  # [b]
+        new_positions: Tensor,  # [b, n]
+        key_positions: Tensor,  # [length]: 0, 1, ..
+        first: int | None,  # the first of consecutive slots (rows read as views), or None (gathered)
+    ) -> None:
+        c = model.config
+        self.model, self.keys, self.values, self.slots, self.first = model, keys, values, slots, first
+        self.new_positions, self.length, self.layer = new_positions, key_positions.shape[0], 0
+        self.groups = c.num_heads // c.num_kv_heads
+        self.rows_per_layer = (keys.shape[0] - 1) // len(model.layers)
+        batch, n = new_positions.shape
+        key_pos = key_positions.view(1, 1, 1, self.length)
+        # a KV head's query rows: its group's heads, each over the n tokens (head-major)
+        query_pos = new_positions.view(batch, 1, 1, n).expand(batch, 1, self.groups, n)
+        query_pos = query_pos.reshape(batch, 1, self.groups * n, 1)
+        self.causal = key_pos <= query_pos  # [b, 1, G * n, length]; stale entries past a row's length are masked
+        window = c.sliding_window
+        self.windowed = self.causal if window is None else self.causal & (key_pos > query_pos - window)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """`q [b, n, H, hd]`, `k`/`v [b, n, KVH, hd]` -> `[b, n, H * hd]`."""
+        batch, n, heads, head_dim = q.shape
+        kv_heads, i, length = k.shape[2], self.layer, self.length
+        self.layer += 1
+        rows = self.slots + (1 + i * self.rows_per_layer)  # layer i's entries of the rows
+        self.keys[rows.view(batch, 1), :, self.new_positions] = k
+        self.values[rows.view(batch, 1), :, self.new_positions] = v
+        mask = self.windowed if self.model.uses_window(i) else self.causal
+        grouped = q.reshape(batch, n, kv_heads, self.groups, head_dim).permute(0, 2, 3, 1, 4)
+        if self.first is None:  # [b, KVH, length, hd]
+            row_keys = self.keys[:, :, :length].index_select(0, rows)
+            row_values = self.values[:, :, :length].index_select(0, rows)
+        else:
+            start = self.first + 1 + i * self.rows_per_layer
+            row_keys = self.keys.narrow(0, start, batch)[:, :, :length]
+            row_values = self.values.narrow(0, start, batch)[:, :, :length]
+        out = F.scaled_dot_product_attention(
+            grouped.reshape(batch, kv_heads, self.groups * n, head_dim), row_keys, row_values, attn_mask=mask
+        )  # [b, KVH, G * n, hd]
+        out = out.reshape(batch, kv_heads, self.groups, n, head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(batch, n, heads * head_dim)
 
 
 def project(layer: Projection, x: Tensor) -> Tensor:
@@ -376,6 +404,61 @@ class CompiledDecode:
             if hidden.is_cuda:
                 torch.compiler.cudagraph_mark_step_begin()
             return replayed(self.head[1](hidden))
+
+
+class PackagedDecode:
+    """A model's `DecodeStep` on a CPU, run from its compiled packages (`models/artifacts.py`): the graph for rows in
+    consecutive slots and the graph for rows gathered, each taking any batch and blocks of 1 to MAX_BLOCK tokens, on
+    the model's own tensors. Loading them takes seconds; nothing traces or compiles in the process that runs them. The
+    output layer runs as the model's (one matrix product either way)."""
+
+    def __init__(self, model: Any, runners: dict[str, Any]) -> None:  # a LlamaModel
+        self.model, self.runners = model, runners
+
+    @classmethod
+    def open(cls, model: Any, base: Path | None = None, build: bool = True) -> PackagedDecode | None:
+        """`model`'s packages from the cache (`artifacts.root()` or `base`), those missing or unusable built now
+        where `build`; None where some are missing and `build` is False."""
+        from specsample.models import artifacts
+
+        runners = artifacts.open_or_build(DecodeStep(model).eval(), MAX_BLOCK, base, build_missing=build)
+        return cls(model, runners) if len(runners) == len(artifacts.GRAPHS) else None
+
+    def warm_up(self, blocks: bool = False, batches: bool = False) -> None:
+        """Nothing to compile: every shape runs one of the two loaded graphs."""
+
+    def stale(self) -> bool:
+        """Never: the packages read the model's tensors themselves, so a weight updated in place is read as it is."""
+        return False
+
+    applies = staticmethod(CompiledDecode.applies)
+
+    def __call__(
+        self, tokens: Tensor, cache: KVCache, slots: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """As `CompiledDecode.__call__`: hidden states `[b, n, hidden]` (and features) for rows `slots [b]` appending
+        `tokens [b, n]` from `positions [b]` on."""
+        n = tokens.shape[1]
+        reading = read_positions(int(positions.max()) + n, cache, tokens.device)
+        first = view_first(slots, tokens.device)
+        inputs = (
+            tokens.to(torch.long).contiguous(),
+            slots.to(torch.long).clone(),
+            positions.to(torch.long).clone(),
+            reading,
+            cache.flat_keys,
+            cache.flat_values,
+        )
+        if first is None:
+            hidden, features = self.runners["gathered"](*inputs)
+        else:
+            hidden, features = self.runners["view"](*inputs, torch.empty(first + 1))
+        return hidden, features
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The model's logits `[b, n, vocab]` from hidden states: its own output layer."""
+        out: Tensor = self.model.logits(hidden)
+        return out
 
 
 class HeadStep(nn.Module):

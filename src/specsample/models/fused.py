@@ -90,8 +90,12 @@ def expected(device: str, dtype: str, runtime: str) -> bool:
 def torch_ops_alone(model: object) -> Iterator[None]:
     """While `model` runs the fused step, torch's own ops on the calling thread run on that thread alone: the fused
     step's pool keeps the cores busy, and OpenMP's workers, which spin for a while after each op, would take one from
-    it (measured: a 6-token block 30% slower). Elsewhere a no-op."""
-    if getattr(model, "fused", None) is None or torch.get_num_threads() == 1:
+    it (measured: a 6-token block 30% slower). Elsewhere, and where a compiled step (which runs on torch's threads)
+    takes the model's steps, a no-op."""
+    if getattr(model, "fused", None) is None or getattr(model, "compiled", None) is not None:
+        yield
+        return
+    if torch.get_num_threads() == 1:
         yield
         return
     threads = torch.get_num_threads()

@@ -74,6 +74,8 @@ class Linear(nn.Linear):
         return self.packed is not None
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # traced for a compiled step: plain weights, which inductor packs itself
+            return F.linear(x, self.weight, self.bias)
         if self.packed is not None and weight_version(self.weight) != self.packed_version:
             self.pack()  # the weights were updated in place since they were packed
         if self.fixed_rows is not None and not torch.is_grad_enabled():

@@ -27,7 +27,7 @@ from specsample.models.sdpa import without_cudnn_attention
 from specsample.token_tree import tree_ancestors
 
 if TYPE_CHECKING:
-    from specsample.models.compiled import CompiledDecode
+    from specsample.models.compiled import CompiledDecode, PackagedDecode
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -317,7 +317,7 @@ class LlamaModel(nn.Module):
         self._inv_freq = inv_freq.float()  # not a buffer: must stay float32 when weights go bf16
         self.rope_scale = scale
         self.window_layers = window_layers(config) if config.sliding_window is not None else frozenset()
-        self.compiled: CompiledDecode | None = None  # see compile_decode()
+        self.compiled: CompiledDecode | PackagedDecode | None = None  # see compile_decode()
         self.fused: FusedStep | None = None  # see use_fused_step()
         # let torch pick cuDNN's attention in eager cached forwards: it builds a graph per context length
         self.cudnn_attention = False  # (models/sdpa.py); the compiled decode step's shapes never change
@@ -392,22 +392,30 @@ class LlamaModel(nn.Module):
         """Whether `layer` attends through the sliding window."""
         return layer in self.window_layers
 
-    def compile_decode(self, warm_up: bool = False, blocks: bool = False, batches: bool = False) -> CompiledDecode:
-        """Run one-token decode steps and blocks of up to 16 tokens per row (verification) through `torch.compile`
-        from now on (inference only).
+    def compile_decode(
+        self, warm_up: bool = False, blocks: bool = False, batches: bool = False
+    ) -> CompiledDecode | PackagedDecode:
+        """Run one-token decode steps and blocks of up to 16 tokens per row (verification) compiled from now on
+        (inference only); returns the compiled step (also `self.compiled`).
 
-        Compiling takes 20-80 s per graph for a 30-layer model on a 2-core CPU, on first use or now with `warm_up`
-        (the one-token step, with `blocks` the block too, with `batches` both for batches of 2+ rows too); later
-        calls run faster than eager
-        (docs/runtime.md). Weights are frozen into the compiled code: an in-place weight update makes the next call
-        recompile. Returns the compiled step (also `self.compiled`).
+        On a CPU: the model's compiled packages (`PackagedDecode`, models/artifacts.py), loaded in seconds from the
+        cache, or compiled now where missing (1-3 min per graph, two graphs, on a 2-core CPU; `specsample compile`
+        fills the cache ahead of time); they read the model's own weights, so an in-place update is read as it is.
+        On a GPU: `torch.compile` with CUDA graphs (`CompiledDecode`), each graph compiled on first use or now with
+        `warm_up` (the one-token step, with `blocks` the block too, with `batches` both for batches of 2+ rows too),
+        its weights frozen: an in-place weight update makes the next call recompile (docs/runtime.md).
         """
-        from specsample.models.compiled import CompiledDecode
+        from specsample.models.compiled import CompiledDecode, PackagedDecode
 
         if self.deterministic:
             raise ValueError(
                 "a compiled decode step cannot run in deterministic mode (its kernels differ from the eager forward's)"
             )
+        if self.device.type == "cpu":
+            packaged = PackagedDecode.open(self)
+            assert packaged is not None  # every graph is built where missing
+            self.compiled = packaged
+            return packaged
         self.compiled = compiled = CompiledDecode(self)
         if warm_up:
             compiled.warm_up(blocks, batches)
@@ -576,7 +584,7 @@ class LlamaModel(nn.Module):
 
     def _append(
         self, tokens: Tensor, cache: KVCache, slots: Tensor, parents: Tensor | None = None, compiled_ok: bool = True
-    ) -> tuple[Tensor, Tensor, CompiledDecode | None]:
+    ) -> tuple[Tensor, Tensor, CompiledDecode | PackagedDecode | None]:
         """Final hidden states `[b, n, hidden]` after appending `tokens` (a causal block, or a tree per row: see
         `Attention`), the features of the same positions (`forward_cached_features`), and the compiled step where it
         ran (where there is one and `compiled_ok`: not for prefill), else None."""

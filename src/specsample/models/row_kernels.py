@@ -76,7 +76,7 @@ def _load() -> bool:
         return False
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    name = f"specsample_kernels_{_digest()}"
+    name = f"specsample_kernels_{digest()}"
     _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
     log.info("loading the int4/int8 CPU kernels (built once per machine: about 30 s of CPU)")
     try:
@@ -132,13 +132,13 @@ def uses_amx() -> bool:
     return available() and _state["amx"]
 
 
-def _digest() -> str:
+def digest() -> str:
     """A hash of the kernels' sources and headers: the extension's name, so an edited header builds a new library
     (torch's extension cache tracks the sources alone) and checkouts of different kernels never share one."""
-    digest = hashlib.sha256()
+    hashed = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
+        hashed.update(path.read_bytes())
+    return hashed.hexdigest()[:12]
 
 
 def _register_fakes() -> None:

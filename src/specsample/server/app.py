@@ -59,6 +59,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
             "sampling": "coupled" if srv.engine.config.coupled else "rejection",
             "deterministic": srv.speculator.options.deterministic,
             "step": srv.speculator.step_path,
+            "compile": srv.compile_behind.status() if srv.compile_behind is not None else None,
         }
 
     @app.get("/metrics")

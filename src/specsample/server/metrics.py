@@ -10,7 +10,9 @@ prompt tokens, the tokens reused and those prefilled; what the kept rows hold (r
 cache, the token budget), read at every scrape.
 The shared suffix cache (suffix drafting with scope global): tokens, requests' outputs and bytes held, its capacity,
 outputs dropped for room (read at every scrape).
-Compiled models: graphs compiled after start-up (recompiles) and cached forwards run eagerly instead (fallbacks).
+Compiled models: graphs compiled after start-up (recompiles) and cached forwards run eagerly instead (fallbacks); while
+the compiled steps build behind the serving (server/compile_behind.py): graphs ready of the total, the estimated seconds
+left, and whether the build failed (read at every scrape).
 The planner (gamma auto), per batch size, read at every scrape: whether speculation is on, rounds that drafted and
 that decoded plainly, the goodput expected against the goodput measured, and the costs it plans with.
 """
@@ -129,6 +131,15 @@ class ServerMetrics:
             [*names, "path"],
             registry=self.registry,
         )
+        self.compile_ready = gauge("compile_graphs_ready", "Compiled graphs built so far (a build behind the serving)")
+        self.compile_total = gauge("compile_graphs_total", "Compiled graphs the server switches to once built")
+        self.compile_eta = gauge(
+            "compile_eta_seconds", "Estimated seconds until the compiled graphs are built (NaN: unknown)"
+        )
+        self.compile_failed = gauge(
+            "compile_failed", "1 once the build of the compiled graphs failed (serving goes on)"
+        )
+        self._path: str | None = None
         for metric in (self.recompiles, self.eager_fallbacks):  # shown at 0 from the start, labels included
             self._l(metric)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
@@ -157,8 +168,18 @@ class ServerMetrics:
         self._lock = threading.Lock()
 
     def show_step_path(self, path: str) -> None:
-        """Say which code runs the target's forwards (`Speculator.step_path`)."""
+        """Say which code runs the target's forwards (`Speculator.step_path`); the one before, if another, goes to 0."""
+        if self._path is not None and self._path != path:
+            self._l(self.step_path, path=self._path).set(0)
+        self._path = path
         self._l(self.step_path, path=path).set(1)
+
+    def watch_compile(self, status: Callable[[], dict]) -> None:
+        """Report, at every scrape, what `status()` says of the build behind the serving (`CompileBehind.status`)."""
+        self._l(self.compile_ready).set_function(lambda: float(status()["graphs_ready"]))
+        self._l(self.compile_total).set_function(lambda: float(status()["graphs_total"]))
+        self._l(self.compile_eta).set_function(lambda: float("nan") if status()["eta_s"] is None else status()["eta_s"])
+        self._l(self.compile_failed).set_function(lambda: float(status()["state"] == "failed"))
 
     def watch_suffix_cache(self, read: Callable[[], SuffixCacheStats | None]) -> None:
         """Report, at every scrape, what `read()` says the shared suffix cache holds (zeros without one)."""

@@ -42,9 +42,17 @@ class RequestHandle:
 class EngineRunner:
     """Owns the engine loop thread. `observe` is called with every round (metrics)."""
 
-    def __init__(self, engine: Engine, observe: Callable[[RoundResult], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        observe: Callable[[RoundResult], None] | None = None,
+        between_rounds: Callable[[], None] | None = None,
+    ) -> None:
+        """`between_rounds`: called on the engine thread before each round and while idle (a switch of the models'
+        steps, which only this thread may make)."""
         self.engine = engine
         self.observe = observe
+        self.between_rounds = between_rounds
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -98,6 +106,12 @@ class EngineRunner:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.between_rounds is not None:
+                try:
+                    self.between_rounds()
+                except Exception:  # the models keep the steps they had
+                    log.exception("switching the models' steps between rounds failed")
+                    self.between_rounds = None
             if not self.engine.has_work():
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()

@@ -5,11 +5,13 @@ the metrics. The app's lifespan starts and stops it (server/app.py); every route
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from specsample.drafters.routed import RoutedDrafter
 from specsample.drafters.suffix import SuffixCacheStats, suffix_cache_holder
 from specsample.planner import GammaController
 from specsample.rounds import RoundResult
+from specsample.server.compile_behind import CompileBehind
 from specsample.server.grammar_pool import GrammarPool
 from specsample.server.metrics import ServerMetrics
 from specsample.server.options import ServerOptions
@@ -20,7 +22,13 @@ from specsample.speculator import Speculator
 class SpecServer:
     """The engine, its runner thread, the tokenizer and the metrics of one serving process."""
 
-    def __init__(self, speculator: Speculator, options: ServerOptions) -> None:
+    def __init__(
+        self, speculator: Speculator, options: ServerOptions, compile_behind: CompileBehind | None = None
+    ) -> None:
+        """`compile_behind`: the compiled steps being built apart, switched to between rounds once built (default:
+        a build of the speculator's `pending_compile` models, where it has any)."""
+        if compile_behind is None and speculator.pending_compile:
+            compile_behind = CompileBehind(list(speculator.pending_compile), replace(speculator.options, compile=True))
         target = speculator.pair.target
         if target.tokenizer is None:
             raise ValueError(f"{target.spec} has no tokenizer; serving text needs one")
@@ -41,7 +49,10 @@ class SpecServer:
         self.metrics.watch_prefix_cache(self.engine.scheduler.usage)
         self.metrics.show_step_path(speculator.step_path)
         self.metrics.watch_planner(self._planner_summary)
-        self.runner = EngineRunner(self.engine, self._observe)
+        self.compile_behind = compile_behind
+        if compile_behind is not None:
+            self.metrics.watch_compile(compile_behind.status)
+        self.runner = EngineRunner(self.engine, self._observe, self._between_rounds if compile_behind else None)
         grammars = self.engine.grammars
         self.grammar_pool = (
             GrammarPool(grammars, options.grammar_workers, options.grammar_compile_timeout)
@@ -64,6 +75,12 @@ class SpecServer:
         planner = self.engine.planner
         return planner.summary() if isinstance(planner, GammaController) else ()
 
+    def _between_rounds(self) -> None:
+        """On the engine thread, before a round: switch to the compiled steps once built (`CompileBehind.poll`)."""
+        assert self.compile_behind is not None
+        if self.compile_behind.state == "compiling" and self.compile_behind.poll():
+            self.metrics.show_step_path(self.speculator.step_path)
+
     def _observe(self, result: RoundResult) -> None:
         self.metrics.observe_round(result, self.engine.num_running, self.engine.num_waiting)
 
@@ -74,6 +91,8 @@ class SpecServer:
         self.runner.stop()
         if isinstance(self.engine.planner, GammaController):
             self.engine.planner.save()  # a replica started later begins from what this one measured
+        if self.compile_behind is not None:
+            self.compile_behind.stop()
         if self.grammar_pool is not None:
             self.grammar_pool.close()
 
