@@ -13,15 +13,17 @@ def pytest_report_header(config) -> str:
     return f"specsample model tests on device: {DEVICE}"
 
 
+OPT_IN = ("load", "packages")  # markers of tests that run only when a -m expression names them
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The load test runs only when a -m expression names it: another -m (e.g. "not slow") replaces the default
-    "not load" of pyproject.toml, and must not bring the load test back."""
-    if "load" in (config.option.markexpr or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("load") is None]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("load") is not None])
-        items[:] = kept
+    """The load test and the second package build run only when a -m expression names them: another -m (e.g. "not
+    slow") replaces the default "not load and not packages" of pyproject.toml, and must not bring them back."""
+    named = [m for m in OPT_IN if m in (config.option.markexpr or "")]
+    left_out = [item for item in items if any(item.get_closest_marker(m) for m in OPT_IN if m not in named)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
 
 
 @pytest.fixture(scope="session", autouse=True)

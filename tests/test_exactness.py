@@ -681,6 +681,7 @@ def test_a_prefix_copy_off_by_one_position_fails(pair, monkeypatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.packages  # its float64 architecture's packages are a build of their own
 def test_a_switch_to_compiled_steps_between_rounds_is_exact(pair) -> None:
     """The target's steps switch from eager to its compiled packages between rounds (what a server does once their
     build is done, server/compile_behind.py): rows drafted and verified before and after the switch follow the exact

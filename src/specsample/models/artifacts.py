@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +33,6 @@ import torch
 from torch import Tensor, nn
 
 from specsample.models import compile_events, row_kernels
-from specsample.models.compiled import DecodeStep
 from specsample.models.cpu import cpu_flags
 from specsample.models.hub import cache_dir
 
@@ -61,11 +59,12 @@ ISA_FLAGS = (
 
 
 class ExportedStep(nn.Module):
-    """`DecodeStep` with the arguments an AOTInductor package takes: tensors only. For rows in consecutive slots the
+    """`DecodeStep` (models/compiled.py, typed `nn.Module` here: it imports this module) with the arguments an
+    AOTInductor package takes: tensors only. For rows in consecutive slots the
     first slot comes as the length of `first [slot + 1]` (a dynamic size; a package's integer inputs cannot be
     dynamic); without `first`, rows are gathered."""
 
-    def __init__(self, step: DecodeStep, view: bool) -> None:
+    def __init__(self, step: nn.Module, view: bool) -> None:
         super().__init__()
         self.step, self.view = step, view
 
@@ -93,9 +92,9 @@ def _tensors(module: nn.Module) -> dict[str, Tensor]:
     return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
 
 
-def key(step: DecodeStep, max_block: int) -> dict[str, Any]:
+def key(step: nn.Module, max_block: int) -> dict[str, Any]:
     """What a `DecodeStep`'s generated code depends on (see the module): equal keys, interchangeable packages."""
-    model = step.model
+    model: Any = step.model  # a LlamaModel
     tensors = {name: [list(t.shape), str(t.dtype)] for name, t in _tensors(step).items()}
     layouts = sorted(
         {f"{type(m).__name__}({m.extra_repr()}){getattr(m, '_ours', '')}" for m in model.modules() if not m._modules}
@@ -118,15 +117,15 @@ def key(step: DecodeStep, max_block: int) -> dict[str, Any]:
 def _code_digest() -> str:
     """A hash of the sources a package's graph is traced from (the step, the layers, the projections, RoPE, the
     export): an edit to any of them builds the packages again."""
-    from specsample.models import compiled, layers, llama, quant, rope
-
     hashed = hashlib.sha256()
-    for module in (compiled, layers, llama, quant, rope, sys.modules[__name__]):
-        hashed.update(Path(str(module.__file__)).read_bytes())
+    here = Path(__file__)
+    for name in ("compiled", "layers", "llama", "quant", "rope"):  # read, not imported: they import this module
+        hashed.update((here.parent / f"{name}.py").read_bytes())
+    hashed.update(here.read_bytes())
     return hashed.hexdigest()[:16]
 
 
-def folder(step: DecodeStep, max_block: int, base: Path | None = None) -> Path:
+def folder(step: nn.Module, max_block: int, base: Path | None = None) -> Path:
     """The folder of `step`'s packages under `base` (default `root()`), named by its key's digest."""
     digest = hashlib.sha256(json.dumps(key(step, max_block), sort_keys=True).encode()).hexdigest()[:20]
     return (base or root()) / digest
@@ -174,7 +173,7 @@ def _dynamic_shapes(view: bool, max_block: int) -> tuple[Any, ...]:
     return (*shapes, {0: Dim("first", min=1)}) if view else shapes
 
 
-def build(step: DecodeStep, graph: str, path: Path, max_block: int) -> float:
+def build(step: nn.Module, graph: str, path: Path, max_block: int) -> float:
     """Export `step` for `graph` and compile it into the package `path` (written whole, then renamed into place);
     returns the seconds it took."""
     start = time.perf_counter()
@@ -197,7 +196,7 @@ class Unusable(Exception):
     """A package that does not load, or does not fit the model it is meant for."""
 
 
-def load(step: DecodeStep, path: Path) -> Any:
+def load(step: nn.Module, path: Path) -> Any:
     """The package `path`, running on `step`'s own tensors; `Unusable` where it does not load or fit them."""
     try:
         runner = torch._inductor.aoti_load_package(str(path))
@@ -216,7 +215,7 @@ def load(step: DecodeStep, path: Path) -> Any:
 
 
 def open_or_build(
-    step: DecodeStep, max_block: int, base: Path | None = None, build_missing: bool = True
+    step: nn.Module, max_block: int, base: Path | None = None, build_missing: bool = True
 ) -> dict[str, Any]:
     """`step`'s graphs from its folder (`folder`), each loaded (`load`); one missing or unusable is built now where
     `build_missing` (an unusable one removed with a warning first), else the result lacks it."""
@@ -240,7 +239,7 @@ def open_or_build(
     return runners
 
 
-def _try_load(step: DecodeStep, path: Path, where: Path, expected: dict[str, Any]) -> Any:
+def _try_load(step: nn.Module, path: Path, where: Path, expected: dict[str, Any]) -> Any:
     """The package at `path` loaded, or None where there is none or it is unusable (then removed, with a warning)."""
     if not path.exists():
         return None
