@@ -95,6 +95,7 @@ def test_logits_match_eager(pair, prompts, monkeypatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.packages  # a sliding-window architecture's packages are a build of their own
 def test_sliding_window_matches_eager(monkeypatch) -> None:
     eager, compiled = twin(sliding_window=4)
     calls = count_compiled_calls(compiled, monkeypatch)
