@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specsample.drafters.base import common_prefix
+
 
 @dataclass
 class _Node:
@@ -96,11 +98,4 @@ class PrefixIndex:
 def _shared(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
     """How many leading tokens of `edge` equal `tokens[start:]`'s."""
     run = tuple(tokens[start : start + len(edge)])
-    if run == edge:
-        return len(edge)
-    n = 0
-    for a, b in zip(edge, run):
-        if a != b:
-            break
-        n += 1
-    return n
+    return len(edge) if run == edge else common_prefix(edge, run)
