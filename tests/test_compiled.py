@@ -365,3 +365,13 @@ def test_compiled_artefacts_go_to_the_specsample_cache(monkeypatch, tmp_path) ->
     assert compiled_module.keep_artefacts_in_cache() == tmp_path / "cache" / "compiled"
     monkeypatch.setenv(compiled_module.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
     assert compiled_module.keep_artefacts_in_cache() == tmp_path / "mine"
+
+
+def test_compiled_steps_hold_no_copy_of_a_layer() -> None:
+    """The compiled steps run the models' own layers (`Block.forward`, `EagleHead.forward`): the module that builds
+    them reaches no layer's projections or norms itself."""
+    import inspect
+
+    source = inspect.getsource(compiled_module)
+    for part in ("qkv", "o_proj", "gate_up", ".down", "post_norm", "input_norm", "apply_rope"):
+        assert part not in source, part

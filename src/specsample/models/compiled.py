@@ -36,8 +36,8 @@ from torch.fx.experimental.sym_node import DynamicInt
 from specsample.kv_cache import KVCache
 from specsample.models import compile_events
 from specsample.models.hub import cache_dir
-from specsample.models.layers import apply_rope, weight_version
-from specsample.models.quant import Projection, QuantLinear, SplitLinear
+from specsample.models.layers import weight_version
+from specsample.models.quant import QuantLinear
 from specsample.models.rope import rope_tables
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,9 @@ class DecodeStep(nn.Module):
         x = m.embed(tokens)  # [b, n, hidden]
         new_positions = positions.view(batch, 1) + torch.arange(n, device=tokens.device).view(1, n)  # [b, n]
         rope = rope_tables(self.inv_freq, m.rope_scale, new_positions, m.dtype)  # cos, sin [b, n, 1, hd]
-        attend = StoreAttention(m, keys, values, slots, new_positions, key_positions, first)
+        attend = StoreAttention(
+            m.config, m.uses_window, keys, values, slots, new_positions, key_positions, first, len(m.layers)
+        )
         wanted, taken = m.feature_layers or (), []
         for i, layer in enumerate(m.layers):
             if i in wanted:
@@ -122,26 +124,28 @@ class StoreAttention:
 
     def __init__(
         self,
-        model: Any,
+        config: Any,  # the layers' LlamaConfig (heads, KV heads, sliding window)
+        uses_window: Callable[[int], bool],  # whether layer i attends through the sliding window
         keys: Tensor,  # the stores, [1 + layers * rows, KVH, max_len, hd]
         values: Tensor,
         slots: Tensor,  # [b]
         new_positions: Tensor,  # [b, n]
         key_positions: Tensor,  # [length]: 0, 1, ..
         first: int | None,  # the first of consecutive slots (rows read as views), or None (gathered)
+        num_layers: int,
     ) -> None:
-        c = model.config
-        self.model, self.keys, self.values, self.slots, self.first = model, keys, values, slots, first
+        self.uses_window, self.keys, self.values, self.slots, self.first = uses_window, keys, values, slots, first
         self.new_positions, self.length, self.layer = new_positions, key_positions.shape[0], 0
-        self.groups = c.num_heads // c.num_kv_heads
-        self.rows_per_layer = (keys.shape[0] - 1) // len(model.layers)
+        self.rope_positions = new_positions  # what a layer that makes its own RoPE tables rotates by
+        self.groups = config.num_heads // config.num_kv_heads
+        self.rows_per_layer = (keys.shape[0] - 1) // num_layers
         batch, n = new_positions.shape
         key_pos = key_positions.view(1, 1, 1, self.length)
         # a KV head's query rows: its group's heads, each over the n tokens (head-major)
         query_pos = new_positions.view(batch, 1, 1, n).expand(batch, 1, self.groups, n)
         query_pos = query_pos.reshape(batch, 1, self.groups * n, 1)
         self.causal = key_pos <= query_pos  # [b, 1, G * n, length]; stale entries past a row's length are masked
-        window = c.sliding_window
+        window = config.sliding_window
         self.windowed = self.causal if window is None else self.causal & (key_pos > query_pos - window)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -152,7 +156,7 @@ class StoreAttention:
         rows = self.slots + (1 + i * self.rows_per_layer)  # layer i's entries of the rows
         self.keys[rows.view(batch, 1), :, self.new_positions] = k
         self.values[rows.view(batch, 1), :, self.new_positions] = v
-        mask = self.windowed if self.model.uses_window(i) else self.causal
+        mask = self.windowed if self.uses_window(i) else self.causal
         grouped = q.reshape(batch, n, kv_heads, self.groups, head_dim).permute(0, 2, 3, 1, 4)
         if self.first is None:  # [b, KVH, length, hd]
             row_keys = self.keys[:, :, :length].index_select(0, rows)
@@ -166,14 +170,6 @@ class StoreAttention:
         )  # [b, KVH, G * n, hd]
         out = out.reshape(batch, kv_heads, self.groups, n, head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(batch, n, heads * head_dim)
-
-
-def project(layer: Projection, x: Tensor) -> Tensor:
-    """A projection as inductor can lower it: F.linear on a float layer's plain weights (not its prepacked oneDNN path,
-    which inductor cannot lower; with frozen weights it prepacks them itself), a quantized layer's kernel op."""
-    if isinstance(layer, (QuantLinear, SplitLinear)):
-        return layer.compute(x)
-    return F.linear(x, layer.weight, layer.bias)
 
 
 class DecodeHead(nn.Module):
@@ -464,7 +460,8 @@ class PackagedDecode:
 class HeadStep(nn.Module):
     """One drafting step of an EAGLE-3 head (`models/eagle_head.py`) on each of the cache's rows `slots [b]`: the
     entry of a drawn token read with the head's output before it, appended at `positions [b]`; its output `[b, 1, H]`
-    and logits over the draft vocabulary `[b, K]`."""
+    and logits over the draft vocabulary `[b, K]`. It runs the head's own layer (`EagleHead.forward`, the code its
+    eager steps run), attending through `StoreAttention`."""
 
     def __init__(self, head: Any) -> None:  # an EagleHead (models/eagle_head.py imports this module)
         super().__init__()
@@ -480,29 +477,20 @@ class HeadStep(nn.Module):
         keys: Tensor,
         values: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        h, c = self.head, self.head.layer_config
-        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        groups = heads // kv_heads
-        batch, length = embeddings.shape[0], key_positions.shape[0]
-        normed = h.hidden_norm(hidden)
-        residual = normed if h.config.norm_before_residual else hidden
-        qkv = project(h.qkv, torch.cat([h.input_norm(embeddings), normed], dim=-1)).view(
-            batch, 1, heads + 2 * kv_heads, head_dim
+        """`keys`/`values`: the head's `KVCache` stores as allocated, `[1 + rows, KVH, max_len, hd]` (row 0 spare);
+        attention gathers the rows' first `len(key_positions)` entries."""
+        h = self.head
+        new_positions = positions.view(embeddings.shape[0], 1)  # [b, 1]
+        attend = StoreAttention(
+            h.layer_config, _no_window, keys, values, slots, new_positions, key_positions, None, num_layers=1
         )
-        cos, sin = rope_tables(h._inv_freq, h.rope_scale, positions.view(batch, 1), qkv.dtype)
-        qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
-        rows = slots + 1  # the stores' row 0 is spare (KVCache)
-        keys[rows.view(batch, 1), :, positions.view(batch, 1)] = qk[:, :, heads:]  # [b, 1, KVH, hd]
-        values[rows.view(batch, 1), :, positions.view(batch, 1)] = qkv[:, :, heads + kv_heads :]
-        mask = key_positions.view(1, 1, 1, length) <= positions.view(batch, 1, 1, 1)  # [b, 1, 1, length]
-        q = qk[:, :, :heads].reshape(batch, kv_heads, groups, head_dim)
-        out = F.scaled_dot_product_attention(
-            q, keys[:, :, :length].index_select(0, rows), values[:, :, :length].index_select(0, rows), attn_mask=mask
-        )
-        x = residual.to(out.dtype) + project(h.o_proj, out.reshape(batch, 1, heads * head_dim))
-        gate, up = project(h.gate_up, h.post_norm(x)).chunk(2, dim=-1)
-        x = x + project(h.down, F.silu(gate) * up)
-        return x, project(h.lm_head, h.norm(x[:, 0]))
+        x = h(embeddings, hidden, attend)  # [b, 1, H]
+        return x, h.logits(x[:, 0])
+
+
+def _no_window(layer: int) -> bool:
+    """An EAGLE-3 head's layer attends over the whole context."""
+    return False
 
 
 class CompiledHeadStep:
