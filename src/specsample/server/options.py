@@ -17,7 +17,7 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample
 # the most prompt tokens a round prefills beside decoding rows, and the time it spends on them as a multiple of their
 # decoding's (docs/serving.md#chunked-prefill)
 DEFAULT_PREFILL_CHUNK = 256
-DEFAULT_PREFILL_TIME_RATIO = 1.0
+DEFAULT_PREFILL_TIME_RATIO = 0.7
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after SIGTERM or Ctrl-C
 
 
@@ -92,9 +92,10 @@ class ServerOptions:
         DEFAULT_PREFILL_TIME_RATIO,
         help="while other requests decode, an engine round spends on prefilling "
         "about this many times what their decoding takes (each model's prefill "
-        "timed as it runs): 1 keeps running streams at about half their pace or "
-        "better during a long prompt's prefill (0: no bound in time; with "
-        "--prefill-chunk-tokens 0 too, whole prompts at once)",
+        "timed as it runs); the running streams' rounds take about 1 + this "
+        "times as long, a little more as the prefill slows their decoding "
+        "(0: no bound in time; with --prefill-chunk-tokens 0 too, whole prompts "
+        "at once)",
     )
     metrics_key: str | None = setting(
         None,
