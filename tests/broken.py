@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specsample.drafters.model import ModelDrafter
 from specsample.sampling import sample
 from specsample.verification.chain import Verdict, verify
 
@@ -202,3 +203,14 @@ def copy_prefix_off_by_one(self, source, slot, length):
         self.key_store[:, slot, :, 1:length] = self.key_store[:, source, :, : length - 1].clone()
         self.value_store[:, slot, :, 1:length] = self.value_store[:, source, :, : length - 1].clone()
     self.lengths[slot] = length
+
+
+class PrefillATokenLate(ModelDrafter):
+    """A draft model whose chunked prefill starts every part after a row's first a token late (that token is never
+    fed): its cache positions are off by one from the second part on."""
+
+    def prefill_rows(self, slots, units):
+        for slot, count in zip(slots, units):
+            if int(self.cache.lengths[slot]) > 0 and count > 0:
+                self._unfed[slot] = self._unfed[slot][1:]
+        super().prefill_rows(slots, units)

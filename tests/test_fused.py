@@ -110,23 +110,24 @@ def test_biases_and_features(kernel_path) -> None:
     assert (features - plain_features).abs().amax() <= 0.04 * plain_features.abs().amax()
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
-def test_a_block_scores_as_one_token_steps(kernel_path, kind: str) -> None:
-    """Bitwise: a block of n tokens, the same tokens one at a time, and a row beside other rows."""
+@pytest.mark.parametrize("kind, context", [("int4", 21), ("int8", 21), ("bf16", 21), ("int4", 300)])
+def test_a_block_scores_as_one_token_steps(kernel_path, kind: str, context: int) -> None:
+    """Bitwise: a block of n tokens, the same tokens one at a time, and a row beside other rows (its queries in two
+    blocks of tiles; a context of two key chunks too)."""
     fused, _ = _pair(kind)
     generator = torch.Generator().manual_seed(3)
     prompt, tokens = (
-        torch.randint(0, 256, (1, 21), generator=generator),
-        torch.randint(0, 256, (1, 7), generator=generator),
+        torch.randint(0, 256, (1, context), generator=generator),
+        torch.randint(0, 256, (1, 11), generator=generator),
     )
-    cache = fused.new_cache(3, 64)
+    cache = fused.new_cache(3, context + 43)
     slot = torch.tensor([1])
     fused.prefill(prompt, cache, slot)
     block = fused.forward_cached(tokens, cache, slot)
-    cache.truncate(slot, torch.tensor([21]))
-    steps = torch.cat([fused.forward_cached(tokens[:, i : i + 1], cache, slot) for i in range(7)], dim=1)
+    cache.truncate(slot, torch.tensor([context]))
+    steps = torch.cat([fused.forward_cached(tokens[:, i : i + 1], cache, slot) for i in range(11)], dim=1)
     assert torch.equal(block, steps)
-    cache.truncate(slot, torch.tensor([21]))
+    cache.truncate(slot, torch.tensor([context]))
     other = torch.randint(0, 256, (1, 9), generator=generator)
     cache.lengths[2] = 0
     fused.prefill(other, cache, torch.tensor([2]))

@@ -66,6 +66,7 @@ SERVER_VALUES = {
     "prefix_cache_rows": (2, "2"),
     "prefix_cache_tokens": (5000, "5000"),
     "prefill_chunk_tokens": (64, "64"),
+    "prefill_time_ratio": (0.5, "0.5"),
     "metrics_key": ("key-3", "key-3"),
     "grammar_compile_timeout": (2.5, "2.5"),
     "grammar_workers": (3, "3"),

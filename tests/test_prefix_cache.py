@@ -10,9 +10,11 @@ import random
 
 import pytest
 import torch
+from broken import PrefillATokenLate
 from model_factory import draft_request
 from test_eagle import _greedy_proposal, random_head
 from test_medusa import random_heads
+from virtual_clock import ClockedLM, VirtualClock
 
 from specsample import Engine, ModelDrafter, SamplingParams, SpecConfig, tiny_lm
 from specsample.drafters.base import common_prefix
@@ -143,7 +145,8 @@ def test_requests_arriving_together_prefill_their_prefix_once(models, kind: str,
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(models) -> None:
     """With a budget of 8 prompt tokens per round, a 60-token prompt arriving beside a decoding request takes 8 rounds
-    to prefill, the other request emitting tokens in each; both decode what they would alone."""
+    to prefill, the other request emitting tokens in each, and joins the decoding batch the round after; both decode
+    what they would alone."""
     target, draft = models
     engine = Engine(
         target, ModelDrafter(draft), SpecConfig(max_batch_size=2, prefill_chunk_tokens=8), planner=FixedGamma(3)
@@ -159,10 +162,79 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(models) -> Non
         rounds.append(result.stats)
         for update in result.rows:
             out[update.request_id].extend(update.new_tokens)
-    prefilling = [s for s in rounds[:8]]
-    assert [s.prefilled_tokens for s in prefilling] == [8] * 7 + [4]
-    assert all(s.batch_size == 1 and s.emitted >= 1 for s in prefilling[:7])  # a decodes meanwhile
-    assert prefilling[7].admitted == 1 and prefilling[7].batch_size == 2
+    prefilling = [s for s in rounds[:9]]
+    assert [s.prefilled_tokens for s in prefilling] == [8] * 7 + [4, 0]
+    assert all(s.batch_size == 1 and s.emitted >= 1 and s.admitted == 0 for s in prefilling[:8])  # a decodes meanwhile
+    assert prefilling[8].admitted == 1 and prefilling[8].batch_size == 2
+    assert out[a] == fresh(models, "model", QUESTIONS[0], long)
+    assert out[b] == fresh(models, "model", prompt)
+
+
+def _whole_and_chunked(drafter, prompt, parts=(1, 7, 3, 10)):
+    """A greedy proposal for two rows of the same prompt: one added whole (slot 0), one started and prefilled `parts`
+    units at a time, the rest at `add_rows` (slot 1)."""
+    drafter.allocate(2, 128)
+    drafter.add_rows([0], [prompt])
+    left = drafter.start_rows([1], [prompt])[0]
+    for count in parts:
+        drafter.prefill_rows([1], [min(count, left)])
+        left -= min(count, left)
+    drafter.add_rows([1], [prompt])
+    generators = (torch.Generator(), torch.Generator())
+    return drafter.propose(draft_request((0, 1), (3, 3), (3, 3), (GREEDY, GREEDY), generators))
+
+
+def _same_rows(proposal) -> bool:
+    same = torch.equal(proposal.tokens[0], proposal.tokens[1])
+    if proposal.probs is None:
+        return same
+    return same and torch.allclose(proposal.probs[0], proposal.probs[1], atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["model", "window", "hybrid", "suffix", "routed"])
+def test_a_drafters_chunked_prefill_leaves_the_row_a_whole_one_does(models, kind: str) -> None:
+    """A row whose prompt the drafter prefilled in parts (its draft model's cache, its lookup's index) drafts what a
+    row it prefilled whole drafts."""
+    target, draft = models
+    assert _same_rows(_whole_and_chunked(drafter_for(kind, target, draft), SYSTEM + QUESTIONS[0]))
+
+
+def test_a_chunked_draft_prefill_off_by_one_position_is_caught(models) -> None:
+    """The broken twin: a draft model whose parts after the first start a token late drafts otherwise."""
+    _, draft = models
+    assert not _same_rows(_whole_and_chunked(PrefillATokenLate(draft), SYSTEM + QUESTIONS[0]))
+
+
+@pytest.mark.parametrize("time_ratio, chunk, within", [(1.0, None, True), (None, 32, False)])
+def test_a_rounds_prefill_takes_about_the_decodings_time(models, time_ratio, chunk, within: bool) -> None:
+    """On a virtual clock (a target forward costs 2 ms and 0.5 ms per token, a draft's a tenth of that), with a time
+    ratio of 1, a 120-token prompt arriving beside a decoding request is prefilled over several rounds, each round's
+    prefill (the target's and the draft's) taking about what that round's decoding takes, at most 1.5x once the costs
+    are measured; both requests decode what they would alone. The twin, a budget of 32 tokens alone, takes 3x."""
+    target, draft = models
+    clock = VirtualClock()
+    engine = Engine(
+        ClockedLM(target, clock, base=2e-3, per_token=5e-4),
+        ModelDrafter(ClockedLM(draft, clock, base=2e-4, per_token=5e-5)),
+        SpecConfig(max_batch_size=2, prefill_chunk_tokens=chunk, prefill_time_ratio=time_ratio),
+        planner=FixedGamma(3),
+        clock=clock,
+    )
+    long = SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)
+    a = engine.add_request(QUESTIONS[0], long)
+    out = {a: [t for u in engine.step().rows for t in u.new_tokens]}
+    prompt = [(5 * i + 1) % VOCAB for i in range(121)]
+    b = engine.add_request(prompt, GREEDY)
+    out[b] = []
+    shares = []
+    for result in engine.stream():
+        stats = result.stats
+        if stats.prefilled_tokens and stats.batch_size == 1:
+            shares.append(stats.prefill_seconds / (stats.draft_seconds + stats.target_seconds + stats.verify_seconds))
+        for update in result.rows:
+            out[update.request_id].extend(update.new_tokens)
+    assert len(shares) >= 4
+    assert (max(shares[2:]) <= 1.5) == within
     assert out[a] == fresh(models, "model", QUESTIONS[0], long)
     assert out[b] == fresh(models, "model", prompt)
 

@@ -244,9 +244,13 @@ class SpecConfig:
     # the most tokens the kept rows hold together (least recently used dropped first); None: bounded by rows alone;
     # 0: no prefix is shared at all (not even a running row's: each request prefills its whole prompt)
     prefix_cache_tokens: int | None = None
-    # prompt tokens prefilled per round while other requests decode: a longer prompt is prefilled over several rounds
-    # (chunked prefill), so the running streams keep their pace; None: whole prompts at once
+    # while other requests decode, a round prefills at most this many prompt tokens (chunked prefill: a longer prompt
+    # is prefilled over several rounds, so the running streams keep their pace); None: no bound in tokens
     prefill_chunk_tokens: int | None = None
+    # while other requests decode, a round's prefill work (every model's: specsample.prefill_budget) takes about this
+    # many times the time their decoding takes per round; None: no bound in time (with no bound in tokens either,
+    # whole prompts at once)
+    prefill_time_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -267,6 +271,13 @@ class SpecConfig:
             raise SettingError(
                 "prefill_chunk_tokens",
                 f"prefill_chunk_tokens must be an integer >= 1, got {self.prefill_chunk_tokens!r}",
+            )
+        if self.prefill_time_ratio is not None and (
+            not _is_real(self.prefill_time_ratio) or not 0 < self.prefill_time_ratio < math.inf
+        ):
+            raise SettingError(
+                "prefill_time_ratio",
+                f"prefill_time_ratio must be a number > 0, got {self.prefill_time_ratio!r}",
             )
         for tokens, width in enumerate(self.target_widths, start=1):
             if not isinstance(width, int) or width < tokens:

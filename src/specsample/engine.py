@@ -20,6 +20,7 @@ from torch import Tensor
 
 from specsample.config import SamplingParams, SettingError, SpecConfig
 from specsample.drafters.base import (
+    ChunkedPrefill,
     Drafter,
     DraftRequest,
     DraftRow,
@@ -28,6 +29,7 @@ from specsample.drafters.base import (
     allocated,
     backlog_scorer,
     check_vocabulary,
+    chunked_prefill,
     feature_drafter,
     prompt_lookup,
 )
@@ -38,6 +40,7 @@ from specsample.models.fused import torch_ops_alone
 from specsample.models.row_padding import score_padded
 from specsample.planner import FixedGamma, Planner
 from specsample.planner.base import BatchState, RoundPlan, RowState
+from specsample.prefill_budget import PrefillPacer, RoundBudget
 from specsample.processors import RowProcessors, Shaper, token_logprobs
 from specsample.rounds import RoundResult, RoundStats, RowUpdate, TokenLogprob, round_outcome, round_stats
 from specsample.scheduler import Admission, Request, Scheduler
@@ -96,6 +99,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, self.drafter, config.max_batch_size, config.prefix_cache_rows, config.prefix_cache_tokens
         )
+        # how much prompt prefilling a round does while others decode, from what decoding and prefilling cost here
+        self.pacer = PrefillPacer(config.prefill_chunk_tokens, config.prefill_time_ratio)
         # the target scores token trees where it can (checked once: a runtime protocol check inspects every member)
         self._tree_target: TreeLM | None = target if isinstance(target, TreeLM) else None
         # the width of the target's features (0: it returns none): a feature draft's row copied whole gets [0, width]
@@ -229,6 +234,7 @@ class Engine:
         )
         updates = self._commit(rows, proposal, verdict, features, target_logits)  # caches keep the accepted prefix
         verify_done = self._now()
+        self.pacer.learn_decoding(verify_done - prefill_done)
         finished = [(r, u) for r, u in zip(rows, updates) if u.finish_reason is not None]
         # learning comes last: the round's time it learns from includes the commit
         self.planner.learn(
@@ -463,15 +469,19 @@ class Engine:
     def _admit(self) -> Admission:
         """Rows for waiting requests (the scheduler's choice, each starting from the longest prefix another row holds),
         then their prompts but the last token prefilled where their rows do not hold them yet: all of them, or while
-        other rows decode, `prefill_chunk_tokens` per round, oldest first. A row waiting for another's prefix copies
-        it as soon as that row's prefill gets past it, this round included. A row whose prompt is in its cache runs
-        from this round on; the drafter follows it then (with the target's features of its prefilled positions, where
-        it reads them)."""
+        other rows decode, within the round's budget (`specsample.prefill_budget`: in tokens, and in time beside the
+        decoding), oldest first, the drafter's work (`ChunkedPrefill`) in the same budget. A row waiting for another's
+        prefix copies it as soon as that row's prefill gets past it, this round included. A row whose prompt is in its
+        cache runs from this round on, or, prefilled over several rounds beside decoding ones, from the next (so its
+        first decode is not a prefill's round too); the drafter follows it then (with the target's features of its
+        prefilled positions, where it reads them)."""
         self.scheduler.admit()
-        budget = self.config.prefill_chunk_tokens if self.scheduler.num_running else None
+        budget = self.pacer.round() if self.scheduler.num_running and self.pacer.bounded else None
+        chunked = chunked_prefill(self.drafter) if budget is not None else None
         reader = feature_drafter(self.drafter)
         seen: set[int] = set()
         touched: list[Request] = []
+        worked: set[int] = set()  # rows prefilled this round
         spent = 0
         try:
             while True:  # again for rows that copied a prefix the pass before prefilled
@@ -480,15 +490,17 @@ class Engine:
                     break
                 seen.update(id(r) for r in rows)
                 touched += rows
+                if chunked is not None and budget is not None:
+                    worked.update(self._prefill_drafts(chunked, rows, budget))
                 work: list[tuple[Request, int]] = []
                 for request in rows:
                     rest = len(request.prompt) - 1 - request.prefilled
-                    n = rest if budget is None else min(rest, budget - spent)
-                    spent += n
+                    n = rest if budget is None else budget.grant("target", rest)
                     if n > 0:
                         work.append((request, n))
                 if not work:
                     continue
+                started = self.clock()
                 features = prefill_ragged(
                     self.target,
                     self.cache,
@@ -496,11 +508,18 @@ class Engine:
                     [r.prompt[r.prefilled : r.prefilled + n] for r, n in work],
                     reader is not None,
                 )
+                tokens = sum(n for _, n in work)
+                if budget is not None:
+                    budget.spend("target", tokens, self._now() - started)
+                spent += tokens
                 for i, (request, n) in enumerate(work):
                     request.prefilled += n
+                    worked.add(id(request))
                     if features is not None:
                         request.features.append(features[i])
-            done = [r for r in touched if r.prefilled == len(r.prompt) - 1]
+            for request in touched:
+                request.prefill_rounds += id(request) in worked
+            done = [r for r in touched if self._prefilled(r, budget, id(r) in worked)]
             if done:
                 self.drafter.add_rows([r.slot for r in done], [r.prompt for r in done])
                 if reader is not None:
@@ -516,6 +535,32 @@ class Engine:
             raise
         self.scheduler.started(done)
         return Admission(tuple(done), tuple(r.reused for r in done), spent)
+
+    def _prefill_drafts(self, drafter: ChunkedPrefill, rows: list[Request], budget: RoundBudget) -> set[int]:
+        """The drafter's prefill work of rows being prefilled, within the round's budget, oldest first (rows start
+        as the first round prefilling them begins); the ids of the rows that did some."""
+        fresh = [r for r in rows if r.draft_work is None]
+        if fresh:
+            for request, work in zip(fresh, drafter.start_rows([r.slot for r in fresh], [r.prompt for r in fresh])):
+                request.draft_work = work
+        parts = [(r, budget.grant("draft", r.draft_work or 0)) for r in rows]
+        parts = [(r, n) for r, n in parts if n > 0]
+        if not parts:
+            return set()
+        started = self.clock()
+        drafter.prefill_rows([r.slot for r, _ in parts], [n for _, n in parts])
+        budget.spend("draft", sum(n for _, n in parts), self._now() - started)
+        for request, n in parts:
+            request.draft_work = (request.draft_work or 0) - n
+        return {id(r) for r, _ in parts}
+
+    @staticmethod
+    def _prefilled(request: Request, budget: RoundBudget | None, worked: bool) -> bool:
+        """Whether a row being prefilled runs from this round: its prompt (but the last token) is in its cache and,
+        within a budget, the drafter's work is done and the prefill did not take several rounds ending in this one."""
+        if request.prefilled < len(request.prompt) - 1:
+            return False
+        return budget is None or (not request.draft_work and not (worked and request.prefill_rounds > 1))
 
     def _cancel(self) -> list[RowUpdate]:
         """End the cancelled requests (a cancelled row's caches are consistent: they are kept for reuse)."""

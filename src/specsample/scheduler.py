@@ -59,6 +59,8 @@ class Request:
     shared: int = 0
     features: list[Tensor] = field(default_factory=list)  # the target's features of prompt positions features_from..
     features_from: int = 0
+    draft_work: int | None = None  # units of the drafter's prefill work left (`ChunkedPrefill`); None: not started
+    prefill_rounds: int = 0  # rounds that prefilled part of its prompt
 
     @property
     def remaining(self) -> int:

@@ -113,6 +113,7 @@ class Speculator:
         prefix_cache_rows: int = 0,
         prefix_cache_tokens: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        prefill_time_ratio: float | None = None,
     ) -> SpecConfig:
         return SpecConfig(
             speculative=self.options.speculative and self.pair.drafter is not None,
@@ -122,6 +123,7 @@ class Speculator:
             prefix_cache_rows=prefix_cache_rows,
             prefix_cache_tokens=prefix_cache_tokens,
             prefill_chunk_tokens=prefill_chunk_tokens,
+            prefill_time_ratio=prefill_time_ratio,
             coupled=self.options.coupled,
         )
 
@@ -135,14 +137,16 @@ class Speculator:
         prefix_cache_rows: int = 0,
         prefix_cache_tokens: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        prefill_time_ratio: float | None = None,
     ) -> Engine:
         """An engine for up to `max_batch_size` running requests of up to `max_seq_len` tokens each (None: the
         target's context window). `drafter`: the loaded one ("loaded"), another (e.g. wrapped for swapping, or a
         fresh one beside an engine running in lockstep), or None for plain decoding; `planner`: one that keeps what
         an earlier engine's gamma auto learnt, or another policy (its gamma at most the options' most drafts);
         `prefix_cache_rows`, `prefix_cache_tokens`: finished requests' rows kept for requests sharing their prefix, and
-        the most tokens they hold together; `prefill_chunk_tokens`: prompt tokens prefilled per round while others
-        decode (`SpecConfig`)."""
+        the most tokens they hold together; `prefill_chunk_tokens`, `prefill_time_ratio`: the most prompt tokens a
+        round prefills while others decode, and the most time it spends on it, as a multiple of their decoding's
+        (`SpecConfig`)."""
         if isinstance(drafter, str) and drafter != "loaded":
             raise ValueError(f"drafter must be a Drafter, None or 'loaded', got {drafter!r}")
         target = self.pair.target
@@ -151,7 +155,14 @@ class Speculator:
         return Engine(
             target.model,
             self.pair.drafter if isinstance(drafter, str) else drafter,
-            self.spec_config(max_batch_size, max_seq_len, prefix_cache_rows, prefix_cache_tokens, prefill_chunk_tokens),
+            self.spec_config(
+                max_batch_size,
+                max_seq_len,
+                prefix_cache_rows,
+                prefix_cache_tokens,
+                prefill_chunk_tokens,
+                prefill_time_ratio,
+            ),
             target.tokenizer.eos_token_ids if target.tokenizer is not None else (),
             planner if planner is not None else self.planner(),
             grammars=self.grammars(),

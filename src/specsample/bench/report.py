@@ -495,8 +495,14 @@ def prefix_section(store: dict[str, Any]) -> list[str]:
             "",
             f"{store['long_prompt']['streams']} steady streams, then one {store['long_prompt']['prompt_tokens']}-token "
             "prompt arriving: the streams' time per output token (each round's time over the tokens a stream "
-            "emitted in it) alone and while the prompt is prefilled, prefilled in chunks of "
-            f"{store['long_prompt']['chunk_tokens']} tokens per round (the server's default) or whole.",
+            "emitted in it) alone (before the prompt arrives and after it has finished) and while the prompt is "
+            f"prefilled, prefilled in chunks of at most {store['long_prompt']['chunk_tokens']} tokens per round"
+            + (
+                f" taking about {store['long_prompt']['time_ratio']}x the streams' decoding time"
+                if store["long_prompt"].get("time_ratio")
+                else ""
+            )
+            + " (the server's default) or whole.",
             "",
             "| prefill | streams' TPOT p99 alone ms | during the long prompt ms | ratio | long prompt's TTFT ms |",
             "|---|---|---|---|---|",

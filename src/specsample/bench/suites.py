@@ -373,14 +373,16 @@ def _chat(bench: Bench, store: dict[str, Any], mode: str) -> None:
     store["chat"]["runs"][mode] = {"prefilled_tokens": prefilled, "final_tokens": final, "ttft_seconds": ttft}
 
 
-def _long_prompt(bench: Bench, store: dict[str, Any], chunk: int | None, label: str) -> None:
+def _long_prompt(bench: Bench, store: dict[str, Any], budget: tuple[int | None, float | None], label: str) -> None:
     """STREAMS steady streams timed alone for IDLE_ROUNDS rounds, then while a long prompt is prefilled (until its
-    first token): per stream and round, the round's time per token it emitted."""
+    first token, within `budget`: the engine's prefill_chunk_tokens and prefill_time_ratio), then alone again for
+    IDLE_ROUNDS rounds once it has finished (the streams' decoding changes as they go: alone is timed on both sides):
+    per stream and round, the round's time per token it emitted."""
     tokenizer, config = bench.tokenizer, bench.config
     long_prompt = tokenizer.encode(history_message(tokenizer, config.long_prompt_tokens), chat=True)
     streams = [tokenizer.encode(q, chat=True) for q in _questions(bench, STREAMS)]
     length = len(long_prompt) + 16
-    engine = bench.speculator.engine(STREAMS + 1, length, prefill_chunk_tokens=chunk)
+    engine = bench.speculator.engine(STREAMS + 1, length, prefill_chunk_tokens=budget[0], prefill_time_ratio=budget[1])
     never_ending = tuple((int(t), -100.0) for t in tokenizer.eos_token_ids)  # streams that last the whole run
     steady = SamplingParams(
         temperature=0, max_new_tokens=min(length - max(map(len, streams)), 4096), logit_bias=never_ending
@@ -389,20 +391,26 @@ def _long_prompt(bench: Bench, store: dict[str, Any], chunk: int | None, label: 
     gaps: dict[str, list[float]] = {"idle": [], "long prompt": []}
     phase, previous, long_id, long_ttft, started = "warm-up", None, None, None, None
     rounds = 0
-    while engine.has_work() and long_ttft is None:
+    while engine.has_work() and len(gaps["idle"]) < 2 * IDLE_ROUNDS * STREAMS:
         result = engine.step()
         rounds += 1
         emitted = {u.request_id: len(u.new_tokens) for u in result.rows if u.request_id in ids and u.new_tokens}
-        if previous is not None and phase != "warm-up" and len(emitted) == STREAMS:
+        if previous is not None and phase in gaps and len(emitted) == STREAMS:
             gaps[phase].extend((result.finished_at - previous) / n for n in emitted.values())
         previous = result.finished_at
-        if started is not None and any(u.request_id == long_id and u.new_tokens for u in result.rows):
-            long_ttft = result.finished_at - started
+        if (
+            started is not None
+            and long_ttft is None
+            and any(u.request_id == long_id and u.new_tokens for u in result.rows)
+        ):
+            long_ttft, phase = result.finished_at - started, "its decoding"
         if phase == "warm-up" and engine.num_running == STREAMS and rounds > 2:
             phase = "idle"
-        elif phase == "idle" and len(gaps["idle"]) >= IDLE_ROUNDS * STREAMS:
+        elif phase == "idle" and long_id is None and len(gaps["idle"]) >= IDLE_ROUNDS * STREAMS:
             long_id = engine.add_request(long_prompt, SamplingParams(temperature=0, max_new_tokens=8))
             started, phase = time.perf_counter(), "long prompt"
+        elif phase == "its decoding" and any(u.request_id == long_id and u.finish_reason for u in result.rows):
+            phase = "idle"
     for request_id in ids:
         engine.cancel(request_id)
     for _ in engine.stream():
@@ -418,11 +426,11 @@ def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """Shared prefixes with the prefix cache on and off (`prefix_cache_tokens` 0), interleaved: CLIENTS clients
     sending one system prompt of --history-tokens with different questions at once (--prefix-reps times each),
     SAMPLES samples of one prompt, a TURNS-turn chat; and STREAMS steady streams while one --long-prompt-tokens prompt
-    arrives, prefilled in chunks (the engine's default) and whole."""
+    arrives, prefilled in chunks (the server's default budget) and whole."""
     config, tokenizer = bench.config, bench.tokenizer
     if not tokenizer.has_chat_template:
         raise ValueError(f"{config.engine.target} has no chat template: the prefix suite replays chats")
-    from specsample.server.options import DEFAULT_PREFILL_CHUNK
+    from specsample.server.options import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TIME_RATIO
 
     system = history_message(tokenizer, config.history_tokens)
     store.update(
@@ -430,7 +438,12 @@ def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         shared_system={"runs": {m: [] for m in MODES}},
         samples={"n": SAMPLES, "runs": {}},
         chat={"turns": TURNS, "runs": {}},
-        long_prompt={"streams": STREAMS, "chunk_tokens": DEFAULT_PREFILL_CHUNK, "runs": {}},
+        long_prompt={
+            "streams": STREAMS,
+            "chunk_tokens": DEFAULT_PREFILL_CHUNK,
+            "time_ratio": DEFAULT_PREFILL_TIME_RATIO,
+            "runs": {},
+        },
     )
     progress = Progress("prefix", config.prefix_reps + 3)
     for rep in range(config.prefix_reps):
@@ -452,8 +465,8 @@ def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     recorder.save()
     chat = store["chat"]["runs"]["cache on"]
     progress.step(f"{TURNS}-turn chat: {chat['prefilled_tokens']} tokens prefilled for {chat['final_tokens']}")
-    for chunk, label in ((DEFAULT_PREFILL_CHUNK, "chunked"), (None, "whole")):
-        _long_prompt(bench, store, chunk, label)
+    for budget, label in (((DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TIME_RATIO), "chunked"), ((None, None), "whole")):
+        _long_prompt(bench, store, budget, label)
         recorder.save()
     progress.step("long prompt during traffic")
     progress.close()

@@ -214,6 +214,7 @@ class Abilities:
     copies_prefixes: bool = False  # `PrefixCopier`: starts a new row from another row's state of a shared prefix
     reads_features: bool = False  # `FeatureDrafter`: drafts from the target's hidden states (EAGLE)
     holds_suffix_cache: bool = False  # `SuffixCacheHolder`: reports a shared suffix cache
+    chunks_prefill: bool = False  # `ChunkedPrefill`: does a new row's prefill work a part per round (a draft's cache)
 
     def __or__(self, other: Abilities) -> Abilities:
         """What either can do (drafters serving rows side by side)."""
@@ -333,6 +334,22 @@ class FeatureDrafter(Drafter, Protocol):
         ...
 
 
+class ChunkedPrefill(Drafter, Protocol):
+    """A drafter whose new rows take work in proportion to their prompts (a draft model's cache to prefill, a lookup's
+    index to fill): the engine starts a row as the target's prefill of its prompt begins and has it do that work a part
+    per round, within the round's prefill budget (`specsample.prefill_budget`); `add_rows` then does what is left, if
+    anything, and the row runs. Chunked or whole, a row ends in the state `add_rows` alone gives it."""
+
+    def start_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Start rows for their prompts as `add_rows` does, without their prefill work: per row, the units of work
+        (tokens to prefill or index) it has to do."""
+        ...
+
+    def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
+        """Per started row, the next `units[i]` units of its work (at most what it has left)."""
+        ...
+
+
 def backlog_scorer(drafter: Drafter) -> BacklogScorer | None:
     """`drafter` where it declares that it scores backlogs (`Abilities.scores_backlog`), else None."""
     return cast(BacklogScorer, drafter) if drafter.abilities.scores_backlog else None
@@ -352,6 +369,12 @@ def prefix_copier(drafter: Drafter) -> PrefixCopier | None:
     """`drafter` where it declares that it copies a row's prefix into another (`Abilities.copies_prefixes`), else
     None."""
     return cast(PrefixCopier, drafter) if drafter.abilities.copies_prefixes else None
+
+
+def chunked_prefill(drafter: Drafter) -> ChunkedPrefill | None:
+    """`drafter` where it declares that it prefills new rows a part per round (`Abilities.chunks_prefill`), else
+    None."""
+    return cast(ChunkedPrefill, drafter) if drafter.abilities.chunks_prefill else None
 
 
 def feature_drafter(drafter: Drafter) -> FeatureDrafter | None:

@@ -14,6 +14,7 @@ from specsample.drafters.base import (
     DraftRequest,
     Proposal,
     backlog_scorer,
+    chunked_prefill,
     feature_drafter,
     merge_proposals,
     prefix_copier,
@@ -56,13 +57,19 @@ class HybridDrafter:
         self.lookup = lookup if lookup is not None else SuffixDrafter()
         self.min_match, self.offer_match = min_match, offer_match
         self.vocab_size = model.vocab_size
+        self._unprefilled: dict[int, tuple[int, int]] = {}  # started rows: the model's and the lookup's work left
 
     @property
     def abilities(self) -> Abilities:
         """Lookups, and what its draft model declares besides (backlogs, features); it keeps prefixes whatever the
         model does (a model that cannot lets its parked rows go), and copies them where the model does or can start
         a copied row afresh (a model that reads the target's features cannot: the target computes none it copies)."""
-        own = Abilities(looks_up=True, keeps_prefixes=True, holds_suffix_cache=self.lookup.abilities.holds_suffix_cache)
+        own = Abilities(
+            looks_up=True,
+            keeps_prefixes=True,
+            holds_suffix_cache=self.lookup.abilities.holds_suffix_cache,
+            chunks_prefill=True,
+        )
         model = self.model.abilities
         return own | Abilities(
             scores_backlog=model.scores_backlog,
@@ -73,14 +80,51 @@ class HybridDrafter:
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.model.allocate(num_slots, max_len)
         self.lookup.allocate(num_slots, max_len)
+        self._unprefilled.clear()
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """The model and the lookup each start the rows, or finish what `start_rows` started."""
         self.model.add_rows(slots, prompts)
         self.lookup.add_rows(slots, prompts)
+        for slot in slots:
+            self._unprefilled.pop(slot, None)
+
+    def start_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """The model and the lookup start the rows where they prefill a part at a time (the other does its work whole
+        at `add_rows`): per row, their units of work together."""
+        model, lookup = chunked_prefill(self.model), chunked_prefill(self.lookup)
+        none = [0] * len(slots)
+        left = zip(
+            model.start_rows(slots, prompts) if model is not None else none,
+            lookup.start_rows(slots, prompts) if lookup is not None else none,
+        )
+        self._unprefilled.update(zip(slots, left))
+        return [a + b for a, b in (self._unprefilled[slot] for slot in slots)]
+
+    def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
+        """Per row, `units[i]` of the model's and the lookup's work, each doing the same share of what it has left (a
+        row's mix of work, and so its cost per unit, stays even)."""
+        model_units, lookup_units = [], []
+        for slot, count in zip(slots, units):
+            model_left, lookup_left = self._unprefilled[slot]
+            total = model_left + lookup_left
+            to_model = min(model_left, round(count * model_left / total)) if total else 0
+            to_lookup = min(lookup_left, count - to_model)
+            to_model = min(model_left, count - to_lookup)
+            model_units.append(to_model)
+            lookup_units.append(to_lookup)
+            self._unprefilled[slot] = (model_left - to_model, lookup_left - to_lookup)
+        for part, counts in ((self.model, model_units), (self.lookup, lookup_units)):
+            chunked = chunked_prefill(part)
+            rows = [i for i, n in enumerate(counts) if n > 0]
+            if chunked is not None and rows:
+                chunked.prefill_rows([slots[i] for i in rows], [counts[i] for i in rows])
 
     def release_rows(self, slots: Sequence[int]) -> None:
         self.model.release_rows(slots)
         self.lookup.release_rows(slots)
+        for slot in slots:
+            self._unprefilled.pop(slot, None)
 
     def park_rows(self, slots: Sequence[int]) -> None:
         """The model keeps its rows for reuse where it can (`PrefixKeeper`); lookups re-index at `add_rows`."""

@@ -85,7 +85,7 @@ class ModelDrafter:
     window's view of the history: `_skipped[slot]` history tokens are left out after the sink.
     """
 
-    abilities = Abilities(scores_backlog=True, keeps_prefixes=True, copies_prefixes=True)
+    abilities = Abilities(scores_backlog=True, keeps_prefixes=True, copies_prefixes=True, chunks_prefill=True)
 
     def __init__(self, model: CausalLM, folder: Path | None = None, window: DraftWindow | None = None) -> None:
         self.model = model
@@ -99,6 +99,7 @@ class ModelDrafter:
         self.history: dict[int, list[int]] = {}
         self._drafted: dict[int, list[int]] = {}  # last round's drafts per slot, to find what stays valid
         self._skipped: dict[int, int] = {}  # history tokens per slot the window leaves out of the cache
+        self._unfed: dict[int, list[int]] = {}  # started rows (`start_rows`): the tokens their caches still lack
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         """(Re)allocate the draft cache; called by the engine that owns the slots. A window bounds a
@@ -109,6 +110,7 @@ class ModelDrafter:
         self.history.clear()
         self._drafted.clear()
         self._skipped.clear()
+        self._unfed.clear()
 
     @property
     def cache(self) -> ModelCache:
@@ -118,23 +120,46 @@ class ModelDrafter:
         return self._cache
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Prefill each new row's prompt except its last token (the window's view of it, with one). A slot kept by
-        `park_rows` keeps the cache entries of what its tokens share with the new prompt and prefills the rest."""
-        fed, held = [], []
+        """Prefill each new row's prompt except its last token (the window's view of it, with one); a row `start_rows`
+        started is fed what it has left. A slot kept by `park_rows` keeps the cache entries of what its tokens share
+        with the new prompt and prefills the rest."""
+        fresh = [(slot, prompt) for slot, prompt in zip(slots, prompts) if slot not in self._unfed]
+        if fresh:
+            self.start_rows([slot for slot, _ in fresh], [prompt for _, prompt in fresh])
+        for slot, prompt in zip(slots, prompts):
+            if self.history[slot] != list(prompt):
+                raise ValueError(f"row {slot} was started for another prompt")
+        self.prefill_rows(slots, [len(self._unfed[slot]) for slot in slots])
+        for slot in slots:
+            del self._unfed[slot]
+
+    def start_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Start rows as `add_rows` does, their caches holding only what a kept row shares with the prompt: per row,
+        the tokens left to prefill (`prefill_rows`, in order)."""
+        held = []
         for slot, prompt in zip(slots, prompts):
             reused = self._reusable(slot, prompt)
             if reused:  # the cache keeps the entries of the shared tokens (and the window's skip before them)
-                fed.append(list(prompt[reused:-1]))
+                self._unfed[slot] = list(prompt[reused:-1])
                 held.append(reused - self._skipped[slot])
             else:
                 kept, self._skipped[slot] = self.window.view(prompt[:-1]) if self.window else (list(prompt[:-1]), 0)
-                fed.append(kept)
+                self._unfed[slot] = kept
                 held.append(0)
             self.history[slot] = list(prompt)
             self._drafted[slot] = []
         slot_tensor = torch.tensor(list(slots), dtype=torch.long)
         self.cache.truncate(slot_tensor, torch.minimum(self.cache.lengths[slot_tensor], torch.tensor(held)))
-        prefill_ragged(self.model, self.cache, slot_tensor, fed)
+        return [len(self._unfed[slot]) for slot in slots]
+
+    def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
+        """Prefill each started row's next `units[i]` tokens."""
+        fed = []
+        for slot, count in zip(slots, units):
+            rest = self._unfed[slot]
+            fed.append(rest[:count])
+            self._unfed[slot] = rest[count:]
+        prefill_ragged(self.model, self.cache, torch.tensor(list(slots), dtype=torch.long), fed)
 
     def park_rows(self, slots: Sequence[int]) -> None:
         """Keep the rows' histories and caches for `add_rows` to reuse (`release_rows` drops them)."""
@@ -177,6 +202,7 @@ class ModelDrafter:
             self.history.pop(slot, None)
             self._drafted.pop(slot, None)
             self._skipped.pop(slot, None)
+            self._unfed.pop(slot, None)
         self.cache.reset(torch.tensor(list(slots), dtype=torch.long))
 
     def _fed(self, slot: int) -> int:

@@ -24,22 +24,35 @@ class NgramIndex:
     so a lookup must not scan the history: here it costs a few dictionary reads (about 15 us a round on a 2-core
     CPU), and indexing about 1 us per token, the prompt's at admission."""
 
-    def __init__(self, tokens: Sequence[int], min_n: int, max_n: int) -> None:
+    def __init__(self, tokens: Sequence[int], min_n: int, max_n: int, indexed: bool = True) -> None:
+        """`indexed` False: the tokens are indexed by `index_next` (a part per round, with the prompt's prefill) or
+        at the first `find`."""
         self.tokens = [int(t) for t in tokens]
         self.min_n, self.max_n = min_n, max_n
         self._last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]  # [n - min_n]
         self._earlier: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n - min_n + 1)]  # older ends
         self._indexed = 0  # ends (positions of an n-gram's last token) 0 .. _indexed - 1 are in the tables
-        self._index()  # the prompt now, with the prefill, not in the first round
+        if indexed:
+            self._index()  # the prompt now, with the prefill, not in the first round
+
+    @property
+    def unindexed(self) -> int:
+        """Ends not in the tables yet (`index_next`)."""
+        return max(len(self.tokens) - 1 - self._indexed, 0)
+
+    def index_next(self, count: int) -> None:
+        """Enter the next `count` ends."""
+        self._index(min(self._indexed + count, len(self.tokens) - 1))
 
     def extend(self, new: Sequence[int]) -> None:
         """Append committed tokens (indexed lazily, at the next `find`)."""
         self.tokens.extend(int(t) for t in new)
 
-    def _index(self) -> None:
-        """Enter every end but the last: the suffix must match an earlier occurrence, never itself."""
+    def _index(self, upto: int | None = None) -> None:
+        """Enter every end but the last (up to `upto`): the suffix must match an earlier occurrence, never itself."""
         tokens = self.tokens
-        for end in range(self._indexed, len(tokens) - 1):
+        upto = len(tokens) - 1 if upto is None else upto
+        for end in range(self._indexed, upto):
             for table, earlier, n in zip(self._last_end, self._earlier, range(self.min_n, self.max_n + 1)):
                 if end >= n - 1:
                     key = tuple(tokens[end - n + 1 : end + 1])
@@ -47,7 +60,7 @@ class NgramIndex:
                         earlier.setdefault(key, []).insert(0, table[key])
                         del earlier[key][BRANCH_MEMORY:]
                     table[key] = end
-        self._indexed = max(self._indexed, len(tokens) - 1)
+        self._indexed = max(self._indexed, upto)
 
     def find(self, max_tokens: int) -> tuple[list[int], int]:
         """Up to `max_tokens` tokens that followed the most recent earlier occurrence of the longest suffix n-gram
@@ -102,24 +115,44 @@ class NgramDrafter:
     """Drafts by prompt lookup over each row's prompt and output so far."""
 
     vocab_size = None  # proposes token ids from the context: works with any vocabulary
-    abilities = Abilities(looks_up=True, keeps_prefixes=True, copies_prefixes=True)
+    abilities = Abilities(looks_up=True, keeps_prefixes=True, copies_prefixes=True, chunks_prefill=True)
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.rows: dict[int, NgramIndex] = {}  # slot -> its prompt and output so far, indexed for lookups
+        self._started: set[int] = set()  # rows `start_rows` started, their prompts indexed a part at a time
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.rows.clear()
+        self._started.clear()
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Index each new row's prompt (a row `start_rows` started: what it has left)."""
         for slot, prompt in zip(slots, prompts):
-            self.rows[slot] = NgramIndex(prompt, self.min_n, self.max_n)
+            if slot in self._started:
+                self._started.discard(slot)
+                self.rows[slot].index_next(self.rows[slot].unindexed)
+            else:
+                self.rows[slot] = NgramIndex(prompt, self.min_n, self.max_n)
+
+    def start_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Start rows with their prompts not indexed yet: per row, the ends left to index (`prefill_rows`)."""
+        for slot, prompt in zip(slots, prompts):
+            self.rows[slot] = NgramIndex(prompt, self.min_n, self.max_n, indexed=False)
+            self._started.add(slot)
+        return [self.rows[slot].unindexed for slot in slots]
+
+    def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
+        """Index each started row's next `units[i]` ends."""
+        for slot, count in zip(slots, units):
+            self.rows[slot].index_next(count)
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self.rows.pop(slot, None)
+            self._started.discard(slot)
 
     def park_rows(self, slots: Sequence[int]) -> None:
         """Nothing to keep: `add_rows` indexes a prompt at about 1 us per token."""

@@ -22,6 +22,7 @@ from specsample.drafters.base import (
     DraftRequest,
     Proposal,
     backlog_scorer,
+    chunked_prefill,
     feature_drafter,
     merge_proposals,
     prefix_copier,
@@ -67,12 +68,15 @@ class RoutedDrafter:
     def abilities(self) -> Abilities:
         """What the drafters still serving rows (and the current one) declare between them, read afresh: a drafter
         that replaced another brings its own, and the old one's go with its last row. It keeps prefixes whatever they
-        do (a drafter that cannot lets its parked rows go). New rows are the current drafter's: it copies prefixes
-        where that one does or can start a copied row afresh (one reading the target's features cannot)."""
+        do (a drafter that cannot lets its parked rows go), and starts rows a part at a time whatever they do (one
+        that cannot does its work whole at `add_rows`). New rows are the current drafter's: it copies prefixes where
+        that one does or can start a copied row afresh (one reading the target's features cannot)."""
         drafting = self._serving(parked=False)
         serving = functools.reduce(operator.or_, (d.abilities for d in drafting), Abilities(keeps_prefixes=True))
         current = self.current.abilities
-        return dataclasses.replace(serving, copies_prefixes=current.copies_prefixes or not current.reads_features)
+        return dataclasses.replace(
+            serving, copies_prefixes=current.copies_prefixes or not current.reads_features, chunks_prefill=True
+        )
 
     def _serving(self, parked: bool = True) -> list[Drafter]:
         """The drafters still serving rows (with `parked`, kept ones too) and the current one (a snapshot: other
@@ -85,15 +89,34 @@ class RoutedDrafter:
         self.current.allocate(num_slots, max_len)
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """The current drafter starts the rows, or finishes those it started (`start_rows`; rows an earlier one
+        started start afresh)."""
+        self._take(slots).add_rows(slots, prompts)
+
+    def start_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """The current drafter starts the rows where it prefills a part at a time (else it does its work whole at
+        `add_rows`: no work now)."""
+        chunked = chunked_prefill(self._take(slots))
+        return chunked.start_rows(slots, prompts) if chunked is not None else [0] * len(slots)
+
+    def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
+        """Each started row's drafter does its next `units[i]` of work."""
+        for drafter, rows in self._groups(list(range(len(slots))), slots):
+            chunked = chunked_prefill(drafter)
+            if chunked is not None:
+                chunked.prefill_rows([slots[i] for i in rows], [units[i] for i in rows])
+
+    def _take(self, slots: Sequence[int]) -> Drafter:
+        """The current drafter, now owning `slots` (rows an earlier one kept or started are let go there)."""
         with self._lock:
             drafter = self.current
         replaced = [s for s in slots if s in self._owner and self._owner[s] is not drafter]
         for slot in replaced:  # a row kept by an earlier drafter: that drafter lets it go
             self._owner.pop(slot).release_rows([slot])
-        drafter.add_rows(slots, prompts)
         for slot in slots:
             self._owner[slot] = drafter
             self._parked.discard(slot)
+        return drafter
 
     def release_rows(self, slots: Sequence[int]) -> None:
         for drafter, rows in self._groups(list(range(len(slots))), slots):

@@ -77,7 +77,9 @@ class SuffixDrafter:
     `capacity` bounds the shared cache in tokens."""
 
     vocab_size = None  # proposes token ids from committed text: works with any vocabulary
-    abilities = Abilities(looks_up=True, keeps_prefixes=True, copies_prefixes=True, holds_suffix_cache=True)
+    abilities = Abilities(
+        looks_up=True, keeps_prefixes=True, copies_prefixes=True, holds_suffix_cache=True, chunks_prefill=True
+    )
 
     def __init__(
         self,
@@ -98,6 +100,7 @@ class SuffixDrafter:
         self.suffix_cache_scope, self.capacity = suffix_cache_scope, capacity
         self.factor, self.offset, self.min_prob = factor, offset, min_prob
         self.rows: dict[int, SuffixIndex] = {}  # slot -> its prompt and output
+        self._unindexed: dict[int, list[int]] = {}  # started rows (`start_rows`): the prompt tokens not indexed yet
         self.shared = SuffixIndex(LEVELS, capacity) if suffix_cache_scope == "global" else None
         self._sequence: dict[int, int] = {}  # slot -> its output's sequence id in the shared cache
         self._next_sequence = 0
@@ -111,25 +114,47 @@ class SuffixDrafter:
     def allocate(self, num_slots: int, max_len: int) -> None:
         """A new engine: no rows, and an empty shared cache (drafts are shared within one engine's requests)."""
         self.rows.clear()
+        self._unindexed.clear()
         self._sequence.clear()
         self._memo.clear()
         if self.shared is not None:
             self.shared = SuffixIndex(LEVELS, self.capacity)
 
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Index each new row's prompt (a row `start_rows` started: what it has left); its output will follow the
+        prompt's last LEAD_IN tokens in the shared cache."""
+        fresh = [(slot, prompt) for slot, prompt in zip(slots, prompts) if slot not in self._unindexed]
+        if fresh:
+            self.start_rows([slot for slot, _ in fresh], [prompt for _, prompt in fresh])
+        self.prefill_rows(slots, [len(self._unindexed[slot]) for slot in slots])
         for slot, prompt in zip(slots, prompts):
-            self.rows[slot] = _own([int(t) for t in prompt])
-            self._memo.pop(slot, None)
+            del self._unindexed[slot]
             if self.shared is not None:
                 sequence = self._sequence[slot] = self._next_sequence
                 self._next_sequence = (sequence + 1) % (1 << 31)
                 self.shared.drop(sequence)  # an id from 2**31 requests ago, if it is still held
                 self.shared.add(sequence, [int(t) for t in prompt[-LEAD_IN:]])
 
+    def start_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Start rows with empty indexes: per row, the prompt tokens left to index (`prefill_rows`, in order)."""
+        for slot, prompt in zip(slots, prompts):
+            self.rows[slot] = _own([])
+            self._unindexed[slot] = [int(t) for t in prompt]
+            self._memo.pop(slot, None)
+        return [len(self._unindexed[slot]) for slot in slots]
+
+    def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
+        """Index each started row's next `units[i]` prompt tokens."""
+        for slot, count in zip(slots, units):
+            rest = self._unindexed[slot]
+            self.rows[slot].extend(0, rest[:count])
+            self._unindexed[slot] = rest[count:]
+
     def release_rows(self, slots: Sequence[int]) -> None:
         """The rows' own indexes go; their outputs stay in the shared cache until evicted."""
         for slot in slots:
             self.rows.pop(slot, None)
+            self._unindexed.pop(slot, None)
             self._sequence.pop(slot, None)
             self._memo.pop(slot, None)
 

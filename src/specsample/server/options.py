@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from math import inf
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,10 @@ from specsample.options_cli import setting
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full context of text is a few tens of KiB
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0  # seconds; the schemas within specsample.json_schema's limits take < 1 s
-DEFAULT_PREFILL_CHUNK = 32  # prompt tokens per round beside decoding rows (docs/serving.md#the-prefix-cache)
+# the most prompt tokens a round prefills beside decoding rows, and the time it spends on them as a multiple of their
+# decoding's (docs/serving.md#chunked-prefill)
+DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_TIME_RATIO = 0.7
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests may finish in after SIGTERM or Ctrl-C
 
 
@@ -80,9 +84,18 @@ class ServerOptions:
     )
     prefill_chunk_tokens: int | None = setting(
         DEFAULT_PREFILL_CHUNK,
-        help="prompt tokens prefilled per engine round while other requests decode: "
-        "a longer prompt is prefilled over several rounds, so running streams keep "
-        "their pace (0: whole prompts at once)",
+        help="the most prompt tokens an engine round prefills while other requests "
+        "decode: a longer prompt is prefilled over several rounds, so running "
+        "streams keep their pace (0: no bound in tokens)",
+    )
+    prefill_time_ratio: float | None = setting(
+        DEFAULT_PREFILL_TIME_RATIO,
+        help="while other requests decode, an engine round spends on prefilling "
+        "about this many times what their decoding takes (each model's prefill "
+        "timed as it runs); the running streams' rounds take about 1 + this "
+        "times as long, a little more as the prefill slows their decoding "
+        "(0: no bound in time; with --prefill-chunk-tokens 0 too, whole prompts "
+        "at once)",
     )
     metrics_key: str | None = setting(
         None,
@@ -120,6 +133,11 @@ class ServerOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise SettingError(name, f"{name} must be an integer >= {least}, got {value!r}")
+        ratio = self.prefill_time_ratio
+        if ratio is not None and (
+            isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio < inf
+        ):
+            raise SettingError("prefill_time_ratio", f"prefill_time_ratio must be a number >= 0, got {ratio!r}")
         if self.min_acceptance is not None and not 0.0 <= self.min_acceptance <= 1.0:
             raise SettingError("min_acceptance", f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
         for name in ("api_key", "admin_key", "metrics_key"):

@@ -41,6 +41,7 @@ class SpecServer:
             prefix_cache_rows=options.prefix_cache_rows,
             prefix_cache_tokens=options.prefix_cache_tokens,
             prefill_chunk_tokens=options.prefill_chunk_tokens or None,
+            prefill_time_ratio=options.prefill_time_ratio or None,
         )
         self.draft = speculator.draft  # the draft in use (/admin/draft replaces it)
         labels = {"replica": options.replica_id} if options.replica_id else {}

@@ -337,12 +337,13 @@ class FusedStack : public torch::CustomClassHolder {
   }
 
   // Attention on AMX tiles. The keys of a row split into chunks of KEY_CHUNK at fixed positions; one task per (row, kv
-  // head, up to 16 of its query rows r = i * groups + g, chunk): scores S^T = K Q^T 16 keys at a time, a softmax per
-  // query row within the chunk (the keys it does not see weigh exactly 0), O = P V 32 keys at a time; then each query
-  // row's chunks merge in order (flash-decoding), so a long context's keys spread over the threads. A key's score, a
-  // weight-0 key's term and a chunk's result do not depend on the other queries or keys of the call, so a causal
-  // block scores each position bitwise as a one-token step does; a tree's token gets its path's chain result to
-  // rounding.
+  // head, chunk), which computes the chunk's part for each block of up to 16 of the head's query rows
+  // r = i * groups + g in turn (the chunk's keys and values read from memory once, then from the core's caches): scores
+  // S^T = K Q^T 16 keys at a time, a softmax per query row within the chunk (the keys it does not see weigh exactly
+  // 0), O = P V 32 keys at a time; then each query row's chunks merge in order (flash-decoding), so a long context's
+  // keys spread over the threads. A key's score, a weight-0 key's term and a chunk's result do not depend on the other
+  // queries or keys of the call, so a causal block scores each position bitwise as a one-token step does; a tree's
+  // token gets its path's chain result to rounding.
   void attend_amx(int64_t layer, int64_t num_slots, int64_t batch, int64_t n, int64_t max_len, const int64_t* slot_of,
                   const int64_t* start_of, const uint8_t* visible, const bf16* queries, const bf16* key_store,
                   const bf16* value_store, bf16* out) const {
@@ -353,31 +354,10 @@ class FusedStack : public torch::CustomClassHolder {
     int64_t chunks32 = 0;  // 32-key steps of the longest row
     for (int64_t row = 0; row < batch; ++row) chunks32 = std::max(chunks32, (start_of[row] + n + 31) / 32);
     const int64_t key_chunks = (chunks32 * 32 + KEY_CHUNK - 1) / KEY_CHUNK;
-    // several query blocks per kv head: the values interleaved once for all of them, [row][kv head][32 keys][tiles]
-    std::vector<bf16> interleaved;
-    if (blocks > 1) {
-      interleaved.resize(batch * kv_heads_ * chunks32 * (hd / 16) * 512);
-      specsample::parallel_for(0, batch * kv_heads_ * chunks32, 1, [&](int64_t begin, int64_t end) {
-        alignas(64) bf16 padded[32 * 128];
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t row = task / (kv_heads_ * chunks32), kv_head = (task / chunks32) % kv_heads_;
-          const int64_t t0 = 32 * (task % chunks32), total = start_of[row] + n;
-          if (t0 >= total) continue;
-          const bf16* values = value_store + (1 + layer * num_slots + slot_of[row]) * row_stride +
-                               kv_head * max_len * hd + t0 * hd;
-          if (t0 + 32 > total) {
-            std::memset(padded, 0, sizeof padded);
-            std::memcpy(padded, values, (total - t0) * hd * sizeof(bf16));
-            values = padded;
-          }
-          interleave_values(values, hd, 0, hd / 16, interleaved.data() + task * (hd / 16) * 512);
-        }
-      });
-    }
-    // each task's partial result per query row: its chunk's max score, weight sum and unnormalised output
+    // each (block, chunk)'s partial result per query row: its chunk's max score, weight sum and unnormalised output
     const int64_t partial = hd + 2;
     std::vector<float> partials(batch * kv_heads_ * blocks * key_chunks * 16 * partial);
-    specsample::parallel_for(0, batch * kv_heads_ * blocks * key_chunks, 1, [&](int64_t begin, int64_t end) {
+    specsample::parallel_for(0, batch * kv_heads_ * key_chunks, 1, [&](int64_t begin, int64_t end) {
       alignas(64) bf16 query_pairs[4 * 16 * 32];  // B tiles of Q^T: [step][dim pair][query row][2]
       alignas(64) float score_tile[16 * 16];
       alignas(64) bf16 value_tiles[4 * 16 * 32];  // B tiles of V: [16 dims][key pair][dim][2]
@@ -385,128 +365,150 @@ class FusedStack : public torch::CustomClassHolder {
       alignas(64) float sums_tile[4 * 16 * 16];
       std::vector<float> scores;
       std::vector<bf16> probs;
+      // several query blocks: the chunk's values interleaved once for all of them, [32 keys][tiles], zero past the row
+      std::vector<bf16> interleaved(blocks > 1 ? (KEY_CHUNK / 32) * (hd / 16) * 512 : 0);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t chunk = task % key_chunks, block_task = task / key_chunks;
-        const int64_t row = block_task / (kv_heads_ * blocks), kv_head = (block_task / blocks) % kv_heads_;
-        const int64_t r0 = (block_task % blocks) * 16, rows = std::min<int64_t>(16, query_rows - r0);
-        float* results = partials.data() + task * 16 * partial;
-        for (int64_t r = 0; r < rows; ++r) results[r * partial] = -INFINITY;  // no key seen in this chunk
+        const int64_t chunk = task % key_chunks, row_head = task / key_chunks;
+        const int64_t row = row_head / kv_heads_, kv_head = row_head % kv_heads_;
+        for (int64_t block = 0; block < blocks; ++block) {
+          float* results = partials.data() + ((row_head * blocks + block) * key_chunks + chunk) * 16 * partial;
+          for (int64_t r = 0; r < 16; ++r) results[r * partial] = -INFINITY;  // no key seen in this chunk
+        }
+        const int64_t c0 = chunk * KEY_CHUNK, row_total = start_of[row] + n;
+        if (c0 >= row_total) continue;
         const int64_t offset = (1 + layer * num_slots + slot_of[row]) * row_stride + kv_head * max_len * hd;
         const bf16* key_base = key_store + offset;
         const bf16* value_base = value_store + offset;
-        // the keys these queries see lie before the furthest one they see: the rest weigh 0 and are not read
-        const int64_t context = start_of[row];
-        int64_t total = context;
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = (r0 + r) / groups;
-          for (int64_t j = n - 1; j >= 0; --j)
-            if (visible[(row * n + i) * n + j]) {
-              total = std::max(total, context + j + 1);
-              break;
+        if (blocks > 1) {
+          for (int64_t t0 = c0; t0 < std::min(row_total, c0 + KEY_CHUNK); t0 += 32) {
+            const bf16* values = value_base + t0 * hd;
+            if (t0 + 32 > row_total) {
+              std::memset(padded, 0, sizeof padded);
+              std::memcpy(padded, values, (row_total - t0) * hd * sizeof(bf16));
+              values = padded;
             }
-        }
-        const int64_t c0 = chunk * KEY_CHUNK, c1 = std::min(total, c0 + KEY_CHUNK);
-        if (c0 >= c1) continue;
-        const int64_t span = (c1 - c0 + 31) / 32 * 32;
-        auto query = [&](int64_t r) {  // query row r0 + r: token i, head kv_head * groups + g
-          const int64_t i = (r0 + r) / groups, g = (r0 + r) % groups;
-          return ((row * n + i) * heads_ + kv_head * groups + g) * hd;
-        };
-        uint32_t* pairs = reinterpret_cast<uint32_t*>(query_pairs);
-        for (int64_t r = 0; r < rows; ++r) {
-          const uint32_t* q = reinterpret_cast<const uint32_t*>(queries + query(r));
-          for (int64_t p = 0; p < hd / 2; ++p) pairs[(p / 16) * 256 + (p % 16) * rows + r] = q[p];
-        }
-        // scores of the chunk's keys, masked: -inf where the query does not see the key
-        scores.assign(rows * span, -INFINITY);
-        specsample::TileConfig config;
-        config.rows[0] = 16, config.colsb[0] = rows * 4;  // S^T: 16 keys x rows
-        config.rows[1] = 16, config.colsb[1] = 64;        // K: 16 keys x 32 dims
-        for (int t = 2; t < 2 + steps; ++t) config.rows[t] = 16, config.colsb[t] = rows * 4;  // Q^T per 32 dims
-        _tile_loadconfig(&config);
-        for (int64_t step = 0; step < steps; ++step) load_tile(2 + step, query_pairs + step * 512, rows * 4);
-        const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-        for (int64_t t0 = c0; t0 < c1; t0 += 16) {
-          const bf16* keys = key_base + t0 * hd;
-          if (t0 + 16 > c1) {
-            std::memset(padded, 0, sizeof padded);
-            std::memcpy(padded, keys, (c1 - t0) * hd * sizeof(bf16));
-            keys = padded;
+            interleave_values(values, hd, 0, hd / 16, interleaved.data() + ((t0 - c0) / 32) * (hd / 16) * 512);
           }
-          _tile_zero(0);
-          for (int64_t step = 0; step < steps; ++step) {
-            _tile_loadd(1, keys + 32 * step, hd * 2);
-            multiply_scores(2 + step);
-          }
-          _tile_stored(0, score_tile, 64);
+        }
+        for (int64_t block = 0; block < blocks; ++block) {
+          const int64_t r0 = block * 16, rows = std::min<int64_t>(16, query_rows - r0);
+          float* results = partials.data() + ((row_head * blocks + block) * key_chunks + chunk) * 16 * partial;
+          // the keys these queries see lie before the furthest one they see: the rest weigh 0 and are not read
+          const int64_t context = start_of[row];
+          int64_t total = context;
           for (int64_t r = 0; r < rows; ++r) {
-            const uint8_t* seen = visible + (row * n + (r0 + r) / groups) * n;
-            __mmask16 keep = t0 + 16 <= context ? 0xFFFF : 0;  // the keys t0 .. t0 + 15 this query sees
-            for (int64_t u = 0; u < 16 && t0 + u < c1 && t0 + 16 > context; ++u)
-              if (t0 + u < context || seen[t0 + u - context]) keep |= static_cast<__mmask16>(1u << u);
-            if (t0 + 16 > c1) keep &= static_cast<__mmask16>((1u << (c1 - t0)) - 1);
-            __m512 row_scores = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)), score_tile, 4);
-            _mm512_mask_storeu_ps(scores.data() + r * span + (t0 - c0), keep,
-                                  _mm512_mul_ps(row_scores, _mm512_set1_ps(scale)));
-          }
-        }
-        // weights relative to the chunk's best score, rounded to bfloat16, summed as rounded
-        probs.assign(rows * span, bf16(0.0f));
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* row_scores = scores.data() + r * span;
-          __m512 best = _mm512_set1_ps(-INFINITY);
-          for (int64_t t = 0; t < span; t += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row_scores + t));
-          const float top = _mm512_reduce_max_ps(best);
-          results[r * partial] = top;
-          if (top == -INFINITY) continue;  // sees none of this chunk's keys
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t t = 0; t < span; t += 16) {
-            __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(row_scores + t), _mm512_set1_ps(top)));
-            __m256bh rounded = _mm512_cvtneps_pbh(p);
-            std::memcpy(probs.data() + r * span + t, &rounded, 32);
-            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
-          }
-          results[r * partial + 1] = _mm512_reduce_add_ps(sum);
-        }
-        // O = P V, 64 dims (4 tiles) at a time
-        specsample::TileConfig pv;
-        for (int t = 0; t < 4; ++t) pv.rows[t] = rows, pv.colsb[t] = 64;  // O: rows x 16 dims
-        pv.rows[4] = rows, pv.colsb[4] = 64;                              // P: rows x 32 keys
-        pv.rows[5] = 16, pv.colsb[5] = 64;                                // V: 16 key pairs x 16 dims
-        _tile_loadconfig(&pv);
-        for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-          const int64_t tiles = std::min<int64_t>(4, (hd - d0) / 16);
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t t0 = c0; t0 < c1; t0 += 32) {
-            const bf16* tiles_here = value_tiles;
-            if (!interleaved.empty()) {
-              tiles_here = interleaved.data() + ((row * kv_heads_ + kv_head) * chunks32 + t0 / 32) * (hd / 16) * 512 +
-                           (d0 / 16) * 512;
-            } else {
-              const bf16* values = value_base + t0 * hd;
-              if (t0 + 32 > c1) {
-                std::memset(padded, 0, sizeof padded);
-                std::memcpy(padded, values, (c1 - t0) * hd * sizeof(bf16));
-                values = padded;
+            const int64_t i = (r0 + r) / groups;
+            for (int64_t j = n - 1; j >= 0; --j)
+              if (visible[(row * n + i) * n + j]) {
+                total = std::max(total, context + j + 1);
+                break;
               }
-              interleave_values(values, hd, d0, tiles, value_tiles);
+          }
+          const int64_t c1 = std::min(total, c0 + KEY_CHUNK);
+          if (c0 >= c1) continue;
+          const int64_t span = (c1 - c0 + 31) / 32 * 32;
+          auto query = [&](int64_t r) {  // query row r0 + r: token i, head kv_head * groups + g
+            const int64_t i = (r0 + r) / groups, g = (r0 + r) % groups;
+            return ((row * n + i) * heads_ + kv_head * groups + g) * hd;
+          };
+          uint32_t* pairs = reinterpret_cast<uint32_t*>(query_pairs);
+          for (int64_t r = 0; r < rows; ++r) {
+            const uint32_t* q = reinterpret_cast<const uint32_t*>(queries + query(r));
+            for (int64_t p = 0; p < hd / 2; ++p) pairs[(p / 16) * 256 + (p % 16) * rows + r] = q[p];
+          }
+          // scores of the chunk's keys, masked: -inf where the query does not see the key
+          scores.assign(rows * span, -INFINITY);
+          specsample::TileConfig config;
+          config.rows[0] = 16, config.colsb[0] = rows * 4;  // S^T: 16 keys x rows
+          config.rows[1] = 16, config.colsb[1] = 64;        // K: 16 keys x 32 dims
+          for (int t = 2; t < 2 + steps; ++t) config.rows[t] = 16, config.colsb[t] = rows * 4;  // Q^T per 32 dims
+          _tile_loadconfig(&config);
+          for (int64_t step = 0; step < steps; ++step) load_tile(2 + step, query_pairs + step * 512, rows * 4);
+          const __m512i column =
+              _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+          for (int64_t t0 = c0; t0 < c1; t0 += 16) {
+            const bf16* keys = key_base + t0 * hd;
+            if (t0 + 16 > c1) {
+              std::memset(padded, 0, sizeof padded);
+              std::memcpy(padded, keys, (c1 - t0) * hd * sizeof(bf16));
+              keys = padded;
             }
-            _tile_loadd(4, probs.data() + (t0 - c0), span * 2);
-            for (int64_t j = 0; j < tiles; ++j) {
-              _tile_loadd(5, tiles_here + j * 512, 64);
-              multiply_values(j);
+            _tile_zero(0);
+            for (int64_t step = 0; step < steps; ++step) {
+              _tile_loadd(1, keys + 32 * step, hd * 2);
+              multiply_scores(2 + step);
+            }
+            _tile_stored(0, score_tile, 64);
+            for (int64_t r = 0; r < rows; ++r) {
+              const uint8_t* seen = visible + (row * n + (r0 + r) / groups) * n;
+              __mmask16 keep = t0 + 16 <= context ? 0xFFFF : 0;  // the keys t0 .. t0 + 15 this query sees
+              for (int64_t u = 0; u < 16 && t0 + u < c1 && t0 + 16 > context; ++u)
+                if (t0 + u < context || seen[t0 + u - context]) keep |= static_cast<__mmask16>(1u << u);
+              if (t0 + 16 > c1) keep &= static_cast<__mmask16>((1u << (c1 - t0)) - 1);
+              __m512 row_scores =
+                  _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)), score_tile, 4);
+              _mm512_mask_storeu_ps(scores.data() + r * span + (t0 - c0), keep,
+                                    _mm512_mul_ps(row_scores, _mm512_set1_ps(scale)));
             }
           }
-          _tile_stored(0, sums_tile, 64);
-          _tile_stored(1, sums_tile + 256, 64);
-          _tile_stored(2, sums_tile + 512, 64);
-          _tile_stored(3, sums_tile + 768, 64);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < tiles; ++j)
-              std::memcpy(results + r * partial + 2 + d0 + 16 * j, sums_tile + j * 256 + r * 16, 16 * sizeof(float));
+          // weights relative to the chunk's best score, rounded to bfloat16, summed as rounded
+          probs.assign(rows * span, bf16(0.0f));
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* row_scores = scores.data() + r * span;
+            __m512 best = _mm512_set1_ps(-INFINITY);
+            for (int64_t t = 0; t < span; t += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row_scores + t));
+            const float top = _mm512_reduce_max_ps(best);
+            results[r * partial] = top;
+            if (top == -INFINITY) continue;  // sees none of this chunk's keys
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < span; t += 16) {
+              __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(row_scores + t), _mm512_set1_ps(top)));
+              __m256bh rounded = _mm512_cvtneps_pbh(p);
+              std::memcpy(probs.data() + r * span + t, &rounded, 32);
+              sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
+            }
+            results[r * partial + 1] = _mm512_reduce_add_ps(sum);
+          }
+          // O = P V, 64 dims (4 tiles) at a time
+          specsample::TileConfig pv;
+          for (int t = 0; t < 4; ++t) pv.rows[t] = rows, pv.colsb[t] = 64;  // O: rows x 16 dims
+          pv.rows[4] = rows, pv.colsb[4] = 64;                              // P: rows x 32 keys
+          pv.rows[5] = 16, pv.colsb[5] = 64;                                // V: 16 key pairs x 16 dims
+          _tile_loadconfig(&pv);
+          for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+            const int64_t tiles = std::min<int64_t>(4, (hd - d0) / 16);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t t0 = c0; t0 < c1; t0 += 32) {
+              const bf16* tiles_here = value_tiles;
+              if (!interleaved.empty()) {
+                tiles_here = interleaved.data() + ((t0 - c0) / 32) * (hd / 16) * 512 + (d0 / 16) * 512;
+              } else {
+                const bf16* values = value_base + t0 * hd;
+                if (t0 + 32 > c1) {
+                  std::memset(padded, 0, sizeof padded);
+                  std::memcpy(padded, values, (c1 - t0) * hd * sizeof(bf16));
+                  values = padded;
+                }
+                interleave_values(values, hd, d0, tiles, value_tiles);
+              }
+              _tile_loadd(4, probs.data() + (t0 - c0), span * 2);
+              for (int64_t j = 0; j < tiles; ++j) {
+                _tile_loadd(5, tiles_here + j * 512, 64);
+                multiply_values(j);
+              }
+            }
+            _tile_stored(0, sums_tile, 64);
+            _tile_stored(1, sums_tile + 256, 64);
+            _tile_stored(2, sums_tile + 512, 64);
+            _tile_stored(3, sums_tile + 768, 64);
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t j = 0; j < tiles; ++j)
+                std::memcpy(results + r * partial + 2 + d0 + 16 * j, sums_tile + j * 256 + r * 16,
+                            16 * sizeof(float));
+          }
         }
       }
       _tile_release();
