@@ -493,18 +493,19 @@ def prefix_section(store: dict[str, Any]) -> list[str]:
     if long:
         lines += [
             "",
-            f"{store['long_prompt']['streams']} steady streams, then one {store['long_prompt']['prompt_tokens']}-token "
-            "prompt arriving: the streams' time per output token (each round's time over the tokens a stream "
-            "emitted in it) alone (before the prompt arrives and after it has finished) and while the prompt is "
-            f"prefilled, prefilled in chunks of at most {store['long_prompt']['chunk_tokens']} tokens per round"
+            f"{store['long_prompt']['streams']} clients sending question after question, then one "
+            f"{store['long_prompt']['prompt_tokens']}-token prompt arriving: the clients' time per output token (each "
+            "round's time over the tokens a client's request emitted in it, its first token left out) before the "
+            "prompt arrives and while it is prefilled, prefilled in chunks of at most "
+            f"{store['long_prompt']['chunk_tokens']} tokens per round"
             + (
-                f" taking about {store['long_prompt']['time_ratio']}x the streams' decoding time"
+                f" taking about {store['long_prompt']['time_ratio']}x the clients' decoding time"
                 if store["long_prompt"].get("time_ratio")
                 else ""
             )
             + " (the server's default) or whole.",
             "",
-            "| prefill | streams' TPOT p99 alone ms | during the long prompt ms | ratio | long prompt's TTFT ms |",
+            "| prefill | clients' TPOT p99 before ms | while it is prefilled ms | ratio | long prompt's TTFT ms |",
             "|---|---|---|---|---|",
         ]
         for label, run in long.items():

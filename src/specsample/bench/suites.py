@@ -278,7 +278,8 @@ SAMPLES = 4  # the n > 1 workload's samples of one prompt
 TURNS = 6  # the multi-turn workload's chat turns
 CHAT_QUESTION_CHARS = 160  # each turn's question cut to this many characters (a chat of short messages)
 STREAMS = 4  # the long-prompt workload's steady streams
-IDLE_ROUNDS = 24  # the rounds its streams are timed alone before the long prompt arrives
+IDLE_ROUNDS = 48  # the rounds its streams are timed alone before the long prompt arrives
+MAX_STREAM_REQUESTS = 10_000  # more questions than its streams ever send
 MODES = {"cache on": None, "cache off": 0}  # prefix_cache_tokens: None shares prefixes, 0 shares none
 
 
@@ -374,52 +375,47 @@ def _chat(bench: Bench, store: dict[str, Any], mode: str) -> None:
 
 
 def _long_prompt(bench: Bench, store: dict[str, Any], budget: tuple[int | None, float | None], label: str) -> None:
-    """STREAMS steady streams timed alone for IDLE_ROUNDS rounds, then while a long prompt is prefilled (until its
-    first token, within `budget`: the engine's prefill_chunk_tokens and prefill_time_ratio), then alone again for
-    IDLE_ROUNDS rounds once it has finished (the streams' decoding changes as they go: alone is timed on both sides):
-    per stream and round, the round's time per token it emitted."""
+    """STREAMS clients, each sending question after question (the next as soon as the last is answered: greedy,
+    --max-new-tokens each), timed alone for IDLE_ROUNDS rounds, then while a long prompt is prefilled (until its first
+    token, within `budget`: the engine's prefill_chunk_tokens and prefill_time_ratio): per stream and round, the
+    round's time per token it emitted (a request's first token left out: that is its time to first token)."""
     tokenizer, config = bench.tokenizer, bench.config
     long_prompt = tokenizer.encode(history_message(tokenizer, config.long_prompt_tokens), chat=True)
-    streams = [tokenizer.encode(q, chat=True) for q in _questions(bench, STREAMS)]
-    length = len(long_prompt) + 16
-    engine = bench.speculator.engine(STREAMS + 1, length, prefill_chunk_tokens=budget[0], prefill_time_ratio=budget[1])
-    never_ending = tuple((int(t), -100.0) for t in tokenizer.eos_token_ids)  # streams that last the whole run
-    steady = SamplingParams(
-        temperature=0, max_new_tokens=min(length - max(map(len, streams)), 4096), logit_bias=never_ending
+    fresh = (tokenizer.encode(q, chat=True) for q in _questions(bench, MAX_STREAM_REQUESTS))
+    engine = bench.speculator.engine(
+        STREAMS + 1, len(long_prompt) + 16, prefill_chunk_tokens=budget[0], prefill_time_ratio=budget[1]
     )
-    ids = {engine.add_request(p, steady) for p in streams}
+    params = SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens)
+    streams = {engine.add_request(next(fresh), params) for _ in range(STREAMS)}
+    answering: set[str] = set()  # stream requests past their first token
     gaps: dict[str, list[float]] = {"idle": [], "long prompt": []}
-    phase, previous, long_id, long_ttft, started = "warm-up", None, None, None, None
-    rounds = 0
-    while engine.has_work() and len(gaps["idle"]) < 2 * IDLE_ROUNDS * STREAMS:
+    phase, previous, long_id, long_ttft, started, rounds = "warm-up", None, None, None, 0.0, 0
+    while long_ttft is None:
         result = engine.step()
         rounds += 1
-        emitted = {u.request_id: len(u.new_tokens) for u in result.rows if u.request_id in ids and u.new_tokens}
-        if previous is not None and phase in gaps and len(emitted) == STREAMS:
-            gaps[phase].extend((result.finished_at - previous) / n for n in emitted.values())
+        for update in result.rows:
+            if update.request_id == long_id and update.new_tokens:
+                long_ttft = result.finished_at - started
+            if update.request_id not in streams:
+                continue
+            if update.new_tokens and update.request_id in answering and previous is not None and phase in gaps:
+                gaps[phase].append((result.finished_at - previous) / len(update.new_tokens))
+            answering.add(update.request_id)
+            if update.finish_reason is not None:
+                streams.discard(update.request_id)
+                streams.add(engine.add_request(next(fresh), params))
         previous = result.finished_at
-        if (
-            started is not None
-            and long_ttft is None
-            and any(u.request_id == long_id and u.new_tokens for u in result.rows)
-        ):
-            long_ttft, phase = result.finished_at - started, "its decoding"
-        if phase == "warm-up" and engine.num_running == STREAMS and rounds > 2:
+        if phase == "warm-up" and rounds > 2:
             phase = "idle"
-        elif phase == "idle" and long_id is None and len(gaps["idle"]) >= IDLE_ROUNDS * STREAMS:
-            long_id = engine.add_request(long_prompt, SamplingParams(temperature=0, max_new_tokens=8))
+        elif phase == "idle" and len(gaps["idle"]) >= IDLE_ROUNDS * STREAMS:
+            long_id = engine.add_request(long_prompt, SamplingParams(temperature=0, max_new_tokens=1))
             started, phase = time.perf_counter(), "long prompt"
-        elif phase == "its decoding" and any(u.request_id == long_id and u.finish_reason for u in result.rows):
-            phase = "idle"
-    for request_id in ids:
+    for request_id in streams:
         engine.cancel(request_id)
     for _ in engine.stream():
         pass
     store["long_prompt"]["prompt_tokens"] = len(long_prompt)
-    store["long_prompt"]["runs"][label] = {
-        "tpot_seconds": gaps,
-        "long_prompt_ttft_seconds": long_ttft,
-    }
+    store["long_prompt"]["runs"][label] = {"tpot_seconds": gaps, "long_prompt_ttft_seconds": long_ttft}
 
 
 def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
