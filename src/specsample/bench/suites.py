@@ -12,6 +12,9 @@
   interleaved: how much of the unconstrained speed a grammar keeps;
 - prefix: time to first token of a second chat turn after a first turn of --history-tokens, on an engine that
   kept the first turn's cache rows (prefix reuse) and on one that did not;
+- replicas: the prefix suite's shared-system-prompt workload through `specsample serve --replicas N` (Ray Serve,
+  prefix-affinity routing) and through one replica: the prefix cache's hit rate per replica and overall
+  (`replicas.py`);
 - repeat: repetitive traffic (second turns, extraction, reworded questions) as a stream through one long-lived
   engine per system, so a shared suffix cache warms (`repeat.py`);
 - load: a concurrency sweep through a real `specsample serve`, its default against `"speculative": false`, phases
@@ -30,6 +33,7 @@ from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.load import load  # noqa: F401 - a suite, found by name
 from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
+from specsample.bench.replicas import replicas  # noqa: F401 - a suite, found by name
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, record, run_lockstep, speed_line
 from specsample.bench.worker import PeerFailed
@@ -312,7 +316,7 @@ def _serve_together(engine: Engine, prompts: list[list[int]], params: list[Sampl
     }
 
 
-def _questions(bench: Bench, count: int) -> list[str]:
+def distinct_questions(bench: Bench, count: int) -> list[str]:
     """`count` different questions: the first turns of the run's prompts in turn (numbered where they repeat)."""
     turns = [p.turns[0] for p in bench.prompts]
     return [turns[i % len(turns)] + ("" if i < len(turns) else f" ({i + 1})") for i in range(count)]
@@ -323,7 +327,7 @@ def _shared_system(bench: Bench, store: dict[str, Any], system: str, mode: str, 
     tokenizer, config = bench.tokenizer, bench.config
     prompts = [
         tokenizer.encode_messages([{"role": "system", "content": system}, {"role": "user", "content": q}])
-        for q in _questions(bench, CLIENTS)
+        for q in distinct_questions(bench, CLIENTS)
     ]
     params = [SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens) for _ in prompts]
     engine = bench.speculator.engine(
@@ -339,7 +343,7 @@ def _samples(bench: Bench, store: dict[str, Any], system: str, mode: str) -> Non
     """One prompt sampled SAMPLES times (n > 1), the samples arriving together."""
     tokenizer, config = bench.tokenizer, bench.config
     prompt = tokenizer.encode_messages(
-        [{"role": "system", "content": system}, {"role": "user", "content": _questions(bench, 1)[0]}]
+        [{"role": "system", "content": system}, {"role": "user", "content": distinct_questions(bench, 1)[0]}]
     )
     params = [SamplingParams(temperature=0.7, max_new_tokens=config.max_new_tokens, seed=i) for i in range(SAMPLES)]
     engine = bench.speculator.engine(SAMPLES, len(prompt) + config.max_new_tokens + 8, prefix_cache_tokens=MODES[mode])
@@ -352,7 +356,7 @@ def _samples(bench: Bench, store: dict[str, Any], system: str, mode: str) -> Non
 def _chat(bench: Bench, store: dict[str, Any], mode: str) -> None:
     """One user's TURNS-turn chat, each turn the whole conversation so far and a new question."""
     tokenizer, config = bench.tokenizer, bench.config
-    questions = [q[:CHAT_QUESTION_CHARS] for q in _questions(bench, TURNS)]
+    questions = [q[:CHAT_QUESTION_CHARS] for q in distinct_questions(bench, TURNS)]
     messages: list[dict[str, str]] = []
     engine = bench.speculator.engine(
         1,
@@ -378,7 +382,7 @@ def _long_prompt(bench: Bench, store: dict[str, Any], chunk: int | None, label: 
     first token): per stream and round, the round's time per token it emitted."""
     tokenizer, config = bench.tokenizer, bench.config
     long_prompt = tokenizer.encode(history_message(tokenizer, config.long_prompt_tokens), chat=True)
-    streams = [tokenizer.encode(q, chat=True) for q in _questions(bench, STREAMS)]
+    streams = [tokenizer.encode(q, chat=True) for q in distinct_questions(bench, STREAMS)]
     length = len(long_prompt) + 16
     engine = bench.speculator.engine(STREAMS + 1, length, prefill_chunk_tokens=chunk)
     never_ending = tuple((int(t), -100.0) for t in tokenizer.eos_token_ids)  # streams that last the whole run
