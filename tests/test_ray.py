@@ -291,15 +291,15 @@ def test_killing_a_replica_mid_run(cluster) -> None:
 
 
 def test_replicas_share_the_compiled_steps_folder_given(tmp_path) -> None:
-    from specsample.deploy import builder, deployment_options, prefix_router
+    from specsample.deploy import PrefixAffinityRouter, builder, deployment_options
     from specsample.models.artifacts import ROOT_ENV
 
     options = deployment_options(replicas=2, compiled_steps=str(tmp_path))
     assert options["ray_actor_options"]["runtime_env"] == {"env_vars": {ROOT_ENV: str(tmp_path)}}
     assert "runtime_env" not in deployment_options(replicas=2)["ray_actor_options"]
     router = options["request_router_config"]
-    assert router.request_router_class is prefix_router() or router.request_router_class.endswith(
-        prefix_router().__name__
+    assert router.request_router_class is PrefixAffinityRouter or router.request_router_class.endswith(
+        "PrefixAffinityRouter"
     )
     assert router.request_router_kwargs["imbalanced_threshold"] == 2  # a quarter of the default batch of 8
     assert (
@@ -312,6 +312,43 @@ def test_replicas_share_the_compiled_steps_folder_given(tmp_path) -> None:
     with pytest.raises(ValueError, match="affinity-imbalance"):
         deployment_options(affinity_imbalance=-1)
     assert builder({"compiled_steps": str(tmp_path), "affinity_imbalance": "3", "replicas": 2}) is not None
+
+
+def test_the_router_routes_by_load_when_its_prefix_tree_fails() -> None:
+    """Ray's router asks its prefix tree (an actor) where a prompt's prefix is; an actor that does not answer leaves
+    the request to the load-based choice instead of failing its routing."""
+    from ray.exceptions import RayActorError
+
+    from specsample.deploy import PrefixAffinityRouter
+    from specsample.server.relay import RoutingPrompt
+
+    class Unreachable:
+        def __getattr__(self, name):
+            class Method:
+                @staticmethod
+                def remote(*args):
+                    raise RayActorError()
+
+            return Method()
+
+    class Replica:
+        replica_id = type("Id", (), {"to_full_id_str": staticmethod(lambda: "r")})()
+        max_ongoing_requests = 8
+
+    class Pending:
+        args = [RoutingPrompt("a shared system prompt and a question")]
+
+    router = object.__new__(PrefixAffinityRouter)
+    router._tree_actor = Unreachable()
+    router._imbalanced_threshold = 2
+    router._match_rate_threshold = 0.1
+    router._use_replica_queue_len_cache = True
+    router._replica_queue_len_cache = type("Cache", (), {"get": staticmethod(lambda replica_id: 0)})()
+    replicas: list = [Replica(), Replica()]
+    assert asyncio.run(router._prefix_match_best_replicas(Pending(), replicas)) == [[]]
+    with pytest.raises(RayActorError):  # Ray's own router fails the routing
+        asyncio.run(super(PrefixAffinityRouter, router)._prefix_match_best_replicas(Pending(), replicas))
+    router.on_request_routed(Pending(), Replica.replica_id, None)  # no raise
 
 
 def test_serve_config_yaml_builds() -> None:

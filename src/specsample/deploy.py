@@ -8,7 +8,8 @@ hold their own target, draft and running batch.
 
 An application is two deployments. `SpecsampleIngress` takes every HTTP request: it reads the body, names a completion
 request's prompt (server/relay.py) and passes the request on through a `DeploymentHandle` to `SpecsampleReplica`, the
-engine replicas, whose handles route with Ray Serve's `PrefixCacheAffinityRouter`: while the replicas' ongoing
+engine replicas, whose handles route with Ray Serve's `PrefixCacheAffinityRouter` (`PrefixAffinityRouter`: routing
+by load where its prefix tree does not answer): while the replicas' ongoing
 requests differ by at most `affinity_imbalance`, a request goes to the replica that was sent the longest prefix of its
 prompt (so it reuses that replica's prefix cache), or where no replica was sent a tenth of it, to the one that was sent
 the least text; beyond that imbalance, to the less loaded of two replicas (Serve's default). Serve's HTTP proxy picks
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentResponseGenerator
 
@@ -41,6 +43,11 @@ from specsample.options import DEFAULT_TARGET, EngineOptions
 from specsample.options_cli import parse_text, settings
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
 from specsample.server.relay import HttpCall, RoutingPrompt, read_body, replay, routing_prompt
+
+try:  # where it is defined: its public name, ray.serve.llm.request_router, first imports vLLM or SGLang
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+except ImportError:
+    from ray.serve.llm.request_router import PrefixCacheAffinityRouter
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -168,6 +175,37 @@ SpecsampleReplica = serve.deployment(
 )(ReplicaServer)
 
 
+class PrefixAffinityRouter(PrefixCacheAffinityRouter):
+    """Ray Serve's `PrefixCacheAffinityRouter`, whose prefix tree is an actor that may not answer (a node short of CPU,
+    an actor restarting) without failing the routing: a request it cannot place by prefix goes by load, as Serve's
+    default router would send it, and the tree's view of the replicas catches up at their next change."""
+
+    async def _prefix_match_best_replicas(self, pending_request: Any, candidate_replicas: Any) -> Any:
+        try:
+            return await super()._prefix_match_best_replicas(pending_request, candidate_replicas)
+        except (RayError, KeyError) as exc:  # the tree unreachable, or naming a replica gone
+            log.warning("a request routed by load alone: the prefix tree failed (%s)", exc)
+            return [[]]
+
+    def update_replicas(self, replicas: Any) -> None:
+        try:
+            super().update_replicas(replicas)
+        except RayError as exc:  # the replicas are updated; the tree's tenants are not
+            log.warning("the prefix tree missed a change of replicas: %s", exc)
+
+    def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
+        try:
+            super().on_request_routed(pending_request, replica_id, result)
+        except RayError as exc:
+            log.warning("the prefix tree missed a routed prompt: %s", exc)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        try:
+            super().on_replica_actor_died(replica_id)
+        except RayError as exc:
+            log.warning("the prefix tree missed a replica's death: %s", exc)
+
+
 class IngressServer:
     """Every HTTP request of the application (deployed as `SpecsampleIngress`), relayed to the engine replicas through
     their prefix-aware handle (`Relay`)."""
@@ -216,11 +254,15 @@ class Relay:
         started = finished = False
         try:
             async for message in response:
-                started = started or message["type"] == "http.response.start"
                 await send(message)
-            finished = True
+                started = started or message["type"] == "http.response.start"
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    finished = True  # the whole response is sent; the replica's call ends on its own
+                    break
         except Exception as exc:
-            if started or watcher.done():  # a response under way breaks off; a client gone hears nothing
+            if watcher.done():  # the client left, and the replica stopped its request
+                return
+            if started:  # the replica failed mid-response: the response breaks off
                 raise
             log.warning("the replica taking %s %s failed: %s", scope["method"], scope["path"], exc)
             await error_response(503, "the replica taking this request failed; retry it", kind="server_error")(
@@ -228,9 +270,12 @@ class Relay:
             )
         finally:
             watcher.remove_done_callback(client_left)
-            if not watcher.done():
+            gone = watcher.done()  # then `client_left` has cancelled the replica's call
+            if not gone:
                 watcher.cancel()
-            if not finished:
+            elif not watcher.cancelled():
+                watcher.exception()  # retrieved: a receive channel that closes ends the watch too
+            if not (finished or gone):  # this call was cancelled (Serve's, or an error): so is the replica's
                 response.cancel()
 
 
@@ -265,18 +310,6 @@ def replica_server(args: dict[str, Any], replica_id: str | None) -> SpecServer:
     return SpecServer(load(settings.engine, compile_behind=True), settings.server_options(replica_id))
 
 
-def prefix_router() -> type:
-    """Ray Serve's `PrefixCacheAffinityRouter`, from the module that defines it (its public name,
-    `ray.serve.llm.request_router`, first imports `ray.serve.llm`, which needs vLLM or SGLang installed)."""
-    try:
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-            PrefixCacheAffinityRouter,
-        )
-    except ImportError:
-        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
-    return PrefixCacheAffinityRouter
-
-
 def deployment_options(
     replicas: int = 1,
     autoscale: str | None = None,
@@ -299,7 +332,7 @@ def deployment_options(
     if isinstance(imbalance, bool) or not isinstance(imbalance, int) or imbalance < 0:
         raise ValueError(f"--affinity-imbalance must be an integer >= 0, got {affinity_imbalance!r}")
     router = RequestRouterConfig(
-        request_router_class=cast(Any, prefix_router()),  # typed as its import path, also taken as a class
+        request_router_class=cast(Any, PrefixAffinityRouter),  # typed as its import path, also taken as a class
         # the router's prefix tree (prompt text per replica) bounded: the least recently used text goes first
         request_router_kwargs={"imbalanced_threshold": imbalance, "do_eviction": True},
     )
