@@ -134,7 +134,9 @@ def test_requests_spread_over_replicas_and_metrics_aggregate(cluster) -> None:
     assert all(r.status_code == 200 for r in responses)
     replicas = {r.headers["x-specsample-replica"] for r in responses}
     assert len(replicas) == 2, replicas
-    time.sleep(3)  # replicas push their metrics every 2 s
+    from specsample.deploy import METRICS_PUSH_SECONDS
+
+    time.sleep(METRICS_PUSH_SECONDS + 1)  # every replica has pushed its counters since its last request
     text = httpx.get(cluster + "/metrics", timeout=30).text
     labelled = {
         s.labels.get("replica")
@@ -287,7 +289,7 @@ def test_killing_a_replica_mid_run(cluster) -> None:
         if len(names) == 2 and victim_name not in names:
             break
         assert time.time() < deadline, "Serve did not restart the killed replica"
-        time.sleep(2)
+        time.sleep(0.5)
 
 
 def test_replicas_share_the_compiled_steps_folder_given(tmp_path) -> None:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specsample.deploy")
 HUB_NAME = "specsample-metrics-hub"
 HUB_NAMESPACE = "specsample"
-METRICS_PUSH_SECONDS = 2.0  # how often each replica pushes its metrics to the hub
+METRICS_PUSH_SECONDS = 1.0  # how often each replica pushes its metrics to the hub
 # arguments named unlike their fields: as vLLM names them, like serve's flags
 RAY_NAMES = {"target": "model", "model_name": "served_model_name", "max_seq_len": "max_model_len"}
 # the builder's, not a replica's
