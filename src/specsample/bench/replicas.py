@@ -24,6 +24,7 @@ from typing import Any
 
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.load import free_port, serve_command, start_server
+from specsample.bench.prefix_prompts import CLIENTS, distinct_questions, history_message
 
 COUNTERS = {  # /metrics counter -> the field it is recorded as
     "specsample_prefix_cache_queries_total": "requests",
@@ -40,8 +41,6 @@ def replicas(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """One replica, then --replicas, each through the whole workload (module docstring)."""
     if importlib.util.find_spec("ray") is None:  # the servers need it (not imported here: it sets up logging)
         raise ValueError("the replicas suite serves on Ray Serve: pip install 'ray[serve]'")
-    from specsample.bench.suites import CLIENTS, distinct_questions, history_message
-
     config, tokenizer = bench.config, bench.tokenizer
     if not tokenizer.has_chat_template:
         raise ValueError(f"{config.engine.target} has no chat template: the replicas suite sends chats")

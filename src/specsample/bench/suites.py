@@ -32,16 +32,15 @@ from typing import Any
 from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.load import load  # noqa: F401 - a suite, found by name
+from specsample.bench.prefix_prompts import CLIENTS, distinct_questions, history_message
 from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
 from specsample.bench.replicas import replicas  # noqa: F401 - a suite, found by name
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, record, run_lockstep, speed_line
 from specsample.bench.worker import PeerFailed
 from specsample.config import Grammar, SamplingParams
-from specsample.datasets import spec_bench_prompts
 from specsample.engine import Engine
 from specsample.planner import FixedGamma, GammaController
-from specsample.tokenizer import Tokenizer
 
 
 def _interleaved(
@@ -267,17 +266,6 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         progress.close()
 
 
-def history_message(tokenizer: Tokenizer, tokens: int) -> str:
-    """Spec-Bench questions joined until the chat-rendered message holds at least `tokens` tokens."""
-    parts: list[str] = []
-    for prompt in spec_bench_prompts():
-        parts.extend(prompt.turns)
-        if len(tokenizer.encode("\n\n".join(parts), chat=tokenizer.has_chat_template)) >= tokens:
-            break
-    return "\n\n".join(parts)
-
-
-CLIENTS = 8  # the shared-system-prompt workload's concurrent clients
 SAMPLES = 4  # the n > 1 workload's samples of one prompt
 TURNS = 6  # the multi-turn workload's chat turns
 CHAT_QUESTION_CHARS = 160  # each turn's question cut to this many characters (a chat of short messages)
@@ -314,12 +302,6 @@ def _serve_together(engine: Engine, prompts: list[list[int]], params: list[Sampl
         "prefix_hits": hits,
         "replies": [replies[i] for i in ids],
     }
-
-
-def distinct_questions(bench: Bench, count: int) -> list[str]:
-    """`count` different questions: the first turns of the run's prompts in turn (numbered where they repeat)."""
-    turns = [p.turns[0] for p in bench.prompts]
-    return [turns[i % len(turns)] + ("" if i < len(turns) else f" ({i + 1})") for i in range(count)]
 
 
 def _shared_system(bench: Bench, store: dict[str, Any], system: str, mode: str, rep: int) -> None:
