@@ -78,6 +78,13 @@ def _app(stopped: list[str]) -> FastAPI:
     return app
 
 
+def test_a_call_names_its_path_inside_the_application() -> None:
+    scope = {"type": "http", "method": "GET", "path": "/api/v1/models", "root_path": "/api", "headers": []}
+    assert HttpCall.from_scope(scope, b"").path == "/v1/models"
+    assert HttpCall.from_scope(scope | {"path": "/api"}, b"").path == "/"
+    assert HttpCall.from_scope(scope | {"root_path": ""}, b"").path == "/api/v1/models"
+
+
 def test_replay_streams_the_response_and_stops_when_closed() -> None:
     stopped: list[str] = []
     scope = {

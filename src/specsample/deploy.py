@@ -42,7 +42,7 @@ from specsample.models.artifacts import ROOT_ENV
 from specsample.options import DEFAULT_TARGET, EngineOptions
 from specsample.options_cli import parse_text, settings
 from specsample.server.options import SERVE_ENGINE_DEFAULTS, ServerOptions, serve_engine_options
-from specsample.server.relay import HttpCall, RoutingPrompt, read_body, replay, routing_prompt
+from specsample.server.relay import HttpCall, RoutingPrompt, app_path, read_body, replay, routing_prompt
 
 try:  # where it is defined: its public name, ray.serve.llm.request_router, first imports vLLM or SGLang
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
@@ -234,6 +234,7 @@ class Relay:
             return
         if scope["type"] != "http":
             return
+        scope = {**scope, "path": app_path(scope), "root_path": ""}  # the engine app serves at its root
         refused = refusal(self.options, scope)
         if refused is not None:
             await refused(scope, receive, send)

@@ -42,7 +42,7 @@ class HttpCall:
         client = scope.get("client")
         return cls(
             method=scope["method"],
-            path=scope["path"],
+            path=app_path(scope),
             query_string=scope.get("query_string", b""),
             headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])),
             body=body,
@@ -64,10 +64,17 @@ class HttpCall:
             "raw_path": self.path.encode(),
             "root_path": "",
             "query_string": self.query_string,
-            "headers": [list(h) for h in self.headers],
+            "headers": list(self.headers),
             "client": list(self.client) if self.client else None,
             "server": None,
         }
+
+
+def app_path(scope: Scope) -> str:
+    """The request's path inside the application: without the prefix the application is served under (Serve's
+    `route_prefix`, the scope's `root_path`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root) :] or "/") if root and path.startswith(root) else path
 
 
 @dataclass(frozen=True)
