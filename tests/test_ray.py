@@ -71,6 +71,7 @@ def cluster(folders, steps_folder):
             }
         )
         options = deployment_options(replicas=2, num_cpus=0.5, max_batch_size=4, compiled_steps=str(steps_folder))
+        options["health_check_period_s"] = 1.0  # a killed replica is noticed, and replaced, within a second
         serve.run(application(settings, options), name="specsample", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
