@@ -609,6 +609,7 @@ def test_generate_refuses_bad_flags_before_loading(flags, flag) -> None:
         (["--max-batch-size", "0"], "--max-batch-size"),
         (["--port", "70000"], "--port"),
         (["--device", "cuda:99"], "--device"),
+        (["--compiled-steps", __file__], "--compiled-steps"),
     ],
 )
 def test_serve_refuses_bad_flags_before_loading(flags, flag) -> None:

@@ -437,3 +437,40 @@ def test_serve_compiles_by_default(flags, compiled, target, monkeypatch) -> None
         assert models == [engine.target] and options.compile and options.target == str(target)
     else:
         assert started == []
+
+
+def test_the_compiled_steps_folder_reaches_the_server_and_every_replica(monkeypatch, tmp_path) -> None:
+    """`serve --compiled-steps DIR` is the folder the serving process reads and builds compiled steps in (and the
+    build processes it starts, through the environment); with --replicas, every replica's environment names it."""
+    from specsample.models import artifacts
+
+    monkeypatch.setenv(artifacts.ROOT_ENV, str(tmp_path / "before"))  # restored after the test
+    seen = {}
+
+    def load(options, **_):
+        seen["root"] = artifacts.root()
+        raise Built
+
+    monkeypatch.setattr(speculator_module, "load", load)
+    folder = tmp_path / "steps"
+    with pytest.raises(Built):
+        main(["serve", "--compiled-steps", str(folder)])
+    assert seen["root"] == folder
+
+    pytest.importorskip("ray.serve")
+    import ray
+    from ray import serve
+
+    import specsample.deploy as deploy
+
+    def application(settings, options):
+        seen["options"] = options
+        raise Built
+
+    monkeypatch.setattr(deploy, "application", application)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(serve, "start", lambda **kw: None)
+    with pytest.raises(Built):
+        main(["serve", "--replicas", "2", "--compiled-steps", str(folder), "--affinity-imbalance", "3"])
+    assert seen["options"]["ray_actor_options"]["runtime_env"]["env_vars"] == {artifacts.ROOT_ENV: str(folder)}
+    assert seen["options"]["request_router_config"].request_router_kwargs["imbalanced_threshold"] == 3

@@ -39,8 +39,14 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(folders):
-    from specsample.deploy import ReplicaSettings, SpecsampleReplica, deployment_options
+def steps_folder(tmp_path_factory):
+    """The compiled-steps folder the replicas are given (not the session's: tests/conftest.py)."""
+    return tmp_path_factory.mktemp("shared-steps")
+
+
+@pytest.fixture(scope="module")
+def cluster(folders, steps_folder):
+    from specsample.deploy import ReplicaSettings, application, deployment_options
 
     before = _ray_processes()
     port = free_port()
@@ -64,8 +70,9 @@ def cluster(folders):
                 "compile": "false",
             }
         )
-        options = deployment_options(replicas=2, num_cpus=0.5, max_batch_size=4)
-        serve.run(SpecsampleReplica.options(**options).bind(settings.as_args()), name="specsample", route_prefix="/")
+        options = deployment_options(replicas=2, num_cpus=0.5, max_batch_size=4, compiled_steps=str(steps_folder))
+        options["health_check_period_s"] = 1.0  # a killed replica is noticed, and replaced, within a second
+        serve.run(application(settings, options), name="specsample", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -128,7 +135,9 @@ def test_requests_spread_over_replicas_and_metrics_aggregate(cluster) -> None:
     assert all(r.status_code == 200 for r in responses)
     replicas = {r.headers["x-specsample-replica"] for r in responses}
     assert len(replicas) == 2, replicas
-    time.sleep(3)  # replicas push their metrics every 2 s
+    from specsample.deploy import METRICS_PUSH_SECONDS
+
+    time.sleep(METRICS_PUSH_SECONDS + 1)  # every replica has pushed its counters since its last request
     text = httpx.get(cluster + "/metrics", timeout=30).text
     labelled = {
         s.labels.get("replica")
@@ -137,6 +146,103 @@ def test_requests_spread_over_replicas_and_metrics_aggregate(cluster) -> None:
         if s.name == "specsample_requests_total"
     }
     assert labelled == replicas  # one /metrics shows every replica's counters
+
+
+def _samples(url: str, name: str) -> dict[tuple[str, str], float]:
+    """Samples `name` of the aggregated /metrics by (replica, status)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {
+        (s.labels.get("replica", ""), s.labels.get("status", "")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name
+    }
+
+
+def _until(check, seconds: float = 20.0) -> None:
+    """Wait until `check()` holds (replicas push their metrics every few seconds)."""
+    deadline = time.time() + seconds
+    while not check():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+SYSTEM = "You are a careful assistant who answers about the quick brown fox and the lazy dog in one sentence."
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_holds_it(cluster) -> None:
+    """Six chats after one system prompt, one at a time (the load stays balanced), measured as the replicas bench
+    suite measures: all go to one replica, where the five after the first start from the first's cached prefix."""
+    from specsample.bench.replicas import measure
+    from specsample.bench.report import replicas_section
+    from specsample.deploy import METRICS_PUSH_SECONDS
+
+    time.sleep(METRICS_PUSH_SECONDS + 0.5)  # every replica's counters pushed since the last request
+    questions = [f"question {q}" for q in ("one", "two", "three", "four", "five", "six")]
+    run = measure(cluster, SYSTEM, questions, clients=1, max_tokens=4)
+    replicas = [r["replica"] for r in run["requests"]]
+    assert len(set(replicas)) == 1, replicas  # routed by load alone, six in a row on one of two: p = 1/32
+    grown = run["replicas"][replicas[0]]
+    assert grown["requests"] == 6 and grown["hits"] >= 5 and 0 < grown["reused_tokens"] <= grown["prompt_tokens"]
+    assert run["overall"]["requests"] == 6 and len(run["replicas"]) == 2  # the other replica: zeros
+    table = "\n".join(replicas_section({"clients": 1, "system_tokens": 40, "waves": 6, "runs": {"2": run}}))
+    assert f"| 2 | {replicas[0]} | 6 | " in table and "| 2 | all | 6 | " in table
+
+
+def test_routes_and_streams_through_the_ingress(cluster, steps_folder) -> None:
+    client = _client(cluster)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 8
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert httpx.get(cluster + "/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
+    bad = httpx.post(cluster + "/v1/completions", content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    unknown = httpx.post(cluster + "/v1/completions", json={"model": "other", "prompt": "hi"}, timeout=30)
+    assert unknown.status_code == 404
+    too_large = httpx.post(cluster + "/v1/completions", content=b" " * (2**20 + 1), timeout=30)
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(cluster + "/no-such-route", timeout=30).status_code == 404
+    folders: dict[str, str] = {}
+    for _ in range(40):  # /health goes to either replica: each reads the compiled-steps folder it was given
+        health = httpx.get(cluster + "/health", timeout=30).json()
+        folders[health["replica"]] = health["compiled_steps"]
+        if len(folders) == 2:
+            break
+    assert folders and set(folders.values()) == {str(steps_folder)} and len(folders) == 2, folders
+
+
+def test_a_client_leaving_mid_stream_ends_its_request(cluster) -> None:
+    before = _samples(cluster, "specsample_requests_total")  # current: no earlier test left a request unfinished
+    body = {
+        "model": MODEL,
+        "prompt": "the quick brown fox",
+        "max_tokens": 220,
+        "temperature": 0.8,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", cluster + "/v1/completions", json=body) as response:
+            replica = response.headers["x-specsample-replica"]
+            lines = response.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass  # one chunk read, then the client hangs up
+
+    def cancelled() -> bool:
+        now = _samples(cluster, "specsample_requests_total")
+        return now.get((replica, "cancelled"), 0) > before.get((replica, "cancelled"), 0)
+
+    _until(cancelled)
 
 
 def test_killing_a_replica_mid_run(cluster) -> None:
@@ -184,7 +290,68 @@ def test_killing_a_replica_mid_run(cluster) -> None:
         if len(names) == 2 and victim_name not in names:
             break
         assert time.time() < deadline, "Serve did not restart the killed replica"
-        time.sleep(2)
+        time.sleep(0.5)
+
+
+def test_replicas_share_the_compiled_steps_folder_given(tmp_path) -> None:
+    from specsample.deploy import PrefixAffinityRouter, builder, deployment_options
+    from specsample.models.artifacts import ROOT_ENV
+
+    options = deployment_options(replicas=2, compiled_steps=str(tmp_path))
+    assert options["ray_actor_options"]["runtime_env"] == {"env_vars": {ROOT_ENV: str(tmp_path)}}
+    assert "runtime_env" not in deployment_options(replicas=2)["ray_actor_options"]
+    router = options["request_router_config"]
+    assert router.request_router_class is PrefixAffinityRouter or router.request_router_class.endswith(
+        "PrefixAffinityRouter"
+    )
+    assert router.request_router_kwargs["imbalanced_threshold"] == 2  # a quarter of the default batch of 8
+    assert (
+        deployment_options(affinity_imbalance=0)["request_router_config"].request_router_kwargs["imbalanced_threshold"]
+        == 0
+    )
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a folder"):
+        deployment_options(compiled_steps=str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="affinity-imbalance"):
+        deployment_options(affinity_imbalance=-1)
+    assert builder({"compiled_steps": str(tmp_path), "affinity_imbalance": "3", "replicas": 2}) is not None
+
+
+def test_the_router_routes_by_load_when_its_prefix_tree_fails() -> None:
+    """Ray's router asks its prefix tree (an actor) where a prompt's prefix is; an actor that does not answer leaves
+    the request to the load-based choice instead of failing its routing."""
+    from ray.exceptions import RayActorError
+
+    from specsample.deploy import PrefixAffinityRouter
+    from specsample.server.relay import RoutingPrompt
+
+    class Unreachable:
+        def __getattr__(self, name):
+            class Method:
+                @staticmethod
+                def remote(*args):
+                    raise RayActorError()
+
+            return Method()
+
+    class Replica:
+        replica_id = type("Id", (), {"to_full_id_str": staticmethod(lambda: "r")})()
+        max_ongoing_requests = 8
+
+    class Pending:
+        args = [RoutingPrompt("a shared system prompt and a question")]
+
+    router = object.__new__(PrefixAffinityRouter)
+    router._tree_actor = Unreachable()
+    router._imbalanced_threshold = 2
+    router._match_rate_threshold = 0.1
+    router._use_replica_queue_len_cache = True
+    router._replica_queue_len_cache = type("Cache", (), {"get": staticmethod(lambda replica_id: 0)})()
+    replicas: list = [Replica(), Replica()]
+    assert asyncio.run(router._prefix_match_best_replicas(Pending(), replicas)) == [[]]
+    with pytest.raises(RayActorError):  # Ray's own router fails the routing
+        asyncio.run(super(PrefixAffinityRouter, router)._prefix_match_best_replicas(Pending(), replicas))
+    router.on_request_routed(Pending(), Replica.replica_id, None)  # no raise
 
 
 def test_serve_config_yaml_builds() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -124,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags={k: v for k, v in SERVE_FLAGS.items() if k != "compile"},
         skip=("compile",),
     )
+    _add_compiled_steps_flag(comp)
     comp.set_defaults(func=cmd_compile)
     _add_bench_parser(sub)
     return parser
@@ -187,7 +190,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--history-tokens",
         type=int,
         default=None,
-        help="the prefix suite's shared system prompt, in tokens (default 1500)",
+        help="the prefix and replicas suites' shared system prompt, in tokens (default 1500)",
     )
     bench.add_argument(
         "--long-prompt-tokens",
@@ -199,7 +202,14 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--prefix-reps",
         type=int,
         default=None,
-        help="runs of the prefix suite's shared-system-prompt workload with the cache on and off, each (default 3)",
+        help="runs of the prefix suite's shared-system-prompt workload with the cache on and off, each; the "
+        "replicas suite's waves of requests per server (default 3)",
+    )
+    bench.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="the replicas suite's Ray Serve replicas, measured against one (default 2)",
     )
     bench.add_argument("--seed", type=int, default=None)
     add_flags(
@@ -229,13 +239,45 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port_arg, default=8000)
     add_flags(serve, ServerOptions, title="server")
+    _add_compiled_steps_flag(serve)
     ray = serve.add_argument_group("scale-out on Ray Serve (pip install 'ray[serve]')")
     ray.add_argument("--replicas", type=int, default=None, help="deploy N replicas behind one endpoint on Ray Serve")
     ray.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="autoscale replicas on ongoing requests")
     ray.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     ray.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     ray.add_argument("--num-gpus-per-replica", type=float, default=0.0)
+    ray.add_argument(
+        "--affinity-imbalance",
+        type=int,
+        default=None,
+        metavar="N",
+        help="route a completion to the replica that was sent the longest prefix of its prompt while the replicas' "
+        "ongoing requests differ by at most N, else by load (default: a quarter of --max-batch-size, at least 1)",
+    )
     serve.set_defaults(func=cmd_serve)
+
+
+def _add_compiled_steps_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compiled-steps",
+        default=None,
+        metavar="DIR",
+        help="the folder of compiled decode steps, read and built into (default: $SPECSAMPLE_COMPILED_STEPS, else "
+        "~/.cache/specsample/steps); Ray replicas all use it: a folder they share builds each step once",
+    )
+
+
+def _use_compiled_steps(folder: str | None) -> None:
+    """Make `folder` this process's folder of compiled decode steps (models/artifacts.py reads it from the
+    environment, as do the build processes a server starts)."""
+    from specsample.models import artifacts
+
+    if folder is None:
+        return
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        raise SettingError("compiled_steps", f"{folder!r} is not a folder")
+    os.environ[artifacts.ROOT_ENV] = str(path)
 
 
 MODEL_ONLY = (
@@ -814,6 +856,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None or args.autoscale is not None:
         _serve_on_ray(args, options, serving)
         return
+    _use_compiled_steps(args.compiled_steps)
     from specsample.server.serve import serve_http
     from specsample.server.state import SpecServer
     from specsample.speculator import load
@@ -833,6 +876,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
     options = serve_engine_options(flag_values(EngineOptions, args, skip=("compile",)) | {"compile": True})
     check_device(options.device)
+    _use_compiled_steps(args.compiled_steps)
     count = compile_steps(options, _say)
     _say(f"the compiled decode steps of {count} model{'s' if count > 1 else ''} are in {artifacts.root()}")
 
@@ -863,6 +907,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "history_tokens": args.history_tokens,
             "long_prompt_tokens": args.long_prompt_tokens,
             "prefix_reps": args.prefix_reps,
+            "replicas": args.replicas,
         }.items()
         if v is not None
     } | {"engine": engine}
@@ -875,25 +920,32 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving: ServerOptions) -> None:
-    """The same API on Ray Serve: N replicas (or autoscaling), each with its own pair and batch."""
+    """The same API on Ray Serve: N replicas (or autoscaling), each with its own pair and batch, requests routed by
+    prefix affinity (deploy.py)."""
     try:
         import ray
         from ray import serve
     except ImportError:
         raise CliError("--replicas/--autoscale need Ray Serve: pip install 'ray[serve]'") from None
-    from specsample.deploy import ReplicaSettings, SpecsampleReplica, deployment_options
+    from specsample.deploy import ReplicaSettings, application, deployment_options
 
-    settings = ReplicaSettings(options, serving)
     placement = deployment_options(
-        args.replicas or 1, args.autoscale, args.num_cpus_per_replica, args.num_gpus_per_replica, serving.max_batch_size
+        args.replicas or 1,
+        args.autoscale,
+        args.num_cpus_per_replica,
+        args.num_gpus_per_replica,
+        serving.max_batch_size,
+        args.affinity_imbalance,
+        None if args.compiled_steps is None else str(Path(args.compiled_steps).expanduser().resolve()),
     )
     ray.init(address=args.ray_address)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(SpecsampleReplica.options(**placement).bind(settings.as_args()), name="specsample", route_prefix="/")
+    serve.run(application(ReplicaSettings(options, serving), placement), name="specsample", route_prefix="/")
     _say(
         f"serving {options.target} on Ray Serve at http://{args.host}:{args.port}/v1 "
         f"({'autoscale ' + args.autoscale if args.autoscale else f'{args.replicas} replicas'}); Ctrl-C stops"
     )
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM too shuts Serve and its Ray instance down
     try:
         while True:
             time.sleep(3600)
@@ -902,6 +954,10 @@ def _serve_on_ray(args: argparse.Namespace, options: EngineOptions, serving: Ser
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def summary_line(stats: dict) -> str:

@@ -14,7 +14,7 @@ from specsample.options import EngineOptions
 
 COMPARE_CHOICES = ("hf", "hf-assisted", "hf-lookup", "llama.cpp", "llama.cpp-lookup", "hybrid-ngram")
 DRAFT_PEER = "draft:"  # --compare draft:SPEC: ours with another draft (any --draft spec) at gamma auto
-SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "repeat", "load")
+SUITES = ("compare", "gamma", "batch", "lossless", "adaptive", "structured", "prefix", "replicas", "repeat", "load")
 DEFAULT_SUITES = ("compare", "gamma", "batch", "lossless")
 BENCH_ENGINE_DEFAULTS = EngineOptions(pad_rows="auto")  # ours score rounds at the target's fastest width
 
@@ -43,6 +43,7 @@ class BenchConfig:
     history_tokens: int = 1500  # the prefix suite's shared system prompt (about this many tokens)
     long_prompt_tokens: int = 4000  # the prefix suite's long prompt arriving during traffic
     prefix_reps: int = 3  # runs of the prefix suite's shared-system-prompt workload with the cache on and off, each
+    replicas: int = 2  # the replicas suite's Ray Serve replicas (against one)
     seed: int = 0
     out: Path = Path("bench-out")
 
@@ -81,6 +82,7 @@ class BenchConfig:
             "history_tokens",
             "long_prompt_tokens",
             "prefix_reps",
+            "replicas",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -50,7 +50,7 @@ class _Prompts:
         return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -206,7 +206,7 @@ def load(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     indices = spread(list(range(len(bench.prompts))), len(bench.prompts), lambda i: bench.prompts[i].category)
     texts_all = [bench.prompts[i].turns[0] for i in indices]
     longest = max(len(tokenizer.encode(t, chat=True)) for t in texts_all)
-    port = _free_port()
+    port = free_port()
     command = serve_command(bench, port, largest, longest + config.max_new_tokens + 8)
     log = Path(config.out) / "load-server.log"
     store.update(

@@ -515,6 +515,47 @@ def prefix_section(store: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def replicas_section(store: dict[str, Any]) -> list[str]:
+    """Per server (one replica, N replicas): a row per replica and one overall, with the requests it answered, its
+    prefix-cache hits and hit rate, the prompt tokens it reused, and its requests' TTFT p50."""
+    runs = store.get("runs", {})
+    if not runs:
+        return []
+    lines = [
+        "## Replicas",
+        "",
+        f"{store['clients']} clients send one system prompt (up to {store['system_tokens']} tokens with the question) "
+        "with "
+        f"different questions at once, {store['waves']} waves, through `specsample serve --replicas N` on Ray Serve "
+        "(completions routed by prefix affinity); each replica's prefix-cache counters from the aggregated /metrics. "
+        "Hit rate: requests that started from a cached prefix over requests admitted; tokens reused: prompt tokens "
+        "copied from a cached prefix over prompt tokens admitted.",
+        "",
+        "| replicas | replica | requests | prefix hits | hit rate | tokens reused | TTFT p50 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for count, run in runs.items():
+        rows = dict(run.get("replicas", {}))
+        if "overall" in run:
+            rows["all"] = run["overall"]
+        for name, row in rows.items():
+            ttfts = [r["ttft"] for r in run.get("requests", []) if name in ("all", r["replica"])]
+            median = _pct(ttfts, 50)
+            lines.append(
+                f"| {count} | {name} | {row['requests']:.0f} | {row['hits']:.0f} | "
+                f"{_fmt(row['hits'] / row['requests'] if row['requests'] else None)} | "
+                f"{_fmt(row['reused_tokens'] / row['prompt_tokens'] if row['prompt_tokens'] else None)} | "
+                f"{_ms(median)} |"
+            )
+    lines.append("")
+    if "hit_rate_ratio" in store:
+        lines += [
+            f"Hit rate with {max(runs, key=int)} replicas over one replica's: {store['hit_rate_ratio']:.2f}x.",
+            "",
+        ]
+    return lines
+
+
 def _pct(values: list[float], q: float) -> float | None:
     """The q-th percentile (nearest rank) of `values`; None for none."""
     if not values:
@@ -643,6 +684,7 @@ SECTIONS = {
     "adaptive": adaptive_section,
     "structured": structured_section,
     "prefix": prefix_section,
+    "replicas": replicas_section,
     "repeat": repeat_section,
     "load": load_section,
 }

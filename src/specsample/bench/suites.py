@@ -12,6 +12,9 @@
   interleaved: how much of the unconstrained speed a grammar keeps;
 - prefix: time to first token of a second chat turn after a first turn of --history-tokens, on an engine that
   kept the first turn's cache rows (prefix reuse) and on one that did not;
+- replicas: the prefix suite's shared-system-prompt workload through `specsample serve --replicas N` (Ray Serve,
+  prefix-affinity routing) and through one replica: the prefix cache's hit rate per replica and overall
+  (`replicas.py`);
 - repeat: repetitive traffic (second turns, extraction, reworded questions) as a stream through one long-lived
   engine per system, so a shared suffix cache warms (`repeat.py`);
 - load: a concurrency sweep through a real `specsample serve`, its default against `"speculative": false`, phases
@@ -29,15 +32,15 @@ from typing import Any
 from specsample.bench.config import spread
 from specsample.bench.context import Bench, Progress, Recorder
 from specsample.bench.load import load  # noqa: F401 - a suite, found by name
+from specsample.bench.prefix_prompts import CLIENTS, distinct_questions, history_message
 from specsample.bench.repeat import repeat  # noqa: F401 - a suite, found by name
+from specsample.bench.replicas import replicas  # noqa: F401 - a suite, found by name
 from specsample.bench.stats import two_sample_test
 from specsample.bench.systems import Ours, record, run_lockstep, speed_line
 from specsample.bench.worker import PeerFailed
 from specsample.config import Grammar, SamplingParams
-from specsample.datasets import spec_bench_prompts
 from specsample.engine import Engine
 from specsample.planner import FixedGamma, GammaController
-from specsample.tokenizer import Tokenizer
 
 
 def _interleaved(
@@ -263,17 +266,6 @@ def structured(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
         progress.close()
 
 
-def history_message(tokenizer: Tokenizer, tokens: int) -> str:
-    """Spec-Bench questions joined until the chat-rendered message holds at least `tokens` tokens."""
-    parts: list[str] = []
-    for prompt in spec_bench_prompts():
-        parts.extend(prompt.turns)
-        if len(tokenizer.encode("\n\n".join(parts), chat=tokenizer.has_chat_template)) >= tokens:
-            break
-    return "\n\n".join(parts)
-
-
-CLIENTS = 8  # the shared-system-prompt workload's concurrent clients
 SAMPLES = 4  # the n > 1 workload's samples of one prompt
 TURNS = 6  # the multi-turn workload's chat turns
 CHAT_QUESTION_CHARS = 160  # each turn's question cut to this many characters (a chat of short messages)
@@ -313,18 +305,12 @@ def _serve_together(engine: Engine, prompts: list[list[int]], params: list[Sampl
     }
 
 
-def _questions(bench: Bench, count: int) -> list[str]:
-    """`count` different questions: the first turns of the run's prompts in turn (numbered where they repeat)."""
-    turns = [p.turns[0] for p in bench.prompts]
-    return [turns[i % len(turns)] + ("" if i < len(turns) else f" ({i + 1})") for i in range(count)]
-
-
 def _shared_system(bench: Bench, store: dict[str, Any], system: str, mode: str, rep: int) -> None:
     """CLIENTS users sending the same system prompt with different questions at once."""
     tokenizer, config = bench.tokenizer, bench.config
     prompts = [
         tokenizer.encode_messages([{"role": "system", "content": system}, {"role": "user", "content": q}])
-        for q in _questions(bench, CLIENTS)
+        for q in distinct_questions(bench, CLIENTS)
     ]
     params = [SamplingParams(temperature=0, max_new_tokens=config.max_new_tokens) for _ in prompts]
     engine = bench.speculator.engine(
@@ -340,7 +326,7 @@ def _samples(bench: Bench, store: dict[str, Any], system: str, mode: str) -> Non
     """One prompt sampled SAMPLES times (n > 1), the samples arriving together."""
     tokenizer, config = bench.tokenizer, bench.config
     prompt = tokenizer.encode_messages(
-        [{"role": "system", "content": system}, {"role": "user", "content": _questions(bench, 1)[0]}]
+        [{"role": "system", "content": system}, {"role": "user", "content": distinct_questions(bench, 1)[0]}]
     )
     params = [SamplingParams(temperature=0.7, max_new_tokens=config.max_new_tokens, seed=i) for i in range(SAMPLES)]
     engine = bench.speculator.engine(SAMPLES, len(prompt) + config.max_new_tokens + 8, prefix_cache_tokens=MODES[mode])
@@ -353,7 +339,7 @@ def _samples(bench: Bench, store: dict[str, Any], system: str, mode: str) -> Non
 def _chat(bench: Bench, store: dict[str, Any], mode: str) -> None:
     """One user's TURNS-turn chat, each turn the whole conversation so far and a new question."""
     tokenizer, config = bench.tokenizer, bench.config
-    questions = [q[:CHAT_QUESTION_CHARS] for q in _questions(bench, TURNS)]
+    questions = [q[:CHAT_QUESTION_CHARS] for q in distinct_questions(bench, TURNS)]
     messages: list[dict[str, str]] = []
     engine = bench.speculator.engine(
         1,
@@ -381,7 +367,7 @@ def _long_prompt(bench: Bench, store: dict[str, Any], budget: tuple[int | None, 
     round's time per token it emitted (a request's first token left out: that is its time to first token)."""
     tokenizer, config = bench.tokenizer, bench.config
     long_prompt = tokenizer.encode(history_message(tokenizer, config.long_prompt_tokens), chat=True)
-    fresh = (tokenizer.encode(q, chat=True) for q in _questions(bench, MAX_STREAM_REQUESTS))
+    fresh = (tokenizer.encode(q, chat=True) for q in distinct_questions(bench, MAX_STREAM_REQUESTS))
     engine = bench.speculator.engine(
         STREAMS + 1, len(long_prompt) + 16, prefill_chunk_tokens=budget[0], prefill_time_ratio=budget[1]
     )
@@ -421,8 +407,8 @@ def _long_prompt(bench: Bench, store: dict[str, Any], budget: tuple[int | None, 
 def prefix(bench: Bench, store: dict[str, Any], recorder: Recorder) -> None:
     """Shared prefixes with the prefix cache on and off (`prefix_cache_tokens` 0), interleaved: CLIENTS clients
     sending one system prompt of --history-tokens with different questions at once (--prefix-reps times each),
-    SAMPLES samples of one prompt, a TURNS-turn chat; and STREAMS steady streams while one --long-prompt-tokens prompt
-    arrives, prefilled in chunks (the server's default budget) and whole."""
+    SAMPLES samples of one prompt, a TURNS-turn chat; and STREAMS clients sending question after question while one
+    --long-prompt-tokens prompt arrives, prefilled in chunks (the server's default budget) and whole."""
     config, tokenizer = bench.config, bench.tokenizer
     if not tokenizer.has_chat_template:
         raise ValueError(f"{config.engine.target} has no chat template: the prefix suite replays chats")

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from specsample.models import artifacts
 from specsample.server.drafts import load_allowed_draft
 from specsample.server.middleware import Gate
 from specsample.server.prepare import cache_scope, compile_grammar, json_body, prepare, submit
@@ -60,6 +61,7 @@ def build_app(server: SpecServer | None = None) -> FastAPI:
             "deterministic": srv.speculator.options.deterministic,
             "step": srv.speculator.step_path,
             "compile": srv.compile_behind.status() if srv.compile_behind is not None else None,
+            "compiled_steps": str(artifacts.root()),
         }
 
     @app.get("/metrics")

@@ -53,11 +53,11 @@ class Gate:
                     message = {**message, "headers": headers}
             await send(message)
 
-        refusal = _refusal(options, scope)
-        if refusal is None and srv.draining and scope["path"] != "/metrics":
-            refusal = error_response(503, "the server is shutting down", kind="server_error", code="shutting_down")
-        if refusal is not None:
-            await refusal(scope, receive, tagged_send)
+        refused = refusal(options, scope)
+        if refused is None and srv.draining and scope["path"] != "/metrics":
+            refused = error_response(503, "the server is shutting down", kind="server_error", code="shutting_down")
+        if refused is not None:
+            await refused(scope, receive, tagged_send)
             return
         counted = scope["path"] not in OPEN_PATHS
         srv.active += counted
@@ -85,13 +85,14 @@ class Gate:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
             if not started():
-                await _too_large(limit)(scope, receive, send)
+                await too_large(limit)(scope, receive, send)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             pass
 
 
-def _refusal(options: ServerOptions, scope: Scope) -> Response | None:
-    """The answer to a request its keys or declared size do not allow, else None."""
+def refusal(options: ServerOptions, scope: Scope) -> Response | None:
+    """The answer to a request its keys or declared size do not allow, else None (also what the Ray Serve ingress
+    checks before it reads a body: deploy.py)."""
     path = scope["path"]
     if path == "/admin" or path.startswith("/admin/"):
         if not options.admin_key:
@@ -120,7 +121,7 @@ def _refusal(options: ServerOptions, scope: Scope) -> Response | None:
         if not declared.isdigit():
             return error_response(400, "Content-Length must be a number of bytes")
         if int(declared) > options.max_body_bytes:
-            return _too_large(options.max_body_bytes)
+            return too_large(options.max_body_bytes)
     return None
 
 
@@ -139,7 +140,7 @@ def _bearer_matches(scope: Scope, key: str) -> bool:
     return secrets.compare_digest(given, key.encode("utf-8"))
 
 
-def _too_large(limit: int) -> Response:
+def too_large(limit: int) -> Response:
     return error_response(
         413,
         f"request body too large: this server accepts at most {limit} bytes (--max-body-bytes)",
