@@ -361,7 +361,7 @@ def test_structured_and_prefix_suites(tiny_pair_files, tmp_path) -> None:
             "--history-tokens",
             "150",
             "--long-prompt-tokens",
-            "200",
+            "60",
             "--prefix-reps",
             "1",
             "--pad-rows",

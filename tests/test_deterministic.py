@@ -119,7 +119,7 @@ def test_real_bfloat16_speculative_greedy_equals_plain_greedy() -> None:
         "What is the capital of France? Answer in one sentence.",
     ]
     ids = [tokenizer.encode(p, chat=True) for p in prompts]
-    params = SamplingParams(temperature=0, max_new_tokens=48)
+    params = SamplingParams(temperature=0, max_new_tokens=32)
 
     def decode(engine) -> list[list[int]]:
         request_ids = [engine.add_request(p, params) for p in ids]
