@@ -377,6 +377,32 @@ def chunked_prefill(drafter: Drafter) -> ChunkedPrefill | None:
     return cast(ChunkedPrefill, drafter) if drafter.abilities.chunks_prefill else None
 
 
+def finish_rows(
+    drafter: ChunkedPrefill,
+    pending: dict[int, list[int]],
+    slots: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+) -> None:
+    """`add_rows` of a `ChunkedPrefill` that keeps each started row's work left, tokens in order, in `pending`: rows
+    not started yet start now, every row does all it has left, and leaves `pending`."""
+    fresh = [i for i, slot in enumerate(slots) if slot not in pending]
+    if fresh:
+        drafter.start_rows([slots[i] for i in fresh], [prompts[i] for i in fresh])
+    drafter.prefill_rows(slots, [len(pending[slot]) for slot in slots])
+    for slot in slots:
+        del pending[slot]
+
+
+def take_parts(pending: dict[int, list[int]], slots: Sequence[int], units: Sequence[int]) -> list[list[int]]:
+    """Each row's next `units[i]` tokens of its work left in `pending` (`finish_rows`), taken off it."""
+    parts = []
+    for slot, count in zip(slots, units):
+        rest = pending[slot]
+        parts.append(rest[:count])
+        pending[slot] = rest[count:]
+    return parts
+
+
 def feature_drafter(drafter: Drafter) -> FeatureDrafter | None:
     """`drafter` where it declares that it reads the target's features (`Abilities.reads_features`), else None."""
     return cast(FeatureDrafter, drafter) if drafter.abilities.reads_features else None

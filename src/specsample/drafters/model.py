@@ -11,7 +11,15 @@ import torch
 from torch import Tensor
 
 from specsample.config import SamplingParams, TreeShape
-from specsample.drafters.base import Abilities, DraftRequest, Proposal, best_tree, draw_chain
+from specsample.drafters.base import (
+    Abilities,
+    DraftRequest,
+    Proposal,
+    best_tree,
+    draw_chain,
+    finish_rows,
+    take_parts,
+)
 from specsample.models.base import CausalLM, LastPositionLM, ModelCache, pad_right, prefill_ragged
 from specsample.sampling import warp_rows
 
@@ -123,15 +131,10 @@ class ModelDrafter:
         """Prefill each new row's prompt except its last token (the window's view of it, with one); a row `start_rows`
         started is fed what it has left. A slot kept by `park_rows` keeps the cache entries of what its tokens share
         with the new prompt and prefills the rest."""
-        fresh = [(slot, prompt) for slot, prompt in zip(slots, prompts) if slot not in self._unfed]
-        if fresh:
-            self.start_rows([slot for slot, _ in fresh], [prompt for _, prompt in fresh])
         for slot, prompt in zip(slots, prompts):
-            if self.history[slot] != list(prompt):
+            if slot in self._unfed and self.history[slot] != list(prompt):
                 raise ValueError(f"row {slot} was started for another prompt")
-        self.prefill_rows(slots, [len(self._unfed[slot]) for slot in slots])
-        for slot in slots:
-            del self._unfed[slot]
+        finish_rows(self, self._unfed, slots, prompts)
 
     def start_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
         """Start rows as `add_rows` does, their caches holding only what a kept row shares with the prompt: per row,
@@ -154,11 +157,7 @@ class ModelDrafter:
 
     def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
         """Prefill each started row's next `units[i]` tokens."""
-        fed = []
-        for slot, count in zip(slots, units):
-            rest = self._unfed[slot]
-            fed.append(rest[:count])
-            self._unfed[slot] = rest[count:]
+        fed = take_parts(self._unfed, slots, units)
         prefill_ragged(self.model, self.cache, torch.tensor(list(slots), dtype=torch.long), fed)
 
     def park_rows(self, slots: Sequence[int]) -> None:

@@ -20,7 +20,7 @@ from typing import Protocol, cast
 
 import torch
 
-from specsample.drafters.base import Abilities, Drafter, DraftRequest, Proposal
+from specsample.drafters.base import Abilities, Drafter, DraftRequest, Proposal, finish_rows, take_parts
 from specsample.drafters.suffix_index import LEVELS, Draft, Occurrence, SuffixIndex, best_draft
 from specsample.planner.base import DraftSource
 
@@ -123,12 +123,8 @@ class SuffixDrafter:
     def add_rows(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Index each new row's prompt (a row `start_rows` started: what it has left); its output will follow the
         prompt's last LEAD_IN tokens in the shared cache."""
-        fresh = [(slot, prompt) for slot, prompt in zip(slots, prompts) if slot not in self._unindexed]
-        if fresh:
-            self.start_rows([slot for slot, _ in fresh], [prompt for _, prompt in fresh])
-        self.prefill_rows(slots, [len(self._unindexed[slot]) for slot in slots])
+        finish_rows(self, self._unindexed, slots, prompts)
         for slot, prompt in zip(slots, prompts):
-            del self._unindexed[slot]
             if self.shared is not None:
                 sequence = self._sequence[slot] = self._next_sequence
                 self._next_sequence = (sequence + 1) % (1 << 31)
@@ -145,10 +141,8 @@ class SuffixDrafter:
 
     def prefill_rows(self, slots: Sequence[int], units: Sequence[int]) -> None:
         """Index each started row's next `units[i]` prompt tokens."""
-        for slot, count in zip(slots, units):
-            rest = self._unindexed[slot]
-            self.rows[slot].extend(0, rest[:count])
-            self._unindexed[slot] = rest[count:]
+        for slot, part in zip(slots, take_parts(self._unindexed, slots, units)):
+            self.rows[slot].extend(0, part)
 
     def release_rows(self, slots: Sequence[int]) -> None:
         """The rows' own indexes go; their outputs stay in the shared cache until evicted."""
