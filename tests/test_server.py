@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -451,6 +452,26 @@ def test_api_key_and_draft_swap(folders) -> None:
         assert server.server.engine.drafter.generations <= 2
     finally:
         server.close()
+
+
+def test_the_prefix_and_prefill_settings_reach_the_built_engine(folders) -> None:
+    """What the server's prefix-cache and chunked-prefill settings say is what its engine runs with: the scheduler's
+    bounds and the prefill pacer's (0 for the budget's bounds: none)."""
+    speculator = load(EngineOptions(target=str(folders["target"]), draft="ngram", dtype="float32"))
+    options = ServerOptions(
+        model_name=MODEL,
+        max_batch_size=2,
+        max_seq_len=128,
+        prefix_cache_rows=3,
+        prefix_cache_tokens=500,
+        prefill_chunk_tokens=64,
+        prefill_time_ratio=0.5,
+    )
+    engine = SpecServer(speculator, options).engine
+    assert (engine.config.prefix_cache_rows, engine.config.prefix_cache_tokens) == (3, 500)
+    assert (engine.pacer.max_tokens, engine.pacer.time_ratio) == (64, 0.5)
+    unbounded = replace(options, prefill_chunk_tokens=0, prefill_time_ratio=0)
+    assert not SpecServer(speculator, unbounded).engine.pacer.bounded
 
 
 # ----- what gamma auto plans with: the abilities of the drafter the server routes to ----------------------------
